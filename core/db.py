@@ -1,0 +1,169 @@
+"""Database models (SQLAlchemy 2) shared by server and learner, and engine set-up.
+
+The schema is created by Alembic (``migrations/``), never by ``create_all``, so SQLite and
+PostgreSQL get the same tables from the same migration scripts.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from pathlib import Path
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    DateTime,
+    Float,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    create_engine,
+    event,
+)
+from sqlalchemy.engine import Engine
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+# A naming convention keeps constraint names identical on SQLite (batch mode) and PostgreSQL.
+NAMING = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+# BIGINT autoincrement is not a rowid alias on SQLite; INTEGER is.
+RowId = BigInteger().with_variant(Integer(), "sqlite")
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING)
+
+
+class TrajectoryIndex(Base):
+    """One row per logged trajectory: what feedback needs to be validated.
+
+    ``feedback_state``: ``none`` → ``claimed`` (a feedback request is appending) →
+    ``received``; a claim older than the claim timeout may be taken again (crash recovery).
+    """
+
+    __tablename__ = "trajectory_index"
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    prompt_id: Mapped[str] = mapped_column(String(128), index=True)
+    episode_id: Mapped[str | None] = mapped_column(String(128), index=True)
+    turn: Mapped[int | None] = mapped_column(Integer)
+    dispatch_version: Mapped[int] = mapped_column(Integer)
+    last_version: Mapped[int] = mapped_column(Integer)
+    n_response_tokens: Mapped[int] = mapped_column(Integer)
+    finish_reason: Mapped[str] = mapped_column(String(32))
+    feedback_state: Mapped[str] = mapped_column(String(16), default="none")
+    reward: Mapped[float | None] = mapped_column(Float)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    feedback_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class LogRecord(Base):
+    """The SQL-table log (embedded default transport): offsets are row ids."""
+
+    __tablename__ = "log_records"
+    offset: Mapped[int] = mapped_column("id", RowId, primary_key=True, autoincrement=True)
+    topic: Mapped[str] = mapped_column(String(64))
+    key: Mapped[str] = mapped_column(String(128))
+    payload: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    __table_args__ = (Index("ix_log_records_topic_id", "topic", "id"),)
+
+
+class PolicyVersion(Base):
+    """Every policy version known: 0 is the prepared base model."""
+
+    __tablename__ = "policy_versions"
+    version: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    path: Mapped[str] = mapped_column(Text)
+    sha256: Mapped[str] = mapped_column(String(64))
+    status: Mapped[str] = mapped_column(String(16))
+    parent_version: Mapped[int | None] = mapped_column(Integer)
+    metrics: Mapped[dict | None] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class ConsumerOffset(Base):
+    """Next offset to read per (consumer, topic, partition), committed with derived state."""
+
+    __tablename__ = "consumer_offsets"
+    consumer: Mapped[str] = mapped_column(String(64), primary_key=True)
+    topic: Mapped[str] = mapped_column(String(64), primary_key=True)
+    partition: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    next_offset: Mapped[int] = mapped_column(BigInteger)
+
+
+class PendingJoin(Base):
+    """A trajectory (or feedback) waiting for its partner; committed with the offsets."""
+
+    __tablename__ = "pending_joins"
+    key: Mapped[str] = mapped_column(String(64), primary_key=True)
+    kind: Mapped[str] = mapped_column(String(16), primary_key=True)
+    prompt_id: Mapped[str] = mapped_column(String(128))
+    payload: Mapped[str] = mapped_column(Text)
+    received_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class LearnerStep(Base):
+    """Metrics of one learner step (also exported to Prometheus)."""
+
+    __tablename__ = "learner_steps"
+    id: Mapped[int] = mapped_column(RowId, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(String(64))
+    step: Mapped[int] = mapped_column(Integer)
+    version: Mapped[int] = mapped_column(Integer)
+    metrics: Mapped[dict] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+def make_engine(url: str) -> Engine:
+    """An engine with the pragmas SQLite needs for one writer beside readers.
+
+    WAL lets the learner read while the server writes; busy_timeout makes concurrent
+    writers wait instead of failing with "database is locked".
+    """
+    if url.startswith("sqlite:///"):
+        Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+        engine = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False})
+
+        @event.listens_for(engine, "connect")
+        def _pragmas(dbapi_conn, _record):  # noqa: ANN001
+            cur = dbapi_conn.cursor()
+            cur.execute("PRAGMA journal_mode=WAL")
+            cur.execute("PRAGMA busy_timeout=30000")
+            cur.execute("PRAGMA synchronous=NORMAL")
+            cur.close()
+
+        return engine
+    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
+
+
+def migrate(url: str, revision: str = "head") -> None:
+    """Run Alembic migrations up to ``revision`` on the database at ``url``."""
+    from alembic import command
+
+    command.upgrade(alembic_config(url), revision)
+
+
+def downgrade(url: str, revision: str = "base") -> None:
+    """Run Alembic migrations down to ``revision``."""
+    from alembic import command
+
+    command.downgrade(alembic_config(url), revision)
+
+
+def alembic_config(url: str):  # noqa: ANN201
+    """An Alembic config pointing at the project's migrations with ``url``."""
+    from alembic.config import Config
+
+    root = Path(__file__).resolve().parent.parent / "migrations"
+    cfg = Config()
+    cfg.set_main_option("script_location", str(root))
+    cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    return cfg

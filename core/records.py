@@ -1,0 +1,174 @@
+"""The records that cross the log (DESIGN §4): trajectory, feedback, policy event.
+
+Each record is JSON with a ``schema`` field so readers can refuse what they do not know.
+Every record is keyed by ``prompt_id`` so that a prompt's trajectories and feedback share a
+partition.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import math
+from datetime import UTC, datetime
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+TRAJECTORY_SCHEMA = "saoserve.trajectory/1"
+FEEDBACK_SCHEMA = "saoserve.feedback/1"
+POLICY_SCHEMA = "saoserve.policy/1"
+
+TOPIC_TRAJECTORIES = "trajectories"
+TOPIC_FEEDBACK = "feedback"
+TOPIC_POLICY = "policy"
+TOPICS = (TOPIC_TRAJECTORIES, TOPIC_FEEDBACK, TOPIC_POLICY)
+
+
+def utcnow() -> datetime:
+    """Timezone-aware UTC now (records carry ISO-8601 times with offset)."""
+    return datetime.now(UTC)
+
+
+class SamplingRecord(BaseModel):
+    """The sampling parameters a rollout was drawn with (what the learner must reproduce)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    temperature: float
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int
+    seed: int | None = None
+
+    @property
+    def truncated(self) -> bool:
+        """True when top-p/top-k truncated the distribution (excluded from learning, §5.1)."""
+        return self.top_p < 1.0 or self.top_k > 0
+
+
+class FrozenBaseline(BaseModel):
+    """Prompt-level evidence read at dispatch (SPO++ §3, dispatch freeze).
+
+    ``alpha``/``beta`` are success/failure evidence expressed at ``version`` (a policy
+    version); ``value`` = alpha / (alpha + beta); ``z`` = −version · log ρ.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    alpha: float
+    beta: float
+    value: float
+    version: int
+    z: float
+
+
+class TrajectoryRecord(BaseModel):
+    """One request's rollout: exactly one per served request (DESIGN §4).
+
+    ``rollout_logprobs[i]`` is the processed (post-temperature) log-probability vLLM sampled
+    ``response_token_ids[i]`` with, in nats. ``token_versions`` is a run-length list of
+    ``(policy_version, token_count)`` covering the response tokens in order.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    schema_: Literal["saoserve.trajectory/1"] = Field(TRAJECTORY_SCHEMA, alias="schema")
+    id: str
+    prompt_id: str
+    episode_id: str | None = None
+    turn: int | None = None
+    created_at: datetime
+    model: str
+    prompt_token_ids: list[int]
+    response_token_ids: list[int]
+    rollout_logprobs: list[float]
+    token_versions: list[tuple[int, int]]
+    dispatch_version: int
+    sampling: SamplingRecord
+    baseline: FrozenBaseline | None = None
+    finish_reason: str
+
+    @model_validator(mode="after")
+    def _aligned(self) -> TrajectoryRecord:
+        n = len(self.response_token_ids)
+        if len(self.rollout_logprobs) != n:
+            raise ValueError(f"{len(self.rollout_logprobs)} logprobs for {n} response tokens")
+        covered = sum(c for _, c in self.token_versions)
+        if covered != n:
+            raise ValueError(f"token_versions cover {covered} tokens, response has {n}")
+        return self
+
+    def to_json(self) -> bytes:
+        return self.model_dump_json(by_alias=True).encode()
+
+
+class FeedbackRecord(BaseModel):
+    """A reward for one trajectory (or one multi-turn episode), in [0, 1]."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    schema_: Literal["saoserve.feedback/1"] = Field(FEEDBACK_SCHEMA, alias="schema")
+    trajectory_id: str | None = None
+    episode_id: str | None = None
+    prompt_id: str
+    reward: float
+    source: Literal["user", "judge"] = "user"
+    received_at: datetime
+
+    @field_validator("reward")
+    @classmethod
+    def _finite_unit(cls, v: float) -> float:
+        if not math.isfinite(v) or not 0.0 <= v <= 1.0:
+            raise ValueError("reward must be a finite number in [0, 1]")
+        return v
+
+    @model_validator(mode="after")
+    def _one_target(self) -> FeedbackRecord:
+        if (self.trajectory_id is None) == (self.episode_id is None):
+            raise ValueError("exactly one of trajectory_id and episode_id")
+        return self
+
+    def to_json(self) -> bytes:
+        return self.model_dump_json(by_alias=True).encode()
+
+
+class PolicyEvent(BaseModel):
+    """A published policy version: servers load ``path`` after checking ``sha256``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    schema_: Literal["saoserve.policy/1"] = Field(POLICY_SCHEMA, alias="schema")
+    version: int
+    path: str
+    sha256: str
+    created_at: datetime
+    parent_version: int | None = None
+    metrics: dict[str, float] = Field(default_factory=dict)
+
+    def to_json(self) -> bytes:
+        return self.model_dump_json(by_alias=True).encode()
+
+
+def prompt_id_for(messages: list[dict]) -> str:
+    """Stable task identity of a conversation: sha256 of its normalised messages.
+
+    Normalisation: role lower-cased, content whitespace-collapsed; key order fixed.
+    """
+    norm = [
+        {"role": str(m.get("role", "")).lower(), "content": " ".join(str(m.get("content") or "").split())}
+        for m in messages
+    ]
+    blob = json.dumps(norm, sort_keys=True, ensure_ascii=False).encode()
+    return "p-" + hashlib.sha256(blob).hexdigest()[:32]
+
+
+def feedback_token(secret: str, completion_id: str) -> str:
+    """HMAC-SHA256 of the completion id under the server secret, hex."""
+    return hmac.new(secret.encode(), completion_id.encode(), hashlib.sha256).hexdigest()
+
+
+def check_feedback_token(secret: str, completion_id: str, token: str) -> bool:
+    """Constant-time comparison of a presented token with the expected one."""
+    return hmac.compare_digest(feedback_token(secret, completion_id), token or "")

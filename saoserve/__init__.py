@@ -1,0 +1,1 @@
+"""The saoserve command line and the jobs it starts (see ``saoserve --help``)."""

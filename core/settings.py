@@ -36,6 +36,11 @@ class Settings(BaseSettings):
     feedback_secret: str = Field("", description="HMAC key of feedback tokens.")
     served_model_name: str = "smollm2-135m-instruct"
     enforce_eager: bool = True
+    dtype: str = Field(
+        "float32",
+        description="Serving dtype. float32 on CPUs without bf16 units: served logprobs then "
+        "match the learner's recomputation to ~1e-4 nats (bf16: ~0.2 max).",
+    )
     max_model_len: int = Field(2048, ge=64)
     max_tokens_limit: int = Field(1024, ge=1, description="Largest max_tokens a request may ask.")
     default_max_tokens: int = Field(256, ge=1)

@@ -1,0 +1,251 @@
+"""Log transport: append-only topics of JSON records, behind one interface (DESIGN §3).
+
+Two implementations, chosen by URL (``open_log``):
+
+- ``KafkaLog`` (``kafka://host:port[,host:port]``): kafka-python, topics ``trajectories``,
+  ``feedback``, ``policy`` keyed by ``prompt_id`` (the default murmur2 partitioner puts one
+  prompt's records in one partition), idempotent producer with ``acks="all"``. Readers
+  ``assign()`` partitions and ``seek()``; offsets live in the database, never in the broker,
+  and end offsets are never relied on (tansu reports them wrong, DESIGN §7).
+- ``SqlLog`` (any SQLAlchemy URL; the embedded default): one table ``log_records``; one
+  partition per topic; offsets are row ids.
+
+``append`` returns only once the record is durable (acknowledged by all in-sync replicas, or
+committed); a failure raises ``LogUnavailable`` and nothing is half-written.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+from sqlalchemy import insert, select, text
+
+from core.db import LogRecord, make_engine
+from core.records import TOPICS, utcnow
+
+
+class LogUnavailable(RuntimeError):
+    """The log could not durably accept or serve records (broker or database down)."""
+
+
+@dataclass(frozen=True)
+class LogEntry:
+    """One record read back: ``offset`` is the position within (topic, partition)."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: str
+    value: bytes
+
+
+class LogTransport(ABC):
+    """Append-only, partitioned, replayable topics."""
+
+    url: str
+
+    @abstractmethod
+    def append(self, topic: str, key: str, value: bytes) -> tuple[int, int]:
+        """Durably append ``value`` under ``key``; returns (partition, offset).
+
+        Raises LogUnavailable if the record could not be made durable.
+        """
+
+    @abstractmethod
+    def partitions(self, topic: str) -> list[int]:
+        """The partition numbers of ``topic``."""
+
+    @abstractmethod
+    def read(
+        self, topic: str, partition: int, offset: int, max_records: int = 500, timeout_s: float = 0.5
+    ) -> list[LogEntry]:
+        """Records of (topic, partition) from ``offset`` on, in order; [] if none yet."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections."""
+
+
+class SqlLog(LogTransport):
+    """The SQL-table log (embedded default). Offsets are ``log_records.id``.
+
+    PostgreSQL hands out sequence values before commit, so two concurrent appends may commit
+    out of id order and a reader could skip the smaller one; appends there take a table lock
+    so ids commit in order. SQLite has one writer at a time, so order holds by itself.
+    """
+
+    def __init__(self, url: str):
+        self.url = url
+        self.engine = make_engine(url)
+        self._serialize = self.engine.dialect.name == "postgresql"
+
+    def append(self, topic: str, key: str, value: bytes) -> tuple[int, int]:
+        if topic not in TOPICS:
+            raise ValueError(f"unknown topic {topic!r}")
+        try:
+            with self.engine.begin() as conn:
+                if self._serialize:
+                    conn.execute(text("LOCK TABLE log_records IN SHARE ROW EXCLUSIVE MODE"))
+                res = conn.execute(
+                    insert(LogRecord).values(
+                        topic=topic, key=key, payload=value.decode(), created_at=utcnow()
+                    )
+                )
+                return 0, int(res.inserted_primary_key[0])
+        except Exception as exc:  # any driver error means "not durable"
+            raise LogUnavailable(f"SQL log append failed: {exc}") from exc
+
+    def partitions(self, topic: str) -> list[int]:
+        return [0]
+
+    def read(
+        self, topic: str, partition: int, offset: int, max_records: int = 500, timeout_s: float = 0.5
+    ) -> list[LogEntry]:
+        if partition != 0:
+            raise ValueError(f"the SQL log has one partition per topic, not {partition}")
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                with self.engine.connect() as conn:
+                    rows = conn.execute(
+                        select(LogRecord.offset, LogRecord.key, LogRecord.payload)
+                        .where(LogRecord.topic == topic, LogRecord.offset >= offset)
+                        .order_by(LogRecord.offset)
+                        .limit(max_records)
+                    ).all()
+            except Exception as exc:
+                raise LogUnavailable(f"SQL log read failed: {exc}") from exc
+            if rows or time.monotonic() >= deadline:
+                return [LogEntry(topic, 0, r[0], r[1], r[2].encode()) for r in rows]
+            time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+
+class KafkaLog(LogTransport):
+    """Kafka topics through kafka-python (tansu in tests, Apache Kafka in production)."""
+
+    def __init__(self, url: str, num_partitions: int = 4, send_timeout_s: float = 10.0):
+        self.url = url
+        self.bootstrap = url.removeprefix("kafka://").split(",")
+        self.num_partitions = num_partitions
+        self.send_timeout_s = send_timeout_s
+        self._producer = None
+        self._consumer = None
+        self._assigned: set = set()
+        self._lock = threading.Lock()
+        self._read_lock = threading.Lock()
+
+    def ensure_topics(self) -> None:
+        """Create the three topics if missing (idempotent)."""
+        from kafka.admin import KafkaAdminClient, NewTopic
+        from kafka.errors import TopicAlreadyExistsError
+
+        admin = KafkaAdminClient(bootstrap_servers=self.bootstrap, request_timeout_ms=10000)
+        try:
+            existing = set(admin.list_topics())
+            new = [
+                NewTopic(t, num_partitions=self.num_partitions, replication_factor=1)
+                for t in TOPICS
+                if t not in existing
+            ]
+            if new:
+                try:
+                    admin.create_topics(new)
+                except TopicAlreadyExistsError:
+                    pass
+        finally:
+            admin.close()
+
+    def _get_producer(self):  # noqa: ANN202
+        with self._lock:
+            if self._producer is None:
+                from kafka import KafkaProducer
+
+                try:
+                    self.ensure_topics()
+                    self._producer = KafkaProducer(
+                        bootstrap_servers=self.bootstrap,
+                        acks="all",
+                        enable_idempotence=True,
+                        linger_ms=2,
+                        key_serializer=str.encode,
+                    )
+                except Exception as exc:
+                    raise LogUnavailable(f"Kafka producer unavailable: {exc}") from exc
+            return self._producer
+
+    def append(self, topic: str, key: str, value: bytes) -> tuple[int, int]:
+        if topic not in TOPICS:
+            raise ValueError(f"unknown topic {topic!r}")
+        producer = self._get_producer()
+        try:
+            meta = producer.send(topic, key=key, value=value).get(timeout=self.send_timeout_s)
+        except Exception as exc:
+            raise LogUnavailable(f"Kafka append failed: {exc}") from exc
+        return meta.partition, meta.offset
+
+    def partitions(self, topic: str) -> list[int]:
+        from kafka import KafkaConsumer
+
+        consumer = KafkaConsumer(bootstrap_servers=self.bootstrap)
+        try:
+            parts = consumer.partitions_for_topic(topic)
+        finally:
+            consumer.close()
+        if not parts:
+            self.ensure_topics()
+            return list(range(self.num_partitions))
+        return sorted(parts)
+
+    def read(
+        self, topic: str, partition: int, offset: int, max_records: int = 500, timeout_s: float = 0.5
+    ) -> list[LogEntry]:
+        from kafka import KafkaConsumer, TopicPartition
+
+        tp = TopicPartition(topic, partition)
+        with self._read_lock:
+            if self._consumer is None:
+                self._consumer = KafkaConsumer(
+                    bootstrap_servers=self.bootstrap,
+                    enable_auto_commit=False,
+                    group_id=None,
+                    key_deserializer=bytes.decode,
+                )
+            c = self._consumer
+            if tp not in self._assigned:
+                self._assigned.add(tp)
+                c.assign(sorted(self._assigned))
+            for other in self._assigned:
+                if other != tp:
+                    c.pause(other)
+            c.resume(tp)
+            c.seek(tp, offset)
+            try:
+                batch = c.poll(timeout_ms=int(timeout_s * 1000), max_records=max_records)
+            except Exception as exc:
+                raise LogUnavailable(f"Kafka read failed: {exc}") from exc
+            msgs = batch.get(tp, [])
+            return [LogEntry(topic, partition, m.offset, m.key or "", m.value) for m in msgs]
+
+    def close(self) -> None:
+        with self._lock:
+            if self._producer is not None:
+                self._producer.close(timeout=5)
+                self._producer = None
+        with self._read_lock:
+            if self._consumer is not None:
+                self._consumer.close()
+                self._consumer = None
+
+
+def open_log(url: str) -> LogTransport:
+    """The transport for ``url``: ``kafka://…`` or a SQLAlchemy database URL."""
+    if url.startswith("kafka://"):
+        return KafkaLog(url)
+    if "://" in url:
+        return SqlLog(url)
+    raise ValueError(f"log URL {url!r} is neither kafka://host:port nor a database URL")

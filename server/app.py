@@ -1,0 +1,604 @@
+"""The HTTP server: OpenAI-compatible chat on the policy engine, feedback, admin routes.
+
+Every chat request that reaches generation yields exactly one trajectory record, durable in
+the log before the client receives its last byte (DESIGN §4). FastAPI/pydantic do the HTTP
+and validation work; the engine, the log and the database are injected so tests can share
+one vLLM engine between apps with different log backends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from core.db import make_engine, migrate
+from core.logbus import LogTransport, LogUnavailable, open_log
+from core.records import (
+    TOPIC_FEEDBACK,
+    TOPIC_TRAJECTORIES,
+    FeedbackRecord,
+    FrozenBaseline,
+    SamplingRecord,
+    TrajectoryRecord,
+    check_feedback_token,
+    feedback_token,
+    prompt_id_for,
+    utcnow,
+)
+from core.settings import Settings, get_settings
+from server.engine import PolicyEngine, SwapRefused
+from server.metrics import ServerMetrics
+from server.policy_watch import PolicyWatcher
+from server.rollout import Rollout
+from server.schemas import ChatCompletionRequest, FeedbackRequest, LoadPolicyRequest
+from server.spool import Spool
+from server.store import ServerStore
+
+log = logging.getLogger(__name__)
+
+BaselineReader = Callable[[str, int], Awaitable[FrozenBaseline | None]]
+
+
+class ApiError(Exception):
+    """An OpenAI-style error: HTTP status, message, type, and the offending parameter."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def episode_token_subject(episode_id: str) -> str:
+    """What an episode's feedback token signs (distinct from any completion id)."""
+    return f"episode:{episode_id}"
+
+
+@dataclass
+class ServerState:
+    """Everything a request handler needs; built in the lifespan."""
+
+    settings: Settings
+    engine: PolicyEngine
+    log: LogTransport
+    store: ServerStore
+    metrics: ServerMetrics
+    spool: Spool | None
+    read_baseline: BaselineReader | None = None
+    background: set[asyncio.Task] = field(default_factory=set)
+
+    def spawn(self, coro: Awaitable) -> None:
+        """Run ``coro`` to completion even if the request that started it is cancelled."""
+        task = asyncio.ensure_future(coro)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
+    async def append(self, topic: str, key: str, payload: bytes) -> tuple[int, int]:
+        t0 = time.perf_counter()
+        try:
+            return await asyncio.to_thread(self.log.append, topic, key, payload)
+        finally:
+            self.metrics.log_append.labels(topic).observe(time.perf_counter() - t0)
+
+    async def persist_trajectory(self, rec: TrajectoryRecord) -> None:
+        """Make ``rec`` durable in the log and index it for feedback.
+
+        Raises LogUnavailable when the log or the database refused and records must not be
+        kept locally (``log_required``); otherwise the record goes to the local spool, which
+        re-sends it when the log is back.
+        """
+        try:
+            part, off = await self.append(TOPIC_TRAJECTORIES, rec.prompt_id, rec.to_json())
+            await asyncio.to_thread(self.store.index_trajectory, rec, part, off)
+        except Exception as exc:
+            self.metrics.log_failures.labels(TOPIC_TRAJECTORIES).inc()
+            if self.spool is None:
+                raise LogUnavailable(str(exc)) from exc
+            await asyncio.to_thread(self.spool.put, rec)
+            self.metrics.spooled.inc()
+            log.warning("trajectory %s spooled: %s", rec.id, exc)
+        self.metrics.trajectories.labels(rec.finish_reason).inc()
+        self.metrics.tokens.inc(len(rec.response_token_ids))
+
+
+def create_app(
+    settings: Settings | None = None,
+    engine: PolicyEngine | None = None,
+    log_transport: LogTransport | None = None,
+    read_baseline: BaselineReader | None = None,
+    watch_policy: bool = True,
+) -> FastAPI:
+    """The FastAPI app. Without ``engine`` it starts (and stops) its own vLLM engine."""
+    settings = settings or get_settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):  # noqa: ANN202
+        db_url = settings.resolved_database_url
+        await asyncio.to_thread(migrate, db_url)
+        db = make_engine(db_url)
+        own_engine = engine is None
+        eng = engine or await PolicyEngine.start(settings)
+        lt = log_transport or open_log(settings.resolved_log_url)
+        spool = None if settings.log_required else Spool(settings.home / "spool", lt, ServerStore(db))
+        state = ServerState(settings, eng, lt, ServerStore(db), ServerMetrics(), spool, read_baseline)
+        state.metrics.policy_version.set(eng.version)
+        app.state.s = state
+        watcher = PolicyWatcher(lt, eng, state.metrics) if watch_policy else None
+        tasks = []
+        if watcher is not None:
+            await watcher.catch_up()
+            tasks.append(asyncio.create_task(watcher.run()))
+        if spool is not None:
+            tasks.append(asyncio.create_task(spool.run()))
+        try:
+            yield
+        finally:
+            for t in tasks:
+                t.cancel()
+            for t in tasks:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await t
+            if state.background:
+                await asyncio.gather(*state.background, return_exceptions=True)
+            if log_transport is None:
+                lt.close()
+            db.dispose()
+            if own_engine:
+                eng.shutdown()
+
+    app = FastAPI(title="saoserve", version="0.1.0", lifespan=lifespan)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(_: Request, exc: HTTPException) -> JSONResponse:
+        err = ApiError(exc.status_code, str(exc.detail), "invalid_request_error")
+        return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errs = exc.errors()
+        first = errs[0] if errs else {}
+        loc = [str(p) for p in first.get("loc", []) if p != "body"]
+        if first.get("type") == "json_invalid":
+            msg = "request body is not valid JSON"
+        else:
+            msg = "; ".join(
+                f"{'.'.join(str(p) for p in e.get('loc', []) if p != 'body') or 'body'}: {e.get('msg')}"
+                for e in errs
+            )
+        # OpenAI answers 400 for a bad chat request; the feedback contract says 422.
+        status = 422 if request.url.path == "/v1/feedback" else 400
+        err = ApiError(status, msg, param=".".join(loc) or None, code="invalid_value")
+        return JSONResponse(err.body(), status_code=status)
+
+    def state_of(request: Request) -> ServerState:
+        return request.app.state.s
+
+    def require_admin(request: Request) -> None:
+        key = request.app.state.s.settings.admin_key
+        given = request.headers.get("authorization", "")
+        if not key:
+            raise ApiError(
+                403, "admin routes are disabled: SAOSERVE_ADMIN_KEY is not set", "permission_error"
+            )
+        if not given.startswith("Bearer ") or not hmac.compare_digest(given[7:].encode(), key.encode()):
+            raise ApiError(
+                401, "admin routes need 'Authorization: Bearer <admin key>'", "authentication_error"
+            )
+
+    @app.get("/healthz")
+    async def healthz() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz(request: Request) -> JSONResponse:
+        s = state_of(request)
+        ok = s.engine.engine is not None
+        return JSONResponse({"ready": ok, "policy_version": s.engine.version}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        return Response(generate_latest(state_of(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict:
+        s = state_of(request)
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": s.settings.served_model_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "saoserve",
+                    "policy_version": s.engine.version,
+                    "max_model_len": s.settings.max_model_len,
+                }
+            ],
+        }
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatCompletionRequest, request: Request):  # noqa: ANN202
+        s = state_of(request)
+        try:
+            rollout, sampling = await prepare_rollout(s, req)
+        except ApiError as exc:
+            s.metrics.failed_before_generation.labels(exc.code or "invalid").inc()
+            raise
+        if req.stream:
+            return StreamingResponse(
+                stream_chat(s, req, rollout, sampling),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
+        return await complete_chat(s, req, rollout, sampling)
+
+    @app.post("/v1/feedback", status_code=202)
+    async def feedback(body: FeedbackRequest, request: Request) -> JSONResponse:
+        s = state_of(request)
+        secret = s.settings.feedback_secret
+        if body.id is not None:
+            traj = await asyncio.to_thread(s.store.find_trajectory, body.id)
+            if traj is None:
+                s.metrics.feedback.labels("unknown").inc()
+                raise ApiError(404, f"no completion with id {body.id!r}", code="not_found", param="id")
+            subject, prompt_id, target = body.id, traj.prompt_id, f"t:{body.id}"
+        else:
+            prompt_id = await asyncio.to_thread(s.store.episode_prompt_id, body.episode_id)
+            if prompt_id is None:
+                s.metrics.feedback.labels("unknown").inc()
+                raise ApiError(
+                    404, f"no episode with id {body.episode_id!r}", code="not_found", param="episode_id"
+                )
+            subject, target = episode_token_subject(body.episode_id), f"e:{body.episode_id}"
+        if not check_feedback_token(secret, subject, body.feedback_token):
+            s.metrics.feedback.labels("bad_token").inc()
+            raise ApiError(
+                403,
+                "feedback_token does not match this completion",
+                "permission_error",
+                param="feedback_token",
+            )
+        if not await asyncio.to_thread(s.store.claim, target):
+            s.metrics.feedback.labels("duplicate").inc()
+            raise ApiError(
+                409, "feedback was already given for this completion (first wins)", code="conflict"
+            )
+        rec = FeedbackRecord(
+            trajectory_id=body.id,
+            episode_id=body.episode_id if body.id is None else None,
+            prompt_id=prompt_id,
+            reward=body.value,
+            source=body.source,
+            received_at=utcnow(),
+        )
+        try:
+            await s.append(TOPIC_FEEDBACK, prompt_id, rec.to_json())
+        except LogUnavailable as exc:
+            await asyncio.to_thread(s.store.release, target)
+            s.metrics.log_failures.labels(TOPIC_FEEDBACK).inc()
+            raise ApiError(503, f"feedback log unavailable, retry later: {exc}", "server_error") from exc
+        await asyncio.to_thread(s.store.mark_received, target, rec.reward)
+        s.metrics.feedback.labels("accepted").inc()
+        return JSONResponse({"status": "accepted", "target": target, "reward": rec.reward}, status_code=202)
+
+    @app.get("/admin/trajectories/{trajectory_id}", dependencies=[Depends(require_admin)])
+    async def admin_trajectory(trajectory_id: str, request: Request) -> Response:
+        s = state_of(request)
+        traj = await asyncio.to_thread(s.store.find_trajectory, trajectory_id)
+        if traj is None:
+            raise ApiError(404, f"no trajectory {trajectory_id!r}", code="not_found")
+        entries = await asyncio.to_thread(
+            s.log.read, TOPIC_TRAJECTORIES, traj.log_partition, traj.log_offset, 1, 5.0
+        )
+        if not entries or entries[0].offset != traj.log_offset:
+            raise ApiError(
+                404, f"trajectory {trajectory_id!r} is indexed but not in the log", code="not_found"
+            )
+        return Response(entries[0].value, media_type="application/json")
+
+    @app.post("/admin/load_policy", dependencies=[Depends(require_admin)])
+    async def admin_load_policy(body: LoadPolicyRequest, request: Request) -> dict:
+        s = state_of(request)
+        try:
+            res = await s.engine.swap(body.version, Path(body.path), body.sha256)
+        except SwapRefused as exc:
+            s.metrics.swaps.labels("refused").inc()
+            raise ApiError(422, str(exc), code="swap_refused") from exc
+        s.metrics.swaps.labels("ok").inc()
+        s.metrics.swap_seconds.observe(res.seconds)
+        s.metrics.policy_version.set(res.version)
+        return {"policy_version": res.version, "seconds": res.seconds, "paused_seconds": res.paused_seconds}
+
+    return app
+
+
+def messages_of(req: ChatCompletionRequest) -> list[dict]:
+    return [{"role": m.role, "content": m.text()} for m in req.messages]
+
+
+def task_messages(msgs: list[dict], episodic: bool) -> list[dict]:
+    """The messages that identify the task: all of them, or for an episode, up to its first
+    user message (so every turn of an episode shares one prompt id and one partition)."""
+    if not episodic:
+        return msgs
+    for i, m in enumerate(msgs):
+        if m["role"] == "user":
+            return msgs[: i + 1]
+    return msgs
+
+
+async def prepare_rollout(s: ServerState, req: ChatCompletionRequest):  # noqa: ANN201
+    """Validate against the model, render the prompt, freeze the dispatch state."""
+    from vllm import SamplingParams
+
+    st = s.settings
+    if req.model is not None and req.model != st.served_model_name:
+        raise ApiError(
+            404,
+            f"model {req.model!r} does not exist; this server serves {st.served_model_name!r}",
+            param="model",
+            code="model_not_found",
+        )
+    msgs = messages_of(req)
+    try:
+        prompt_ids = await asyncio.to_thread(s.engine.render, msgs)
+    except Exception as exc:  # the chat template rejects an ordering it cannot render
+        raise ApiError(
+            400,
+            f"messages cannot be rendered by the chat template: {exc}",
+            param="messages",
+            code="invalid_messages",
+        ) from exc
+    n_prompt = len(prompt_ids)
+    if n_prompt >= st.max_model_len:
+        raise ApiError(
+            400,
+            f"the prompt is {n_prompt} tokens; this model's context is {st.max_model_len} tokens",
+            param="messages",
+            code="context_length_exceeded",
+        )
+    max_tokens = req.requested_max_tokens
+    if max_tokens is None:
+        max_tokens = min(st.default_max_tokens, st.max_model_len - n_prompt)
+    elif max_tokens > st.max_tokens_limit:
+        raise ApiError(
+            400, f"max_tokens must be at most {st.max_tokens_limit}", param="max_tokens", code="invalid_value"
+        )
+    elif n_prompt + max_tokens > st.max_model_len:
+        raise ApiError(
+            400,
+            f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) exceeds the context of "
+            f"{st.max_model_len} tokens",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    top_k = max(req.top_k, 0)
+    sampling = SamplingParams(
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=top_k,
+        max_tokens=max_tokens,
+        seed=req.seed,
+        stop=req.stop,
+    )
+    prompt_id = req.prompt_id or prompt_id_for(task_messages(msgs, req.episode_id is not None))
+    version = s.engine.version
+    baseline = await s.read_baseline(prompt_id, version) if s.read_baseline else None
+    rollout = Rollout(
+        id=f"chatcmpl-{uuid.uuid4().hex}",
+        prompt_id=prompt_id,
+        model=st.served_model_name,
+        prompt_token_ids=prompt_ids,
+        sampling=SamplingRecord(
+            temperature=req.temperature, top_p=req.top_p, top_k=top_k, max_tokens=max_tokens, seed=req.seed
+        ),
+        dispatch_version=version,
+        created_at=utcnow(),
+        baseline=baseline,
+        episode_id=req.episode_id,
+        turn=req.turn,
+    )
+    return rollout, sampling
+
+
+def extension_fields(s: ServerState, rollout: Rollout) -> dict:
+    """The documented response extension: policy version at dispatch and feedback tokens."""
+    secret = s.settings.feedback_secret
+    out = {
+        "policy_version": rollout.dispatch_version,
+        "prompt_id": rollout.prompt_id,
+        "feedback_token": feedback_token(secret, rollout.id),
+    }
+    if rollout.episode_id is not None:
+        out["episode_feedback_token"] = feedback_token(secret, episode_token_subject(rollout.episode_id))
+    return out
+
+
+def logprobs_body(s: ServerState, token_ids: list[int], logprobs: list[float]) -> dict:
+    toks = s.engine.tokenizer.convert_ids_to_tokens(token_ids)
+    return {
+        "content": [
+            {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+            for t, lp in zip(toks, logprobs, strict=True)
+        ]
+    }
+
+
+def usage_of(rollout: Rollout) -> dict:
+    n_p, n_c = len(rollout.prompt_token_ids), len(rollout.token_ids)
+    return {"prompt_tokens": n_p, "completion_tokens": n_c, "total_tokens": n_p + n_c}
+
+
+async def complete_chat(
+    s: ServerState, req: ChatCompletionRequest, rollout: Rollout, sampling
+) -> JSONResponse:  # noqa: ANN001
+    t0 = time.perf_counter()
+    text_parts: list[str] = []
+    s.metrics.in_flight.inc()
+    try:
+        async with contextlib.aclosing(
+            s.engine.generate(rollout.prompt_token_ids, sampling, rollout.id)
+        ) as gen:
+            async for d in gen:
+                rollout.add(d)
+                text_parts.append(d.text)
+    except Exception as exc:
+        s.metrics.requests.labels("false", "engine_error").inc()
+        if rollout.token_ids:
+            s.spawn(persist_quietly(s, rollout.record("error")))
+        else:
+            s.metrics.failed_before_generation.labels("engine_error").inc()
+        raise ApiError(500, f"generation failed: {exc}", "server_error") from exc
+    finally:
+        s.metrics.in_flight.dec()
+    rec = rollout.record()
+    try:
+        await s.persist_trajectory(rec)
+    except LogUnavailable as exc:
+        s.metrics.requests.labels("false", "log_unavailable").inc()
+        raise ApiError(
+            503, f"trajectory log unavailable, the answer was not recorded: {exc}", "server_error"
+        ) from exc
+    s.metrics.requests.labels("false", "ok").inc()
+    s.metrics.latency.observe(time.perf_counter() - t0)
+    choice = {
+        "index": 0,
+        "message": {"role": "assistant", "content": "".join(text_parts)},
+        "finish_reason": rec.finish_reason,
+        "logprobs": logprobs_body(s, rec.response_token_ids, rec.rollout_logprobs) if req.logprobs else None,
+    }
+    body = {
+        "id": rollout.id,
+        "object": "chat.completion",
+        "created": int(rollout.created_at.timestamp()),
+        "model": rollout.model,
+        "choices": [choice],
+        "usage": usage_of(rollout),
+        **extension_fields(s, rollout),
+    }
+    return JSONResponse(body)
+
+
+async def persist_quietly(s: ServerState, rec: TrajectoryRecord) -> None:
+    """Persist a record from a background task (aborted streams); failures are logged and
+    counted, never raised into a task nobody awaits."""
+    try:
+        await s.persist_trajectory(rec)
+    except Exception:
+        log.exception("could not persist trajectory %s", rec.id)
+
+
+def sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def stream_chat(s: ServerState, req: ChatCompletionRequest, rollout: Rollout, sampling):  # noqa: ANN001, ANN201
+    """SSE chunks in OpenAI's shape; the last chunk carries the extension fields.
+
+    A client that disconnects cancels this generator: the engine request is aborted and the
+    tokens sampled so far are logged with finish reason ``abort`` (still exactly one record).
+    """
+    t0 = time.perf_counter()
+    base = {
+        "id": rollout.id,
+        "object": "chat.completion.chunk",
+        "created": int(rollout.created_at.timestamp()),
+        "model": rollout.model,
+    }
+    include_usage = bool((req.stream_options or {}).get("include_usage"))
+    done = False
+    last = None
+    s.metrics.in_flight.inc()
+    try:
+        yield sse(
+            {
+                **base,
+                "choices": [
+                    {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                ],
+            }
+        )
+        async with contextlib.aclosing(
+            s.engine.generate(rollout.prompt_token_ids, sampling, rollout.id)
+        ) as gen:
+            async for d in gen:
+                rollout.add(d)
+                last = d
+                if d.finish_reason is not None:
+                    break
+                if d.text or (req.logprobs and d.token_ids):
+                    choice = {"index": 0, "delta": {"content": d.text}, "finish_reason": None}
+                    if req.logprobs:
+                        choice["logprobs"] = logprobs_body(s, d.token_ids, d.logprobs)
+                    yield sse({**base, "choices": [choice]})
+        rec = rollout.record()
+        done = True
+        try:
+            await s.persist_trajectory(rec)
+        except LogUnavailable as exc:
+            s.metrics.requests.labels("true", "log_unavailable").inc()
+            yield sse(
+                {
+                    "error": ApiError(
+                        503, f"trajectory log unavailable, the answer was not recorded: {exc}", "server_error"
+                    ).body()["error"]
+                }
+            )
+            return
+        tail = last if last is not None and last.finish_reason is not None else None
+        final = {
+            "index": 0,
+            "delta": {"content": tail.text} if tail and tail.text else {},
+            "finish_reason": rec.finish_reason,
+        }
+        if req.logprobs and tail and tail.token_ids:
+            final["logprobs"] = logprobs_body(s, tail.token_ids, tail.logprobs)
+        chunk = {**base, "choices": [final], **extension_fields(s, rollout)}
+        if include_usage:
+            chunk["usage"] = usage_of(rollout)
+        yield sse(chunk)
+        yield "data: [DONE]\n\n"
+        s.metrics.requests.labels("true", "ok").inc()
+        s.metrics.latency.observe(time.perf_counter() - t0)
+    except (asyncio.CancelledError, GeneratorExit):
+        if not done:
+            s.metrics.requests.labels("true", "aborted").inc()
+            s.spawn(persist_quietly(s, rollout.record("abort")))
+        raise
+    except Exception as exc:
+        if not done:
+            s.metrics.requests.labels("true", "engine_error").inc()
+            if rollout.token_ids:
+                s.spawn(persist_quietly(s, rollout.record("error")))
+            else:
+                s.metrics.failed_before_generation.labels("engine_error").inc()
+        yield sse({"error": ApiError(500, f"generation failed: {exc}", "server_error").body()["error"]})
+    finally:
+        s.metrics.in_flight.dec()

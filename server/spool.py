@@ -1,0 +1,67 @@
+"""Local spool for trajectory records while the log is down (``log_required=False``).
+
+One JSON record per file under the spool folder, written with fsync and an atomic rename, so
+a crash never leaves a half record; ``run`` re-sends them in creation order when the log is
+back and deletes each file only after the log and the index accepted it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from pathlib import Path
+
+from sqlalchemy.exc import IntegrityError
+
+from core.logbus import LogTransport
+from core.records import TOPIC_TRAJECTORIES, TrajectoryRecord
+from server.store import ServerStore
+
+log = logging.getLogger(__name__)
+
+
+class Spool:
+    def __init__(self, folder: Path, log_transport: LogTransport, store: ServerStore, retry_s: float = 2.0):
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.log = log_transport
+        self.store = store
+        self.retry_s = retry_s
+
+    def put(self, rec: TrajectoryRecord) -> None:
+        tmp = self.folder / f".{rec.id}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(rec.to_json())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.folder / f"{rec.created_at.timestamp():.6f}-{rec.id}.json")
+
+    def pending(self) -> list[Path]:
+        return sorted(self.folder.glob("*.json"))
+
+    def flush_once(self) -> int:
+        """Send spooled records; returns how many were sent. Stops at the first failure."""
+        sent = 0
+        for path in self.pending():
+            rec = TrajectoryRecord.model_validate_json(path.read_bytes())
+            if self.store.find_trajectory(rec.id) is None:
+                part, off = self.log.append(TOPIC_TRAJECTORIES, rec.prompt_id, rec.to_json())
+                try:
+                    self.store.index_trajectory(rec, part, off)
+                except IntegrityError:
+                    pass
+            path.unlink()
+            sent += 1
+        return sent
+
+    async def run(self) -> None:
+        while True:
+            if self.pending():
+                try:
+                    n = await asyncio.to_thread(self.flush_once)
+                    if n:
+                        log.info("re-sent %d spooled trajectories", n)
+                except Exception as exc:
+                    log.warning("spool flush failed, will retry: %s", exc)
+            await asyncio.sleep(self.retry_s)

@@ -167,3 +167,29 @@ def alembic_config(url: str):  # noqa: ANN201
     cfg.set_main_option("script_location", str(root))
     cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
     return cfg
+
+
+class PromptEvidence(Base):
+    """Event-time value evidence of one prompt (SPO++; arithmetic in ``core/evidence_store.py``).
+
+    Prior: ``alpha0``/``beta0`` at ``prior_version``; set by offline initialisation when
+    ``offline_n`` is not NULL, otherwise the default prior, which sits at the prompt's earliest
+    result version. Online: Σ ρ^(ref_version − v_i)·R_i (``alpha_ref``) and ·(1 − R_i)
+    (``beta_ref``), ``ref_version`` = the newest result version (the prior's version while
+    there is no result).
+    """
+
+    __tablename__ = "prompt_evidence"
+    prompt_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    alpha0: Mapped[float] = mapped_column(Float)
+    beta0: Mapped[float] = mapped_column(Float)
+    prior_version: Mapped[int] = mapped_column(Integer)
+    alpha_ref: Mapped[float] = mapped_column(Float)
+    beta_ref: Mapped[float] = mapped_column(Float)
+    ref_version: Mapped[int] = mapped_column(Integer)
+    n_results: Mapped[int] = mapped_column(BigInteger)
+    reward_sum: Mapped[float] = mapped_column(Float)
+    offline_n: Mapped[int | None] = mapped_column(Integer)
+    offline_successes: Mapped[int | None] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))

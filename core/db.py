@@ -43,11 +43,7 @@ class Base(DeclarativeBase):
 
 
 class TrajectoryIndex(Base):
-    """One row per logged trajectory: what feedback needs to be validated.
-
-    ``feedback_state``: ``none`` → ``claimed`` (a feedback request is appending) →
-    ``received``; a claim older than the claim timeout may be taken again (crash recovery).
-    """
+    """One row per logged trajectory: what feedback needs, and where the record lies in the log."""
 
     __tablename__ = "trajectory_index"
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
@@ -58,10 +54,25 @@ class TrajectoryIndex(Base):
     last_version: Mapped[int] = mapped_column(Integer)
     n_response_tokens: Mapped[int] = mapped_column(Integer)
     finish_reason: Mapped[str] = mapped_column(String(32))
-    feedback_state: Mapped[str] = mapped_column(String(16), default="none")
-    reward: Mapped[float | None] = mapped_column(Float)
+    log_partition: Mapped[int] = mapped_column(Integer)
+    log_offset: Mapped[int] = mapped_column(BigInteger)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
-    feedback_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class FeedbackClaim(Base):
+    """First-wins feedback per target (``t:<trajectory id>`` or ``e:<episode id>``).
+
+    ``state``: ``claimed`` while the feedback record is being appended to the log, then
+    ``received``. The primary key makes the claim atomic on every database; a claim older than
+    the claim timeout (a server that crashed mid-append, no 202 sent) may be taken over.
+    """
+
+    __tablename__ = "feedback_claims"
+    target: Mapped[str] = mapped_column(String(160), primary_key=True)
+    state: Mapped[str] = mapped_column(String(16))
+    reward: Mapped[float | None] = mapped_column(Float)
+    claimed_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    received_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
 
 class LogRecord(Base):

@@ -134,8 +134,7 @@ class KafkaLog(LogTransport):
         self.num_partitions = num_partitions
         self.send_timeout_s = send_timeout_s
         self._producer = None
-        self._consumer = None
-        self._assigned: set = set()
+        self._consumers: dict = {}
         self._lock = threading.Lock()
         self._read_lock = threading.Lock()
 
@@ -144,7 +143,10 @@ class KafkaLog(LogTransport):
         from kafka.admin import KafkaAdminClient, NewTopic
         from kafka.errors import TopicAlreadyExistsError
 
-        admin = KafkaAdminClient(bootstrap_servers=self.bootstrap, request_timeout_ms=10000)
+        timeout_ms = int(self.send_timeout_s * 1000)
+        admin = KafkaAdminClient(
+            bootstrap_servers=self.bootstrap, request_timeout_ms=timeout_ms, bootstrap_timeout_ms=timeout_ms
+        )
         try:
             existing = set(admin.list_topics())
             new = [
@@ -172,7 +174,8 @@ class KafkaLog(LogTransport):
                         acks="all",
                         enable_idempotence=True,
                         linger_ms=2,
-                        key_serializer=str.encode,
+                        max_block_ms=int(self.send_timeout_s * 1000),
+                        bootstrap_timeout_ms=int(self.send_timeout_s * 1000),
                     )
                 except Exception as exc:
                     raise LogUnavailable(f"Kafka producer unavailable: {exc}") from exc
@@ -183,7 +186,7 @@ class KafkaLog(LogTransport):
             raise ValueError(f"unknown topic {topic!r}")
         producer = self._get_producer()
         try:
-            meta = producer.send(topic, key=key, value=value).get(timeout=self.send_timeout_s)
+            meta = producer.send(topic, key=key.encode(), value=value).get(timeout=self.send_timeout_s)
         except Exception as exc:
             raise LogUnavailable(f"Kafka append failed: {exc}") from exc
         return meta.partition, meta.offset
@@ -191,7 +194,12 @@ class KafkaLog(LogTransport):
     def partitions(self, topic: str) -> list[int]:
         from kafka import KafkaConsumer
 
-        consumer = KafkaConsumer(bootstrap_servers=self.bootstrap)
+        try:
+            consumer = KafkaConsumer(
+                bootstrap_servers=self.bootstrap, bootstrap_timeout_ms=int(self.send_timeout_s * 1000)
+            )
+        except Exception as exc:
+            raise LogUnavailable(f"Kafka unavailable: {exc}") from exc
         try:
             parts = consumer.partitions_for_topic(topic)
         finally:
@@ -208,28 +216,28 @@ class KafkaLog(LogTransport):
 
         tp = TopicPartition(topic, partition)
         with self._read_lock:
-            if self._consumer is None:
-                self._consumer = KafkaConsumer(
-                    bootstrap_servers=self.bootstrap,
-                    enable_auto_commit=False,
-                    group_id=None,
-                    key_deserializer=bytes.decode,
-                )
-            c = self._consumer
-            if tp not in self._assigned:
-                self._assigned.add(tp)
-                c.assign(sorted(self._assigned))
-            for other in self._assigned:
-                if other != tp:
-                    c.pause(other)
-            c.resume(tp)
+            # One consumer per partition: reassigning one consumer between partitions drops
+            # its fetch positions and returns nothing until the next metadata round.
+            c = self._consumers.get(tp)
+            if c is None:
+                try:
+                    c = KafkaConsumer(
+                        bootstrap_servers=self.bootstrap,
+                        enable_auto_commit=False,
+                        group_id=None,
+                        bootstrap_timeout_ms=int(self.send_timeout_s * 1000),
+                    )
+                except Exception as exc:
+                    raise LogUnavailable(f"Kafka consumer unavailable: {exc}") from exc
+                c.assign([tp])
+                self._consumers[tp] = c
             c.seek(tp, offset)
             try:
                 batch = c.poll(timeout_ms=int(timeout_s * 1000), max_records=max_records)
             except Exception as exc:
                 raise LogUnavailable(f"Kafka read failed: {exc}") from exc
             msgs = batch.get(tp, [])
-            return [LogEntry(topic, partition, m.offset, m.key or "", m.value) for m in msgs]
+            return [LogEntry(topic, partition, m.offset, (m.key or b"").decode(), m.value) for m in msgs]
 
     def close(self) -> None:
         with self._lock:
@@ -237,9 +245,9 @@ class KafkaLog(LogTransport):
                 self._producer.close(timeout=5)
                 self._producer = None
         with self._read_lock:
-            if self._consumer is not None:
-                self._consumer.close()
-                self._consumer = None
+            for c in self._consumers.values():
+                c.close()
+            self._consumers.clear()
 
 
 def open_log(url: str) -> LogTransport:

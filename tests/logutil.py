@@ -1,0 +1,19 @@
+"""Reading a whole topic back, for assertions."""
+
+from __future__ import annotations
+
+from core.logbus import LogEntry, LogTransport
+
+
+def read_topic(log: LogTransport, topic: str) -> list[LogEntry]:
+    """Every record of ``topic`` (all partitions), reading until each partition is drained."""
+    out: list[LogEntry] = []
+    for p in log.partitions(topic):
+        offset = 0
+        while True:
+            batch = log.read(topic, p, offset, 500, 0.3)
+            if not batch:
+                break
+            out.extend(batch)
+            offset = batch[-1].offset + 1
+    return out

@@ -10,7 +10,9 @@ import typer
 
 from core.settings import get_settings
 
-app = typer.Typer(help="saoserve: a chat server that learns online from its own traffic.", no_args_is_help=True)
+app = typer.Typer(
+    help="saoserve: a chat server that learns online from its own traffic.", no_args_is_help=True
+)
 
 
 def fail(message: str) -> None:
@@ -64,7 +66,9 @@ def _check_secrets(settings) -> None:  # noqa: ANN001
     if not settings.feedback_secret:
         fail("SAOSERVE_FEEDBACK_SECRET is not set: feedback tokens need a secret")
     if not settings.admin_key:
-        typer.secho("warning: SAOSERVE_ADMIN_KEY is not set: admin routes are disabled", fg="yellow", err=True)
+        typer.secho(
+            "warning: SAOSERVE_ADMIN_KEY is not set: admin routes are disabled", fg="yellow", err=True
+        )
 
 
 def main() -> None:

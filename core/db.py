@@ -204,3 +204,34 @@ class PromptEvidence(Base):
     offline_successes: Mapped[int | None] = mapped_column(Integer)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class LearnerSample(Base):
+    """A joined (trajectory, reward) sample waiting for a learner batch.
+
+    Written in the transaction that advances the consumer offsets; deleted in the transaction
+    that records the policy version trained on it.
+    """
+
+    __tablename__ = "learner_samples"
+    id: Mapped[str] = mapped_column(String(160), primary_key=True)
+    prompt_id: Mapped[str] = mapped_column(String(128))
+    payload: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class LearnerCounter(Base):
+    """Monotone counters of the learner (expired trajectories, excluded samples, ...)."""
+
+    __tablename__ = "learner_counters"
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    value: Mapped[int] = mapped_column(BigInteger)
+
+
+class ControlFlag(Base):
+    """Operator switches read by the learner (``paused``: 1 stops training, joins go on)."""
+
+    __tablename__ = "control_flags"
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    value: Mapped[str] = mapped_column(Text)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))

@@ -26,7 +26,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from core.control import PAUSED, ROLLBACK_TO, set_flag
 from core.db import make_engine, migrate
+from core.evidence_store import EvidenceStore
 from core.logbus import LogTransport, LogUnavailable, open_log
 from core.records import (
     TOPIC_FEEDBACK,
@@ -45,7 +47,7 @@ from server.engine import PolicyEngine, SwapRefused
 from server.metrics import ServerMetrics
 from server.policy_watch import PolicyWatcher
 from server.rollout import Rollout
-from server.schemas import ChatCompletionRequest, FeedbackRequest, LoadPolicyRequest
+from server.schemas import ChatCompletionRequest, FeedbackRequest, LoadPolicyRequest, RollbackRequest
 from server.spool import Spool
 from server.store import ServerStore
 
@@ -143,7 +145,8 @@ def create_app(
         eng = engine or await PolicyEngine.start(settings)
         lt = log_transport or open_log(settings.resolved_log_url)
         spool = None if settings.log_required else Spool(settings.home / "spool", lt, ServerStore(db))
-        state = ServerState(settings, eng, lt, ServerStore(db), ServerMetrics(), spool, read_baseline)
+        reader = read_baseline or evidence_reader(EvidenceStore(db))
+        state = ServerState(settings, eng, lt, ServerStore(db), ServerMetrics(), spool, reader)
         state.metrics.policy_version.set(eng.version)
         app.state.s = state
         watcher = PolicyWatcher(lt, eng, state.metrics) if watch_policy else None
@@ -336,7 +339,66 @@ def create_app(
         s.metrics.policy_version.set(res.version)
         return {"policy_version": res.version, "seconds": res.seconds, "paused_seconds": res.paused_seconds}
 
+    @app.post("/admin/pause", dependencies=[Depends(require_admin)])
+    async def admin_pause(request: Request) -> dict:
+        await asyncio.to_thread(set_flag, state_of(request).store.engine, PAUSED, "1")
+        return {"learning": "paused"}
+
+    @app.post("/admin/resume", dependencies=[Depends(require_admin)])
+    async def admin_resume(request: Request) -> dict:
+        await asyncio.to_thread(set_flag, state_of(request).store.engine, PAUSED, None)
+        return {"learning": "running"}
+
+    @app.post("/admin/rollback", dependencies=[Depends(require_admin)])
+    async def admin_rollback(body: RollbackRequest, request: Request) -> dict:
+        s = state_of(request)
+        versions = await asyncio.to_thread(s.store.policy_versions)
+        if body.version not in {v["version"] for v in versions}:
+            raise ApiError(404, f"no policy version {body.version}", code="not_found", param="version")
+        await asyncio.to_thread(set_flag, s.store.engine, ROLLBACK_TO, str(body.version))
+        return {"rollback_to": body.version, "status": "requested"}
+
+    @app.get("/admin/policy_versions", dependencies=[Depends(require_admin)])
+    async def admin_versions(request: Request) -> dict:
+        s = state_of(request)
+        return {"serving": s.engine.version, "versions": await asyncio.to_thread(s.store.policy_versions)}
+
+    @app.get("/admin/learner", dependencies=[Depends(require_admin)])
+    async def admin_learner(request: Request, limit: int = 50) -> dict:
+        s = state_of(request)
+        return await asyncio.to_thread(s.store.learner_status, min(max(limit, 1), 1000))
+
+    @app.get("/admin/evidence/{prompt_id}", dependencies=[Depends(require_admin)])
+    async def admin_evidence(prompt_id: str, request: Request) -> dict:
+        s = state_of(request)
+        ev = EvidenceStore(s.store.engine)
+        row = await asyncio.to_thread(ev.get, prompt_id)
+        base = await asyncio.to_thread(ev.read, prompt_id, s.engine.version)
+        return {
+            "prompt_id": prompt_id,
+            "known": row is not None,
+            "at_version": base.model_dump(),
+            "n_results": row.n_results if row else 0,
+            "reward_sum": row.reward_sum if row else 0.0,
+        }
+
+    @app.get("/admin/evidence", dependencies=[Depends(require_admin)])
+    async def admin_uncertain(request: Request, top: int = 10) -> dict:
+        s = state_of(request)
+        ev = EvidenceStore(s.store.engine)
+        rows = await asyncio.to_thread(ev.top_uncertain, min(max(top, 1), 1000), s.engine.version)
+        return {"version": s.engine.version, "prompts": [{"prompt_id": p, **b.model_dump()} for p, b in rows]}
+
     return app
+
+
+def evidence_reader(store: EvidenceStore) -> BaselineReader:
+    """Dispatch freeze (SPO++ §2.2): the prompt's evidence read at the dispatch version."""
+
+    async def read(prompt_id: str, version: int) -> FrozenBaseline:
+        return await asyncio.to_thread(store.read, prompt_id, version)
+
+    return read
 
 
 def messages_of(req: ChatCompletionRequest) -> list[dict]:

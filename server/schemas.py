@@ -117,3 +117,10 @@ class LoadPolicyRequest(BaseModel):
     version: int = Field(ge=0)
     path: str = Field(min_length=1)
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+
+class RollbackRequest(BaseModel):
+    """``POST /admin/rollback``: the learner publishes a new version with these weights."""
+
+    model_config = ConfigDict(extra="forbid")
+    version: int = Field(ge=0)

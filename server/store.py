@@ -10,7 +10,7 @@ from sqlalchemy import delete, insert, select, update
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 
-from core.db import FeedbackClaim, TrajectoryIndex
+from core.db import FeedbackClaim, LearnerCounter, LearnerStep, PolicyVersion, TrajectoryIndex
 from core.records import TrajectoryRecord, utcnow
 
 CLAIM_TIMEOUT = timedelta(seconds=30)
@@ -109,3 +109,36 @@ class ServerStore:
                 .where(FeedbackClaim.target == target)
                 .values(state="received", reward=reward, received_at=utcnow())
             )
+
+    def policy_versions(self) -> list[dict]:
+        with self.engine.connect() as conn:
+            rows = conn.execute(
+                select(*PolicyVersion.__table__.columns).order_by(PolicyVersion.version)
+            ).all()
+        return [
+            {
+                "version": r.version,
+                "path": r.path,
+                "sha256": r.sha256,
+                "status": r.status,
+                "parent_version": r.parent_version,
+                "created_at": r.created_at.isoformat(),
+            }
+            for r in rows
+        ]
+
+    def learner_status(self, limit: int) -> dict:
+        """The last ``limit`` learner steps (oldest first) and the learner's counters."""
+        with self.engine.connect() as conn:
+            steps = conn.execute(
+                select(LearnerStep.step, LearnerStep.version, LearnerStep.metrics, LearnerStep.created_at)
+                .order_by(LearnerStep.id.desc())
+                .limit(limit)
+            ).all()
+            counters = dict(conn.execute(select(LearnerCounter.name, LearnerCounter.value)).all())
+        return {
+            "steps": [
+                {"step": s, "version": v, "created_at": c.isoformat(), **m} for s, v, m, c in reversed(steps)
+            ],
+            "counters": counters,
+        }

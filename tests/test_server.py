@@ -67,7 +67,10 @@ async def test_openai_client_non_streaming_and_record(sqlite_server, model_dir):
     assert rec.id == resp.id and rec.prompt_id == "sea-1" and rec.dispatch_version == 0
     assert len(rec.response_token_ids) == resp.usage.completion_tokens
     assert rec.token_versions == [(0, len(rec.response_token_ids))]
-    assert rec.sampling.temperature == 0.7 and rec.sampling.max_tokens == 24 and rec.baseline is None
+    assert rec.sampling.temperature == 0.7 and rec.sampling.max_tokens == 24
+    # Unknown prompt: the default prior Jeffreys(0 of 0) = (8·0.5/1, 8 − 4) = (4, 4), value 4/8, at v0 (z = 0).
+    assert rec.baseline is not None
+    assert (rec.baseline.alpha, rec.baseline.beta, rec.baseline.value, rec.baseline.version) == (4.0, 4.0, 0.5, 0)
     # Served (processed) logprobs equal a transformers fp32 recomputation at temperature 0.7.
     # Measured on this machine: max |diff| ≈ 3e-5 nats with the float32 engine; we allow 1e-3.
     ref = hf_logprobs(model_dir, rec.prompt_token_ids, rec.response_token_ids, 0.7)

@@ -1,0 +1,614 @@
+"""The learner process (``saoserve learn``): join, train, publish (DESIGN §3, §8).
+
+Loop: read new trajectory and feedback records from the stored offsets; join them (by
+trajectory id, or by episode id for multi-turn episodes); in ONE database transaction commit
+the new offsets, the pending joins, the produced samples and the prompt evidence of the joined
+results (SPO++ results enter the evidence when feedback is joined, attributed to the dispatch
+version). When ``batch_size`` samples are waiting and learning is not paused: one SAO step,
+write the new policy (bf16 safetensors, a directory per version, sha256), record the version
+and delete the consumed samples in one transaction, then publish a policy event that every
+server replica follows.
+
+A crash at any point loses and duplicates nothing: offsets only move together with the state
+they produced; a trajectory id joined once leaves a tombstone so a re-sent copy is ignored; a
+version committed but not yet announced is announced again at start.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import threading
+import uuid
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+from sqlalchemy import delete, func, insert, select, update
+from sqlalchemy.engine import Connection, Engine
+
+from core.control import PAUSED, ROLLBACK_TO, get_flag
+from core.db import (
+    ConsumerOffset,
+    ControlFlag,
+    LearnerCounter,
+    LearnerSample,
+    LearnerStep,
+    PendingJoin,
+    PolicyVersion,
+    make_engine,
+    migrate,
+)
+from core.evidence_store import EvidenceStore
+from core.logbus import LogTransport, open_log
+from core.records import (
+    TOPIC_FEEDBACK,
+    TOPIC_POLICY,
+    TOPIC_TRAJECTORIES,
+    FeedbackRecord,
+    PolicyEvent,
+    TrajectoryRecord,
+    utcnow,
+)
+from core.settings import Settings
+from learner.samples import NotLearnable, Sample, collate, episode_sample, single_turn_sample
+
+log = logging.getLogger(__name__)
+
+CONSUMER = "learner"
+POLICY_KEY = "policy"
+WEIGHTS_FILE = "model.safetensors"
+
+
+@dataclass
+class LearnerConfig:
+    """Settings of one learner run.
+
+    ``estimator``: ``sao`` (critic + token GAE + DIS), ``running_mean`` (per-prompt mean of
+    the last 8 rewards, DIS loss) or ``spo`` (A = R − v̂ frozen at dispatch, action-token-measure
+    normalisation, SPO++ PPO objective). Learning rates: the paper's 1e-6 / 5e-6 are for a 30B
+    model over thousands of steps; the CPU preset for the 135M model uses 2e-5 / 5e-5 so the
+    policy moves within a demo's few dozen steps (measured in the simulation report).
+    """
+
+    batch_size: int = 8
+    estimator: str = "sao"
+    policy_lr: float = 2e-5
+    critic_lr: float = 5e-5
+    critic_updates: int = 2
+    critic_trainable: str = "mlp"
+    eps_low: float = 0.3
+    eps_high: float = 5.0
+    gae_mode: str = "token"
+    expire_s: float = 900.0
+    poll_s: float = 0.5
+    checkpoint_every: int = 10
+    keep_versions: int = 4
+    max_steps: int | None = None
+    autocast_bf16: bool = False
+
+
+@dataclass
+class JoinStats:
+    samples: int = 0
+    counters: dict[str, int] = field(default_factory=dict)
+
+    def count(self, name: str, n: int = 1) -> None:
+        self.counters[name] = self.counters.get(name, 0) + n
+
+
+class Learner:
+    """One learner per policy. Not thread-safe: one loop drives it."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        config: LearnerConfig,
+        log_transport: LogTransport | None = None,
+        db: Engine | None = None,
+    ):
+        self.settings = settings
+        self.config = config
+        self.log = log_transport or open_log(settings.resolved_log_url)
+        self.db = db or make_engine(settings.resolved_database_url)
+        self.evidence = EvidenceStore(self.db)
+        self.policy_dir = Path(settings.resolved_policy_dir)
+        self.base_dir = Path(settings.resolved_model_dir)
+        self.run_id = uuid.uuid4().hex[:12]
+        self.sao = None
+        self.version = 0
+        self.last_metrics: dict = {}
+
+    # ----------------------------------------------------------------- join
+    def _offsets(self) -> dict[tuple[str, int], int]:
+        with self.db.connect() as conn:
+            rows = conn.execute(
+                select(ConsumerOffset.topic, ConsumerOffset.partition, ConsumerOffset.next_offset).where(
+                    ConsumerOffset.consumer == CONSUMER
+                )
+            ).all()
+        return {(t, p): o for t, p, o in rows}
+
+    def _pending(self, keys: list[str], kind: str) -> dict[str, PendingJoin]:
+        if not keys:
+            return {}
+        with self.db.connect() as conn:
+            rows = conn.execute(
+                select(
+                    PendingJoin.key,
+                    PendingJoin.kind,
+                    PendingJoin.prompt_id,
+                    PendingJoin.payload,
+                    PendingJoin.received_at,
+                ).where(PendingJoin.key.in_(keys), PendingJoin.kind == kind)
+            ).all()
+        return {r[0]: r for r in rows}
+
+    def _pending_episode_turns(self, prompt_ids: set[str]) -> list:
+        if not prompt_ids:
+            return []
+        with self.db.connect() as conn:
+            return conn.execute(
+                select(PendingJoin.key, PendingJoin.payload).where(
+                    PendingJoin.kind == "trajectory", PendingJoin.prompt_id.in_(prompt_ids)
+                )
+            ).all()
+
+    def poll_once(self, max_records: int = 500) -> JoinStats:
+        """Read new records, join, and commit offsets + joins + samples + evidence together."""
+        offsets = self._offsets()
+        new_offsets: dict[tuple[str, int], int] = {}
+        trajectories: list[TrajectoryRecord] = []
+        feedback: list[FeedbackRecord] = []
+        stats = JoinStats()
+        # Trajectories first: a prompt's trajectory precedes its feedback in the log.
+        for topic, sink, model in (
+            (TOPIC_TRAJECTORIES, trajectories, TrajectoryRecord),
+            (TOPIC_FEEDBACK, feedback, FeedbackRecord),
+        ):
+            for p in self.log.partitions(topic):
+                start = offsets.get((topic, p), 0)
+                batch = self.log.read(topic, p, start, max_records, 0.05)
+                for e in batch:
+                    try:
+                        sink.append(model.model_validate_json(e.value))
+                    except ValueError:
+                        stats.count(f"malformed_{topic}")
+                if batch:
+                    new_offsets[(topic, p)] = batch[-1].offset + 1
+        if not new_offsets:
+            return stats
+
+        now = utcnow()
+        traj_ids = [t.id for t in trajectories] + [f.trajectory_id for f in feedback if f.trajectory_id]
+        seen = self._pending(traj_ids, "joined")
+        pend_traj = self._pending(traj_ids, "trajectory")
+        pend_fb = self._pending([t.id for t in trajectories], "feedback")
+        inserts: list[dict] = []
+        deletes: list[tuple[str, str]] = []
+        samples: list[Sample] = []
+        results: list[tuple[str, float, int]] = []
+        new_traj: dict[str, TrajectoryRecord] = {}
+
+        def joined(tid: str, prompt_id: str) -> None:
+            inserts.append(dict(key=tid, kind="joined", prompt_id=prompt_id, payload="", received_at=now))
+
+        def make_sample(rec: TrajectoryRecord, reward: float) -> None:
+            results.append((rec.prompt_id, reward, rec.dispatch_version))
+            try:
+                samples.append(single_turn_sample(rec, reward))
+            except NotLearnable as exc:
+                stats.count(str(exc))
+
+        for rec in trajectories:
+            if rec.id in seen or rec.id in pend_traj or rec.id in new_traj:
+                stats.count("duplicate_trajectories")
+                continue
+            fb = pend_fb.get(rec.id)
+            if fb is not None and rec.episode_id is None:
+                make_sample(rec, FeedbackRecord.model_validate_json(fb[3]).reward)
+                deletes.append((rec.id, "feedback"))
+                joined(rec.id, rec.prompt_id)
+                continue
+            new_traj[rec.id] = rec
+        for fb in feedback:
+            if fb.episode_id is not None:
+                self._join_episode(fb, new_traj, samples, results, inserts, deletes, stats, now)
+                continue
+            tid = fb.trajectory_id
+            if tid in seen or any(i["key"] == tid and i["kind"] == "joined" for i in inserts):
+                stats.count("duplicate_feedback")
+                continue
+            rec = new_traj.pop(tid, None)
+            if rec is None and tid in pend_traj:
+                rec = TrajectoryRecord.model_validate_json(pend_traj[tid][3])
+                deletes.append((tid, "trajectory"))
+            if rec is None:
+                inserts.append(
+                    dict(
+                        key=tid,
+                        kind="feedback",
+                        prompt_id=fb.prompt_id,
+                        payload=fb.to_json().decode(),
+                        received_at=now,
+                    )
+                )
+                continue
+            make_sample(rec, fb.reward)
+            joined(tid, rec.prompt_id)
+        for rec in new_traj.values():
+            inserts.append(
+                dict(
+                    key=rec.id,
+                    kind="trajectory",
+                    prompt_id=rec.prompt_id,
+                    payload=rec.to_json().decode(),
+                    received_at=rec.created_at,
+                )
+            )
+
+        with self.db.begin() as conn:
+            # Evidence first: on SQLite the first statement takes the write lock.
+            if results:
+                self.evidence.add_results(conn, results)
+            for key, kind in deletes:
+                conn.execute(delete(PendingJoin).where(PendingJoin.key == key, PendingJoin.kind == kind))
+            if inserts:
+                conn.execute(insert(PendingJoin), inserts)
+            if samples:
+                conn.execute(
+                    insert(LearnerSample),
+                    [
+                        dict(id=s.id, prompt_id=s.prompt_id, payload=json.dumps(s.to_json()), created_at=now)
+                        for s in samples
+                    ],
+                )
+            stats.count("expired", self._expire(conn, now))
+            for name, n in stats.counters.items():
+                if n:
+                    self._bump(conn, name, n)
+            for (topic, p), off in new_offsets.items():
+                self._set_offset(conn, topic, p, off)
+        stats.samples = len(samples)
+        return stats
+
+    def _join_episode(self, fb, new_traj, samples, results, inserts, deletes, stats, now) -> None:  # noqa: ANN001
+        key = f"e:{fb.episode_id}"
+        if self._pending([key], "joined") or any(i["key"] == key for i in inserts):
+            stats.count("duplicate_feedback")
+            return
+        turns = [r for r in new_traj.values() if r.episode_id == fb.episode_id]
+        for r in turns:
+            new_traj.pop(r.id)
+        for tkey, payload in self._pending_episode_turns({fb.prompt_id}):
+            rec = TrajectoryRecord.model_validate_json(payload)
+            if rec.episode_id == fb.episode_id:
+                turns.append(rec)
+                deletes.append((tkey, "trajectory"))
+        if not turns:
+            stats.count("episode_feedback_without_turns")
+            return
+        for r in turns:
+            inserts.append(dict(key=r.id, kind="joined", prompt_id=r.prompt_id, payload="", received_at=now))
+        inserts.append(dict(key=key, kind="joined", prompt_id=fb.prompt_id, payload="", received_at=now))
+        try:
+            sample, misaligned = episode_sample(fb.episode_id, turns, fb.reward)
+        except NotLearnable as exc:
+            stats.count(str(exc))
+            return
+        results.append((sample.prompt_id, fb.reward, sample.result_version))
+        stats.count("episode_turns_not_aligned", misaligned)
+        samples.append(sample)
+
+    def _expire(self, conn: Connection, now) -> int:  # noqa: ANN001
+        cutoff = now - timedelta(seconds=self.config.expire_s)
+        res = conn.execute(
+            delete(PendingJoin).where(PendingJoin.kind == "trajectory", PendingJoin.received_at < cutoff)
+        )
+        # Tombstones only guard against re-sent copies, which arrive within minutes.
+        conn.execute(
+            delete(PendingJoin).where(
+                PendingJoin.kind == "joined", PendingJoin.received_at < now - timedelta(days=2)
+            )
+        )
+        return res.rowcount or 0
+
+    @staticmethod
+    def _bump(conn: Connection, name: str, n: int) -> None:
+        res = conn.execute(
+            update(LearnerCounter).where(LearnerCounter.name == name).values(value=LearnerCounter.value + n)
+        )
+        if res.rowcount == 0:
+            conn.execute(insert(LearnerCounter).values(name=name, value=n))
+
+    @staticmethod
+    def _set_offset(conn: Connection, topic: str, partition: int, offset: int) -> None:
+        res = conn.execute(
+            update(ConsumerOffset)
+            .where(
+                ConsumerOffset.consumer == CONSUMER,
+                ConsumerOffset.topic == topic,
+                ConsumerOffset.partition == partition,
+            )
+            .values(next_offset=offset)
+        )
+        if res.rowcount == 0:
+            conn.execute(
+                insert(ConsumerOffset).values(
+                    consumer=CONSUMER, topic=topic, partition=partition, next_offset=offset
+                )
+            )
+
+    def counters(self) -> dict[str, int]:
+        with self.db.connect() as conn:
+            return dict(conn.execute(select(LearnerCounter.name, LearnerCounter.value)).all())
+
+    def waiting_samples(self) -> int:
+        with self.db.connect() as conn:
+            return conn.execute(select(func.count()).select_from(LearnerSample)).scalar_one()
+
+    # ---------------------------------------------------------------- model
+    def load(self) -> None:
+        """Build policy and critic (or resume from the last checkpoint and published version)."""
+        from transformers import AutoModelForCausalLM
+
+        from learner.critic import ValueModel
+        from learner.sao import SAOConfig, SAOLearner
+
+        cfg = self.config
+        latest = self._latest_version()
+        policy = AutoModelForCausalLM.from_pretrained(self.base_dir, dtype=torch.float32)
+        critic = None
+        if cfg.estimator == "sao":
+            critic = ValueModel.from_policy(policy, trainable=cfg.critic_trainable)
+        baseline = {"sao": "critic", "running_mean": "running_mean", "spo": "spo"}.get(cfg.estimator)
+        if baseline is None:
+            raise ValueError(f"unknown estimator {cfg.estimator!r} (sao, running_mean, spo)")
+        sao_cfg = SAOConfig(
+            critic_updates=cfg.critic_updates,
+            policy_lr=cfg.policy_lr,
+            critic_lr=cfg.critic_lr,
+            eps_low=cfg.eps_low,
+            eps_high=cfg.eps_high,
+            gae_mode=cfg.gae_mode,
+            baseline=baseline,
+            autocast_bf16=cfg.autocast_bf16,
+        )
+        self.sao = SAOLearner(policy, critic, sao_cfg)
+        ckpt = self.policy_dir / "checkpoint.pt"
+        if ckpt.is_file():
+            state = torch.load(ckpt, map_location="cpu", weights_only=False)
+            self.sao.load_state_dict(state["learner"])
+            self.version = state["version"]
+        if latest is not None and latest.version > self.version:
+            # Versions trained after the last checkpoint: take their published policy weights
+            # (the critic and optimizer state come from the checkpoint).
+            self._load_policy_weights(Path(latest.path))
+            self.version = latest.version
+        if latest is None:
+            self._record_base_version()
+        elif latest.status != "published":
+            self._announce(latest)
+
+    def _load_policy_weights(self, path: Path) -> None:
+        from safetensors.torch import load_file
+
+        weights = {k: v.float() for k, v in load_file(path / WEIGHTS_FILE).items()}
+        missing, unexpected = self.sao.policy.load_state_dict(weights, strict=False)
+        if unexpected or [k for k in missing if k != "lm_head.weight"]:
+            raise RuntimeError(f"policy weights at {path} do not match the model: {missing} {unexpected}")
+
+    def _latest_version(self):  # noqa: ANN202
+        with self.db.connect() as conn:
+            return conn.execute(
+                select(*PolicyVersion.__table__.columns).order_by(PolicyVersion.version.desc()).limit(1)
+            ).first()
+
+    def _record_base_version(self) -> None:
+        from saoserve.model import weights_sha256
+
+        with self.db.begin() as conn:
+            conn.execute(
+                insert(PolicyVersion).values(
+                    version=0,
+                    path=str(self.base_dir.resolve()),
+                    sha256=weights_sha256(self.base_dir),
+                    status="published",
+                    parent_version=None,
+                    metrics={},
+                    created_at=utcnow(),
+                )
+            )
+
+    def _announce(self, row) -> None:  # noqa: ANN001
+        """Publish the policy event of a committed version (idempotent for servers)."""
+        if row.version == 0 and row.status == "published":
+            return
+        event = PolicyEvent(
+            version=row.version,
+            path=row.path,
+            sha256=row.sha256,
+            created_at=row.created_at,
+            parent_version=row.parent_version,
+            metrics={k: float(v) for k, v in (row.metrics or {}).items() if isinstance(v, int | float)},
+        )
+        self.log.append(TOPIC_POLICY, POLICY_KEY, event.to_json())
+        if row.status != "published":
+            with self.db.begin() as conn:
+                conn.execute(
+                    update(PolicyVersion)
+                    .where(PolicyVersion.version == row.version)
+                    .values(status="published")
+                )
+
+    def _write_version(self, version: int) -> tuple[Path, str]:
+        """bf16 safetensors + config + tokenizer in a new directory; returns (path, sha256)."""
+        from safetensors.torch import save_file
+
+        from saoserve.model import weights_sha256
+
+        out = self.policy_dir / f"v{version:06d}"
+        tmp = out.with_name(out.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        weights = self.sao.policy_weights(torch.bfloat16)
+        if getattr(self.sao.policy.config, "tie_word_embeddings", False):
+            weights.pop("lm_head.weight", None)
+        save_file(
+            {k: v.contiguous() for k, v in weights.items()}, tmp / WEIGHTS_FILE, metadata={"format": "pt"}
+        )
+        for f in self.base_dir.iterdir():
+            if f.is_file() and f.suffix != ".safetensors":
+                shutil.copy2(f, tmp / f.name)
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+        return out, weights_sha256(out)
+
+    def _prune(self) -> None:
+        keep = self.config.keep_versions
+        dirs = sorted(self.policy_dir.glob("v[0-9]*"))
+        for d in dirs[:-keep] if keep > 0 else []:
+            shutil.rmtree(d, ignore_errors=True)
+
+    # ----------------------------------------------------------------- train
+    def flag(self, name: str) -> str | None:
+        return get_flag(self.db, name)
+
+    def train_step(self) -> dict | None:
+        """One SAO step on the oldest ``batch_size`` samples, then publish the new version."""
+        with self.db.connect() as conn:
+            rows = conn.execute(
+                select(LearnerSample.id, LearnerSample.payload)
+                .order_by(LearnerSample.created_at, LearnerSample.id)
+                .limit(self.config.batch_size)
+            ).all()
+        if len(rows) < self.config.batch_size:
+            return None
+        samples = [Sample.from_json(json.loads(p)) for _, p in rows]
+        batch = collate(samples, self.version)
+        if self.config.estimator == "spo":
+            batch.baseline_values = torch.tensor(
+                [s.baseline_value if s.baseline_value is not None else 0.5 for s in samples]
+            )
+        metrics = self.sao.step(batch)
+        stale = batch.token_staleness[batch.action_mask.bool()]
+        metrics["staleness_mean"] = stale.float().mean().item()
+        metrics["staleness_max"] = int(stale.max().item())
+        metrics["staleness_hist"] = {
+            str(int(k)): int(v) for k, v in zip(*torch.unique(stale, return_counts=True), strict=True)
+        }
+        new_version = self.version + 1
+        path, sha = self._write_version(new_version)
+        if self.sao.steps % self.config.checkpoint_every == 0:
+            self._checkpoint(new_version)
+        flat = {k: v for k, v in metrics.items() if isinstance(v, int | float)}
+        now = utcnow()
+        with self.db.begin() as conn:
+            conn.execute(delete(LearnerSample).where(LearnerSample.id.in_([r[0] for r in rows])))
+            conn.execute(
+                insert(PolicyVersion).values(
+                    version=new_version,
+                    path=str(path.resolve()),
+                    sha256=sha,
+                    status="committed",
+                    parent_version=self.version,
+                    metrics=flat,
+                    created_at=now,
+                )
+            )
+            conn.execute(
+                insert(LearnerStep).values(
+                    run_id=self.run_id,
+                    step=self.sao.steps,
+                    version=new_version,
+                    metrics=json.loads(json.dumps(metrics, default=str)),
+                    created_at=now,
+                )
+            )
+        self.version = new_version
+        self._announce(self._latest_version())
+        self._prune()
+        self.last_metrics = metrics
+        log.info(
+            "version %d: reward %.3f kept %.3f EV %s loss %.4f (%.1fs)",
+            new_version,
+            metrics["reward_mean"],
+            metrics["kept_fraction"],
+            metrics.get("explained_variance"),
+            metrics["policy_loss"],
+            metrics["step_time_s"],
+        )
+        return metrics
+
+    def _checkpoint(self, version: int) -> None:
+        tmp = self.policy_dir / "checkpoint.pt.tmp"
+        torch.save({"version": version, "learner": self.sao.state_dict(), "config": asdict(self.config)}, tmp)
+        tmp.replace(self.policy_dir / "checkpoint.pt")
+
+    def rollback(self, version: int) -> int:
+        """Publish a new version whose weights are those of ``version`` (versions stay monotone).
+
+        Raises ValueError for an unknown version. Optimizer moments are reset: they belong to
+        the abandoned trajectory of updates.
+        """
+        with self.db.connect() as conn:
+            row = conn.execute(
+                select(*PolicyVersion.__table__.columns).where(PolicyVersion.version == version)
+            ).first()
+        if row is None or not Path(row.path).is_dir():
+            raise ValueError(f"policy version {version} is unknown or its weights are gone")
+        self._load_policy_weights(Path(row.path))
+        self.sao.policy_opt.state.clear()
+        new_version = self.version + 1
+        path, sha = self._write_version(new_version)
+        with self.db.begin() as conn:
+            conn.execute(
+                insert(PolicyVersion).values(
+                    version=new_version,
+                    path=str(path.resolve()),
+                    sha256=sha,
+                    status="committed",
+                    parent_version=version,
+                    metrics={"rollback_to": version},
+                    created_at=utcnow(),
+                )
+            )
+            conn.execute(delete(ControlFlag).where(ControlFlag.name == ROLLBACK_TO))
+        self.version = new_version
+        self._announce(self._latest_version())
+        return new_version
+
+    def run(self, stop: threading.Event | None = None) -> None:
+        """Join and train until ``stop`` is set or ``max_steps`` steps are done."""
+        stop = stop or threading.Event()
+        if self.sao is None:
+            self.load()
+        while not stop.is_set():
+            try:
+                self.poll_once()
+                target = self.flag(ROLLBACK_TO)
+                if target is not None:
+                    self.rollback(int(target))
+                    continue
+                if self.flag(PAUSED) == "1":
+                    stop.wait(self.config.poll_s)
+                    continue
+                if self.train_step() is None:
+                    stop.wait(self.config.poll_s)
+                elif self.config.max_steps is not None and self.sao.steps >= self.config.max_steps:
+                    return
+            except Exception:
+                # Log or database outage: wait and resume from the committed state.
+                log.exception("learner iteration failed; retrying")
+                stop.wait(max(self.config.poll_s, 2.0))
+
+
+def run_learner(settings: Settings, config: LearnerConfig, stop: threading.Event | None = None) -> Learner:
+    """Migrate, build, and run a learner in this thread (``saoserve learn``)."""
+    migrate(settings.resolved_database_url)
+    learner = Learner(settings, config)
+    learner.load()
+    learner.run(stop)
+    return learner

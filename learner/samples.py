@@ -1,0 +1,182 @@
+"""From logged trajectories and a reward to learner samples and padded batches (pure).
+
+A sample is one rollout (group size 1): the token sequence the policy saw and produced, which
+positions are actions (tokens it generated) and which are observations (prompt, tool and user
+turns), the logged rollout logprob of each action token, the policy version that produced each
+action token, the sampling temperature and the reward. Multi-turn episodes become one sequence
+of actions and observations (SAO §2.4, skip-observation GAE).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from core.records import TrajectoryRecord
+from learner.sao import Batch
+
+GREEDY_BELOW = 1e-5
+
+
+class NotLearnable(ValueError):
+    """A joined trajectory that is not trained on (the reason is the counter's name)."""
+
+
+@dataclass
+class Sample:
+    """One joined rollout, JSON-serialisable.
+
+    ``actions``: spans ``[start, end)`` of action positions in ``input_ids``;
+    ``rollout_logprobs`` and ``token_versions`` have one entry per action token in order.
+    ``baseline_value``: the prompt value frozen at dispatch (SPO++), or None.
+    ``result_version``: the policy version credited with the result (dispatch version).
+    """
+
+    id: str
+    prompt_id: str
+    input_ids: list[int]
+    actions: list[tuple[int, int]]
+    rollout_logprobs: list[float]
+    token_versions: list[int]
+    temperature: float
+    reward: float
+    baseline_value: float | None
+    result_version: int
+
+    @property
+    def n_actions(self) -> int:
+        return sum(e - s for s, e in self.actions)
+
+    def to_json(self) -> dict:
+        return self.__dict__ | {"actions": [list(a) for a in self.actions]}
+
+    @classmethod
+    def from_json(cls, d: dict) -> Sample:
+        return cls(**(d | {"actions": [tuple(a) for a in d["actions"]]}))
+
+
+def expand_versions(token_versions: list[tuple[int, int]]) -> list[int]:
+    """Run-length ``[(version, count)]`` → one version per token."""
+    return [v for v, c in token_versions for _ in range(c)]
+
+
+def check_learnable(rec: TrajectoryRecord) -> None:
+    """Raise NotLearnable when the learner cannot evaluate π_θ on the sampled distribution.
+
+    Top-p/top-k truncation and greedy decoding change the distribution the logged logprobs
+    come from; the learner does not reproduce them (DESIGN §5.1), so such rollouts are served
+    but not trained on.
+    """
+    if rec.sampling.truncated:
+        raise NotLearnable("excluded_truncated_sampling")
+    if rec.sampling.temperature < GREEDY_BELOW:
+        raise NotLearnable("excluded_greedy")
+    if not rec.response_token_ids:
+        raise NotLearnable("excluded_empty_response")
+
+
+def single_turn_sample(rec: TrajectoryRecord, reward: float) -> Sample:
+    """The sample of a one-request trajectory: prompt as observation, response as actions."""
+    check_learnable(rec)
+    n_p, n_r = len(rec.prompt_token_ids), len(rec.response_token_ids)
+    return Sample(
+        id=rec.id,
+        prompt_id=rec.prompt_id,
+        input_ids=rec.prompt_token_ids + rec.response_token_ids,
+        actions=[(n_p, n_p + n_r)],
+        rollout_logprobs=list(rec.rollout_logprobs),
+        token_versions=expand_versions(rec.token_versions),
+        temperature=rec.sampling.temperature,
+        reward=reward,
+        baseline_value=rec.baseline.value if rec.baseline else None,
+        result_version=rec.dispatch_version,
+    )
+
+
+def episode_sample(episode_id: str, turns: list[TrajectoryRecord], reward: float) -> tuple[Sample, int]:
+    """One sequence for a multi-turn episode; returns (sample, turns not aligned).
+
+    The last turn's prompt + response is the sequence. An earlier turn's response is an action
+    span where its prompt + response tokens are a prefix of that sequence (the chat template
+    re-rendered the same tokens); otherwise its tokens stay observations and it is counted as
+    not aligned. All turns must share one temperature (else NotLearnable).
+    """
+    turns = sorted(turns, key=lambda r: (r.turn if r.turn is not None else 0, r.created_at))
+    last = turns[-1]
+    check_learnable(last)
+    seq = last.prompt_token_ids + last.response_token_ids
+    actions: list[tuple[int, int]] = []
+    lps: list[float] = []
+    versions: list[int] = []
+    misaligned = 0
+    for rec in turns[:-1]:
+        span = rec.prompt_token_ids + rec.response_token_ids
+        aligned = (
+            rec.response_token_ids
+            and len(span) <= len(last.prompt_token_ids)
+            and seq[: len(span)] == span
+            and rec.sampling.temperature == last.sampling.temperature
+            and not rec.sampling.truncated
+            and (not actions or actions[-1][1] <= len(rec.prompt_token_ids))
+        )
+        if not aligned:
+            misaligned += 1
+            continue
+        actions.append((len(rec.prompt_token_ids), len(span)))
+        lps.extend(rec.rollout_logprobs)
+        versions.extend(expand_versions(rec.token_versions))
+    n_p = len(last.prompt_token_ids)
+    actions.append((n_p, n_p + len(last.response_token_ids)))
+    lps.extend(last.rollout_logprobs)
+    versions.extend(expand_versions(last.token_versions))
+    first = turns[0]
+    sample = Sample(
+        id=f"e:{episode_id}",
+        prompt_id=last.prompt_id,
+        input_ids=seq,
+        actions=actions,
+        rollout_logprobs=lps,
+        token_versions=versions,
+        temperature=last.sampling.temperature,
+        reward=reward,
+        baseline_value=first.baseline.value if first.baseline else None,
+        result_version=first.dispatch_version,
+    )
+    return sample, misaligned
+
+
+def collate(samples: list[Sample], current_version: int, pad_id: int = 0) -> Batch:
+    """Right-pad samples into a ``learner.sao.Batch`` ([B, T] tensors, T = longest sample).
+
+    ``token_staleness[b, t]`` = ``current_version`` − the version that produced the token
+    (0 outside actions). Raises ValueError on an empty list.
+    """
+    if not samples:
+        raise ValueError("no samples to collate")
+    b, t = len(samples), max(len(s.input_ids) for s in samples)
+    input_ids = torch.full((b, t), pad_id, dtype=torch.long)
+    attention = torch.zeros((b, t), dtype=torch.long)
+    action = torch.zeros((b, t), dtype=torch.float32)
+    rollout = torch.zeros((b, t), dtype=torch.float32)
+    stale = torch.zeros((b, t), dtype=torch.long)
+    for i, s in enumerate(samples):
+        n = len(s.input_ids)
+        input_ids[i, :n] = torch.tensor(s.input_ids)
+        attention[i, :n] = 1
+        k = 0
+        for start, end in s.actions:
+            action[i, start:end] = 1
+            rollout[i, start:end] = torch.tensor(s.rollout_logprobs[k : k + end - start])
+            stale[i, start:end] = current_version - torch.tensor(s.token_versions[k : k + end - start])
+            k += end - start
+    return Batch(
+        input_ids=input_ids,
+        attention_mask=attention,
+        action_mask=action,
+        rollout_logprobs=rollout,
+        rewards=torch.tensor([s.reward for s in samples], dtype=torch.float32),
+        temperatures=torch.tensor([s.temperature for s in samples], dtype=torch.float32),
+        token_staleness=stale,
+        prompt_ids=[s.prompt_id for s in samples],
+    )

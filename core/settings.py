@@ -51,6 +51,10 @@ class Settings(BaseSettings):
         "False answers and keeps the record in a local spool to send later.",
     )
 
+    judge_url: str = Field("", description="OpenAI-compatible base URL of the LLM judge.")
+    judge_model: str = Field("", description="Model name of the LLM judge.")
+    judge_key: str = Field("", description="API key of the LLM judge.")
+
     @property
     def resolved_database_url(self) -> str:
         return self.database_url or f"sqlite:///{(self.home / 'saoserve.db').resolve()}"

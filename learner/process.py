@@ -53,6 +53,7 @@ from core.records import (
     utcnow,
 )
 from core.settings import Settings
+from learner.pretrain import PRETRAINED_CRITIC
 from learner.samples import NotLearnable, Sample, collate, episode_sample, single_turn_sample
 
 log = logging.getLogger(__name__)
@@ -378,6 +379,10 @@ class Learner:
         )
         self.sao = SAOLearner(policy, critic, sao_cfg)
         ckpt = self.policy_dir / "checkpoint.pt"
+        pretrained = self.policy_dir / PRETRAINED_CRITIC
+        if critic is not None and not ckpt.is_file() and pretrained.is_file():
+            critic.load_state_dict(torch.load(pretrained, map_location="cpu"))
+            log.info("critic initialised from %s", pretrained)
         if ckpt.is_file():
             state = torch.load(ckpt, map_location="cpu", weights_only=False)
             self.sao.load_state_dict(state["learner"])

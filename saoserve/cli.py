@@ -111,6 +111,35 @@ def learn(
         typer.echo("learner stopped")
 
 
+@app.command("pretrain-critic")
+def pretrain_critic_cmd(
+    epochs: int = typer.Option(2, min=1, help="Passes over the logged samples."),
+    batch_size: int = typer.Option(8, min=1),
+    lr: float = typer.Option(5e-5, min=0.0, help="Critic learning rate."),
+    trainable: str = typer.Option("mlp", help="mlp | all"),
+) -> None:
+    """Fit the critic on logged trajectories with feedback before RL (value pretraining)."""
+    from core.logbus import open_log
+    from learner.pretrain import pretrain_from_log
+
+    settings = get_settings()
+    try:
+        path, losses = pretrain_from_log(
+            open_log(settings.resolved_log_url),
+            settings.resolved_model_dir,
+            settings.resolved_policy_dir,
+            epochs,
+            batch_size,
+            lr,
+            trainable,
+        )
+    except ValueError as exc:
+        fail(str(exc))
+    typer.echo(
+        f"critic saved to {path}; value loss {losses[0]:.4f} → {losses[-1]:.4f} over {len(losses)} steps"
+    )
+
+
 @app.command("evidence-init")
 def evidence_init(
     file: Path = typer.Argument(
@@ -131,6 +160,158 @@ def evidence_init(
     except ValueError as exc:
         fail(str(exc))
     typer.echo(f"initialised evidence of {n} prompts")
+
+
+def _judge(kind: str):  # noqa: ANN202
+    if kind == "offline":
+        from judge.offline import OfflineJudge
+
+        return OfflineJudge()
+    if kind == "llm":
+        from judge.llm import LLMJudge
+
+        s = get_settings()
+        if not s.judge_url or not s.judge_model:
+            fail("the LLM judge needs SAOSERVE_JUDGE_URL and SAOSERVE_JUDGE_MODEL (and SAOSERVE_JUDGE_KEY)")
+        return LLMJudge(s.judge_url, s.judge_model, s.judge_key)
+    fail(f"unknown judge {kind!r}: choose offline or llm")
+
+
+def _schedule(spec: str, steps_per_style: int):  # noqa: ANN202
+    from judge.styles import schedule_from_spec
+
+    try:
+        return schedule_from_spec(spec, steps_per_style)
+    except ValueError as exc:
+        fail(str(exc))
+
+
+@app.command()
+def simulate(
+    url: str = typer.Option("http://127.0.0.1:8000", help="Base URL of a running server."),
+    schedule: str = typer.Option("default", help="Named schedule (default, paper) or 'style:steps,…'."),
+    steps_per_style: int = typer.Option(12, min=1, help="Steps per style for a named schedule."),
+    batch_size: int = typer.Option(8, min=1, help="Requests per step (= the learner's batch size)."),
+    max_tokens: int = typer.Option(64, min=1),
+    concurrency: int = typer.Option(8, min=1),
+    seed: int = typer.Option(0),
+    judge: str = typer.Option("offline", help="offline | llm (SAOSERVE_JUDGE_URL/MODEL/KEY)"),
+    uncertainty_sampler: bool = typer.Option(
+        False, help="Sample prompts by sqrt(v(1-v)+0.05) (needs admin key)."
+    ),
+    wait_for_version: bool = typer.Option(True, help="Wait for a new policy version after each step."),
+    out: Path = typer.Option(Path("report"), help="Report folder."),
+) -> None:
+    """Run the style-shift simulation against a running server and write the report."""
+    import asyncio
+
+    from judge.report import write_report
+    from judge.simulate import Simulation, SimulationConfig, save_records
+
+    sched = _schedule(schedule, steps_per_style)
+    cfg = SimulationConfig(
+        base_url=url,
+        schedule=sched,
+        batch_size=batch_size,
+        max_tokens=max_tokens,
+        concurrency=concurrency,
+        seed=seed,
+        uncertainty_sampler=uncertainty_sampler,
+        wait_for_version=wait_for_version,
+        admin_key=get_settings().admin_key or None,
+    )
+    sim = Simulation(
+        cfg,
+        _judge(judge),
+        on_step=lambda step, recs: typer.echo(
+            f"step {step}: target {sched.target_at(step)}, reward "
+            f"{sum(r['reward'] for r in recs) / max(len(recs), 1):.2f}"
+        ),
+    )
+    try:
+        result = asyncio.run(sim.run())
+    except KeyboardInterrupt:
+        result = sim.result
+    save_records(out / "records-sao.jsonl", result.records)
+    if result.records:
+        write_report(out, sched, {"sao": result.records})
+    typer.echo(f"report: {out.resolve()}/index.html")
+
+
+def _run_methods(
+    methods: list[str],
+    schedule: str,
+    steps_per_style: int,
+    out: Path,
+    batch_size: int,
+    max_tokens: int,
+    seed: int,
+    judge: str,
+) -> None:
+    import shutil
+
+    from judge.report import write_report
+    from saoserve.demo import run_method
+    from saoserve.model import prepare_model
+
+    sched = _schedule(schedule, steps_per_style)
+    settings = get_settings()
+    prepare_model(settings.resolved_model_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    judge_obj = _judge(judge)
+    records: dict[str, list[dict]] = {}
+    model_link = None
+    for method in methods:
+        home = out / f"run-{method}"
+        shutil.rmtree(home, ignore_errors=True)
+        home.mkdir(parents=True)
+        model_link = home / "model"
+        model_link.symlink_to(settings.resolved_model_dir.resolve(), target_is_directory=True)
+        result = run_method(
+            method, sched, judge_obj, out, batch_size=batch_size, max_tokens=max_tokens, seed=seed
+        )
+        records[method] = result.records
+        if result.interrupted:
+            typer.secho("interrupted: writing a partial report", fg="yellow", err=True)
+            break
+    records = {m: r for m, r in records.items() if r}
+    if not records:
+        fail("no step completed; nothing to report")
+    metrics = write_report(out, sched, records)
+    for m, v in metrics["methods"].items():
+        typer.echo(
+            f"{m}: AUC {v['auc']:.3f}, last-5 mean {v['last5_mean']:.3f}, "
+            f"adaptation lag {v['adaptation_lag']}"
+        )
+    typer.echo(f"report: {(out / 'index.html').resolve()}")
+
+
+@app.command()
+def demo(
+    out: Path = typer.Option(Path("report"), help="Report folder (the run's data lives under it too)."),
+    schedule: str = typer.Option("default", help="Named schedule or 'style:steps,…'."),
+    steps_per_style: int = typer.Option(10, min=1, help="Steps per style for a named schedule."),
+    batch_size: int = typer.Option(8, min=1),
+    max_tokens: int = typer.Option(48, min=1),
+    seed: int = typer.Option(0),
+    judge: str = typer.Option("offline", help="offline | llm"),
+) -> None:
+    """Start server + learner (SAO) on embedded defaults, run the simulation, write the report."""
+    _run_methods(["sao"], schedule, steps_per_style, out, batch_size, max_tokens, seed, judge)
+
+
+@app.command()
+def compare(
+    out: Path = typer.Option(Path("report-compare"), help="Report folder."),
+    schedule: str = typer.Option("paper", help="Named schedule or 'style:steps,…'."),
+    steps_per_style: int = typer.Option(20, min=1),
+    batch_size: int = typer.Option(8, min=1),
+    max_tokens: int = typer.Option(48, min=1),
+    seed: int = typer.Option(0),
+    judge: str = typer.Option("offline", help="offline | llm"),
+) -> None:
+    """SAO vs the running-mean baseline on the same schedule and seeds, side by side."""
+    _run_methods(["sao", "running_mean"], schedule, steps_per_style, out, batch_size, max_tokens, seed, judge)
 
 
 def _check_secrets(settings) -> None:  # noqa: ANN001

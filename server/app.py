@@ -22,7 +22,7 @@ from pathlib import Path
 
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -52,6 +52,8 @@ from server.spool import Spool
 from server.store import ServerStore
 
 log = logging.getLogger(__name__)
+
+DASHBOARD_HTML = (Path(__file__).parent / "dashboard.html").read_text()
 
 BaselineReader = Callable[[str, int], Awaitable[FrozenBaseline | None]]
 
@@ -338,6 +340,35 @@ def create_app(
         s.metrics.swap_seconds.observe(res.seconds)
         s.metrics.policy_version.set(res.version)
         return {"policy_version": res.version, "seconds": res.seconds, "paused_seconds": res.paused_seconds}
+
+    @app.get("/dashboard", response_class=HTMLResponse)
+    async def dashboard() -> HTMLResponse:
+        return HTMLResponse(DASHBOARD_HTML)
+
+    @app.get("/dashboard/data")
+    async def dashboard_data(request: Request) -> dict:
+        """Aggregates only (no prompts or texts), so operators can watch without the admin key."""
+        s = state_of(request)
+        status = await asyncio.to_thread(s.store.learner_status, 500)
+        keys = (
+            "step",
+            "version",
+            "reward_mean",
+            "kept_fraction",
+            "explained_variance",
+            "staleness_mean",
+            "policy_loss",
+            "critic_loss",
+            "created_at",
+        )
+        steps = [{k: st.get(k) for k in keys} for st in status["steps"]]
+        rps = await asyncio.to_thread(s.store.request_rate, 10, 60)
+        return {
+            "policy_version": s.engine.version,
+            "steps": steps,
+            "requests_per_s": rps,
+            "counters": status["counters"],
+        }
 
     @app.post("/admin/pause", dependencies=[Depends(require_admin)])
     async def admin_pause(request: Request) -> dict:

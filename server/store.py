@@ -142,3 +142,20 @@ class ServerStore:
             ],
             "counters": counters,
         }
+
+    def request_rate(self, bucket_s: int, buckets: int) -> list[float]:
+        """Requests/s in the last ``buckets`` buckets of ``bucket_s`` seconds (oldest first),
+        counted from the trajectory index."""
+        now = utcnow()
+        since = now - timedelta(seconds=bucket_s * buckets)
+        with self.engine.connect() as conn:
+            times = conn.execute(
+                select(TrajectoryIndex.created_at).where(TrajectoryIndex.created_at >= since)
+            ).scalars()
+            counts = [0] * buckets
+            for t in times:
+                if t.tzinfo is None:  # SQLite returns naive UTC datetimes
+                    t = t.replace(tzinfo=now.tzinfo)
+                i = int((t - since).total_seconds() // bucket_s)
+                counts[min(max(i, 0), buckets - 1)] += 1
+        return [c / bucket_s for c in counts]

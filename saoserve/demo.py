@@ -1,0 +1,150 @@
+"""The main job: server + learner as real processes, the simulation as their client, a report.
+
+``run_method`` starts ``saoserve serve`` and ``saoserve learn`` in a fresh home folder (SQLite
+and the SQL-table log unless the environment says otherwise), drives the simulation with a
+progress bar and returns its records. Ctrl-C stops the run and keeps what was measured, so the
+report is still written (marked partial).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from judge.base import Judge
+from judge.simulate import Simulation, SimulationConfig, SimulationResult, save_records
+from judge.styles import Schedule
+
+console = Console(stderr=True)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Services:
+    """``saoserve serve`` and ``saoserve learn`` as child processes of one home folder."""
+
+    def __init__(self, home: Path, learn_args: list[str], log_dir: Path):
+        self.home = home
+        self.port = free_port()
+        self.admin_key = secrets.token_hex(16)
+        self.env = os.environ | {
+            "SAOSERVE_HOME": str(home),
+            "SAOSERVE_FEEDBACK_SECRET": secrets.token_hex(16),
+            "SAOSERVE_ADMIN_KEY": self.admin_key,
+            "TOKENIZERS_PARALLELISM": "false",
+            "HF_HUB_OFFLINE": "1",
+        }
+        self.learn_args = learn_args
+        self.log_dir = log_dir
+        self.procs: list[subprocess.Popen] = []
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        out = open(self.log_dir / f"{name}.log", "w")  # noqa: SIM115 - lives as long as the process
+        exe = Path(sys.executable).with_name("saoserve")
+        proc = subprocess.Popen(
+            [str(exe), *args], env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        self.procs.append(proc)
+        return proc
+
+    def start(self, timeout_s: float = 600) -> None:
+        self.home.mkdir(parents=True, exist_ok=True)
+        server = self._spawn("server", ["serve", "--port", str(self.port)])
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if server.poll() is not None:
+                raise RuntimeError(f"the server exited; see {self.log_dir / 'server.log'}")
+            try:
+                if httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        else:
+            raise TimeoutError(f"the server did not start within {timeout_s:.0f}s")
+        self._spawn("learner", ["learn", *self.learn_args])
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGINT)
+        for p in reversed(self.procs):
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        self.procs.clear()
+
+
+def run_method(
+    method: str,
+    schedule: Schedule,
+    judge: Judge,
+    out: Path,
+    batch_size: int = 8,
+    max_tokens: int = 64,
+    seed: int = 0,
+    learn_extra: list[str] | None = None,
+) -> SimulationResult:
+    """One full run of ``method`` (``sao`` or ``running_mean``) on ``schedule``."""
+    home = out / f"run-{method}"
+    learn_args = ["--batch-size", str(batch_size), "--estimator", method, *(learn_extra or [])]
+    services = Services(home, learn_args, out / "logs" / method)
+    console.print(f"[bold]{method}[/]: starting server and learner in {home} …")
+    services.start()
+    config = SimulationConfig(
+        base_url=services.url,
+        schedule=schedule,
+        batch_size=batch_size,
+        max_tokens=max_tokens,
+        seed=seed,
+        admin_key=services.admin_key,
+    )
+    result = SimulationResult()
+    try:
+        with Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[status]}"),
+            TimeElapsedColumn(),
+            console=console,
+        ) as bar:
+            task = bar.add_task(method, total=schedule.total_steps, status="")
+
+            def on_step(step: int, recs: list[dict]) -> None:
+                mean = sum(r["reward"] for r in recs) / len(recs) if recs else float("nan")
+                bar.update(task, advance=1, status=f"target {schedule.target_at(step)}, reward {mean:.2f}")
+
+            sim = Simulation(config, judge, on_step=on_step)
+            try:
+                result = asyncio.run(sim.run())
+            except KeyboardInterrupt:
+                result = sim.result
+                result.interrupted = True
+    finally:
+        services.stop()
+    save_records(out / f"records-{method}.jsonl", result.records)
+    return result

@@ -1,0 +1,73 @@
+"""Command-line errors name the problem and exit 2 (no engine)."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from saoserve.cli import app
+
+runner = CliRunner()
+
+
+@pytest.fixture(autouse=True)
+def home(tmp_path, monkeypatch):  # noqa: ANN001, ANN201
+    from core.settings import get_settings
+
+    monkeypatch.setenv("SAOSERVE_HOME", str(tmp_path))
+    get_settings.cache_clear()
+    yield tmp_path
+    get_settings.cache_clear()
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["learn", "--estimator", "ppo"], "unknown estimator 'ppo'"),
+        (["learn", "--critic-trainable", "attn"], "unknown critic_trainable"),
+        (["learn", "--gae-mode", "steps"], "unknown gae_mode"),
+        (["evidence-init", "/no/such/file.jsonl"], "does not exist"),
+        (["simulate", "--schedule", "cute:0"], "need >= 1"),
+        (["simulate", "--schedule", "sparkly:3"], "unknown style 'sparkly'"),
+        (["simulate", "--judge", "oracle", "--schedule", "cute:1"], "unknown judge 'oracle'"),
+    ],
+)
+def test_cli_errors(args, needle):
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert needle in result.output
+
+
+def test_serve_needs_feedback_secret(monkeypatch):
+    monkeypatch.delenv("SAOSERVE_FEEDBACK_SECRET", raising=False)
+    result = runner.invoke(app, ["serve", "--port", "8999"])
+    assert result.exit_code == 2 and "SAOSERVE_FEEDBACK_SECRET" in result.output
+
+
+def test_llm_judge_needs_settings(monkeypatch):
+    monkeypatch.delenv("SAOSERVE_JUDGE_URL", raising=False)
+    result = runner.invoke(app, ["simulate", "--judge", "llm", "--schedule", "cute:1"])
+    assert result.exit_code == 2 and "SAOSERVE_JUDGE_URL" in result.output
+
+
+def test_evidence_init_bad_line_names_it(home):
+    f = home / "rollouts.jsonl"
+    f.write_text('{"prompt_id": "a", "reward": 1}\n{"prompt_id": "a", "reward": 7}\n')
+    result = runner.invoke(app, ["evidence-init", str(f)])
+    assert result.exit_code == 2 and ":2" in result.output
+
+
+def test_evidence_init_and_pretrain_on_empty_log(home):
+    f = home / "rollouts.jsonl"
+    # 3 successes of 8 for prompt a → Jeffreys α0 = 8·3.5/9 ≈ 3.111.
+    f.write_text("".join('{"prompt_id": "a", "reward": %d}\n' % (i < 3) for i in range(8)))
+    result = runner.invoke(app, ["evidence-init", str(f)])
+    assert result.exit_code == 0 and "1 prompts" in result.output
+    from core.db import make_engine
+    from core.evidence_store import EvidenceStore
+    from core.settings import get_settings
+
+    base = EvidenceStore(make_engine(get_settings().resolved_database_url)).read("a", 0)
+    assert base.alpha == pytest.approx(8 * 3.5 / 9) and base.beta == pytest.approx(8 - 8 * 3.5 / 9)
+    result = runner.invoke(app, ["pretrain-critic"])
+    assert result.exit_code == 2 and "no trajectory with feedback" in result.output

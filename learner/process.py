@@ -364,20 +364,24 @@ class Learner:
         critic = None
         if cfg.estimator == "sao":
             critic = ValueModel.from_policy(policy, trainable=cfg.critic_trainable)
-        baseline = {"sao": "critic", "running_mean": "running_mean", "spo": "spo"}.get(cfg.estimator)
-        if baseline is None:
+        if cfg.estimator == "spo":
+            from learner.spo import SPOConfig, SPOLearner
+
+            self.sao = SPOLearner(policy, SPOConfig(policy_lr=cfg.policy_lr))
+        elif cfg.estimator in ("sao", "running_mean"):
+            sao_cfg = SAOConfig(
+                critic_updates=cfg.critic_updates,
+                policy_lr=cfg.policy_lr,
+                critic_lr=cfg.critic_lr,
+                eps_low=cfg.eps_low,
+                eps_high=cfg.eps_high,
+                gae_mode=cfg.gae_mode,
+                baseline="critic" if cfg.estimator == "sao" else "running_mean",
+                autocast_bf16=cfg.autocast_bf16,
+            )
+            self.sao = SAOLearner(policy, critic, sao_cfg)
+        else:
             raise ValueError(f"unknown estimator {cfg.estimator!r} (sao, running_mean, spo)")
-        sao_cfg = SAOConfig(
-            critic_updates=cfg.critic_updates,
-            policy_lr=cfg.policy_lr,
-            critic_lr=cfg.critic_lr,
-            eps_low=cfg.eps_low,
-            eps_high=cfg.eps_high,
-            gae_mode=cfg.gae_mode,
-            baseline=baseline,
-            autocast_bf16=cfg.autocast_bf16,
-        )
-        self.sao = SAOLearner(policy, critic, sao_cfg)
         ckpt = self.policy_dir / "checkpoint.pt"
         pretrained = self.policy_dir / PRETRAINED_CRITIC
         if critic is not None and not ckpt.is_file() and pretrained.is_file():
@@ -494,10 +498,14 @@ class Learner:
         samples = [Sample.from_json(json.loads(p)) for _, p in rows]
         batch = collate(samples, self.version)
         if self.config.estimator == "spo":
-            batch.baseline_values = torch.tensor(
+            # The value frozen at dispatch; 0.5 (the default prior) for records logged before
+            # evidence existed.
+            frozen = torch.tensor(
                 [s.baseline_value if s.baseline_value is not None else 0.5 for s in samples]
             )
-        metrics = self.sao.step(batch)
+            metrics = self.sao.step(batch, frozen)
+        else:
+            metrics = self.sao.step(batch)
         stale = batch.token_staleness[batch.action_mask.bool()]
         metrics["staleness_mean"] = stale.float().mean().item()
         metrics["staleness_max"] = int(stale.max().item())

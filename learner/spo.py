@@ -1,0 +1,135 @@
+"""The SPO++ update (papers 000/002, DESIGN §5.4): the learner's ``spo`` estimator.
+
+Per trajectory ``A_i = R_i − v̂_i`` with ``v̂_i`` the prompt value frozen at dispatch (the
+server logged it in the trajectory; never a later value), normalised under the action-token
+measure (``learner.advantages.token_measure_normalize``; trajectory whitening is the
+ablation), then one epoch of the SPO++ objective: PPO clip [0.2, 0.28], rollout importance
+ratio truncated at 2, dual clip c = 2 on negative advantages. With one epoch π_old is the
+policy at the start of the step (detached), so the PPO ratio starts at 1 and the rollout IS
+weight π_old/π_rollout carries the off-policy correction.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from learner.advantages import (
+    batch_stats,
+    spo_advantages,
+    spo_ppo_loss,
+    token_measure_normalize,
+    trajectory_whiten,
+)
+from learner.sao import Batch, policy_logprobs
+
+
+@dataclass
+class SPOConfig:
+    """SPO++ hyper-parameters (§2.4 defaults) and the normalisation switch."""
+
+    policy_lr: float = 1e-6
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    rollout_is_cap: float = 2.0
+    dual_clip: float = 2.0
+    normalize: str = "token"  # "token" (SPO++) | "trajectory" (whitening ablation)
+    grad_clip: float = 1.0
+    chunk_tokens: int = 512
+
+
+class SPOLearner:
+    """One SPO++ policy update per ``step(batch, baseline_values)``; no critic.
+
+    Same checkpoint interface as ``SAOLearner`` (``policy``, ``policy_opt``, ``steps``,
+    ``policy_weights``, ``state_dict``, ``load_state_dict``).
+    """
+
+    critic = None
+
+    def __init__(self, policy: PreTrainedModel, config: SPOConfig):
+        if config.normalize not in ("token", "trajectory"):
+            raise ValueError(f"unknown normalisation {config.normalize!r}")
+        self.config = config
+        self.policy = policy.float().eval()
+        self.params = [p for p in self.policy.parameters() if p.requires_grad]
+        self.policy_opt = torch.optim.AdamW(self.params, lr=config.policy_lr, weight_decay=0.0)
+        self.steps = 0
+
+    def step(self, batch: Batch, baseline_values: torch.Tensor) -> dict:
+        """``baseline_values``: [B] float, v̂ frozen at dispatch per trajectory.
+
+        Returns metrics: policy_loss, the loss stats, Cov_n(L, A) and the token-weighted
+        centre before/after normalisation, reward_mean, step_time_s, tokens_per_s.
+        Raises ValueError on an invalid batch.
+        """
+        t0 = time.perf_counter()
+        cfg = self.config
+        batch.validate()
+        mask = batch.action_mask.bool()
+        lengths = mask.sum(dim=1).float()
+        raw = spo_advantages(batch.rewards.float(), baseline_values.float())
+        adv = token_measure_normalize(raw, lengths) if cfg.normalize == "token" else trajectory_whiten(raw)
+        stats = batch_stats(raw, lengths)
+        lp = policy_logprobs(
+            self.policy,
+            batch.input_ids,
+            batch.attention_mask,
+            batch.temperatures,
+            positions=mask,
+            chunk_tokens=cfg.chunk_tokens,
+        )
+        loss, loss_stats = spo_ppo_loss(
+            lp,
+            lp.detach(),
+            batch.rollout_logprobs,
+            adv,
+            mask,
+            cfg.clip_low,
+            cfg.clip_high,
+            cfg.rollout_is_cap,
+            cfg.dual_clip,
+        )
+        self.policy_opt.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip).item()
+        self.policy_opt.step()
+        self.steps += 1
+        # DIS-style diagnostics so the dashboard's kept fraction means the same thing.
+        log_ratio = (lp.detach() - batch.rollout_logprobs)[mask]
+        elapsed = time.perf_counter() - t0
+        tokens = int(batch.attention_mask.bool().sum().item())
+        return {
+            **stats,
+            **loss_stats,
+            "policy_loss": loss.item(),
+            "policy_grad_norm": grad_norm,
+            "policy_lr": cfg.policy_lr,
+            "kept_fraction": 1.0 - loss_stats["rollout_is_truncated_fraction"],
+            "mean_abs_log_ratio": log_ratio.abs().mean().item(),
+            "reward_mean": batch.rewards.float().mean().item(),
+            "baseline_mean": baseline_values.float().mean().item(),
+            "tokens": tokens,
+            "step_time_s": elapsed,
+            "tokens_per_s": tokens / elapsed if elapsed > 0 else math.inf,
+            "step": self.steps,
+        }
+
+    def policy_weights(self, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+        return {k: v.detach().to(dtype=dtype, copy=True) for k, v in self.policy.state_dict().items()}
+
+    def state_dict(self) -> dict:
+        return {
+            "step": self.steps,
+            "policy": self.policy.state_dict(),
+            "policy_optimizer": self.policy_opt.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.policy.load_state_dict(state["policy"])
+        self.policy_opt.load_state_dict(state["policy_optimizer"])
+        self.steps = state["step"]

@@ -1,0 +1,129 @@
+"""The SPO++ estimator's update on a tiny model (hand-computed advantages) and sample collation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from core.records import TrajectoryRecord, utcnow
+from learner.samples import NotLearnable, collate, episode_sample, single_turn_sample
+from learner.sao import Batch, policy_logprobs
+from learner.spo import SPOConfig, SPOLearner
+from tests.test_sao_step import tiny_policy
+
+
+def two_rows(policy) -> Batch:  # noqa: ANN001
+    # Row 0: 3 action tokens, row 1: 1 action token (right-padded).
+    ids = torch.tensor([[5, 6, 7, 8, 9], [5, 6, 7, 0, 0]])
+    attn = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+    act = torch.tensor([[0, 0, 1, 1, 1], [0, 0, 1, 0, 0]], dtype=torch.float32)
+    temps = torch.tensor([1.0, 1.0])
+    with torch.no_grad():
+        rollout = policy_logprobs(policy, ids, attn, temps) * act
+    return Batch(ids, attn, act, rollout, torch.tensor([1.0, 0.0]), temps)
+
+
+def test_spo_step_uses_frozen_values_and_token_measure():
+    policy = tiny_policy()
+    before = {k: v.clone() for k, v in policy.state_dict().items()}
+    learner = SPOLearner(policy, SPOConfig(policy_lr=1e-2))
+    m = learner.step(two_rows(policy), torch.tensor([0.5, 0.5]))
+    # A = R − v̂ = (1 − 0.5, 0 − 0.5) = (0.5, −0.5); lengths (3, 1):
+    # token-weighted centre μ = (3·0.5 + 1·(−0.5)) / 4 = 0.25; after normalisation 0.
+    assert m["token_centre_before"] == pytest.approx(0.25)
+    assert m["token_centre_after"] == pytest.approx(0.0, abs=1e-6)
+    # On-policy rollout (same weights): the rollout IS weight is 1, nothing truncated.
+    assert m["rollout_is_mean"] == pytest.approx(1.0, abs=1e-5) and m["kept_fraction"] == 1.0
+    assert m["reward_mean"] == 0.5 and m["baseline_mean"] == 0.5 and learner.steps == 1
+    assert any(not torch.equal(before[k], v) for k, v in policy.state_dict().items())
+
+
+def _rec(**kw) -> TrajectoryRecord:
+    base = dict(
+        id="t1",
+        prompt_id="p",
+        created_at=utcnow(),
+        model="m",
+        prompt_token_ids=[1, 2, 3],
+        response_token_ids=[4, 5],
+        rollout_logprobs=[-0.5, -0.25],
+        token_versions=[(2, 1), (3, 1)],
+        dispatch_version=2,
+        sampling={"temperature": 0.8, "max_tokens": 4},
+        finish_reason="stop",
+        baseline={"alpha": 4, "beta": 4, "value": 0.5, "version": 2, "z": 0.27},
+    )
+    base.update(kw)
+    return TrajectoryRecord(**base)
+
+
+def test_single_turn_sample_and_collate():
+    s = single_turn_sample(_rec(), 1.0)
+    assert s.input_ids == [1, 2, 3, 4, 5] and s.actions == [(3, 5)] and s.token_versions == [2, 3]
+    assert s.baseline_value == 0.5 and s.result_version == 2
+    b = collate(
+        [
+            s,
+            single_turn_sample(
+                _rec(id="t2", response_token_ids=[9], rollout_logprobs=[-1.0], token_versions=[(3, 1)]), 0.0
+            ),
+        ],
+        current_version=4,
+    )
+    assert b.input_ids.tolist() == [[1, 2, 3, 4, 5], [1, 2, 3, 9, 0]]
+    assert b.action_mask.tolist() == [[0, 0, 0, 1, 1], [0, 0, 0, 1, 0]]
+    assert b.rollout_logprobs.tolist() == [[0, 0, 0, -0.5, -0.25], [0, 0, 0, -1.0, 0]]
+    # staleness = current version 4 − token version: (4−2, 4−3) and (4−3).
+    assert b.token_staleness.tolist() == [[0, 0, 0, 2, 1], [0, 0, 0, 1, 0]]
+    assert b.temperatures.tolist() == pytest.approx([0.8, 0.8])
+
+
+@pytest.mark.parametrize(
+    ("sampling", "reason"),
+    [
+        ({"temperature": 1.0, "top_p": 0.9, "max_tokens": 4}, "excluded_truncated_sampling"),
+        ({"temperature": 1.0, "top_k": 5, "max_tokens": 4}, "excluded_truncated_sampling"),
+        ({"temperature": 0.0, "max_tokens": 4}, "excluded_greedy"),
+    ],
+)
+def test_unlearnable_rollouts_are_named(sampling, reason):
+    with pytest.raises(NotLearnable, match=reason):
+        single_turn_sample(_rec(sampling=sampling), 1.0)
+
+
+def test_episode_sample_marks_observations_between_actions():
+    # Turn 0: prompt [1,2], response [3,4]; turn 1 re-renders it and adds a tool observation [7,8].
+    t0 = _rec(
+        id="a",
+        episode_id="e",
+        turn=0,
+        prompt_token_ids=[1, 2],
+        response_token_ids=[3, 4],
+        rollout_logprobs=[-0.1, -0.2],
+        token_versions=[(0, 2)],
+    )
+    t1 = _rec(
+        id="b",
+        episode_id="e",
+        turn=1,
+        prompt_token_ids=[1, 2, 3, 4, 7, 8],
+        response_token_ids=[9],
+        rollout_logprobs=[-0.3],
+        token_versions=[(1, 1)],
+    )
+    s, misaligned = episode_sample("e", [t1, t0], 1.0)
+    assert misaligned == 0 and s.id == "e:e"
+    assert s.input_ids == [1, 2, 3, 4, 7, 8, 9] and s.actions == [(2, 4), (6, 7)]
+    assert s.rollout_logprobs == [-0.1, -0.2, -0.3] and s.token_versions == [0, 0, 1]
+    # A re-tokenised history that no longer matches stays observation and is counted.
+    t1b = _rec(
+        id="b",
+        episode_id="e",
+        turn=1,
+        prompt_token_ids=[1, 2, 3, 5, 7, 8],
+        response_token_ids=[9],
+        rollout_logprobs=[-0.3],
+        token_versions=[(1, 1)],
+    )
+    s, misaligned = episode_sample("e", [t0, t1b], 1.0)
+    assert misaligned == 1 and s.actions == [(6, 7)]

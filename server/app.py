@@ -107,16 +107,26 @@ class ServerState:
         finally:
             self.metrics.log_append.labels(topic).observe(time.perf_counter() - t0)
 
+    def _append_and_index(self, rec: TrajectoryRecord) -> None:
+        t0 = time.perf_counter()
+        part, off = self.log.append(TOPIC_TRAJECTORIES, rec.prompt_id, rec.to_json())
+        self.metrics.log_append.labels(TOPIC_TRAJECTORIES).observe(time.perf_counter() - t0)
+        self.store.index_trajectory(rec, part, off)
+
     async def persist_trajectory(self, rec: TrajectoryRecord) -> None:
         """Make ``rec`` durable in the log and index it for feedback.
 
+        Append and index run as one unit in a shielded task: a client that disconnects while
+        its record is being written cannot leave a logged record without its index row.
         Raises LogUnavailable when the log or the database refused and records must not be
         kept locally (``log_required``); otherwise the record goes to the local spool, which
         re-sends it when the log is back.
         """
+        await asyncio.shield(asyncio.ensure_future(self._persist(rec)))
+
+    async def _persist(self, rec: TrajectoryRecord) -> None:
         try:
-            part, off = await self.append(TOPIC_TRAJECTORIES, rec.prompt_id, rec.to_json())
-            await asyncio.to_thread(self.store.index_trajectory, rec, part, off)
+            await asyncio.to_thread(self._append_and_index, rec)
         except Exception as exc:
             self.metrics.log_failures.labels(TOPIC_TRAJECTORIES).inc()
             if self.spool is None:

@@ -1,0 +1,40 @@
+"""Judges and the online preference-shift simulation's catalogue (SAO paper §3.4, DESIGN §6).
+
+- ``judge.base``: ``Judgement``, the ``Judge`` interface, ``JudgeFailure``.
+- ``judge.styles``: the style catalogue, schedules, the SAO system prompt, shipped data.
+- ``judge.offline``: ``OfflineJudge``, the default judge (MiniLM embeddings + rules, no network).
+- ``judge.llm``: ``LLMJudge`` over any OpenAI-compatible chat endpoint.
+- ``judge.report``: metrics (AUC, last-5 mean, adaptation lag, style shares) and the report.
+"""
+
+from judge.base import Judge, JudgeFailure, Judgement
+from judge.llm import LLMJudge
+from judge.offline import OfflineJudge
+from judge.styles import (
+    CATALOGUE,
+    NAMED_SCHEDULES,
+    STYLE_NAMES,
+    Schedule,
+    Segment,
+    Style,
+    default_schedule,
+    schedule_from_spec,
+    system_prompt,
+)
+
+__all__ = [
+    "CATALOGUE",
+    "NAMED_SCHEDULES",
+    "STYLE_NAMES",
+    "Judge",
+    "JudgeFailure",
+    "Judgement",
+    "LLMJudge",
+    "OfflineJudge",
+    "Schedule",
+    "Segment",
+    "Style",
+    "default_schedule",
+    "schedule_from_spec",
+    "system_prompt",
+]

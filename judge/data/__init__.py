@@ -1,0 +1,1 @@
+"""Data files of the judge: exemplars, the labelled set, writing requests (see ``judge.styles``)."""

@@ -1,0 +1,379 @@
+"""Judges, style catalogue, schedules and shipped data (SAO §3.4, DESIGN §6)."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+
+from judge import (
+    CATALOGUE,
+    STYLE_NAMES,
+    JudgeFailure,
+    Judgement,
+    LLMJudge,
+    OfflineJudge,
+    default_schedule,
+    schedule_from_spec,
+    system_prompt,
+)
+from judge.offline import lexical_cues, repeat_ratio, words
+from judge.styles import exemplars, labelled, writing_requests
+
+# One clear text per style, written for this test (not in the exemplars or the labelled set).
+CLEAR = {
+    "cute": (
+        "Describe a hamster.",
+        "Awww, my hamster is a teeny fluffy potato! 🐹 He stuffs his cheeks with seeds until they're "
+        "all squishy and round, then naps in a cuddly little ball! Sooo cute! 💕",
+    ),
+    "chuunibyou": (
+        "Describe a thunderstorm.",
+        "The thunder roars my forbidden name. This storm is no accident: my sealed power is "
+        "breaking free, and the heavens tremble before the chosen one of darkness. Kneel, mortals!",
+    ),
+    "classical": (
+        "Describe a winter night.",
+        "Hark, the winter night is come, and the frost doth lie upon the fields. Thou shalt find "
+        "no warmth abroad, good friend, so tarry by mine hearth till the morrow.",
+    ),
+    "formal": (
+        "Write a short note about the office printer.",
+        "Please be advised that the office printer on the second floor is currently out of service. "
+        "Staff are kindly requested to use the printer in Room 204 until repairs are completed.",
+    ),
+    "casual": (
+        "Write a short note about a movie night.",
+        "Movie night at my place tonight! Gonna get pizza and watch something dumb lol. Bring "
+        "snacks if you want, no pressure. It's gonna be super chill, see ya around 8!",
+    ),
+    "poetic": (
+        "Describe a quiet harbour at dusk.",
+        "The harbour folds itself into dusk. Boats sleep on the dark water like tired birds, and "
+        "the last light spills gold across the waves, a soft whisper before the night.",
+    ),
+    "pirate": (
+        "Describe a parrot.",
+        "Arr, me parrot be the finest matey on the ship! She squawks at the landlubbers, guards "
+        "me treasure map, and steals crackers from the cap'n. Yo ho ho!",
+    ),
+    "concise": ("Describe a hammer.", "A hammer drives nails into wood."),
+    "plain": (
+        "Describe a toaster.",
+        "A toaster is a small kitchen appliance that browns slices of bread. You put the bread "
+        "in the slots, choose a setting, and press the lever. After a minute or two, the toast "
+        "pops up and is ready to eat.",
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def offline() -> OfflineJudge:
+    judge = OfflineJudge()
+    judge.judge("Warm up.", "Load the model once for the module.", "plain")
+    return judge
+
+
+def test_each_clear_text_is_detected_as_its_style(offline: OfflineJudge) -> None:
+    items = [(req, text, style) for style, (req, text) in CLEAR.items()]
+    results = offline.judge_many(items)
+    detected = {style: j.style for style, j in zip(CLEAR, results, strict=True)}
+    assert detected == {s: s for s in CLEAR}
+    for j in results:
+        assert j.quality == 1, j.reasons
+        assert j.reward == 1.0
+        assert set(j.scores) == set(STYLE_NAMES)
+        assert j.style_score == max(j.scores.values())
+
+
+def test_reward_needs_the_target_style(offline: OfflineJudge) -> None:
+    req, text = CLEAR["pirate"]
+    j = offline.judge(req, text, "cute")
+    assert (j.quality, j.style, j.reward) == (1, "pirate", 0.0)
+
+
+def test_off_topic_answer_has_quality_zero(offline: OfflineJudge) -> None:
+    j = offline.judge(
+        "Describe a cup of coffee.",
+        "Penguins are flightless birds that live in the Southern Hemisphere and eat fish and krill.",
+        "plain",
+    )
+    assert j.quality == 0 and j.reward == 0.0
+    assert any(r.startswith("off topic") for r in j.reasons)
+
+
+def test_empty_answer_has_quality_zero(offline: OfflineJudge) -> None:
+    for answer in ("", "   \n "):
+        j = offline.judge("Describe a cup of coffee.", answer, "plain")
+        assert j.quality == 0 and j.reward == 0.0
+        assert "empty answer" in j.reasons
+
+
+def test_repetitive_answer_has_quality_zero(offline: OfflineJudge) -> None:
+    answer = "Coffee is hot and bitter. " * 15
+    j = offline.judge("Describe a cup of coffee.", answer, "plain")
+    assert j.quality == 0
+    assert any(r.startswith("repetitive") for r in j.reasons)
+
+
+def test_length_bounds(offline: OfflineJudge) -> None:
+    short = offline.judge("Describe a cup of coffee.", "Coffee.", "concise")
+    assert short.quality == 0 and any(r.startswith("too short") for r in short.reasons)
+    strict = OfflineJudge(max_words=10)
+    long = strict.judge(*CLEAR["plain"], "plain")
+    assert long.quality == 0 and any(r.startswith("too long") for r in long.reasons)
+
+
+def test_candidate_subset_and_bad_target(offline: OfflineJudge) -> None:
+    sub = OfflineJudge(styles=["cute", "formal"])
+    j = sub.judge(*CLEAR["cute"], "cute")
+    assert set(j.scores) == {"cute", "formal"} and j.style == "cute"
+    with pytest.raises(ValueError):
+        sub.judge(*CLEAR["cute"], "pirate")
+    with pytest.raises(ValueError):
+        OfflineJudge(styles=["nonsense"])
+
+
+def test_try_judge_many_keeps_verdicts(offline: OfflineJudge) -> None:
+    results = offline.try_judge_many([(*CLEAR["formal"], "formal"), (*CLEAR["casual"], "formal")])
+    assert [r.reward for r in results if isinstance(r, Judgement)] == [1.0, 0.0]
+
+
+def test_judgement_reward_is_derived() -> None:
+    j = Judgement(quality=1, style="cute", style_score=0.5, scores={"cute": 0.5}, target_style="cute")
+    assert j.reward == 1.0 and j.to_dict()["reward"] == 1.0
+    assert Judgement(0, "cute", 0.5, {"cute": 0.5}, "cute").reward == 0.0
+    with pytest.raises(ValueError):
+        Judgement(2, "cute", 0.5, {"cute": 0.5}, "cute")
+
+
+def test_text_features() -> None:
+    assert words("It's a DOG's life, isn't it?") == ["it's", "a", "dog's", "life", "isn't", "it"]
+    assert repeat_ratio(words("a b c a b c a b c")) == pytest.approx(1 - 3 / 7)
+    assert repeat_ratio(["a", "b"]) == 0.0
+    cues = lexical_cues("Arr matey, ye be sailin' for treasure!", STYLE_NAMES)
+    stylised = {s: v for s, v in cues.items() if s != "concise"}
+    assert max(stylised, key=stylised.__getitem__) == "pirate"
+    assert cues["concise"] == 1.0  # 7 words: short enough to count as concise
+    assert lexical_cues(CLEAR["plain"][1], ["concise"])["concise"] == 0.0
+    assert lexical_cues("Thou art fair.", ["plain"]) == {"plain": 0.0}
+    # Superlatives are modern; only "-est" after "thou" is archaic.
+    assert lexical_cues("The sweetest and finest cake.", ["classical"])["classical"] == 0.0
+    assert lexical_cues("Thou knowest.", ["classical"])["classical"] > 0.0
+
+
+def test_schedule_spec() -> None:
+    s = schedule_from_spec(" cute:40, formal:30 ")
+    assert s.switch_steps == [40] and s.total_steps == 70 and s.styles == ["cute", "formal"]
+    assert (s.target_at(0), s.target_at(39), s.target_at(40), s.target_at(500)) == (
+        "cute",
+        "cute",
+        "formal",
+        "formal",
+    )
+    assert s.as_dicts() == [
+        {"style": "cute", "start": 0, "end": 40},
+        {"style": "formal", "start": 40, "end": 70},
+    ]
+    assert schedule_from_spec(s.to_spec()) == s
+    paper = schedule_from_spec("paper", steps_per_style=10)
+    assert paper.styles == ["cute", "chuunibyou", "classical"] and paper.switch_steps == [10, 20]
+    for bad in ("", "cute", "cute:x", "cute:0", "nonsense:5", "cute:5,"):
+        with pytest.raises(ValueError):
+            schedule_from_spec(bad)
+    with pytest.raises(ValueError):
+        s.target_at(-1)
+
+
+def test_default_schedule_is_configurable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SAOSERVE_STYLE_SCHEDULE", raising=False)
+    assert default_schedule() == schedule_from_spec("default")
+    monkeypatch.setenv("SAOSERVE_STYLE_SCHEDULE", "casual:5,poetic:5")
+    assert default_schedule().switch_steps == [5]
+
+
+def test_system_prompt_lists_the_styles() -> None:
+    prompt = system_prompt(["cute", "chuunibyou", "classical"])
+    for s in ("cute", "chuunibyou", "classical"):
+        assert f"- {s}: {CATALOGUE[s].description}" in prompt
+    assert "pirate" not in prompt
+    with pytest.raises(ValueError):
+        system_prompt(["nonsense"])
+    with pytest.raises(ValueError):
+        system_prompt([])
+
+
+def test_shipped_data_sizes() -> None:
+    ex = exemplars()
+    lab = labelled()
+    assert set(ex) == set(STYLE_NAMES)
+    assert all(len(texts) >= 12 for texts in ex.values())
+    for style in STYLE_NAMES:
+        assert sum(1 for x in lab if x["style"] == style) >= 30
+    assert not {t for texts in ex.values() for t in texts} & {x["text"] for x in lab}
+    reqs = writing_requests()
+    assert len(reqs) >= 200 and len(set(reqs)) == len(reqs)
+
+
+# ---- LLM judge against a local stub endpoint -------------------------------------------
+
+
+class _Stub:
+    """Replies with scripted (status, content) pairs in order; records what it received."""
+
+    def __init__(self) -> None:
+        self.replies: list[tuple[int, Any]] = []
+        self.received: list[dict[str, Any]] = []
+        self.headers: list[dict[str, str]] = []
+        self.lock = threading.Lock()
+
+
+@pytest.fixture(scope="module")
+def stub() -> Iterator[tuple[_Stub, str]]:
+    state = _Stub()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            with state.lock:
+                state.received.append(body)
+                state.headers.append(dict(self.headers))
+                status, content = state.replies.pop(0) if state.replies else (500, "no reply left")
+            if status == 200 and not isinstance(content, bytes):
+                payload = json.dumps({"choices": [{"message": {"role": "assistant", "content": content}}]})
+                data = payload.encode()
+            else:
+                data = content if isinstance(content, bytes) else str(content).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield state, f"http://127.0.0.1:{server.server_address[1]}/v1"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _llm(url: str, retries: int = 2) -> LLMJudge:
+    return LLMJudge(url, "judge-model", api_key="k", retries=retries, retry_backoff_s=0.0, timeout_s=5)
+
+
+def _script(state: _Stub, *replies: tuple[int, Any]) -> None:
+    with state.lock:
+        state.replies[:] = list(replies)
+        state.received.clear()
+        state.headers.clear()
+
+
+def test_llm_valid_reply_is_parsed(stub: tuple[_Stub, str]) -> None:
+    state, url = stub
+    _script(state, (200, '{"quality": 1, "style": "Pirate", "reason": "arr"}'))
+    with _llm(url) as judge:
+        j = judge.judge("Describe a parrot.", "Arr matey!", "pirate")
+    assert (j.quality, j.style, j.reward, j.style_score) == (1, "pirate", 1.0, 1.0)
+    assert j.scores["pirate"] == 1.0 and sum(j.scores.values()) == 1.0
+    assert "reason: arr" in j.reasons
+    body = state.received[0]
+    assert body["model"] == "judge-model" and body["temperature"] == 0.0
+    assert body["messages"][0]["role"] == "system" and "chuunibyou" in body["messages"][0]["content"]
+    assert "Arr matey!" in body["messages"][1]["content"]
+    assert state.headers[0]["Authorization"] == "Bearer k"
+    assert judge.stats == {"calls": 1, "bad_replies": 0, "failures": 0, "verdicts": 1}
+
+
+def test_llm_json_mode_and_no_key(stub: tuple[_Stub, str]) -> None:
+    state, url = stub
+    _script(state, (200, '{"quality": 1, "style": "concise"}'))
+    with LLMJudge(url, "m", json_mode=True, retry_backoff_s=0.0) as judge:
+        assert judge.judge("Describe a hammer.", "It drives nails.", "concise").reward == 1.0
+    assert state.received[0]["response_format"] == {"type": "json_object"}
+    assert "Authorization" not in state.headers[0]
+
+
+def test_llm_fenced_reply_and_other_target(stub: tuple[_Stub, str]) -> None:
+    state, url = stub
+    _script(state, (200, 'Verdict:\n```json\n{"quality": 0, "style": "cute"}\n```'))
+    with _llm(url) as judge:
+        j = judge.judge("Describe a kitten.", "...", "cute")
+    assert (j.quality, j.style, j.reward) == (0, "cute", 0.0)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "",
+        "I think it is cute.",
+        '{"quality": 1}',
+        '{"style": "cute"}',
+        '{"quality": 1, "style": "gothic"}',
+        '{"quality": true, "style": "cute"}',
+        '{"quality": 2, "style": "cute"}',
+        '{"quality": 1, "style": "cute"',
+        '["cute"]',
+    ],
+)
+def test_llm_malformed_replies_are_retried_then_fail(stub: tuple[_Stub, str], bad: str) -> None:
+    state, url = stub
+    _script(state, *[(200, bad)] * 3)
+    with _llm(url, retries=2) as judge:
+        with pytest.raises(JudgeFailure):
+            judge.judge("Describe a kitten.", "Aww!", "cute")
+    assert len(state.received) == 3
+    assert judge.stats == {"calls": 3, "bad_replies": 3, "failures": 1, "verdicts": 0}
+
+
+def test_llm_recovers_after_bad_replies(stub: tuple[_Stub, str]) -> None:
+    state, url = stub
+    _script(
+        state,
+        (500, "overloaded"),
+        (200, b"not a chat completion"),
+        (200, '{"quality": 1, "style": "formal"}'),
+    )
+    with _llm(url, retries=2) as judge:
+        j = judge.judge("Write a memo.", "Please be advised.", "formal")
+    assert j.reward == 1.0
+    assert judge.stats == {"calls": 3, "bad_replies": 2, "failures": 0, "verdicts": 1}
+
+
+def test_llm_client_error_fails_without_retry(stub: tuple[_Stub, str]) -> None:
+    state, url = stub
+    _script(state, (401, "bad key"), (200, '{"quality": 1, "style": "cute"}'))
+    with _llm(url, retries=3) as judge:
+        with pytest.raises(JudgeFailure, match="401"):
+            judge.judge("Describe a kitten.", "Aww!", "cute")
+    assert len(state.received) == 1 and judge.stats["failures"] == 1
+
+
+def test_llm_unreachable_endpoint_fails() -> None:
+    with LLMJudge("http://127.0.0.1:9/v1", "m", retries=1, retry_backoff_s=0.0, timeout_s=2) as judge:
+        with pytest.raises(JudgeFailure, match="transport error"):
+            judge.judge("Describe a kitten.", "Aww!", "cute")
+    assert judge.stats["calls"] == 2
+
+
+def test_llm_many_reports_each_failure(stub: tuple[_Stub, str]) -> None:
+    state, url = stub
+    with _llm(url, retries=0) as judge:
+        judge.concurrency = 1  # scripted replies are consumed in order
+        _script(state, (200, '{"quality": 1, "style": "cute"}'), (200, "garbage"))
+        results = judge.try_judge_many([("a", "b", "cute"), ("c", "d", "cute")])
+        assert isinstance(results[0], Judgement) and isinstance(results[1], JudgeFailure)
+        _script(state, (200, '{"quality": 1, "style": "cute"}'), (200, "garbage"))
+        with pytest.raises(JudgeFailure):
+            judge.judge_many([("a", "b", "cute"), ("c", "d", "cute")])
+        with pytest.raises(ValueError):
+            judge.judge("a", "b", "gothic")

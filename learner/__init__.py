@@ -1,0 +1,8 @@
+"""The SAO learner's pure parts: tensors in, tensors out (no I/O, no database, no HTTP).
+
+- ``learner.dis``: DIS, direct double-sided importance sampling loss (SAO §2.2, DESIGN §5.1).
+- ``learner.gae``: skip-observation token-level GAE, length-adaptive λ, step-level ablation
+  (SAO §2.4 and appendix A.1, DESIGN §5.3).
+- ``learner.critic``: the value model with frozen attention (SAO §2.3, DESIGN §5.2).
+- ``learner.sao``: one SAO step on in-memory models, value pretraining, running-mean baseline.
+"""

@@ -1,0 +1,277 @@
+"""The SAO step on a tiny random Llama: log-probabilities, critic/policy updates, checkpoints."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from learner.critic import ValueModel
+from learner.sao import (
+    Batch,
+    RunningMeanBaseline,
+    SAOConfig,
+    SAOLearner,
+    explained_variance,
+    policy_logprobs,
+    pretrain_critic,
+)
+
+FAST = dict(policy_lr=1e-2, critic_lr=1e-2, critic_warmup_steps=0)
+
+
+def tiny_policy(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+def make_batch(policy, rewards=(1.0, 0.0, 1.0, 0.0), seed=0) -> Batch:
+    """4 rows x 10 tokens: prompt 3, actions, one row with an observation gap, one right-padded."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 64, (4, 10), generator=g)
+    attn = torch.ones(4, 10, dtype=torch.long)
+    attn[3, 8:] = 0
+    act = torch.zeros(4, 10)
+    act[:, 3:] = 1
+    act[1, 5:7] = 0  # observation tokens between two actions
+    act[3, 8:] = 0
+    temps = torch.tensor([1.0, 0.7, 1.0, 1.3])
+    with torch.no_grad():
+        rollout = policy_logprobs(policy, ids, attn, temps) * act
+    return Batch(
+        input_ids=ids,
+        attention_mask=attn,
+        action_mask=act,
+        rollout_logprobs=rollout,
+        rewards=torch.tensor(rewards),
+        temperatures=temps,
+        prompt_ids=["p0", "p1", "p0", "p2"],
+    )
+
+
+def test_policy_logprobs_match_log_softmax_and_its_gradient():
+    policy = tiny_policy()
+    ids = torch.randint(1, 64, (3, 9), generator=torch.Generator().manual_seed(5))
+    attn = torch.ones_like(ids)
+    attn[2, 6:] = 0
+    temps = torch.tensor([1.0, 0.5, 2.0])
+    lp = policy_logprobs(policy, ids, attn, temps, chunk_tokens=5)
+    logits = policy(input_ids=ids, attention_mask=attn).logits.float()
+    logp = torch.log_softmax(logits[:, :-1] / temps[:, None, None], -1)
+    ref = logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
+    ref = torch.cat([torch.zeros(3, 1), ref], dim=1) * attn
+    assert torch.allclose(lp, ref, atol=1e-5)
+    weights = torch.randn(3, 9, generator=torch.Generator().manual_seed(6))
+    (lp * weights).sum().backward()
+    grads = {n: p.grad.clone() for n, p in policy.named_parameters()}
+    policy.zero_grad()
+    (ref * weights).sum().backward()
+    for n, p in policy.named_parameters():
+        assert torch.allclose(grads[n], p.grad, atol=1e-5), n
+    # positions subset: only those are computed, the rest are 0
+    pos = torch.zeros_like(attn)
+    pos[:, 4:6] = 1
+    sub = policy_logprobs(policy, ids, attn, temps, positions=pos)
+    assert torch.allclose(sub, ref * pos, atol=1e-5)
+
+
+def test_left_padded_logprobs_equal_unpadded():
+    policy = tiny_policy()
+    ids = torch.randint(1, 64, (1, 6), generator=torch.Generator().manual_seed(7))
+    plain = policy_logprobs(policy, ids, torch.ones_like(ids), torch.tensor([1.0]))
+    pids = torch.cat([torch.zeros(1, 2, dtype=torch.long), ids], dim=1)
+    pattn = torch.cat([torch.zeros(1, 2, dtype=torch.long), torch.ones_like(ids)], dim=1)
+    padded = policy_logprobs(policy, pids, pattn, torch.tensor([1.0]))
+    assert torch.allclose(padded[:, 3:], plain[:, 1:], atol=1e-5)
+
+
+def test_token_rewards_on_last_action_token():
+    batch = make_batch(tiny_policy(), rewards=(1.0, 0.5, 0.25, 2.0))
+    tr = batch.token_rewards()
+    assert tr[0, 9] == 1.0 and tr[1, 9] == 0.5 and tr[2, 9] == 0.25 and tr[3, 7] == 2.0
+    assert tr.sum().item() == pytest.approx(3.75)
+
+
+def test_step_updates_policy_and_only_trainable_critic_params():
+    policy = tiny_policy()
+    critic = ValueModel.from_policy(policy, trainable="mlp")
+    learner = SAOLearner(policy, critic, SAOConfig(**FAST))
+    batch = make_batch(policy)
+    p_before = {n: p.detach().clone() for n, p in policy.named_parameters()}
+    c_before = {n: p.detach().clone() for n, p in critic.named_parameters()}
+    metrics = learner.step(batch)
+    expected = {
+        "policy_loss",
+        "kept_fraction",
+        "mean_abs_log_ratio",
+        "approx_kl",
+        "critic_loss",
+        "explained_variance",
+        "critic_grad_norm",
+        "policy_grad_norm",
+        "reward_mean",
+        "tokens",
+        "step_time_s",
+        "tokens_per_s",
+    }
+    assert expected <= set(metrics)
+    # rollout log-probs came from this policy: every ratio is 1, every token kept
+    assert metrics["kept_fraction"] == 1.0
+    assert metrics["mean_abs_log_ratio"] == pytest.approx(0.0, abs=1e-6)
+    assert metrics["tokens"] == 38 and metrics["reward_mean"] == 0.5
+    assert any(not torch.equal(p_before[n], p) for n, p in policy.named_parameters())
+    for n, p in critic.named_parameters():
+        if not p.requires_grad:
+            assert torch.equal(c_before[n], p), n
+    assert not torch.equal(c_before["head.bias"], critic.head.bias)
+    assert policy.lm_head.weight is policy.model.embed_tokens.weight  # tie survives the fp32 cast
+
+
+def test_repeated_steps_raise_the_rewarded_tokens_logprob():
+    policy = tiny_policy(seed=1)
+    critic = ValueModel.from_policy(policy)
+    learner = SAOLearner(policy, critic, SAOConfig(**FAST))
+    good, bad = 11, 12
+    ids = torch.randint(0, 64, (8, 6), generator=torch.Generator().manual_seed(8))
+    ids[:, :3] = torch.tensor([5, 9, 3])
+    ids[:4, 3] = good
+    ids[4:, 3] = bad
+    attn = torch.ones_like(ids)
+    act = torch.zeros(8, 6)
+    act[:, 3:] = 1
+    temps = torch.ones(8)
+    rewards = torch.tensor([1.0] * 4 + [0.0] * 4)
+
+    def logprob_of(token):
+        probe = ids[:1].clone()
+        probe[0, 3] = token
+        with torch.no_grad():
+            return policy_logprobs(policy, probe, attn[:1], temps[:1])[0, 3].item()
+
+    start_good, start_bad = logprob_of(good), logprob_of(bad)
+    for _ in range(5):
+        with torch.no_grad():
+            rollout = policy_logprobs(policy, ids, attn, temps) * act
+        learner.step(Batch(ids, attn, act, rollout, rewards, temps))
+    assert logprob_of(good) > start_good + 0.5
+    assert logprob_of(bad) < start_bad
+
+
+def test_running_mean_baseline_step_and_history():
+    base = RunningMeanBaseline(window=2, default=0.5)
+    assert base.baselines(["a"]).tolist() == [0.5]
+    base.update(["a", "a", "a"], [1.0, 0.0, 0.5])
+    assert base.baselines(["a", "b"]).tolist() == [pytest.approx((0.0 + 0.5) / 2), 0.5]
+    restored = RunningMeanBaseline()
+    restored.load_state_dict(base.state_dict())
+    assert restored.baselines(["a"]).tolist() == [0.25]
+
+    policy = tiny_policy()
+    learner = SAOLearner(policy, None, SAOConfig(baseline="running_mean", **FAST))
+    batch = make_batch(policy, rewards=(1.0, 0.0, 1.0, 0.0))
+    m1 = learner.step(batch)
+    assert m1["baseline_mean"] == 0.5 and "critic_loss" not in m1
+    # second step: p0 saw [1, 1] -> 1, p1 saw [0] -> 0, p2 saw [0] -> 0
+    m2 = learner.step(make_batch(policy))
+    assert m2["baseline_mean"] == pytest.approx((1 + 0 + 1 + 0) / 4)
+    with pytest.raises(ValueError):
+        SAOLearner(policy, ValueModel.from_policy(policy), SAOConfig(baseline="running_mean"))
+
+
+@pytest.mark.parametrize("mode", ["step_mean", "step_last"])
+def test_step_level_gae_modes_run(mode):
+    policy = tiny_policy()
+    learner = SAOLearner(policy, ValueModel.from_policy(policy), SAOConfig(gae_mode=mode, **FAST))
+    metrics = learner.step(make_batch(policy))
+    assert metrics["policy_grad_norm"] > 0
+
+
+def test_bf16_autocast_step_keeps_fp32_master_weights():
+    policy = tiny_policy()
+    learner = SAOLearner(policy, ValueModel.from_policy(policy), SAOConfig(autocast_bf16=True, **FAST))
+    metrics = learner.step(make_batch(policy))
+    assert metrics["kept_fraction"] > 0.5
+    assert all(p.dtype == torch.float32 for p in policy.parameters())
+    assert learner.policy_weights()["model.embed_tokens.weight"].dtype == torch.bfloat16
+
+
+def test_state_dict_round_trip():
+    policy = tiny_policy()
+    learner = SAOLearner(policy, ValueModel.from_policy(policy), SAOConfig(**FAST))
+    learner.step(make_batch(policy))
+    state = _deep_clone(learner.state_dict())
+    saved = {n: p.detach().clone() for n, p in policy.named_parameters()}
+    saved_critic = {n: p.detach().clone() for n, p in learner.critic.named_parameters()}
+    learner.step(make_batch(policy, seed=1))
+    learner.load_state_dict(state)
+    assert learner.steps == 1
+    assert all(torch.equal(saved[n], p) for n, p in policy.named_parameters())
+    assert all(torch.equal(saved_critic[n], p) for n, p in learner.critic.named_parameters())
+    # the restored learner continues exactly like one that never took the extra step
+    twin_policy = tiny_policy()
+    twin = SAOLearner(twin_policy, ValueModel.from_policy(twin_policy), SAOConfig(**FAST))
+    twin.load_state_dict(_deep_clone(state))
+    batch = make_batch(policy, seed=2)
+    a, b = learner.step(batch), twin.step(batch)
+    assert a["policy_loss"] == pytest.approx(b["policy_loss"])
+    assert a["critic_loss"] == pytest.approx(b["critic_loss"])
+
+
+def _deep_clone(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: _deep_clone(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_deep_clone(v) for v in obj]
+    return obj
+
+
+def test_pretrain_critic_reduces_loss():
+    policy = tiny_policy()
+    critic = ValueModel.from_policy(policy)
+    batches = [make_batch(policy, rewards=(1.0, 0.0, 1.0, 0.0), seed=s) for s in range(2)]
+    losses = pretrain_critic(critic, batches, epochs=8, lr=1e-2)
+    assert len(losses) == 16
+    assert losses[-1] < losses[0]
+
+
+def test_explained_variance_definition():
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    r = torch.tensor([[1.0, 0.0, 1.0, 5.0]])
+    # Var(R) = 2/9; R - V = [0.5, -0.5, 0.5] has Var = 2/9 -> EV = 0
+    assert explained_variance(r, torch.full((1, 4), 0.5), mask) == pytest.approx(0.0)
+    assert explained_variance(r, r, mask) == pytest.approx(1.0)
+    assert explained_variance(torch.ones(1, 4), torch.zeros(1, 4), mask) == 0.0  # Var(R) = 0
+
+
+def test_batch_validation():
+    policy = tiny_policy()
+    batch = make_batch(policy)
+    bad = make_batch(policy)
+    bad.action_mask[0, 0] = 1
+    with pytest.raises(ValueError, match="position 0"):
+        bad.validate()
+    bad = make_batch(policy)
+    bad.action_mask[3, 9] = 1
+    with pytest.raises(ValueError, match="padding"):
+        bad.validate()
+    bad = make_batch(policy)
+    bad.temperatures[0] = 0.0
+    with pytest.raises(ValueError, match="temperatures"):
+        bad.validate()
+    bad = make_batch(policy)
+    bad.action_mask[2] = 0
+    with pytest.raises(ValueError, match="no action"):
+        bad.validate()
+    batch.validate()
+    with pytest.raises(ValueError):
+        SAOLearner(policy, None, SAOConfig())

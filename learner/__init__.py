@@ -1,4 +1,5 @@
-"""The SAO learner's pure parts: tensors in, tensors out (no I/O, no database, no HTTP).
+"""The learner package. Its pure SAO modules take tensors in and give tensors out (no I/O, no
+database, no HTTP):
 
 - ``learner.dis``: DIS, direct double-sided importance sampling loss (SAO §2.2, DESIGN §5.1).
 - ``learner.gae``: skip-observation token-level GAE, length-adaptive λ, step-level ablation

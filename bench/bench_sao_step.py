@@ -1,7 +1,7 @@
 """Benchmark: one full SAO step vs the sum of the passes it cannot avoid, on the real model.
 
 Usage: ``python bench/bench_sao_step.py [MODEL_DIR] [--batch 8] [--seq 160] [--prompt 32]
-[--reps 3] [--warmup 1] [--bf16]``. MODEL_DIR defaults to ``var/model``.
+[--reps 3] [--warmup 1] [--bf16] [--threads N]``. MODEL_DIR defaults to ``var/model``.
 
 The required passes of a step with K critic updates are: one policy forward+backward, K critic
 forward+backward, and one critic forward (values for the advantage, no grad). Each repetition
@@ -94,7 +94,12 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--bf16", action="store_true", help="bf16 autocast (master weights stay float32)")
+    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     args = ap.parse_args()
+    if args.threads > 0:
+        # On a machine shared with other work, fewer threads than cores avoids the stalls of
+        # OpenMP barriers waiting for a descheduled thread, which make timings erratic.
+        torch.set_num_threads(args.threads)
 
     mem = PeakRSS()
     policy = AutoModelForCausalLM.from_pretrained(str(Path(args.model_dir)), dtype=torch.float32)

@@ -1,0 +1,286 @@
+"""The chat completion path: validate, render, dispatch (freeze version and evidence),
+generate, log exactly one trajectory, answer in OpenAI's shapes (plain or SSE)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+
+from fastapi.responses import JSONResponse
+
+from core.logbus import LogUnavailable
+from core.records import SamplingRecord, TrajectoryRecord, feedback_token, prompt_id_for, utcnow
+from server.rollout import Rollout
+from server.schemas import ChatCompletionRequest
+from server.state import ApiError, ServerState, episode_token_subject
+
+log = logging.getLogger(__name__)
+
+
+def messages_of(req: ChatCompletionRequest) -> list[dict]:
+    return [{"role": m.role, "content": m.text()} for m in req.messages]
+
+
+def task_messages(msgs: list[dict], episodic: bool) -> list[dict]:
+    """The messages that identify the task: all of them, or for an episode, up to its first
+    user message (so every turn of an episode shares one prompt id and one partition)."""
+    if not episodic:
+        return msgs
+    for i, m in enumerate(msgs):
+        if m["role"] == "user":
+            return msgs[: i + 1]
+    return msgs
+
+
+async def prepare_rollout(s: ServerState, req: ChatCompletionRequest):  # noqa: ANN201
+    """Validate against the model, render the prompt, freeze the dispatch state."""
+    from vllm import SamplingParams
+
+    st = s.settings
+    if req.model is not None and req.model != st.served_model_name:
+        raise ApiError(
+            404,
+            f"model {req.model!r} does not exist; this server serves {st.served_model_name!r}",
+            param="model",
+            code="model_not_found",
+        )
+    msgs = messages_of(req)
+    try:
+        prompt_ids = await asyncio.to_thread(s.engine.render, msgs)
+    except Exception as exc:  # the chat template rejects an ordering it cannot render
+        raise ApiError(
+            400,
+            f"messages cannot be rendered by the chat template: {exc}",
+            param="messages",
+            code="invalid_messages",
+        ) from exc
+    n_prompt = len(prompt_ids)
+    if n_prompt >= st.max_model_len:
+        raise ApiError(
+            400,
+            f"the prompt is {n_prompt} tokens; this model's context is {st.max_model_len} tokens",
+            param="messages",
+            code="context_length_exceeded",
+        )
+    max_tokens = req.requested_max_tokens
+    if max_tokens is None:
+        max_tokens = min(st.default_max_tokens, st.max_model_len - n_prompt)
+    elif max_tokens > st.max_tokens_limit:
+        raise ApiError(
+            400, f"max_tokens must be at most {st.max_tokens_limit}", param="max_tokens", code="invalid_value"
+        )
+    elif n_prompt + max_tokens > st.max_model_len:
+        raise ApiError(
+            400,
+            f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) exceeds the context of "
+            f"{st.max_model_len} tokens",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    top_k = max(req.top_k, 0)
+    sampling = SamplingParams(
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=top_k,
+        max_tokens=max_tokens,
+        seed=req.seed,
+        stop=req.stop,
+    )
+    prompt_id = req.prompt_id or prompt_id_for(task_messages(msgs, req.episode_id is not None))
+    version = s.engine.version
+    baseline = await s.read_baseline(prompt_id, version) if s.read_baseline else None
+    rollout = Rollout(
+        id=f"chatcmpl-{uuid.uuid4().hex}",
+        prompt_id=prompt_id,
+        model=st.served_model_name,
+        prompt_token_ids=prompt_ids,
+        sampling=SamplingRecord(
+            temperature=req.temperature, top_p=req.top_p, top_k=top_k, max_tokens=max_tokens, seed=req.seed
+        ),
+        dispatch_version=version,
+        created_at=utcnow(),
+        baseline=baseline,
+        episode_id=req.episode_id,
+        turn=req.turn,
+    )
+    return rollout, sampling
+
+
+def extension_fields(s: ServerState, rollout: Rollout) -> dict:
+    """The documented response extension: policy version at dispatch and feedback tokens."""
+    secret = s.settings.feedback_secret
+    out = {
+        "policy_version": rollout.dispatch_version,
+        "prompt_id": rollout.prompt_id,
+        "feedback_token": feedback_token(secret, rollout.id),
+    }
+    if rollout.episode_id is not None:
+        out["episode_feedback_token"] = feedback_token(secret, episode_token_subject(rollout.episode_id))
+    return out
+
+
+def logprobs_body(s: ServerState, token_ids: list[int], logprobs: list[float]) -> dict:
+    toks = s.engine.tokenizer.convert_ids_to_tokens(token_ids)
+    return {
+        "content": [
+            {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+            for t, lp in zip(toks, logprobs, strict=True)
+        ]
+    }
+
+
+def usage_of(rollout: Rollout) -> dict:
+    n_p, n_c = len(rollout.prompt_token_ids), len(rollout.token_ids)
+    return {"prompt_tokens": n_p, "completion_tokens": n_c, "total_tokens": n_p + n_c}
+
+
+async def complete_chat(
+    s: ServerState, req: ChatCompletionRequest, rollout: Rollout, sampling
+) -> JSONResponse:  # noqa: ANN001
+    t0 = time.perf_counter()
+    text_parts: list[str] = []
+    s.metrics.in_flight.inc()
+    try:
+        async with contextlib.aclosing(
+            s.engine.generate(rollout.prompt_token_ids, sampling, rollout.id)
+        ) as gen:
+            async for d in gen:
+                rollout.add(d)
+                text_parts.append(d.text)
+    except Exception as exc:
+        s.metrics.requests.labels("false", "engine_error").inc()
+        if rollout.token_ids:
+            s.spawn(persist_quietly(s, rollout.record("error")))
+        else:
+            s.metrics.failed_before_generation.labels("engine_error").inc()
+        raise ApiError(500, f"generation failed: {exc}", "server_error") from exc
+    finally:
+        s.metrics.in_flight.dec()
+    rec = rollout.record()
+    try:
+        await s.persist_trajectory(rec)
+    except LogUnavailable as exc:
+        s.metrics.requests.labels("false", "log_unavailable").inc()
+        raise ApiError(
+            503, f"trajectory log unavailable, the answer was not recorded: {exc}", "server_error"
+        ) from exc
+    s.metrics.requests.labels("false", "ok").inc()
+    s.metrics.latency.observe(time.perf_counter() - t0)
+    choice = {
+        "index": 0,
+        "message": {"role": "assistant", "content": "".join(text_parts)},
+        "finish_reason": rec.finish_reason,
+        "logprobs": logprobs_body(s, rec.response_token_ids, rec.rollout_logprobs) if req.logprobs else None,
+    }
+    body = {
+        "id": rollout.id,
+        "object": "chat.completion",
+        "created": int(rollout.created_at.timestamp()),
+        "model": rollout.model,
+        "choices": [choice],
+        "usage": usage_of(rollout),
+        **extension_fields(s, rollout),
+    }
+    return JSONResponse(body)
+
+
+async def persist_quietly(s: ServerState, rec: TrajectoryRecord) -> None:
+    """Persist a record from a background task (aborted streams); failures are logged and
+    counted, never raised into a task nobody awaits."""
+    try:
+        await s.persist_trajectory(rec)
+    except Exception:
+        log.exception("could not persist trajectory %s", rec.id)
+
+
+def sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def stream_chat(s: ServerState, req: ChatCompletionRequest, rollout: Rollout, sampling):  # noqa: ANN001, ANN201
+    """SSE chunks in OpenAI's shape; the last chunk carries the extension fields.
+
+    A client that disconnects cancels this generator: the engine request is aborted and the
+    tokens sampled so far are logged with finish reason ``abort`` (still exactly one record).
+    """
+    t0 = time.perf_counter()
+    base = {
+        "id": rollout.id,
+        "object": "chat.completion.chunk",
+        "created": int(rollout.created_at.timestamp()),
+        "model": rollout.model,
+    }
+    include_usage = bool((req.stream_options or {}).get("include_usage"))
+    done = False
+    last = None
+    s.metrics.in_flight.inc()
+    try:
+        yield sse(
+            {
+                **base,
+                "choices": [
+                    {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                ],
+            }
+        )
+        async with contextlib.aclosing(
+            s.engine.generate(rollout.prompt_token_ids, sampling, rollout.id)
+        ) as gen:
+            async for d in gen:
+                rollout.add(d)
+                last = d
+                if d.finish_reason is not None:
+                    break
+                if d.text or (req.logprobs and d.token_ids):
+                    choice = {"index": 0, "delta": {"content": d.text}, "finish_reason": None}
+                    if req.logprobs:
+                        choice["logprobs"] = logprobs_body(s, d.token_ids, d.logprobs)
+                    yield sse({**base, "choices": [choice]})
+        rec = rollout.record()
+        done = True
+        try:
+            await s.persist_trajectory(rec)
+        except LogUnavailable as exc:
+            s.metrics.requests.labels("true", "log_unavailable").inc()
+            yield sse(
+                {
+                    "error": ApiError(
+                        503, f"trajectory log unavailable, the answer was not recorded: {exc}", "server_error"
+                    ).body()["error"]
+                }
+            )
+            return
+        tail = last if last is not None and last.finish_reason is not None else None
+        final = {
+            "index": 0,
+            "delta": {"content": tail.text} if tail and tail.text else {},
+            "finish_reason": rec.finish_reason,
+        }
+        if req.logprobs and tail and tail.token_ids:
+            final["logprobs"] = logprobs_body(s, tail.token_ids, tail.logprobs)
+        chunk = {**base, "choices": [final], **extension_fields(s, rollout)}
+        if include_usage:
+            chunk["usage"] = usage_of(rollout)
+        yield sse(chunk)
+        yield "data: [DONE]\n\n"
+        s.metrics.requests.labels("true", "ok").inc()
+        s.metrics.latency.observe(time.perf_counter() - t0)
+    except (asyncio.CancelledError, GeneratorExit):
+        if not done:
+            s.metrics.requests.labels("true", "aborted").inc()
+            s.spawn(persist_quietly(s, rollout.record("abort")))
+        raise
+    except Exception as exc:
+        if not done:
+            s.metrics.requests.labels("true", "engine_error").inc()
+            if rollout.token_ids:
+                s.spawn(persist_quietly(s, rollout.record("error")))
+            else:
+                s.metrics.failed_before_generation.labels("engine_error").inc()
+        yield sse({"error": ApiError(500, f"generation failed: {exc}", "server_error").body()["error"]})
+    finally:
+        s.metrics.in_flight.dec()

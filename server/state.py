@@ -1,0 +1,101 @@
+"""Shared state of one server app and its OpenAI-style error type."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from core.logbus import LogTransport, LogUnavailable
+from core.records import TOPIC_TRAJECTORIES, FrozenBaseline, TrajectoryRecord
+from core.settings import Settings
+from server.engine import PolicyEngine
+from server.metrics import ServerMetrics
+from server.spool import Spool
+from server.store import ServerStore
+
+log = logging.getLogger(__name__)
+
+BaselineReader = Callable[[str, int], Awaitable[FrozenBaseline | None]]
+
+
+class ApiError(Exception):
+    """An OpenAI-style error: HTTP status, message, type, and the offending parameter."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def episode_token_subject(episode_id: str) -> str:
+    """What an episode's feedback token signs (distinct from any completion id)."""
+    return f"episode:{episode_id}"
+
+
+@dataclass
+class ServerState:
+    """Everything a request handler needs; built in the lifespan."""
+
+    settings: Settings
+    engine: PolicyEngine
+    log: LogTransport
+    store: ServerStore
+    metrics: ServerMetrics
+    spool: Spool | None
+    read_baseline: BaselineReader | None = None
+    background: set[asyncio.Task] = field(default_factory=set)
+
+    def spawn(self, coro: Awaitable) -> None:
+        """Run ``coro`` to completion even if the request that started it is cancelled."""
+        task = asyncio.ensure_future(coro)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
+    async def append(self, topic: str, key: str, payload: bytes) -> tuple[int, int]:
+        t0 = time.perf_counter()
+        try:
+            return await asyncio.to_thread(self.log.append, topic, key, payload)
+        finally:
+            self.metrics.log_append.labels(topic).observe(time.perf_counter() - t0)
+
+    def _append_and_index(self, rec: TrajectoryRecord) -> None:
+        t0 = time.perf_counter()
+        part, off = self.log.append(TOPIC_TRAJECTORIES, rec.prompt_id, rec.to_json())
+        self.metrics.log_append.labels(TOPIC_TRAJECTORIES).observe(time.perf_counter() - t0)
+        self.store.index_trajectory(rec, part, off)
+
+    async def persist_trajectory(self, rec: TrajectoryRecord) -> None:
+        """Make ``rec`` durable in the log and index it for feedback.
+
+        Append and index run as one unit in a shielded task: a client that disconnects while
+        its record is being written cannot leave a logged record without its index row.
+        Raises LogUnavailable when the log or the database refused and records must not be
+        kept locally (``log_required``); otherwise the record goes to the local spool, which
+        re-sends it when the log is back.
+        """
+        await asyncio.shield(asyncio.ensure_future(self._persist(rec)))
+
+    async def _persist(self, rec: TrajectoryRecord) -> None:
+        try:
+            await asyncio.to_thread(self._append_and_index, rec)
+        except Exception as exc:
+            self.metrics.log_failures.labels(TOPIC_TRAJECTORIES).inc()
+            if self.spool is None:
+                raise LogUnavailable(str(exc)) from exc
+            await asyncio.to_thread(self.spool.put, rec)
+            self.metrics.spooled.inc()
+            log.warning("trajectory %s spooled: %s", rec.id, exc)
+        self.metrics.trajectories.labels(rec.finish_reason).inc()
+        self.metrics.tokens.inc(len(rec.response_token_ids))

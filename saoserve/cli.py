@@ -253,6 +253,8 @@ def _run_methods(
     max_tokens: int,
     seed: int,
     judge: str,
+    policy_lr: float,
+    critic_lr: float,
 ) -> None:
     import shutil
 
@@ -295,6 +297,8 @@ def _run_methods(
 # The styles the base model produces most often with the SAO prompt (measured: poetic ~25%,
 # cute ~6-19% of answers), 11 steps each so the run fits in about 15 minutes on 2 cores.
 DEMO_SCHEDULE = "poetic:11,cute:11"
+DEMO_POLICY_LR = 5e-5
+DEMO_CRITIC_LR = 1e-4
 
 
 @app.command()
@@ -306,9 +310,13 @@ def demo(
     max_tokens: int = typer.Option(48, min=1),
     seed: int = typer.Option(0),
     judge: str = typer.Option("offline", help="offline | llm"),
+    policy_lr: float = typer.Option(DEMO_POLICY_LR, min=0.0, help="Learner policy learning rate."),
+    critic_lr: float = typer.Option(DEMO_CRITIC_LR, min=0.0, help="Learner critic learning rate."),
 ) -> None:
     """Start server + learner (SAO) on embedded defaults, run the simulation, write the report."""
-    _run_methods(["sao"], schedule, steps_per_style, out, batch_size, max_tokens, seed, judge)
+    _run_methods(
+        ["sao"], schedule, steps_per_style, out, batch_size, max_tokens, seed, judge, policy_lr, critic_lr
+    )
 
 
 @app.command()
@@ -320,9 +328,22 @@ def compare(
     max_tokens: int = typer.Option(48, min=1),
     seed: int = typer.Option(0),
     judge: str = typer.Option("offline", help="offline | llm"),
+    policy_lr: float = typer.Option(DEMO_POLICY_LR, min=0.0, help="Learner policy learning rate."),
+    critic_lr: float = typer.Option(DEMO_CRITIC_LR, min=0.0, help="Learner critic learning rate."),
 ) -> None:
     """SAO vs the running-mean baseline on the same schedule and seeds, side by side."""
-    _run_methods(["sao", "running_mean"], schedule, steps_per_style, out, batch_size, max_tokens, seed, judge)
+    _run_methods(
+        ["sao", "running_mean"],
+        schedule,
+        steps_per_style,
+        out,
+        batch_size,
+        max_tokens,
+        seed,
+        judge,
+        policy_lr,
+        critic_lr,
+    )
 
 
 def _check_secrets(settings) -> None:  # noqa: ANN001

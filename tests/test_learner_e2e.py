@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 
 import httpx
 import pytest
@@ -108,6 +109,9 @@ async def test_learner_publishes_a_version_the_server_serves(policy_engine, mode
             assert [e.key for e in events] == ["policy"]
 
             # Restart: the learner resumes at version 1 from its checkpoint and the database.
+            # Free the first learner's models first (policy, critic and Adam states: ~6 GB).
+            learner.sao = None
+            gc.collect()
             resumed = Learner(settings, config)
             await asyncio.to_thread(resumed.load)
             assert resumed.version == 1 and resumed.sao.steps == 1

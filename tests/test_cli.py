@@ -60,7 +60,7 @@ def test_evidence_init_bad_line_names_it(home):
 def test_evidence_init_and_pretrain_on_empty_log(home):
     f = home / "rollouts.jsonl"
     # 3 successes of 8 for prompt a → Jeffreys α0 = 8·3.5/9 ≈ 3.111.
-    f.write_text("".join('{"prompt_id": "a", "reward": %d}\n' % (i < 3) for i in range(8)))
+    f.write_text("".join(f'{{"prompt_id": "a", "reward": {int(i < 3)}}}\n' for i in range(8)))
     result = runner.invoke(app, ["evidence-init", str(f)])
     assert result.exit_code == 0 and "1 prompts" in result.output
     from core.db import make_engine

@@ -88,8 +88,7 @@ _LOG_FLOOR = -700.0
 _T = "prompt_evidence"
 # The newest version of the stored row and the incoming batch: the row's new reference version.
 _NEW_REF = (
-    f"(CASE WHEN excluded.ref_version > {_T}.ref_version"
-    f" THEN excluded.ref_version ELSE {_T}.ref_version END)"
+    f"(CASE WHEN excluded.ref_version > {_T}.ref_version THEN excluded.ref_version ELSE {_T}.ref_version END)"
 )
 
 
@@ -312,9 +311,7 @@ class EvidenceStore:
         """
         version = check_version(version)
         stored = self.get(prompt_id)
-        state = (
-            EvidenceState(*self.default_prior, version, self.rho) if stored is None else stored.state
-        )
+        state = EvidenceState(*self.default_prior, version, self.rho) if stored is None else stored.state
         return self._baseline(state, version)
 
     def top_uncertain(self, n: int, version: int) -> list[tuple[str, FrozenBaseline]]:

@@ -171,4 +171,5 @@ def feedback_token(secret: str, completion_id: str) -> str:
 
 def check_feedback_token(secret: str, completion_id: str, token: str) -> bool:
     """Constant-time comparison of a presented token with the expected one."""
-    return hmac.compare_digest(feedback_token(secret, completion_id), token or "")
+    # Bytes, not str: compare_digest refuses non-ASCII strings, and any token is just wrong.
+    return hmac.compare_digest(feedback_token(secret, completion_id).encode(), (token or "").encode())

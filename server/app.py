@@ -15,11 +15,12 @@ import logging
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from core.control import PAUSED, ROLLBACK_TO, set_flag
 from core.db import make_engine, migrate
@@ -100,8 +101,8 @@ def create_app(
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status)
 
-    @app.exception_handler(HTTPException)
-    async def _http_error(_: Request, exc: HTTPException) -> JSONResponse:
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         err = ApiError(exc.status_code, str(exc.detail), "invalid_request_error")
         return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)
 
@@ -119,6 +120,8 @@ def create_app(
             )
         # OpenAI answers 400 for a bad chat request; the feedback contract says 422.
         status = 422 if request.url.path == "/v1/feedback" else 400
+        if request.url.path == "/v1/chat/completions":
+            request.app.state.s.metrics.failed_before_generation.labels("invalid_request").inc()
         err = ApiError(status, msg, param=".".join(loc) or None, code="invalid_value")
         return JSONResponse(err.body(), status_code=status)
 

@@ -39,6 +39,7 @@ def task_messages(msgs: list[dict], episodic: bool) -> list[dict]:
 async def prepare_rollout(s: ServerState, req: ChatCompletionRequest):  # noqa: ANN201
     """Validate against the model, render the prompt, freeze the dispatch state."""
     from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
 
     st = s.settings
     if req.model is not None and req.model != st.served_model_name:
@@ -82,14 +83,17 @@ async def prepare_rollout(s: ServerState, req: ChatCompletionRequest):  # noqa: 
             code="context_length_exceeded",
         )
     top_k = max(req.top_k, 0)
-    sampling = SamplingParams(
-        temperature=req.temperature,
-        top_p=req.top_p,
-        top_k=top_k,
-        max_tokens=max_tokens,
-        seed=req.seed,
-        stop=req.stop,
-    )
+    try:
+        sampling = SamplingParams(
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=top_k,
+            max_tokens=max_tokens,
+            seed=req.seed,
+            stop=req.stop,
+        )
+    except (ValueError, VLLMValidationError) as exc:  # vLLM's own parameter checks
+        raise ApiError(400, f"invalid sampling parameters: {exc}", code="invalid_value") from exc
     prompt_id = req.prompt_id or prompt_id_for(task_messages(msgs, req.episode_id is not None))
     version = s.engine.version
     baseline = await s.read_baseline(prompt_id, version) if s.read_baseline else None

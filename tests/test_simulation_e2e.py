@@ -62,6 +62,7 @@ async def test_simulation_steps_learner_and_dashboard(policy_engine, model_dir, 
     settings = make_settings(tmp_path, model_dir=model_dir, policy_dir=tmp_path / "policies")
     schedule = schedule_from_spec("cute:1,pirate:1")
     stop = threading.Event()
+    thread = threading.Thread()
     try:
         async with running_server(settings, policy_engine) as url:
             learner = Learner(settings, LearnerConfig(batch_size=2, poll_s=0.2, checkpoint_every=100))
@@ -99,6 +100,7 @@ async def test_simulation_steps_learner_and_dashboard(policy_engine, model_dir, 
             assert 'id="learner-steps">' in dom and "no data yet" not in dom.split('id="c-reward"')[1][:400]
     finally:
         stop.set()
+        await asyncio.to_thread(thread.join, 120)
         await policy_engine.swap(0, model_dir, weights_sha256(model_dir))
     out = tmp_path / "report"
     metrics = write_report(out, schedule, {"sao": result.records})

@@ -39,7 +39,7 @@ class Settings(BaseSettings):
     dtype: str = Field(
         "float32",
         description="Serving dtype. float32 on CPUs without bf16 units: served logprobs then "
-        "match the learner's recomputation to ~1e-4 nats (bf16: ~0.2 max).",
+        "match the learner's recomputation to ~3e-5 nats (bf16: ~0.2 max).",
     )
     max_model_len: int = Field(2048, ge=64)
     max_tokens_limit: int = Field(1024, ge=1, description="Largest max_tokens a request may ask.")

@@ -192,7 +192,3 @@ def save_records(path: Path, records: list[dict]) -> None:
     with open(path, "w") as f:
         for r in records:
             f.write(json.dumps(r, ensure_ascii=False) + "\n")
-
-
-def load_records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]

@@ -31,7 +31,6 @@ from sqlalchemy.engine import Engine
 from core.control import PAUSED, ROLLBACK_TO, get_flag
 from core.db import (
     ControlFlag,
-    LearnerCounter,
     LearnerSample,
     LearnerStep,
     PolicyVersion,
@@ -105,15 +104,10 @@ class Learner:
         self.run_id = uuid.uuid4().hex[:12]
         self.sao = None
         self.version = 0
-        self.last_metrics: dict = {}
 
     def poll_once(self, max_records: int = 500) -> JoinStats:
         """Read new records, join, commit offsets + joins + samples + evidence together."""
         return self.joiner.poll_once(max_records)
-
-    def counters(self) -> dict[str, int]:
-        with self.db.connect() as conn:
-            return dict(conn.execute(select(LearnerCounter.name, LearnerCounter.value)).all())
 
     def waiting_samples(self) -> int:
         with self.db.connect() as conn:
@@ -319,7 +313,6 @@ class Learner:
         self.version = new_version
         self._announce(self._latest_version())
         self._prune()
-        self.last_metrics = metrics
         log.info(
             "version %d: reward %.3f kept %.3f EV %s loss %.4f (%.1fs)",
             new_version,

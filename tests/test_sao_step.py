@@ -4,10 +4,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from learner.baselines import RunningMeanBaseline
 from learner.critic import ValueModel
 from learner.sao import (
     Batch,
-    RunningMeanBaseline,
     SAOConfig,
     SAOLearner,
     explained_variance,

@@ -390,6 +390,7 @@ class Learner:
 def run_learner(settings: Settings, config: LearnerConfig, stop: threading.Event | None = None) -> Learner:
     """Migrate, build, and run a learner in this thread (``saoserve learn``)."""
     migrate(settings.resolved_database_url)
+    log.info("learner config: %s", config)
     learner = Learner(settings, config)
     learner.load()
     learner.run(stop)

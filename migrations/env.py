@@ -20,9 +20,7 @@ def run_migrations_online() -> None:
 
 
 def _run(connection) -> None:  # noqa: ANN001
-    context.configure(
-        connection=connection, target_metadata=target_metadata, render_as_batch=True
-    )
+    context.configure(connection=connection, target_metadata=target_metadata, render_as_batch=True)
     with context.begin_transaction():
         context.run_migrations()
 

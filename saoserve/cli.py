@@ -276,7 +276,14 @@ def _run_methods(
         model_link = home / "model"
         model_link.symlink_to(settings.resolved_model_dir.resolve(), target_is_directory=True)
         result = run_method(
-            method, sched, judge_obj, out, batch_size=batch_size, max_tokens=max_tokens, seed=seed
+            method,
+            sched,
+            judge_obj,
+            out,
+            batch_size=batch_size,
+            max_tokens=max_tokens,
+            seed=seed,
+            learn_extra=["--policy-lr", repr(policy_lr), "--critic-lr", repr(critic_lr)],
         )
         records[method] = result.records
         if result.interrupted:

@@ -71,3 +71,27 @@ def test_evidence_init_and_pretrain_on_empty_log(home):
     assert base.alpha == pytest.approx(8 * 3.5 / 9) and base.beta == pytest.approx(8 - 8 * 3.5 / 9)
     result = runner.invoke(app, ["pretrain-critic"])
     assert result.exit_code == 2 and "no trajectory with feedback" in result.output
+
+
+@pytest.mark.parametrize("command", ["demo", "compare"])
+def test_learning_rates_reach_the_learner(monkeypatch, command):
+    """The demo's --policy-lr/--critic-lr become arguments of the spawned `saoserve learn`."""
+    import saoserve.demo
+    import saoserve.model
+    from judge.simulate import SimulationResult
+
+    seen: list[tuple[str, list[str]]] = []
+
+    def fake_run_method(method, schedule, judge, out, **kw):  # noqa: ANN001, ANN202
+        seen.append((method, kw["learn_extra"]))
+        return SimulationResult()
+
+    monkeypatch.setattr(saoserve.demo, "run_method", fake_run_method)
+    monkeypatch.setattr(saoserve.model, "prepare_model", lambda path: path)
+    result = runner.invoke(
+        app, [command, "--schedule", "cute:1", "--policy-lr", "0.0003", "--critic-lr", "0.0007"]
+    )
+    # No step ran, so there is nothing to report: a CLI error, after the runs were started.
+    assert result.exit_code == 2 and "no step completed" in result.output
+    assert seen and all(extra == ["--policy-lr", "0.0003", "--critic-lr", "0.0007"] for _, extra in seen)
+    assert [m for m, _ in seen] == (["sao"] if command == "demo" else ["sao", "running_mean"])

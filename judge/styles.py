@@ -67,7 +67,7 @@ DEFAULT_STEPS_PER_STYLE = 40
 # "paper" is the SAO §3.4 order. "default" uses the styles the offline judge detects most
 # precisely that SmolLM2-135M-Instruct also produced in a small base-model sample
 # (docs/judge.md), so that the first rewards are not all zero; measure the served model's
-# shares and override it through ``SAOSERVE_STYLE_SCHEDULE``.
+# shares (bench/base_style_shares.py) and pass another schedule as ``--schedule``.
 NAMED_SCHEDULES: dict[str, tuple[str, ...]] = {
     "paper": ("cute", "chuunibyou", "classical"),
     "default": ("cute", "pirate", "poetic"),

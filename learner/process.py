@@ -62,9 +62,10 @@ class LearnerConfig:
     ``estimator``: ``sao`` (critic + token GAE + DIS), ``running_mean`` (per-prompt mean of
     the last 8 rewards, DIS loss) or ``spo`` (A = R − v̂ frozen at dispatch, action-token-measure
     normalisation, SPO++ PPO objective). Learning rates: the paper's 1e-6 / 5e-6 are for a 30B
-    model with batch 128 over thousands of steps; the CPU preset for the 135M model uses
-    5e-5 / 1e-4 so the policy can move within a demo's two dozen steps of batch 8 (the
-    simulation report shows what it did).
+    model with batch 128 over thousands of steps. ``saoserve learn`` defaults to the CPU preset
+    5e-5 / 1e-4 for the 135M model; ``saoserve demo``/``compare`` run at 1e-4 / 2e-4 so the
+    policy moves within two dozen steps of batch 8 (at 2e-4 / 2e-4 it collapsed into
+    repetitive text; docs/demo.md).
     """
 
     batch_size: int = 8

@@ -302,8 +302,8 @@ def _run_methods(
 
 
 # Measured (docs/demo.md, seven runs on 2 cores): pirate is the style the 135M policy learns most
-# reliably (0.00 -> 0.88 share in 9 steps at policy lr 1e-4); at 2e-4 the policy collapsed into
-# repetitive text within a dozen steps. No run made a second, newly rewarded style rise within
+# reliably (0.00 -> 0.88 share by step 8 at policy lr 1e-4); at 2e-4 the policy collapsed into
+# repetitive text by step 14. No run made a second, newly rewarded style rise within
 # 14 steps: the first segment's training removes the other styles from the samples, so the new
 # target is almost never sampled and never rewarded. 26 steps take about 12 minutes.
 DEMO_SCHEDULE = "pirate:12,poetic:14"

@@ -73,6 +73,7 @@ class LearnerConfig:
     policy_lr: float = 5e-5
     critic_lr: float = 1e-4
     critic_updates: int = 2
+    adam_beta1: float = 0.9
     critic_trainable: str = "mlp"
     eps_low: float = 0.3
     eps_high: float = 5.0
@@ -137,6 +138,7 @@ class Learner:
                 critic_updates=cfg.critic_updates,
                 policy_lr=cfg.policy_lr,
                 critic_lr=cfg.critic_lr,
+                adam_beta1=cfg.adam_beta1,
                 eps_low=cfg.eps_low,
                 eps_high=cfg.eps_high,
                 gae_mode=cfg.gae_mode,

@@ -241,6 +241,10 @@ class SAOConfig:
         grad_clip: max global L2 gradient norm, both models (1.0).
         weight_decay: AdamW weight decay (0.0: decay would pull pretrained weights to zero, not to
             their initial values).
+        adam_beta1: AdamW's first-moment decay for both models (0.9, the usual default). Its
+            momentum remembers about 1/(1 − β1) steps of gradient: negligible against the paper's
+            thousands of steps, but most of a ten-step segment of a CPU demo, where it keeps
+            pushing towards the previous target after a preference switch.
         autocast_bf16: run forward/backward under bf16 autocast (master weights stay float32).
         chunk_tokens: tokens per LM-head chunk in ``policy_logprobs``.
     """
@@ -258,6 +262,7 @@ class SAOConfig:
     running_mean_window: int = 8
     grad_clip: float = 1.0
     weight_decay: float = 0.0
+    adam_beta1: float = 0.9
     autocast_bf16: bool = False
     chunk_tokens: int = 512
 
@@ -290,11 +295,13 @@ def _autocast(enabled: bool, device: torch.device):
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16) if enabled else nullcontext()
 
 
-def _adamw(params: list[torch.nn.Parameter], lr: float, weight_decay: float) -> torch.optim.AdamW:
+def _adamw(
+    params: list[torch.nn.Parameter], lr: float, weight_decay: float, beta1: float = 0.9
+) -> torch.optim.AdamW:
     # fused AdamW exists for CPU and CUDA float32 parameters and is several times faster than the
     # per-tensor loop on 135M parameters.
     fused = all(p.device.type in ("cpu", "cuda") for p in params)
-    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=fused)
+    return torch.optim.AdamW(params, lr=lr, betas=(beta1, 0.999), weight_decay=weight_decay, fused=fused)
 
 
 def pretrain_critic(
@@ -393,9 +400,11 @@ class SAOLearner:
         self.critic = critic.float().eval() if critic is not None else None
         self.device = next(policy.parameters()).device
         self.policy_params = [p for p in self.policy.parameters() if p.requires_grad]
-        self.policy_opt = _adamw(self.policy_params, config.policy_lr, config.weight_decay)
+        self.policy_opt = _adamw(self.policy_params, config.policy_lr, config.weight_decay, config.adam_beta1)
         self.critic_opt = (
-            _adamw(self.critic.trainable_parameters(), config.critic_lr, config.weight_decay)
+            _adamw(
+                self.critic.trainable_parameters(), config.critic_lr, config.weight_decay, config.adam_beta1
+            )
             if self.critic is not None
             else None
         )

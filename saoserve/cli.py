@@ -69,6 +69,9 @@ def learn(
     policy_lr: float = typer.Option(5e-5, min=0.0, help="Policy learning rate (CPU preset; paper: 1e-6)."),
     critic_lr: float = typer.Option(1e-4, min=0.0, help="Critic learning rate (CPU preset; paper: 5e-6)."),
     critic_updates: int = typer.Option(2, min=1, help="K critic steps per policy step."),
+    adam_beta1: float = typer.Option(
+        0.9, min=0.0, max=0.999, help="AdamW first-moment decay (momentum memory ≈ 1/(1-β1) steps)."
+    ),
     critic_trainable: str = typer.Option("mlp", help="mlp (frozen attention, SAO) | all (ablation)"),
     gae_mode: str = typer.Option("token", help="token | step_mean | step_last"),
     eps_low: float = typer.Option(0.3, min=0.0, max=1.0, help="DIS lower bound ε_l."),
@@ -98,6 +101,7 @@ def learn(
         policy_lr=policy_lr,
         critic_lr=critic_lr,
         critic_updates=critic_updates,
+        adam_beta1=adam_beta1,
         critic_trainable=critic_trainable,
         gae_mode=gae_mode,
         eps_low=eps_low,
@@ -255,6 +259,7 @@ def _run_methods(
     judge: str,
     policy_lr: float,
     critic_lr: float,
+    adam_beta1: float,
 ) -> None:
     import shutil
 
@@ -283,7 +288,10 @@ def _run_methods(
             batch_size=batch_size,
             max_tokens=max_tokens,
             seed=seed,
-            learn_extra=["--policy-lr", repr(policy_lr), "--critic-lr", repr(critic_lr)],
+            learn_extra=[
+                *("--policy-lr", repr(policy_lr), "--critic-lr", repr(critic_lr)),
+                *("--adam-beta1", repr(adam_beta1)),
+            ],
         )
         records[method] = result.records
         if result.interrupted:
@@ -309,6 +317,7 @@ def _run_methods(
 DEMO_SCHEDULE = "pirate:12,poetic:14"
 DEMO_POLICY_LR = 1e-4
 DEMO_CRITIC_LR = 2e-4
+DEMO_ADAM_BETA1 = 0.9
 
 
 @app.command()
@@ -322,10 +331,21 @@ def demo(
     judge: str = typer.Option("offline", help="offline | llm"),
     policy_lr: float = typer.Option(DEMO_POLICY_LR, min=0.0, help="Learner policy learning rate."),
     critic_lr: float = typer.Option(DEMO_CRITIC_LR, min=0.0, help="Learner critic learning rate."),
+    adam_beta1: float = typer.Option(DEMO_ADAM_BETA1, min=0.0, max=0.999, help="Learner AdamW β1."),
 ) -> None:
     """Start server + learner (SAO) on embedded defaults, run the simulation, write the report."""
     _run_methods(
-        ["sao"], schedule, steps_per_style, out, batch_size, max_tokens, seed, judge, policy_lr, critic_lr
+        ["sao"],
+        schedule,
+        steps_per_style,
+        out,
+        batch_size,
+        max_tokens,
+        seed,
+        judge,
+        policy_lr,
+        critic_lr,
+        adam_beta1,
     )
 
 
@@ -340,6 +360,7 @@ def compare(
     judge: str = typer.Option("offline", help="offline | llm"),
     policy_lr: float = typer.Option(DEMO_POLICY_LR, min=0.0, help="Learner policy learning rate."),
     critic_lr: float = typer.Option(DEMO_CRITIC_LR, min=0.0, help="Learner critic learning rate."),
+    adam_beta1: float = typer.Option(DEMO_ADAM_BETA1, min=0.0, max=0.999, help="Learner AdamW β1."),
 ) -> None:
     """SAO vs the running-mean baseline on the same schedule and seeds, side by side."""
     _run_methods(
@@ -353,6 +374,7 @@ def compare(
         judge,
         policy_lr,
         critic_lr,
+        adam_beta1,
     )
 
 

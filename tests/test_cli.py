@@ -89,9 +89,21 @@ def test_learning_rates_reach_the_learner(monkeypatch, command):
     monkeypatch.setattr(saoserve.demo, "run_method", fake_run_method)
     monkeypatch.setattr(saoserve.model, "prepare_model", lambda path: path)
     result = runner.invoke(
-        app, [command, "--schedule", "cute:1", "--policy-lr", "0.0003", "--critic-lr", "0.0007"]
+        app,
+        [
+            command,
+            "--schedule",
+            "cute:1",
+            "--policy-lr",
+            "0.0003",
+            "--critic-lr",
+            "0.0007",
+            "--adam-beta1",
+            "0.5",
+        ],
     )
     # No step ran, so there is nothing to report: a CLI error, after the runs were started.
     assert result.exit_code == 2 and "no step completed" in result.output
-    assert seen and all(extra == ["--policy-lr", "0.0003", "--critic-lr", "0.0007"] for _, extra in seen)
+    want = ["--policy-lr", "0.0003", "--critic-lr", "0.0007", "--adam-beta1", "0.5"]
+    assert seen and all(extra == want for _, extra in seen)
     assert [m for m, _ in seen] == (["sao"] if command == "demo" else ["sao", "running_mean"])

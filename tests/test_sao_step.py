@@ -275,3 +275,13 @@ def test_batch_validation():
     batch.validate()
     with pytest.raises(ValueError):
         SAOLearner(policy, None, SAOConfig())
+
+
+def test_adam_beta1_reaches_both_optimizers():
+    """β1 sets both AdamW first-moment decays; β2 stays 0.999. Default 0.9."""
+    policy = tiny_policy()
+    learner = SAOLearner(policy, ValueModel.from_policy(policy), SAOConfig(adam_beta1=0.5, **FAST))
+    assert learner.policy_opt.param_groups[0]["betas"] == (0.5, 0.999)
+    assert learner.critic_opt.param_groups[0]["betas"] == (0.5, 0.999)
+    default = SAOLearner(policy, ValueModel.from_policy(policy), SAOConfig(**FAST))
+    assert default.policy_opt.param_groups[0]["betas"] == (0.9, 0.999)

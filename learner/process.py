@@ -63,9 +63,9 @@ class LearnerConfig:
     the last 8 rewards, DIS loss) or ``spo`` (A = R − v̂ frozen at dispatch, action-token-measure
     normalisation, SPO++ PPO objective). Learning rates: the paper's 1e-6 / 5e-6 are for a 30B
     model with batch 128 over thousands of steps. ``saoserve learn`` defaults to the CPU preset
-    5e-5 / 1e-4 for the 135M model; ``saoserve demo``/``compare`` run at 1e-4 / 2e-4 so the
-    policy moves within two dozen steps of batch 8 (at 2e-4 / 2e-4 it collapsed into
-    repetitive text; docs/demo.md).
+    5e-5 / 1e-4 for the 135M model; ``saoserve demo``/``compare`` run at 5e-5 / 2e-4 with
+    AdamW β1 0.5 so the policy can follow a switch within two dozen steps of batch 8 (at
+    2e-4 it collapsed into repetitive text; docs/demo.md).
     """
 
     batch_size: int = 8
@@ -132,7 +132,7 @@ class Learner:
         if cfg.estimator == "spo":
             from learner.spo import SPOConfig, SPOLearner
 
-            self.sao = SPOLearner(policy, SPOConfig(policy_lr=cfg.policy_lr))
+            self.sao = SPOLearner(policy, SPOConfig(policy_lr=cfg.policy_lr, adam_beta1=cfg.adam_beta1))
         elif cfg.estimator in ("sao", "running_mean"):
             sao_cfg = SAOConfig(
                 critic_updates=cfg.critic_updates,

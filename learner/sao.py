@@ -295,11 +295,14 @@ def _autocast(enabled: bool, device: torch.device):
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16) if enabled else nullcontext()
 
 
-def _adamw(
+def make_adamw(
     params: list[torch.nn.Parameter], lr: float, weight_decay: float, beta1: float = 0.9
 ) -> torch.optim.AdamW:
-    # fused AdamW exists for CPU and CUDA float32 parameters and is several times faster than the
-    # per-tensor loop on 135M parameters.
+    """AdamW with betas ``(beta1, 0.999)`` for the learners' models (no I/O; raises nothing).
+
+    Fused AdamW exists for CPU and CUDA float32 parameters and is several times faster than the
+    per-tensor loop on 135M parameters.
+    """
     fused = all(p.device.type in ("cpu", "cuda") for p in params)
     return torch.optim.AdamW(params, lr=lr, betas=(beta1, 0.999), weight_decay=weight_decay, fused=fused)
 
@@ -340,7 +343,7 @@ def pretrain_critic(
         raise ValueError(f"epochs must be >= 1, got {epochs}")
     device = next(critic.parameters()).device
     params = critic.trainable_parameters()
-    opt = _adamw(params, lr, weight_decay)
+    opt = make_adamw(params, lr, weight_decay)
     losses = []
     for _ in range(epochs):
         for raw in batches:
@@ -400,9 +403,11 @@ class SAOLearner:
         self.critic = critic.float().eval() if critic is not None else None
         self.device = next(policy.parameters()).device
         self.policy_params = [p for p in self.policy.parameters() if p.requires_grad]
-        self.policy_opt = _adamw(self.policy_params, config.policy_lr, config.weight_decay, config.adam_beta1)
+        self.policy_opt = make_adamw(
+            self.policy_params, config.policy_lr, config.weight_decay, config.adam_beta1
+        )
         self.critic_opt = (
-            _adamw(
+            make_adamw(
                 self.critic.trainable_parameters(), config.critic_lr, config.weight_decay, config.adam_beta1
             )
             if self.critic is not None

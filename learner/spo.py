@@ -25,7 +25,7 @@ from learner.advantages import (
     token_measure_normalize,
     trajectory_whiten,
 )
-from learner.sao import Batch, policy_logprobs
+from learner.sao import Batch, make_adamw, policy_logprobs
 
 
 @dataclass
@@ -39,6 +39,7 @@ class SPOConfig:
     dual_clip: float = 2.0
     normalize: str = "token"  # "token" (SPO++) | "trajectory" (whitening ablation)
     grad_clip: float = 1.0
+    adam_beta1: float = 0.9  # as ``SAOConfig.adam_beta1``
     chunk_tokens: int = 512
 
 
@@ -57,7 +58,7 @@ class SPOLearner:
         self.config = config
         self.policy = policy.float().eval()
         self.params = [p for p in self.policy.parameters() if p.requires_grad]
-        self.policy_opt = torch.optim.AdamW(self.params, lr=config.policy_lr, weight_decay=0.0)
+        self.policy_opt = make_adamw(self.params, config.policy_lr, 0.0, config.adam_beta1)
         self.steps = 0
 
     def step(self, batch: Batch, baseline_values: torch.Tensor) -> dict:

@@ -75,7 +75,7 @@ def test_evidence_init_and_pretrain_on_empty_log(home):
 
 @pytest.mark.parametrize("command", ["demo", "compare"])
 def test_learning_rates_reach_the_learner(monkeypatch, command):
-    """The demo's --policy-lr/--critic-lr become arguments of the spawned `saoserve learn`."""
+    """--policy-lr/--critic-lr/--adam-beta1 become arguments of the spawned `saoserve learn`."""
     import saoserve.demo
     import saoserve.model
     from judge.simulate import SimulationResult

@@ -127,3 +127,11 @@ def test_episode_sample_marks_observations_between_actions():
     )
     s, misaligned = episode_sample("e", [t0, t1b], 1.0)
     assert misaligned == 1 and s.actions == [(6, 7)]
+
+
+def test_adam_beta1_reaches_the_spo_optimizer():
+    assert SPOLearner(tiny_policy(), SPOConfig(adam_beta1=0.5)).policy_opt.param_groups[0]["betas"] == (
+        0.5,
+        0.999,
+    )
+    assert SPOLearner(tiny_policy(), SPOConfig()).policy_opt.param_groups[0]["betas"] == (0.9, 0.999)

@@ -247,6 +247,14 @@ class SAOConfig:
             pushing towards the previous target after a preference switch.
         autocast_bf16: run forward/backward under bf16 autocast (master weights stay float32).
         chunk_tokens: tokens per LM-head chunk in ``policy_logprobs``.
+        value_range: (low, high) the values fed to GAE are clamped to ((0.0, 1.0); None: no
+            clamp). Not in the paper: a design choice of this project. The feedback contract
+            bounds rewards to [0, 1] (``core.records``), each row has one reward on its last
+            action token and γ = 1, so every return lies in [0, 1] and a value outside it is a
+            critic error. Unclamped, such an error is shared by the whole batch: once every
+            reward is 0, values of −0.08 give every answer an advantage of about +0.05, and the
+            policy reinforces whatever it samples most (measured after a style switch in the demo,
+            docs/demo.md). The critic's own loss uses the unclamped output, so it still learns.
     """
 
     critic_updates: int = 2
@@ -265,6 +273,7 @@ class SAOConfig:
     adam_beta1: float = 0.9
     autocast_bf16: bool = False
     chunk_tokens: int = 512
+    value_range: tuple[float, float] | None = (0.0, 1.0)
 
 
 def masked_mse(values: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -371,7 +380,8 @@ class SAOLearner:
            between ``V(s_t)`` and the Monte-Carlo return (λ_critic = 1, γ; with γ = 1 this is the
            row's reward on every action token). Learning rate warms up linearly over
            ``critic_warmup_steps`` learner steps.
-        2. Values recomputed with the updated critic (no grad); per-row λ_policy = 1 − 1/(α·L_i)
+        2. Values recomputed with the updated critic (no grad) and clamped to
+           ``config.value_range`` (the returns' range, [0, 1]); per-row λ_policy = 1 − 1/(α·L_i)
            with L_i the row's action-token count; advantages by skip-observation token GAE (or the
            step-level ablation). Advantages are not whitened (the paper does not).
            ``baseline="running_mean"`` instead uses ``A = R − mean(last rewards of the prompt)`` on
@@ -392,6 +402,8 @@ class SAOLearner:
             raise ValueError(f"unknown baseline {config.baseline!r}")
         if config.gae_mode not in ("token", "step_mean", "step_last"):
             raise ValueError(f"unknown gae_mode {config.gae_mode!r}")
+        if config.value_range is not None and not config.value_range[0] < config.value_range[1]:
+            raise ValueError(f"value_range must be (low, high) with low < high, got {config.value_range}")
         if config.critic_updates < 1:
             raise ValueError("critic_updates must be >= 1")
         if config.baseline == "critic" and critic is None:
@@ -449,12 +461,18 @@ class SAOLearner:
             losses.append(loss.item())
         with torch.no_grad(), self._autocast():
             values = self.critic(batch.input_ids, batch.attention_mask).float()
+        outside = 0.0
+        if cfg.value_range is not None:
+            low, high = cfg.value_range
+            outside = ((values < low) | (values > high))[mask].float().mean().item() if mask.any() else 0.0
+            values = values.clamp(low, high)
         metrics = {
             "critic_loss": sum(losses) / len(losses),
             "critic_grad_norm": sum(norms) / len(norms),
             "explained_variance": ev_before,
             "explained_variance_after": explained_variance(returns, values, mask),
             "value_mean": values[mask].mean().item(),
+            "value_clamped_fraction": outside,
             "critic_lr": lr,
         }
         return values, metrics
@@ -476,7 +494,8 @@ class SAOLearner:
         through the forward passes), action_tokens, step_time_s, tokens_per_s, policy_lr, step;
         with the critic also critic_loss (mean over the K updates), critic_grad_norm (mean, before
         clipping), explained_variance (critic before this step's updates, over action tokens),
-        explained_variance_after, value_mean, critic_lr; with the running-mean baseline
+        explained_variance_after and value_mean (of the clamped values), value_clamped_fraction
+        (action tokens whose value was outside ``value_range``), critic_lr; with the running-mean baseline
         baseline_mean; with ``token_staleness`` also mean_abs_log_ratio_by_staleness ({int: float}).
 
         Raises:

@@ -285,3 +285,53 @@ def test_adam_beta1_reaches_both_optimizers():
     assert learner.critic_opt.param_groups[0]["betas"] == (0.5, 0.999)
     default = SAOLearner(policy, ValueModel.from_policy(policy), SAOConfig(**FAST))
     assert default.policy_opt.param_groups[0]["betas"] == (0.9, 0.999)
+
+
+def test_values_outside_the_return_range_are_clamped_before_gae():
+    """Every return lies in [0, 1] (rewards in [0, 1] on the last action token, γ = 1).
+
+    A critic stuck at V = −0.3 on a batch whose rewards are all 0, with the critic frozen (lr 0):
+    - unclamped, token GAE with V(terminal) = 0 gives δ = 0 − (−0.3) = +0.3 on the last action
+      token and 0 elsewhere, so Â_t = 0.3·λ^(L−1−t) > 0: every zero-reward answer is reinforced;
+      e.g. row 0 has L = 7 action tokens, λ = 1 − 1/(1.5·7) = 0.904762, Â_last = 0.3,
+      Â_first = 0.3 · 0.904762⁶ = 0.3 · 0.548537 = 0.16456;
+    - clamped to [0, 1], V = 0 everywhere, every δ = 0 and every Â = 0: the policy does not move.
+    """
+    zeros = (0.0, 0.0, 0.0, 0.0)
+    frozen = dict(policy_lr=1e-2, critic_lr=0.0, critic_warmup_steps=0)
+
+    policy = tiny_policy()
+    critic = ValueModel.from_policy(policy, head_bias=-0.3)
+    learner = SAOLearner(policy, critic, SAOConfig(value_range=None, **frozen))
+    batch = make_batch(policy, rewards=zeros)
+    mask = batch.action_mask.bool()
+    values, _ = learner._critic_phase(batch, mask, batch.token_rewards())
+    adv = learner._advantages(values, mask, batch.token_rewards())
+    row0 = adv[0][mask[0]]
+    assert row0[-1].item() == pytest.approx(0.3, abs=1e-6)
+    assert row0[0].item() == pytest.approx(0.3 * (1 - 1 / 10.5) ** 6, abs=1e-5)
+    assert row0[0].item() == pytest.approx(0.16456, abs=1e-5)
+    assert learner.step(batch)["advantage_mean"] > 0
+
+    policy = tiny_policy()
+    critic = ValueModel.from_policy(policy, head_bias=-0.3)
+    learner = SAOLearner(policy, critic, SAOConfig(**frozen))
+    assert learner.config.value_range == (0.0, 1.0)
+    before = {n: p.detach().clone() for n, p in policy.named_parameters()}
+    metrics = learner.step(make_batch(policy, rewards=zeros))
+    assert metrics["value_mean"] == 0.0 and metrics["value_clamped_fraction"] == 1.0
+    assert metrics["advantage_mean"] == 0.0 and metrics["policy_loss"] == 0.0
+    assert all(torch.equal(before[n], p) for n, p in policy.named_parameters())
+
+    # Above the range: V = 1.4 is read as 1, so a reward of 1 has advantage 0 on every token.
+    policy = tiny_policy()
+    learner = SAOLearner(policy, ValueModel.from_policy(policy, head_bias=1.4), SAOConfig(**frozen))
+    metrics = learner.step(make_batch(policy, rewards=(1.0, 1.0, 1.0, 1.0)))
+    assert metrics["value_mean"] == 1.0 and metrics["advantage_mean"] == 0.0
+
+
+@pytest.mark.parametrize("bad", [(1.0, 0.0), (0.5, 0.5)])
+def test_value_range_must_be_increasing(bad):
+    policy = tiny_policy()
+    with pytest.raises(ValueError, match="value_range"):
+        SAOLearner(policy, ValueModel.from_policy(policy), SAOConfig(value_range=bad))

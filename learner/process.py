@@ -65,7 +65,9 @@ class LearnerConfig:
     model with batch 128 over thousands of steps. ``saoserve learn`` defaults to the CPU preset
     5e-5 / 1e-4 for the 135M model; ``saoserve demo``/``compare`` run at 5e-5 / 2e-4 with
     AdamW β1 0.5 so the policy can follow a switch within two dozen steps of batch 8 (at
-    2e-4 it collapsed into repetitive text; docs/demo.md).
+    2e-4 it collapsed into repetitive text; docs/demo.md). ``kl_coef``: weight of the KL anchor
+    to the base model (``learner.kl``; 0 = off, the paper; sao and running_mean only); with it
+    the learner also holds the base model (+540 MB, one more forward pass per step).
     """
 
     batch_size: int = 8
@@ -84,6 +86,7 @@ class LearnerConfig:
     keep_versions: int = 4
     max_steps: int | None = None
     autocast_bf16: bool = False
+    kl_coef: float = 0.0
 
 
 class Learner:
@@ -132,6 +135,9 @@ class Learner:
         if cfg.estimator == "spo":
             from learner.spo import SPOConfig, SPOLearner
 
+            if cfg.kl_coef > 0:
+                raise ValueError("kl_coef applies to the sao and running_mean estimators, not spo")
+
             self.sao = SPOLearner(policy, SPOConfig(policy_lr=cfg.policy_lr, adam_beta1=cfg.adam_beta1))
         elif cfg.estimator in ("sao", "running_mean"):
             sao_cfg = SAOConfig(
@@ -144,8 +150,15 @@ class Learner:
                 gae_mode=cfg.gae_mode,
                 baseline="critic" if cfg.estimator == "sao" else "running_mean",
                 autocast_bf16=cfg.autocast_bf16,
+                kl_coef=cfg.kl_coef,
             )
-            self.sao = SAOLearner(policy, critic, sao_cfg)
+            # The KL anchor's reference is the base model (version 0), also after a resume.
+            reference = (
+                AutoModelForCausalLM.from_pretrained(self.base_dir, dtype=torch.float32)
+                if cfg.kl_coef > 0
+                else None
+            )
+            self.sao = SAOLearner(policy, critic, sao_cfg, reference=reference)
         else:
             raise ValueError(f"unknown estimator {cfg.estimator!r} (sao, running_mean, spo)")
         ckpt = self.policy_dir / "checkpoint.pt"

@@ -28,6 +28,7 @@ from learner.baselines import RunningMeanBaseline
 from learner.critic import ValueModel, position_ids_from_mask
 from learner.dis import dis_loss
 from learner.gae import length_adaptive_lambda, step_gae, token_gae
+from learner.kl import k3_kl
 
 
 @dataclass
@@ -255,6 +256,8 @@ class SAOConfig:
             reward is 0, values of −0.08 give every answer an advantage of about +0.05, and the
             policy reinforces whatever it samples most (measured after a style switch in the demo,
             docs/demo.md). The critic's own loss uses the unclamped output, so it still learns.
+        kl_coef: weight of the k3 KL anchor to the reference policy added to the policy loss
+            (0.0 = off, the paper; ``learner.kl``). Needs ``reference`` in ``SAOLearner``.
     """
 
     critic_updates: int = 2
@@ -274,6 +277,7 @@ class SAOConfig:
     autocast_bf16: bool = False
     chunk_tokens: int = 512
     value_range: tuple[float, float] | None = (0.0, 1.0)
+    kl_coef: float = 0.0
 
 
 def masked_mse(values: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -386,18 +390,28 @@ class SAOLearner:
            step-level ablation). Advantages are not whitened (the paper does not).
            ``baseline="running_mean"`` instead uses ``A = R − mean(last rewards of the prompt)`` on
            every action token.
-        3. One policy AdamW step on ``dis_loss`` with the batch's rollout log-probabilities.
+        3. One policy AdamW step on ``dis_loss`` with the batch's rollout log-probabilities, plus
+           ``kl_coef · k3_kl(πθ, π_ref)`` over the action tokens when ``kl_coef > 0``.
 
     Master weights: the learner casts both models to float32 in place (a bf16 update of size 1e-6
     on a weight of order 1e-2 rounds to nothing); ``policy_weights(torch.bfloat16)`` gives a
     serving copy. Models are put in eval mode (no dropout) so recomputed log-probabilities match
     the server's.
 
+    ``reference``: the frozen policy of the KL anchor (the base model), needed when
+    ``config.kl_coef > 0``; it is cast to float32, put in eval mode and never updated.
+
     Raises (constructor): ValueError if ``baseline="critic"`` without a critic, a critic given with
-    ``baseline="running_mean"``, or an invalid config value.
+    ``baseline="running_mean"``, ``kl_coef > 0`` without a reference, or an invalid config value.
     """
 
-    def __init__(self, policy: PreTrainedModel, critic: ValueModel | None, config: SAOConfig) -> None:
+    def __init__(
+        self,
+        policy: PreTrainedModel,
+        critic: ValueModel | None,
+        config: SAOConfig,
+        reference: PreTrainedModel | None = None,
+    ) -> None:
         if config.baseline not in ("critic", "running_mean"):
             raise ValueError(f"unknown baseline {config.baseline!r}")
         if config.gae_mode not in ("token", "step_mean", "step_last"):
@@ -406,6 +420,10 @@ class SAOLearner:
             raise ValueError(f"value_range must be (low, high) with low < high, got {config.value_range}")
         if config.critic_updates < 1:
             raise ValueError("critic_updates must be >= 1")
+        if config.kl_coef < 0:
+            raise ValueError(f"kl_coef must be >= 0, got {config.kl_coef}")
+        if config.kl_coef > 0 and reference is None:
+            raise ValueError("kl_coef > 0 needs a reference policy")
         if config.baseline == "critic" and critic is None:
             raise ValueError("baseline='critic' needs a critic")
         if config.baseline == "running_mean" and critic is not None:
@@ -413,6 +431,7 @@ class SAOLearner:
         self.config = config
         self.policy = policy.float().eval()
         self.critic = critic.float().eval() if critic is not None else None
+        self.reference = reference.float().eval().requires_grad_(False) if config.kl_coef > 0 else None
         self.device = next(policy.parameters()).device
         self.policy_params = [p for p in self.policy.parameters() if p.requires_grad]
         self.policy_opt = make_adamw(
@@ -495,8 +514,10 @@ class SAOLearner:
         with the critic also critic_loss (mean over the K updates), critic_grad_norm (mean, before
         clipping), explained_variance (critic before this step's updates, over action tokens),
         explained_variance_after and value_mean (of the clamped values), value_clamped_fraction
-        (action tokens whose value was outside ``value_range``), critic_lr; with the running-mean baseline
-        baseline_mean; with ``token_staleness`` also mean_abs_log_ratio_by_staleness ({int: float}).
+        (action tokens whose value was outside ``value_range``), critic_lr; with the running-mean
+        baseline baseline_mean; with ``token_staleness`` also mean_abs_log_ratio_by_staleness
+        ({int: float}); with ``kl_coef > 0`` also kl_ref (k3 estimate of KL(πθ ‖ π_ref), nats per
+        action token).
 
         Raises:
             ValueError: invalid batch (``Batch.validate``), or running-mean baseline without
@@ -533,6 +554,19 @@ class SAOLearner:
         loss, stats = dis_loss(
             lp, batch.rollout_logprobs, advantages, mask, cfg.eps_low, cfg.eps_high, batch.token_staleness
         )
+        if self.reference is not None:
+            with torch.no_grad(), self._autocast():
+                ref_lp = policy_logprobs(
+                    self.reference,
+                    batch.input_ids,
+                    batch.attention_mask,
+                    batch.temperatures,
+                    positions=mask,
+                    chunk_tokens=cfg.chunk_tokens,
+                )
+            kl = k3_kl(lp, ref_lp, mask)
+            loss = loss + cfg.kl_coef * kl
+            metrics["kl_ref"] = kl.item()
         self.policy_opt.zero_grad(set_to_none=True)
         loss.backward()
         policy_norm = torch.nn.utils.clip_grad_norm_(self.policy_params, cfg.grad_clip).item()

@@ -72,6 +72,11 @@ def learn(
     adam_beta1: float = typer.Option(
         0.9, min=0.0, max=0.999, help="AdamW first-moment decay (momentum memory ≈ 1/(1-β1) steps)."
     ),
+    kl_coef: float = typer.Option(
+        0.0,
+        min=0.0,
+        help="Weight of the KL anchor to the base policy (0 = off, the paper; sao/running_mean).",
+    ),
     critic_trainable: str = typer.Option("mlp", help="mlp (frozen attention, SAO) | all (ablation)"),
     gae_mode: str = typer.Option("token", help="token | step_mean | step_last"),
     eps_low: float = typer.Option(0.3, min=0.0, max=1.0, help="DIS lower bound ε_l."),
@@ -86,6 +91,8 @@ def learn(
 
     if estimator not in ("sao", "running_mean", "spo"):
         fail(f"unknown estimator {estimator!r}: choose sao, running_mean or spo")
+    if kl_coef > 0 and estimator == "spo":
+        fail("--kl-coef applies to the sao and running_mean estimators, not spo")
     if critic_trainable not in ("mlp", "all"):
         fail(f"unknown critic_trainable {critic_trainable!r}: choose mlp or all")
     if gae_mode not in ("token", "step_mean", "step_last"):
@@ -102,6 +109,7 @@ def learn(
         critic_lr=critic_lr,
         critic_updates=critic_updates,
         adam_beta1=adam_beta1,
+        kl_coef=kl_coef,
         critic_trainable=critic_trainable,
         gae_mode=gae_mode,
         eps_low=eps_low,
@@ -260,6 +268,7 @@ def _run_methods(
     policy_lr: float,
     critic_lr: float,
     adam_beta1: float,
+    kl_coef: float,
 ) -> None:
     import shutil
 
@@ -290,7 +299,7 @@ def _run_methods(
             seed=seed,
             learn_extra=[
                 *("--policy-lr", repr(policy_lr), "--critic-lr", repr(critic_lr)),
-                *("--adam-beta1", repr(adam_beta1)),
+                *("--adam-beta1", repr(adam_beta1), "--kl-coef", repr(kl_coef)),
             ],
         )
         records[method] = result.records
@@ -319,6 +328,7 @@ DEMO_SCHEDULE = "pirate:10,poetic:18"
 DEMO_POLICY_LR = 5e-5
 DEMO_CRITIC_LR = 2e-4
 DEMO_ADAM_BETA1 = 0.5
+DEMO_KL_COEF = 0.1
 
 
 @app.command()
@@ -333,6 +343,7 @@ def demo(
     policy_lr: float = typer.Option(DEMO_POLICY_LR, min=0.0, help="Learner policy learning rate."),
     critic_lr: float = typer.Option(DEMO_CRITIC_LR, min=0.0, help="Learner critic learning rate."),
     adam_beta1: float = typer.Option(DEMO_ADAM_BETA1, min=0.0, max=0.999, help="Learner AdamW β1."),
+    kl_coef: float = typer.Option(DEMO_KL_COEF, min=0.0, help="Learner KL anchor to the base policy."),
 ) -> None:
     """Start server + learner (SAO) on embedded defaults, run the simulation, write the report."""
     _run_methods(
@@ -347,6 +358,7 @@ def demo(
         policy_lr,
         critic_lr,
         adam_beta1,
+        kl_coef,
     )
 
 
@@ -362,6 +374,7 @@ def compare(
     policy_lr: float = typer.Option(DEMO_POLICY_LR, min=0.0, help="Learner policy learning rate."),
     critic_lr: float = typer.Option(DEMO_CRITIC_LR, min=0.0, help="Learner critic learning rate."),
     adam_beta1: float = typer.Option(DEMO_ADAM_BETA1, min=0.0, max=0.999, help="Learner AdamW β1."),
+    kl_coef: float = typer.Option(DEMO_KL_COEF, min=0.0, help="Learner KL anchor to the base policy."),
 ) -> None:
     """SAO vs the running-mean baseline on the same schedule and seeds, side by side."""
     _run_methods(
@@ -376,6 +389,7 @@ def compare(
         policy_lr,
         critic_lr,
         adam_beta1,
+        kl_coef,
     )
 
 

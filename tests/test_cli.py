@@ -26,6 +26,7 @@ def home(tmp_path, monkeypatch):  # noqa: ANN001, ANN201
         (["learn", "--estimator", "ppo"], "unknown estimator 'ppo'"),
         (["learn", "--critic-trainable", "attn"], "unknown critic_trainable"),
         (["learn", "--gae-mode", "steps"], "unknown gae_mode"),
+        (["learn", "--estimator", "spo", "--kl-coef", "0.1"], "--kl-coef applies to the sao"),
         (["evidence-init", "/no/such/file.jsonl"], "does not exist"),
         (["simulate", "--schedule", "cute:0"], "need >= 1"),
         (["simulate", "--schedule", "sparkly:3"], "unknown style 'sparkly'"),
@@ -75,7 +76,7 @@ def test_evidence_init_and_pretrain_on_empty_log(home):
 
 @pytest.mark.parametrize("command", ["demo", "compare"])
 def test_learning_rates_reach_the_learner(monkeypatch, command):
-    """--policy-lr/--critic-lr/--adam-beta1 become arguments of the spawned `saoserve learn`."""
+    """--policy-lr/--critic-lr/--adam-beta1/--kl-coef become arguments of the spawned `saoserve learn`."""
     import saoserve.demo
     import saoserve.model
     from judge.simulate import SimulationResult
@@ -100,10 +101,12 @@ def test_learning_rates_reach_the_learner(monkeypatch, command):
             "0.0007",
             "--adam-beta1",
             "0.5",
+            "--kl-coef",
+            "0.05",
         ],
     )
     # No step ran, so there is nothing to report: a CLI error, after the runs were started.
     assert result.exit_code == 2 and "no step completed" in result.output
-    want = ["--policy-lr", "0.0003", "--critic-lr", "0.0007", "--adam-beta1", "0.5"]
+    want = ["--policy-lr", "0.0003", "--critic-lr", "0.0007", "--adam-beta1", "0.5", "--kl-coef", "0.05"]
     assert seen and all(extra == want for _, extra in seen)
     assert [m for m, _ in seen] == (["sao"] if command == "demo" else ["sao", "running_mean"])

@@ -65,7 +65,10 @@ async def test_simulation_steps_learner_and_dashboard(policy_engine, model_dir, 
     thread = threading.Thread()
     try:
         async with running_server(settings, policy_engine) as url:
-            learner = Learner(settings, LearnerConfig(batch_size=2, poll_s=0.2, checkpoint_every=100))
+            # kl_coef > 0: the learner also loads the base model as the KL anchor's reference.
+            learner = Learner(
+                settings, LearnerConfig(batch_size=2, poll_s=0.2, checkpoint_every=100, kl_coef=0.1)
+            )
             await asyncio.to_thread(learner.load)
             thread = threading.Thread(target=learner.run, args=(stop,), daemon=True)
             thread.start()
@@ -95,6 +98,8 @@ async def test_simulation_steps_learner_and_dashboard(policy_engine, model_dir, 
                 assert data["policy_version"] >= 1 and len(data["steps"]) >= 1
                 r = await http.get("/admin/learner", headers=ADMIN)
                 assert r.json()["steps"][0]["version"] == 1
+                # Version 1 was trained from the base policy itself: KL(πθ ‖ π_ref) = 0 then.
+                assert r.json()["steps"][0]["kl_ref"] == pytest.approx(0.0, abs=1e-6)
             dom = await asyncio.to_thread(chromium_dom, f"{url}/dashboard")
             assert f'id="policy-version">{data["policy_version"]}<' in dom, dom[:2000]
             assert 'id="learner-steps">' in dom and "no data yet" not in dom.split('id="c-reward"')[1][:400]

@@ -1,0 +1,118 @@
+"""The KL anchor (learner.kl) by hand, and its effect inside an SAO step."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from learner.critic import ValueModel
+from learner.kl import MAX_LOG_RATIO, k3_kl
+from learner.sao import SAOConfig, SAOLearner, policy_logprobs
+from tests.test_sao_step import make_batch, tiny_policy
+
+
+def test_k3_by_hand():
+    """k3 = exp(d) − d − 1 with d = log π_ref − log πθ, averaged over the mask.
+
+    Row 0: d = −1.0 − (−2.0) = 1.0 → e − 1 − 1 = 0.718282; d = 0 → 0.
+    Row 1: d = −3.0 − (−1.0) = −2.0 → e⁻² + 2 − 1 = 1.135335; the third token is masked.
+    Mean over 3 tokens: (0.718282 + 0 + 1.135335) / 3 = 0.617872.
+    """
+    lp = torch.tensor([[-2.0, -0.5, 0.0], [-1.0, -4.0, 0.0]])
+    ref = torch.tensor([[-1.0, -0.5, 0.0], [-3.0, -4.0, 0.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    expected = ((math.e - 2) + 0.0 + (math.exp(-2) + 1)) / 3
+    assert expected == pytest.approx(0.617872, abs=1e-6)
+    assert k3_kl(lp, ref, mask).item() == pytest.approx(expected, abs=1e-6)
+
+
+def test_k3_gradient_pulls_towards_the_reference():
+    """∂k3/∂log πθ = 1 − exp(d): with d = 1 it is 1 − e = −1.718282 (raise log πθ), d = −2 gives
+    1 − e⁻² = 0.864665 (lower it); divided by the 2 masked tokens."""
+    lp = torch.tensor([[-2.0, -1.0]], requires_grad=True)
+    ref = torch.tensor([[-1.0, -3.0]])
+    k3_kl(lp, ref, torch.ones(1, 2)).backward()
+    assert lp.grad.tolist()[0] == pytest.approx([(1 - math.e) / 2, (1 - math.exp(-2)) / 2], abs=1e-6)
+
+
+def test_k3_masked_positions_and_empty_mask():
+    lp = torch.tensor([[float("nan"), -1.0]], requires_grad=True)
+    ref = torch.tensor([[float("inf"), -1.0]])
+    out = k3_kl(lp, ref, torch.tensor([[0, 1]]))
+    assert out.item() == 0.0
+    out.backward()
+    assert lp.grad.tolist() == [[0.0, 0.0]]
+    empty = k3_kl(lp, ref, torch.zeros(1, 2))
+    assert empty.item() == 0.0 and empty.requires_grad
+
+
+def test_k3_clips_the_log_ratio():
+    """d = 0 − (−100) = 100 is read as 20: e^20 − 20 − 1, finite."""
+    out = k3_kl(torch.tensor([[-100.0]]), torch.tensor([[0.0]]), torch.ones(1, 1))
+    assert out.item() == pytest.approx(math.exp(MAX_LOG_RATIO) - MAX_LOG_RATIO - 1, rel=1e-5)
+
+
+def test_k3_rejects_shape_mismatch():
+    with pytest.raises(ValueError, match="shapes differ"):
+        k3_kl(torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 2))
+
+
+@given(
+    st.lists(st.floats(-10, 10), min_size=1, max_size=20),
+    st.lists(st.floats(-10, 10), min_size=1, max_size=20),
+)
+def test_k3_is_non_negative_and_zero_only_at_equality(a, b):
+    n = min(len(a), len(b))
+    lp, ref = torch.tensor([a[:n]], dtype=torch.float64), torch.tensor([b[:n]], dtype=torch.float64)
+    out = k3_kl(lp, ref, torch.ones(1, n)).item()
+    assert out >= 0.0
+    assert k3_kl(lp, lp, torch.ones(1, n)).item() == 0.0
+
+
+def test_sao_step_with_the_reference_equal_to_the_policy_has_zero_kl():
+    """Before the first update πθ = π_ref, so kl_ref = 0 and the step equals the plain one."""
+    policy = tiny_policy()
+    learner = SAOLearner(
+        policy,
+        ValueModel.from_policy(policy),
+        SAOConfig(kl_coef=0.5, policy_lr=1e-2, critic_lr=1e-2, critic_warmup_steps=0),
+        reference=tiny_policy(),
+    )
+    metrics = learner.step(make_batch(policy))
+    assert metrics["kl_ref"] == pytest.approx(0.0, abs=1e-9)
+    assert not any(p.requires_grad for p in learner.reference.parameters())
+    assert learner.step(make_batch(policy, seed=1))["kl_ref"] > 0.0
+
+
+def test_kl_alone_pulls_a_moved_policy_back_to_the_reference():
+    """All rewards 0 and V clamped to 0 → every advantage is 0, so only the KL term moves the
+    policy: the k3 estimate must fall step by step."""
+    reference = tiny_policy(seed=0)
+    policy = tiny_policy(seed=3)
+    critic = ValueModel.from_policy(policy, head_bias=0.0)
+    learner = SAOLearner(
+        policy,
+        critic,
+        SAOConfig(kl_coef=1.0, policy_lr=3e-3, critic_lr=0.0, critic_warmup_steps=0),
+        reference=reference,
+    )
+    batch = make_batch(policy, rewards=(0.0, 0.0, 0.0, 0.0))
+    kls = []
+    for _ in range(5):
+        with torch.no_grad():
+            batch.rollout_logprobs = (
+                policy_logprobs(policy, batch.input_ids, batch.attention_mask, batch.temperatures)
+                * batch.action_mask
+            )
+        kls.append(learner.step(batch)["kl_ref"])
+    assert all(b < a for a, b in zip(kls, kls[1:], strict=False)), kls
+
+
+def test_kl_needs_a_reference_and_a_non_negative_coefficient():
+    policy = tiny_policy()
+    with pytest.raises(ValueError, match="needs a reference"):
+        SAOLearner(policy, ValueModel.from_policy(policy), SAOConfig(kl_coef=0.1))
+    with pytest.raises(ValueError, match="kl_coef must be >= 0"):
+        SAOLearner(policy, ValueModel.from_policy(policy), SAOConfig(kl_coef=-0.1), reference=tiny_policy())

@@ -1,27 +1,34 @@
 """KL anchor to the reference (base) policy: the k3 estimator on sampled action tokens.
 
 Not part of SAO: the paper's objective has no KL term (and SPO++ turns KL, EWMA and entropy terms
-off: SPO++ write-up §2.4, papers/000_…txt). This project adds it as an option (``kl_coef``, 0 = off = the paper) for
-serving real users from a small policy: on SmolLM2-135M with batch 8, a preference switch leaves
-nearly every reward at 0, and SAO's advantages then push down each sampled answer with nothing
-pulling back, so the text drifts into fluent-looking nonsense (measured in the demo: answers
-passing the judge's quality check fell from 6–8 of 8 in most steps before the switch to 1–2 of 8 six steps
-after it, docs/demo.md runs J and K). The penalty keeps the policy near the base model's distribution, the usual RLHF
-safeguard (GRPO's β·KL term uses the same estimator).
+off: SPO++ write-up §2.4, papers/000_…txt). This project adds it as an option (``kl_coef``, 0 = off
+= the paper) for serving real users from a small policy: on SmolLM2-135M with batch 8, a preference
+switch leaves nearly every reward at 0, and SAO's advantages then push down each sampled answer
+with nothing pulling back, so the text drifts into fluent-looking nonsense (measured in the demo:
+answers passing the judge's quality check fell from 6–8 of 8 in most steps before the switch to 1–2
+of 8 five to six steps after it, docs/demo.md runs J and K). The penalty keeps the policy near the
+base model's distribution, the usual RLHF safeguard (GRPO's β·KL term uses the same estimator).
 
 Estimator (Schulman, "Approximating KL divergence", 2020): for a token sampled from πθ,
-``k3 = exp(d) − d − 1`` with ``d = log π_ref(a|s) − log πθ(a|s)``; ``E[k3] = KL(πθ ‖ π_ref)``,
-``k3 ≥ 0`` and its gradient with respect to ``log πθ`` is ``1 − exp(d)``: it raises a token that
-the reference likes more than the policy does and lowers one it likes less.
+``k3 = exp(d) − d − 1`` with ``d = log π_ref(a|s) − log πθ(a|s)``; ``E[k3] = KL(πθ ‖ π_ref)`` and
+``k3 ≥ 0``. Here the tokens come from the behaviour policy (the served version, at most a few
+versions behind πθ) without an importance weight, as in GRPO, so the value is an estimate of
+that KL only while πθ stays close to the behaviour policy. Used as a loss, its gradient with
+respect to ``log πθ`` is ``1 − exp(d)``: it raises a sampled token that the reference likes more
+than the policy does and lowers one it likes less; the pull is an anchor, not the exact gradient
+of KL(πθ ‖ π_ref).
 """
 
 from __future__ import annotations
 
 import torch
 
-#: |d| is clipped here before exp (verl clips the KL estimate the same way): a token the
-#: reference finds e^20 times likelier would otherwise give an unbounded loss and gradient.
+#: |d| is clipped here before exp, and each token's k3 at MAX_K3 (verl's k3 clamps, ±20 and
+#: ±10): a token the reference finds e^20 times likelier would otherwise dominate the step's
+#: loss and, through the gradient-norm clip, scale away the policy-gradient signal. A token
+#: clamped at MAX_K3 gets no gradient from the anchor.
 MAX_LOG_RATIO = 20.0
+MAX_K3 = 10.0
 
 
 def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -33,8 +40,9 @@ def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor
         mask: [B, T] bool or 0/1, the action tokens.
 
     Returns:
-        0-dim float32 tensor, ``Σ_t mask_t · k3_t / Σ_t mask_t`` (nats per token); 0 with a
-        graph when the mask is empty. Masked positions never contribute, even if non-finite.
+        0-dim float32 tensor, ``Σ_t mask_t · k3_t / Σ_t mask_t`` (nats per token), each
+        ``k3_t`` in [0, MAX_K3] (computed as ``expm1(d) − d``, never below 0 in float32); 0 with
+        a graph when the mask is empty. Masked positions never contribute, even if non-finite.
 
     Raises:
         ValueError: the three shapes differ.
@@ -46,5 +54,5 @@ def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor
         )
     m = mask.bool()
     d = torch.where(m, ref_logprobs.float() - logprobs.float(), 0.0).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-    k3 = torch.where(m, torch.exp(d) - d - 1.0, 0.0)
+    k3 = torch.where(m, (torch.expm1(d) - d).clamp(0.0, MAX_K3), 0.0)
     return k3.sum() / m.sum().clamp(min=1)

@@ -508,16 +508,16 @@ class SAOLearner:
     def step(self, batch: Batch) -> dict[str, float]:
         """One SAO step on ``batch``; returns metrics (python floats).
 
-        Metrics: policy_loss, kept_fraction, mean_abs_log_ratio, approx_kl (k3),
-        policy_grad_norm (before clipping), advantage_mean, reward_mean, tokens (attended tokens
-        through the forward passes), action_tokens, step_time_s, tokens_per_s, policy_lr, step;
-        with the critic also critic_loss (mean over the K updates), critic_grad_norm (mean, before
-        clipping), explained_variance (critic before this step's updates, over action tokens),
-        explained_variance_after and value_mean (of the clamped values), value_clamped_fraction
-        (action tokens whose value was outside ``value_range``), critic_lr; with the running-mean
-        baseline baseline_mean; with ``token_staleness`` also mean_abs_log_ratio_by_staleness
-        ({int: float}); with ``kl_coef > 0`` also kl_ref (k3 estimate of KL(πθ ‖ π_ref), nats per
-        action token).
+        Metrics: policy_loss (the DIS loss, plus ``kl_coef · kl_ref`` when the anchor is on),
+        kept_fraction, mean_abs_log_ratio, approx_kl (k3), policy_grad_norm (before clipping),
+        advantage_mean, reward_mean, tokens (attended tokens through the forward passes),
+        action_tokens, step_time_s, tokens_per_s, policy_lr, step; with the critic also critic_loss
+        (mean over the K updates), critic_grad_norm (mean, before clipping), explained_variance
+        (critic before this step's updates, over action tokens), explained_variance_after and
+        value_mean (of the clamped values), value_clamped_fraction (action tokens whose value was
+        outside ``value_range``), critic_lr; with the running-mean baseline baseline_mean; with
+        ``token_staleness`` also mean_abs_log_ratio_by_staleness ({int: float}); with ``kl_coef >
+        0`` also kl_ref (k3 estimate of KL(πθ ‖ π_ref), nats per action token).
 
         Raises:
             ValueError: invalid batch (``Batch.validate``), or running-mean baseline without

@@ -4,11 +4,11 @@ import math
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from learner.critic import ValueModel
-from learner.kl import MAX_LOG_RATIO, k3_kl
+from learner.kl import MAX_K3, MAX_LOG_RATIO, k3_kl
 from learner.sao import SAOConfig, SAOLearner, policy_logprobs
 from tests.test_sao_step import make_batch, tiny_policy
 
@@ -48,10 +48,17 @@ def test_k3_masked_positions_and_empty_mask():
     assert empty.item() == 0.0 and empty.requires_grad
 
 
-def test_k3_clips_the_log_ratio():
-    """d = 0 − (−100) = 100 is read as 20: e^20 − 20 − 1, finite."""
-    out = k3_kl(torch.tensor([[-100.0]]), torch.tensor([[0.0]]), torch.ones(1, 1))
-    assert out.item() == pytest.approx(math.exp(MAX_LOG_RATIO) - MAX_LOG_RATIO - 1, rel=1e-5)
+def test_k3_clips_the_log_ratio_and_the_estimate():
+    """d = 0 − (−100) = 100 is read as 20, and e^20 − 20 − 1 ≈ 4.85e8 is clamped to 10;
+    d = 2.5 stays: e^2.5 − 2.5 − 1 = 8.682494, under the clamp."""
+    lp = torch.tensor([[-100.0, -2.5]], requires_grad=True)
+    out = k3_kl(lp, torch.tensor([[0.0, 0.0]]), torch.tensor([[1, 0]]))
+    assert MAX_LOG_RATIO == 20.0 and out.item() == MAX_K3 == 10.0
+    out.backward()
+    assert lp.grad.tolist() == [[0.0, 0.0]]  # clamped: the anchor does not pull on that token
+    kept = k3_kl(torch.tensor([[-2.5]]), torch.tensor([[0.0]]), torch.ones(1, 1))
+    assert kept.item() == pytest.approx(math.exp(2.5) - 3.5, abs=1e-5)
+    assert kept.item() == pytest.approx(8.682494, abs=1e-5)
 
 
 def test_k3_rejects_shape_mismatch():
@@ -59,16 +66,19 @@ def test_k3_rejects_shape_mismatch():
         k3_kl(torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 2))
 
 
+@settings(max_examples=200, deadline=None)
 @given(
     st.lists(st.floats(-10, 10), min_size=1, max_size=20),
     st.lists(st.floats(-10, 10), min_size=1, max_size=20),
 )
-def test_k3_is_non_negative_and_zero_only_at_equality(a, b):
+def test_k3_is_non_negative_and_zero_at_equality(a, b):
+    """Tiny |d| included: exp(d) − d − 1 rounds below 0 in float32, expm1(d) − d does not."""
     n = min(len(a), len(b))
-    lp, ref = torch.tensor([a[:n]], dtype=torch.float64), torch.tensor([b[:n]], dtype=torch.float64)
-    out = k3_kl(lp, ref, torch.ones(1, n)).item()
-    assert out >= 0.0
+    lp, ref = torch.tensor([a[:n]]), torch.tensor([b[:n]])
+    assert k3_kl(lp, ref, torch.ones(1, n)).item() >= 0.0
     assert k3_kl(lp, lp, torch.ones(1, n)).item() == 0.0
+    tiny = torch.tensor([[1e-8, 3e-6, -4e-5, 2e-7]])
+    assert k3_kl(torch.zeros(1, 4), tiny, torch.ones(1, 4)).item() >= 0.0
 
 
 def test_sao_step_with_the_reference_equal_to_the_policy_has_zero_kl():

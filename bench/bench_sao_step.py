@@ -31,8 +31,9 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
+from learner.batch import Batch, policy_logprobs
 from learner.critic import ValueModel
-from learner.sao import Batch, SAOConfig, SAOLearner, masked_mse, policy_logprobs
+from learner.sao import SAOConfig, SAOLearner, masked_mse
 
 
 class PeakRSS:

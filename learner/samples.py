@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from core.records import TrajectoryRecord
-from learner.sao import Batch
+from learner.batch import Batch
 
 GREEDY_BELOW = 1e-5
 
@@ -147,7 +147,7 @@ def episode_sample(episode_id: str, turns: list[TrajectoryRecord], reward: float
 
 
 def collate(samples: list[Sample], current_version: int, pad_id: int = 0) -> Batch:
-    """Right-pad samples into a ``learner.sao.Batch`` ([B, T] tensors, T = longest sample).
+    """Right-pad samples into a ``learner.batch.Batch`` ([B, T] tensors, T = longest sample).
 
     ``token_staleness[b, t]`` = ``current_version`` − the version that produced the token
     (0 outside actions). Raises ValueError on an empty list.

@@ -18,204 +18,18 @@ import math
 import time
 from collections.abc import Sequence
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass
 from typing import Literal
 
 import torch
 from transformers import PreTrainedModel
 
 from learner.baselines import RunningMeanBaseline
-from learner.critic import ValueModel, position_ids_from_mask
+from learner.batch import Batch, policy_logprobs
+from learner.critic import ValueModel
 from learner.dis import dis_loss
 from learner.gae import length_adaptive_lambda, step_gae, token_gae
 from learner.kl import k3_kl
-
-
-@dataclass
-class Batch:
-    """A learner batch of B trajectories padded to T tokens.
-
-    Fields (all tensors on one device):
-        input_ids: [B, T] long.
-        attention_mask: [B, T] 0/1 (long, float or bool); 0 on padding.
-        action_mask: [B, T] 0/1; 1 on tokens the model generated (never position 0, never padding).
-        rollout_logprobs: [B, T] float, the server's processed (after temperature) log-probability of
-            each action token, 0 elsewhere.
-        rewards: [B] float, terminal reward of each trajectory (placed on its last action token).
-        temperatures: [B] float > 0, the sampling temperature of each trajectory.
-        token_staleness: optional [B, T] long, policy versions between sampling and this step.
-        prompt_ids: optional list of B prompt keys, needed by the running-mean baseline.
-    """
-
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    action_mask: torch.Tensor
-    rollout_logprobs: torch.Tensor
-    rewards: torch.Tensor
-    temperatures: torch.Tensor
-    token_staleness: torch.Tensor | None = None
-    prompt_ids: list[str] | None = field(default=None)
-
-    def validate(self) -> None:
-        """Check shapes and masks.
-
-        Raises:
-            ValueError: shape mismatch; an action on position 0 or on padding; a row without action
-                tokens; a non-positive temperature; prompt_ids of the wrong length.
-        """
-        if self.input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be [B, T], got {tuple(self.input_ids.shape)}")
-        shape = self.input_ids.shape
-        for name in ("attention_mask", "action_mask", "rollout_logprobs", "token_staleness"):
-            t = getattr(self, name)
-            if t is not None and t.shape != shape:
-                raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
-        for name in ("rewards", "temperatures"):
-            t = getattr(self, name)
-            if t.shape != shape[:1]:
-                raise ValueError(f"{name} has shape {tuple(t.shape)}, expected ({shape[0]},)")
-        act = self.action_mask.bool()
-        if bool(act[:, 0].any()):
-            raise ValueError("position 0 cannot be an action token (no state precedes it)")
-        if bool((act & ~self.attention_mask.bool()).any()):
-            raise ValueError("action token on a padding position")
-        if bool((act.sum(dim=1) == 0).any()):
-            raise ValueError("a row has no action tokens")
-        if bool((self.temperatures <= 0).any()):
-            raise ValueError("temperatures must be > 0")
-        if self.prompt_ids is not None and len(self.prompt_ids) != shape[0]:
-            raise ValueError(f"prompt_ids has {len(self.prompt_ids)} entries, expected {shape[0]}")
-
-    def to(self, device: torch.device | str) -> Batch:
-        """A copy with every tensor moved to ``device``."""
-        moved = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}
-        return replace(self, **moved)
-
-    def token_rewards(self) -> torch.Tensor:
-        """[B, T] float32: each row's reward on its last action token, 0 elsewhere."""
-        act = self.action_mask.bool()
-        t = act.shape[1]
-        last = (t - 1) - act.flip(1).to(torch.int8).argmax(dim=1)
-        out = torch.zeros(act.shape, dtype=torch.float32, device=act.device)
-        out[torch.arange(act.shape[0], device=act.device), last] = self.rewards.float()
-        return out
-
-
-class _TokenLogprob(torch.autograd.Function):
-    """``log softmax(W h / τ)[y]`` per token without keeping [N, V] logits for backward.
-
-    Forward streams over chunks of tokens and keeps only the log-sum-exp per token; backward
-    recomputes each chunk's logits (one extra [chunk, V] matmul) to form
-    ``∂/∂(Wh) = (onehot(y) − softmax) / τ``. Peak extra memory is O(chunk · V) instead of O(N · V).
-    """
-
-    @staticmethod
-    def forward(ctx, hidden, weight, targets, inv_temp, chunk, compute_dtype):
-        n = hidden.shape[0]
-        out = torch.empty(n, dtype=torch.float32, device=hidden.device)
-        lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
-        w = weight.to(compute_dtype)
-        with torch.autocast(device_type=hidden.device.type, enabled=False):
-            for s in range(0, n, chunk):
-                e = min(n, s + chunk)
-                z = (hidden[s:e].to(compute_dtype) @ w.T).float() * inv_temp[s:e, None]
-                lse[s:e] = torch.logsumexp(z, dim=-1)
-                out[s:e] = z.gather(1, targets[s:e, None]).squeeze(1) - lse[s:e]
-        ctx.save_for_backward(hidden, weight, targets, inv_temp, lse)
-        ctx.chunk = chunk
-        ctx.compute_dtype = compute_dtype
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        hidden, weight, targets, inv_temp, lse = ctx.saved_tensors
-        cdt = ctx.compute_dtype
-        w = weight.to(cdt)
-        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = (
-            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-            if ctx.needs_input_grad[1]
-            else None
-        )
-        n = hidden.shape[0]
-        with torch.autocast(device_type=hidden.device.type, enabled=False):
-            for s in range(0, n, ctx.chunk):
-                e = min(n, s + ctx.chunk)
-                h = hidden[s:e].to(cdt)
-                z = (h @ w.T).float() * inv_temp[s:e, None]
-                g = grad_out[s:e].float() * inv_temp[s:e]
-                dz = torch.exp(z - lse[s:e, None]).mul_(-g[:, None])
-                dz[torch.arange(e - s, device=dz.device), targets[s:e]] += g
-                dz = dz.to(cdt)
-                if grad_hidden is not None:
-                    grad_hidden[s:e] = (dz @ w).to(hidden.dtype)
-                if grad_weight is not None:
-                    grad_weight += (dz.T @ h).float()
-        grad_w = grad_weight.to(weight.dtype) if grad_weight is not None else None
-        return grad_hidden, grad_w, None, None, None, None
-
-
-def policy_logprobs(
-    model: PreTrainedModel,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    temperatures: torch.Tensor,
-    positions: torch.Tensor | None = None,
-    chunk_tokens: int = 512,
-) -> torch.Tensor:
-    """Token log-probabilities under the temperature-scaled policy, as the server sampled them.
-
-    ``out[:, t] = log softmax(logits[:, t-1] / temperature)[input_ids[:, t]]`` (nats), computed as
-    gathered logit minus log-sum-exp in float32, streamed over ``chunk_tokens`` tokens so no
-    [B·T, V] float32 tensor is materialised or kept for backward (DESIGN §5.1: the server logs
-    processed log-probabilities, after temperature). Differentiable w.r.t. the model parameters.
-
-    Assumes ``logits = lm_head(last_hidden_state)`` (Llama, Qwen, Mistral families); models with
-    logit soft-capping or scaling are refused. Under an enclosing bf16 autocast the LM-head matmul
-    runs in bf16 (as a bf16 server does); the log-sum-exp is always float32.
-
-    Args:
-        model: transformers causal LM (``base_model`` + ``get_output_embeddings()``).
-        input_ids: [B, T] long.
-        attention_mask: [B, T] 0/1.
-        temperatures: [B] float > 0.
-        positions: optional [B, T] 0/1; only these positions are computed (e.g. the action mask,
-            which skips the LM head on prompt and observation tokens). Default: every attended
-            position.
-        chunk_tokens: tokens per LM-head chunk (memory ≈ chunk_tokens · V · 4 bytes · 3).
-
-    Returns:
-        [B, T] float32; 0 at t = 0 and at positions not computed.
-
-    Raises:
-        ValueError: the model applies logit soft-capping/scaling, or its LM head has a bias.
-    """
-    cfg = model.config
-    if getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None) not in (None, 1.0):
-        raise ValueError("models with logit soft-capping or logit scaling are not supported")
-    head = model.get_output_embeddings()
-    if getattr(head, "bias", None) is not None:
-        raise ValueError("an LM head with a bias is not supported")
-    # clone: .bool() returns the caller's tensor itself when it is already bool.
-    want = (attention_mask if positions is None else positions).bool().clone()
-    want[:, 0] = False
-    rows, cols = want.nonzero(as_tuple=True)
-    hidden = model.base_model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids_from_mask(attention_mask),
-        use_cache=False,
-    ).last_hidden_state
-    device = hidden.device
-    compute_dtype = (
-        torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else head.weight.dtype
-    )
-    inv_temp = 1.0 / temperatures.to(device=device, dtype=torch.float32)[rows]
-    lp = _TokenLogprob.apply(
-        hidden[rows, cols - 1], head.weight, input_ids[rows, cols], inv_temp, chunk_tokens, compute_dtype
-    )
-    out = torch.zeros(input_ids.shape, dtype=torch.float32, device=device)
-    return out.index_put((rows, cols), lp)
 
 
 @dataclass
@@ -458,6 +272,18 @@ class SAOLearner:
     def _autocast(self):
         return _autocast(self.config.autocast_bf16, self.device)
 
+    def _logprobs(self, model: PreTrainedModel, batch: Batch, mask: torch.Tensor) -> torch.Tensor:
+        """[B, T] float32 log-probabilities of ``batch``'s action tokens under ``model``."""
+        with self._autocast():
+            return policy_logprobs(
+                model,
+                batch.input_ids,
+                batch.attention_mask,
+                batch.temperatures,
+                positions=mask,
+                chunk_tokens=self.config.chunk_tokens,
+            )
+
     def _critic_phase(self, batch: Batch, mask: torch.Tensor, rewards: torch.Tensor) -> tuple:
         cfg = self.config
         _, returns = token_gae(rewards, torch.zeros_like(rewards), mask, cfg.gamma, 1.0)
@@ -542,28 +368,13 @@ class SAOLearner:
             advantages = torch.where(mask, (batch.rewards.float() - base)[:, None], 0.0)
             metrics["baseline_mean"] = base.mean().item()
 
-        with self._autocast():
-            lp = policy_logprobs(
-                self.policy,
-                batch.input_ids,
-                batch.attention_mask,
-                batch.temperatures,
-                positions=mask,
-                chunk_tokens=cfg.chunk_tokens,
-            )
+        lp = self._logprobs(self.policy, batch, mask)
         loss, stats = dis_loss(
             lp, batch.rollout_logprobs, advantages, mask, cfg.eps_low, cfg.eps_high, batch.token_staleness
         )
         if self.reference is not None:
-            with torch.no_grad(), self._autocast():
-                ref_lp = policy_logprobs(
-                    self.reference,
-                    batch.input_ids,
-                    batch.attention_mask,
-                    batch.temperatures,
-                    positions=mask,
-                    chunk_tokens=cfg.chunk_tokens,
-                )
+            with torch.no_grad():
+                ref_lp = self._logprobs(self.reference, batch, mask)
             kl = k3_kl(lp, ref_lp, mask)
             loss = loss + cfg.kl_coef * kl
             metrics["kl_ref"] = kl.item()

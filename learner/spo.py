@@ -25,7 +25,8 @@ from learner.advantages import (
     token_measure_normalize,
     trajectory_whiten,
 )
-from learner.sao import Batch, make_adamw, policy_logprobs
+from learner.batch import Batch, policy_logprobs
+from learner.sao import make_adamw
 
 
 @dataclass

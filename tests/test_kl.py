@@ -7,9 +7,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from learner.batch import policy_logprobs
 from learner.critic import ValueModel
 from learner.kl import MAX_K3, MAX_LOG_RATIO, k3_kl
-from learner.sao import SAOConfig, SAOLearner, policy_logprobs
+from learner.sao import SAOConfig, SAOLearner
 from tests.test_sao_step import make_batch, tiny_policy
 
 

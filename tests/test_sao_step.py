@@ -5,13 +5,12 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from learner.baselines import RunningMeanBaseline
+from learner.batch import Batch, policy_logprobs
 from learner.critic import ValueModel
 from learner.sao import (
-    Batch,
     SAOConfig,
     SAOLearner,
     explained_variance,
-    policy_logprobs,
     pretrain_critic,
 )
 

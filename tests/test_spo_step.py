@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from core.records import TrajectoryRecord, utcnow
+from learner.batch import Batch, policy_logprobs
 from learner.samples import NotLearnable, collate, episode_sample, single_turn_sample
-from learner.sao import Batch, policy_logprobs
 from learner.spo import SPOConfig, SPOLearner
 from tests.test_sao_step import tiny_policy
 

@@ -1,7 +1,13 @@
 """Benchmark: one full SAO step vs the sum of the passes it cannot avoid, on the real model.
 
 Usage: ``python bench/bench_sao_step.py [MODEL_DIR] [--batch 8] [--seq 160] [--prompt 32]
-[--reps 3] [--warmup 1] [--bf16] [--threads N]``. MODEL_DIR defaults to ``var/model``.
+[--shared-prefix 0] [--reps 3] [--warmup 1] [--bf16] [--threads N]``. MODEL_DIR defaults to
+``var/model``.
+
+With ``--shared-prefix N`` the first N prompt tokens are the same in every row (a deployment's
+chat template and system prompt; the demo's is about 80 of 92 prompt tokens), and each repetition
+also times the full step with the shared-prefix pass switched off (``learner.prefix``), so the
+table shows the two side by side and their ratio.
 
 The required passes of a step with K critic updates are: one policy forward+backward, K critic
 forward+backward, and one critic forward (values for the advantage, no grad). Each repetition
@@ -31,6 +37,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
+from learner import prefix
 from learner.batch import Batch, policy_logprobs
 from learner.critic import ValueModel
 from learner.sao import SAOConfig, SAOLearner, masked_mse
@@ -64,11 +71,14 @@ class PeakRSS:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def make_batch(policy, batch: int, seq: int, prompt: int, seed: int = 0) -> Batch:
-    """Random prompts and responses; rollout log-probs from the policy itself (all ratios 1)."""
+def make_batch(policy, batch: int, seq: int, prompt: int, shared: int = 0, seed: int = 0) -> Batch:
+    """Random prompts and responses; rollout log-probs from the policy itself (all ratios 1).
+
+    The first ``shared`` tokens are row 0's in every row."""
     g = torch.Generator().manual_seed(seed)
     vocab = policy.config.vocab_size
     ids = torch.randint(0, vocab, (batch, seq), generator=g)
+    ids[:, :shared] = ids[0, :shared]
     attn = torch.ones(batch, seq, dtype=torch.long)
     act = torch.zeros(batch, seq)
     act[:, prompt:] = 1
@@ -92,6 +102,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=160)
     ap.add_argument("--prompt", type=int, default=32, help="prompt tokens per row; the rest are actions")
+    ap.add_argument("--shared-prefix", type=int, default=0, help="leading prompt tokens common to all rows")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--bf16", action="store_true", help="bf16 autocast (master weights stay float32)")
@@ -107,7 +118,9 @@ def main() -> None:
     critic = ValueModel.from_policy(policy, trainable="mlp", dtype=torch.float32)
     cfg = SAOConfig(autocast_bf16=args.bf16)
     learner = SAOLearner(policy, critic, cfg)
-    batch = make_batch(policy, args.batch, args.seq, args.prompt)
+    if not 0 <= args.shared_prefix <= args.prompt:
+        ap.error(f"--shared-prefix must be in [0, --prompt={args.prompt}], got {args.shared_prefix}")
+    batch = make_batch(policy, args.batch, args.seq, args.prompt, args.shared_prefix)
     mask = batch.action_mask.bool()
     returns = batch.token_rewards().sum(dim=1, keepdim=True).expand_as(batch.action_mask)
     advantages = torch.where(mask, returns - 0.5, 0.0)
@@ -132,6 +145,7 @@ def main() -> None:
         for _ in range(cfg.critic_updates):
             learner.critic_opt.step()
 
+    default_min_shared = prefix.MIN_SHARED_TOKENS
     rows: dict[str, list[tuple[float, float]]] = {}
     for rep in range(args.warmup + args.reps):
         sample = {}
@@ -147,6 +161,12 @@ def main() -> None:
         learner.policy_opt.zero_grad(set_to_none=True)
         learner.critic_opt.zero_grad(set_to_none=True)
         sample["full SAO step"] = timed(lambda: learner.step(batch), mem)
+        if args.shared_prefix:
+            prefix.MIN_SHARED_TOKENS = args.seq + 1  # off: every row runs its whole sequence
+            try:
+                sample["full SAO step, prefix not shared"] = timed(lambda: learner.step(batch), mem)
+            finally:
+                prefix.MIN_SHARED_TOKENS = default_min_shared
         print(f"rep {rep + 1}/{args.warmup + args.reps} done", file=sys.stderr, flush=True)
         if rep >= args.warmup:
             for name, value in sample.items():
@@ -162,6 +182,7 @@ def main() -> None:
 
     print(
         f"model={args.model_dir} batch={args.batch}x{args.seq} (prompt {args.prompt}, "
+        f"shared prefix {args.shared_prefix}, "
         f"actions {args.seq - args.prompt}) tokens={tokens} K={cfg.critic_updates} "
         f"autocast_bf16={args.bf16} threads={torch.get_num_threads()} reps={args.reps} "
         f"warmup={args.warmup}"
@@ -178,6 +199,14 @@ def main() -> None:
         f"{peak['full SAO step']:>13.0f}"
     )
     print(f"ratio step / sum = {step / total:.3f} (median), {step_low / total_low:.3f} (min); target <= 1.15")
+    if args.shared_prefix:
+        name = "full SAO step, prefix not shared"
+        print(
+            f"{name:<30} {med[name]:>9.3f} {low[name]:>9.3f} {tokens / med[name]:>10.1f} {peak[name]:>13.0f}"
+        )
+        print(
+            f"ratio shared / not shared = {step / med[name]:.3f} (median), {step_low / low[name]:.3f} (min)"
+        )
     print("tokens/s column: from the median time")
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from transformers import PreTrainedModel
 
-from learner.critic import position_ids_from_mask
+from learner.prefix import body_hidden
 
 
 @dataclass
@@ -188,12 +188,7 @@ def policy_logprobs(
     want = (attention_mask if positions is None else positions).bool().clone()
     want[:, 0] = False
     rows, cols = want.nonzero(as_tuple=True)
-    hidden = model.base_model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids_from_mask(attention_mask),
-        use_cache=False,
-    ).last_hidden_state
+    hidden = body_hidden(model.base_model, input_ids, attention_mask)
     device = hidden.device
     compute_dtype = (
         torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else head.weight.dtype

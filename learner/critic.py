@@ -20,17 +20,9 @@ from typing import Literal
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from learner.prefix import body_hidden
+
 Trainable = Literal["mlp", "all"]
-
-
-def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Position ids that count only attended tokens: [B, T] long, 0 at and before the first token.
-
-    HF Llama defaults to ``arange(T)`` whatever the padding; with left padding that would shift the
-    real tokens' rotary positions away from what the server used. Counting attended tokens makes
-    left and right padding give the same result as the unpadded sequence.
-    """
-    return (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
 
 
 class ValueModel(torch.nn.Module):
@@ -154,12 +146,7 @@ class ValueModel(torch.nn.Module):
             [B, T] float32; ``out[:, t]`` is computed from the hidden state at ``t - 1``;
             ``out[:, 0] = 0``. Values at padding positions are meaningless.
         """
-        hidden = self.backbone(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids_from_mask(attention_mask),
-            use_cache=False,
-        ).last_hidden_state
+        hidden = body_hidden(self.backbone, input_ids, attention_mask)
         with torch.autocast(device_type=hidden.device.type, enabled=False):
             v = self.head(hidden[:, :-1].float()).squeeze(-1)
         return torch.cat([torch.zeros_like(v[:, :1]), v], dim=1)

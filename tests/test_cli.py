@@ -75,7 +75,7 @@ def test_evidence_init_and_pretrain_on_empty_log(home):
 
 
 @pytest.mark.parametrize("command", ["demo", "compare"])
-def test_learning_rates_reach_the_learner(monkeypatch, command):
+def test_learning_rates_reach_the_learner(monkeypatch, tmp_path, command):
     """--policy-lr/--critic-lr/--adam-beta1/--kl-coef become arguments of the spawned `saoserve learn`."""
     import saoserve.demo
     import saoserve.model
@@ -93,6 +93,8 @@ def test_learning_rates_reach_the_learner(monkeypatch, command):
         app,
         [
             command,
+            "--out",
+            str(tmp_path / "report"),  # not the default ./report: the test leaves the checkout alone
             "--schedule",
             "cute:1",
             "--policy-lr",

@@ -1,8 +1,8 @@
 """Shared-prefix forward pass: a batch whose rows begin with the same tokens runs them once.
 
-Every request of a deployment usually starts with the same chat template and system prompt (the
-simulation's SAO §3.4 system prompt is about 60 tokens of a ~140-token row), so a learner batch
-repeats that prefix in every row. ``body_hidden`` runs the common prefix once (batch 1, with
+Every request of a deployment usually starts with the same chat template and system prompt (in the
+simulation, chat template and SAO §3.4 system prompt are the first 79 of about 92 prompt tokens,
+then up to 48 action tokens), so a learner batch repeats that prefix in every row. ``body_hidden`` runs the common prefix once (batch 1, with
 gradients), repeats its key/value cache over the batch and runs only the rows' remainders against
 it. The result and its gradients equal those of the plain padded forward up to float rounding:
 the repeat's backward sums the rows' gradients into the one prefix pass, which is exactly the
@@ -24,7 +24,8 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
 
 
-# Below this many shared tokens the extra pass costs more than it saves.
+# Below this many shared tokens the prefix is not worth a separate pass (a judgement, not measured:
+# the saving grows with the prefix, and each pass has a fixed cost).
 MIN_SHARED_TOKENS = 16
 
 
@@ -55,7 +56,8 @@ def body_hidden(
 
     Args:
         body: the model's ``base_model`` (e.g. ``LlamaModel``); must accept ``past_key_values``.
-        input_ids: [B, T] long; right padding (a shared prefix needs every row to start at 0).
+        input_ids: [B, T] long; right padding shares a prefix. Left-padded rows (position 0 not
+            attended in every row) share nothing and take the plain forward.
         attention_mask: [B, T] 0/1.
         min_shared: the shortest common prefix (tokens) worth a separate pass (default
             ``MIN_SHARED_TOKENS``); below it, or with one row, this is the plain forward.

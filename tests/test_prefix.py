@@ -70,20 +70,24 @@ def test_gradients_equal_the_plain_forward(which: str, monkeypatch: pytest.Monke
     ids, attn = _rows()
     actions = attn.clone()
     actions[:, :21] = 0  # the rows' tails are the actions
-    grads = []
+    grads, body_calls = [], []
     for min_shared in (10_000, 1):  # plain, then shared
         monkeypatch.setattr(prefix, "MIN_SHARED_TOKENS", min_shared)
         policy = tiny_policy()
+        model = policy if which == "policy" else ValueModel.from_policy(policy, trainable="all", head_std=0.5)
+        body = policy.base_model if which == "policy" else model.backbone
+        calls: list[int] = []
+        body.register_forward_hook(lambda *_, seen=calls: seen.append(1))
         if which == "policy":
-            model = policy
             out = policy_logprobs(policy, ids, attn, torch.tensor([1.0, 0.7, 1.3]), positions=actions)
             loss = (out * torch.linspace(-1, 1, out.shape[1])).sum()
         else:
-            model = ValueModel.from_policy(policy, trainable="all", head_std=0.5)
             out = model(ids, attn)
             loss = (out * actions).sum()
         loss.backward()
+        body_calls.append(len(calls))
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert body_calls == [1, 2]  # the shared run really went through the prefix pass and the tails
     plain, shared = grads
     assert plain.keys() == shared.keys() and plain
     for name in plain:

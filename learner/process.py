@@ -64,9 +64,10 @@ class LearnerConfig:
     normalisation, SPO++ PPO objective). Learning rates: the paper's 1e-6 / 5e-6 are for a 30B
     model with batch 128 over thousands of steps. ``saoserve learn`` defaults to the CPU preset
     5e-5 / 1e-4 for the 135M model; ``saoserve demo``/``compare`` run at 1e-4 / 2e-4 with
-    batch 16, AdamW β1 0.5 and the KL anchor at 0.1 (measured runs in docs/demo.md). ``kl_coef``: weight of the KL anchor
-    to the base model (``learner.kl``; 0 = off, the paper; sao and running_mean only); with it
-    the learner also holds the base model (+540 MB, one more forward pass per step).
+    batch 16, AdamW β1 0.5 and the KL anchor at 0.1 (measured runs in docs/demo.md).
+    ``kl_coef``: weight of the KL anchor to the base model (``learner.kl``; 0 = off, the paper;
+    sao and running_mean only); with it the learner also holds the base model (+540 MB, one
+    more forward pass per step).
     """
 
     batch_size: int = 8

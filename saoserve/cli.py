@@ -318,12 +318,12 @@ def _run_methods(
     typer.echo(f"report: {(out / 'index.html').resolve()}")
 
 
-# Measured (docs/demo.md). At batch 8 the second target crossed the 0.4 share in one of three runs
-# of the earlier defaults: one or two rewarded answers a step carry too little signal. Running the
-# batch's shared system-prompt prefix once (learner.prefix) made batch 16 fit the 15 minutes; at
-# batch 16 four of five SAO runs crossed after the switch (lags 6-13 steps; the fifth reached 0.35). Without the KL anchor
-# answer quality fell to 1-2 of 8 within six steps of a switch; at policy lr 2e-4 (batch 8) the
-# text collapsed; AdamW's usual beta1 = 0.9 kept pushing the old style for steps after a switch.
+# Measured (docs/demo.md). At batch 8 the second target crossed the 0.4 share in one of three
+# runs: one or two rewarded answers a step carry too little signal. Running the batch's shared
+# system-prompt prefix once (learner.prefix) made batch 16 fit the 15 minutes; at batch 16 four of
+# five SAO runs crossed after the switch (lags 6-13 steps; the fifth reached 0.35). Without the KL
+# anchor answer quality fell to 1-2 of 8 within six steps of a switch; at policy lr 2e-4 (batch 8)
+# the text collapsed; AdamW's usual beta1 = 0.9 kept pushing the old style after a switch.
 DEMO_SCHEDULE = "pirate:6,poetic:16"
 DEMO_BATCH_SIZE = 16
 DEMO_POLICY_LR = 1e-4

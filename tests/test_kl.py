@@ -83,16 +83,25 @@ def test_k3_is_non_negative_and_zero_at_equality(a, b):
 
 
 def test_sao_step_with_the_reference_equal_to_the_policy_has_zero_kl():
-    """Before the first update πθ = π_ref, so kl_ref = 0 and the step equals the plain one."""
-    policy = tiny_policy()
+    """Before the first update πθ = π_ref, so kl_ref = 0 and the step equals the plain one: the
+    anchor's gradient 1 − e^d is 0 at d = 0."""
+    policy, plain_policy = tiny_policy(), tiny_policy()
     learner = SAOLearner(
         policy,
         ValueModel.from_policy(policy),
         SAOConfig(kl_coef=0.5, policy_lr=1e-2, critic_lr=1e-2, critic_warmup_steps=0),
         reference=tiny_policy(),
     )
+    plain = SAOLearner(
+        plain_policy,
+        ValueModel.from_policy(plain_policy),
+        SAOConfig(policy_lr=1e-2, critic_lr=1e-2, critic_warmup_steps=0),
+    )
     metrics = learner.step(make_batch(policy))
+    plain.step(make_batch(plain_policy))
     assert metrics["kl_ref"] == pytest.approx(0.0, abs=1e-9)
+    for (name, p), q in zip(policy.named_parameters(), plain_policy.parameters(), strict=True):
+        assert torch.allclose(p, q, atol=1e-6), name
     assert not any(p.requires_grad for p in learner.reference.parameters())
     assert learner.step(make_batch(policy, seed=1))["kl_ref"] > 0.0
 

@@ -36,14 +36,14 @@ class DiscardLog(LogTransport):
     def __init__(self) -> None:
         self.n = 0
 
-    def append(self, topic, key, value):  # noqa: ANN001, ANN201
+    def append(self, topic, key, value):
         self.n += 1
         return 0, self.n
 
-    def partitions(self, topic):  # noqa: ANN001, ANN201
+    def partitions(self, topic):
         return [0]
 
-    def read(self, *a, **k):  # noqa: ANN002, ANN003, ANN201
+    def read(self, *a, **k):
         return []
 
 
@@ -151,7 +151,7 @@ async def main(args: argparse.Namespace) -> None:
         )
 
 
-async def load_warmup(engine, tmp: Path) -> None:  # noqa: ANN001
+async def load_warmup(engine, tmp: Path) -> None:
     settings = make_settings(tmp / "warmup")
     async with running_server(settings, engine, log_transport=DiscardLog(), watch_policy=False) as url:
         await load(url, 8, 8, 8)

@@ -334,7 +334,7 @@ class EvidenceStore:
         best = heapq.nsmallest(n, scored, key=lambda t: (-t[0], t[1]))
         return [(pid, self._baseline(state, version)) for _, pid, state in best]
 
-    def _stored(self, row) -> StoredEvidence:  # noqa: ANN001
+    def _stored(self, row) -> StoredEvidence:
         return StoredEvidence(
             prompt_id=row.prompt_id,
             prior=EvidenceState(row.alpha0, row.beta0, row.prior_version, self.rho),

@@ -162,7 +162,7 @@ class KafkaLog(LogTransport):
         finally:
             admin.close()
 
-    def _get_producer(self):  # noqa: ANN202
+    def _get_producer(self):
         with self._lock:
             if self._producer is None:
                 from kafka import KafkaProducer

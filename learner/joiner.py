@@ -195,7 +195,7 @@ class Joiner:
         stats.samples = len(samples)
         return stats
 
-    def _join_episode(self, fb, new_traj, samples, results, inserts, deletes, stats, now) -> None:  # noqa: ANN001
+    def _join_episode(self, fb, new_traj, samples, results, inserts, deletes, stats, now) -> None:
         key = f"e:{fb.episode_id}"
         if self._pending([key], "joined") or any(i["key"] == key for i in inserts):
             stats.count("duplicate_feedback")
@@ -223,7 +223,7 @@ class Joiner:
         stats.count("episode_turns_not_aligned", misaligned)
         samples.append(sample)
 
-    def _expire(self, conn: Connection, now) -> int:  # noqa: ANN001
+    def _expire(self, conn: Connection, now) -> int:
         cutoff = now - timedelta(seconds=self.expire_s)
         res = conn.execute(
             delete(PendingJoin).where(PendingJoin.kind == "trajectory", PendingJoin.received_at < cutoff)

@@ -188,7 +188,7 @@ class Learner:
         if unexpected or [k for k in missing if k != "lm_head.weight"]:
             raise RuntimeError(f"policy weights at {path} do not match the model: {missing} {unexpected}")
 
-    def _latest_version(self):  # noqa: ANN202
+    def _latest_version(self):
         with self.db.connect() as conn:
             return conn.execute(
                 select(*PolicyVersion.__table__.columns).order_by(PolicyVersion.version.desc()).limit(1)
@@ -210,7 +210,7 @@ class Learner:
                 )
             )
 
-    def _announce(self, row) -> None:  # noqa: ANN001
+    def _announce(self, row) -> None:
         """Publish the policy event of a committed version (idempotent for servers)."""
         if row.version == 0 and row.status == "published":
             return

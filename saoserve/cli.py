@@ -174,7 +174,7 @@ def evidence_init(
     typer.echo(f"initialised evidence of {n} prompts")
 
 
-def _judge(kind: str):  # noqa: ANN202
+def _judge(kind: str):
     if kind == "offline":
         from judge.offline import OfflineJudge
 
@@ -189,7 +189,7 @@ def _judge(kind: str):  # noqa: ANN202
     fail(f"unknown judge {kind!r}: choose offline or llm")
 
 
-def _schedule(spec: str, steps_per_style: int):  # noqa: ANN202
+def _schedule(spec: str, steps_per_style: int):
     from judge.styles import schedule_from_spec
 
     try:
@@ -394,7 +394,7 @@ def compare(
     )
 
 
-def _check_secrets(settings) -> None:  # noqa: ANN001
+def _check_secrets(settings) -> None:
     if not settings.feedback_secret:
         fail("SAOSERVE_FEEDBACK_SECRET is not set: feedback tokens need a secret")
     if not settings.admin_key:

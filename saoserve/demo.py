@@ -60,7 +60,7 @@ class Services:
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        out = open(self.log_dir / f"{name}.log", "w")  # noqa: SIM115 - lives as long as the process
+        out = open(self.log_dir / f"{name}.log", "w")
         exe = Path(sys.executable).with_name("saoserve")
         proc = subprocess.Popen(
             [str(exe), *args], env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True

@@ -60,7 +60,7 @@ def create_app(
     settings = settings or get_settings()
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI):  # noqa: ANN202
+    async def lifespan(app: FastAPI):
         db_url = settings.resolved_database_url
         await asyncio.to_thread(migrate, db_url)
         db = make_engine(db_url)
@@ -172,7 +172,7 @@ def create_app(
         }
 
     @app.post("/v1/chat/completions")
-    async def chat(req: ChatCompletionRequest, request: Request):  # noqa: ANN202
+    async def chat(req: ChatCompletionRequest, request: Request):
         s = state_of(request)
         try:
             rollout, sampling = await prepare_rollout(s, req)

@@ -36,7 +36,7 @@ def task_messages(msgs: list[dict], episodic: bool) -> list[dict]:
     return msgs
 
 
-async def prepare_rollout(s: ServerState, req: ChatCompletionRequest):  # noqa: ANN201
+async def prepare_rollout(s: ServerState, req: ChatCompletionRequest):
     """Validate against the model, render the prompt, freeze the dispatch state."""
     from vllm import SamplingParams
     from vllm.exceptions import VLLMValidationError
@@ -144,7 +144,7 @@ def usage_of(rollout: Rollout) -> dict:
 
 async def complete_chat(
     s: ServerState, req: ChatCompletionRequest, rollout: Rollout, sampling
-) -> JSONResponse:  # noqa: ANN001
+) -> JSONResponse:
     t0 = time.perf_counter()
     text_parts: list[str] = []
     s.metrics.in_flight.inc()
@@ -205,7 +205,7 @@ def sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-async def stream_chat(s: ServerState, req: ChatCompletionRequest, rollout: Rollout, sampling):  # noqa: ANN001, ANN201
+async def stream_chat(s: ServerState, req: ChatCompletionRequest, rollout: Rollout, sampling):
     """SSE chunks in OpenAI's shape; the last chunk carries the extension fields.
 
     A client that disconnects cancels this generator: the engine request is aborted and the

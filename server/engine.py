@@ -104,7 +104,7 @@ class PolicyEngine:
         self,
         prompt_token_ids: list[int],
         sampling,
-        request_id: str | None = None,  # noqa: ANN001
+        request_id: str | None = None,
     ) -> AsyncIterator[GenerationDelta]:
         """Stream deltas of one request. Cancelling the iteration aborts it in the engine."""
         from vllm.sampling_params import RequestOutputKind

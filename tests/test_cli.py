@@ -11,7 +11,7 @@ runner = CliRunner()
 
 
 @pytest.fixture(autouse=True)
-def home(tmp_path, monkeypatch):  # noqa: ANN001, ANN201
+def home(tmp_path, monkeypatch):
     from core.settings import get_settings
 
     monkeypatch.setenv("SAOSERVE_HOME", str(tmp_path))
@@ -83,7 +83,7 @@ def test_learning_rates_reach_the_learner(monkeypatch, tmp_path, command):
 
     seen: list[tuple[str, list[str]]] = []
 
-    def fake_run_method(method, schedule, judge, out, **kw):  # noqa: ANN001, ANN202
+    def fake_run_method(method, schedule, judge, out, **kw):
         seen.append((method, kw["learn_extra"]))
         return SimulationResult()
 

@@ -62,7 +62,7 @@ def pg_database() -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def database(kind: str, tmp_path_factory) -> Iterator[str]:  # noqa: ANN001
+def database(kind: str, tmp_path_factory) -> Iterator[str]:
     if kind == "postgres":
         with pg_database() as url:
             yield url
@@ -89,12 +89,12 @@ def pid(tag: str) -> str:
     return f"{tag}-{uuid.uuid4().hex[:12]}"
 
 
-def add(store: EvidenceStore, results) -> None:  # noqa: ANN001
+def add(store: EvidenceStore, results) -> None:
     with store.engine.begin() as conn:
         store.add_results(conn, results)
 
 
-def expected_state(results, prior=(4.0, 4.0), prior_version=None) -> EvidenceState:  # noqa: ANN001
+def expected_state(results, prior=(4.0, 4.0), prior_version=None) -> EvidenceState:
     """Sequential sum: the default prior sits at the earliest result version."""
     v0 = min(v for _, _, v in results) if prior_version is None else prior_version
     return reduce(lambda s, r: s.add(r[1], r[2]), results, EvidenceState(*prior, v0))
@@ -126,7 +126,7 @@ def test_migration_up_down_up(kind, tmp_path_factory):
         migrate(url, REVISION)
 
 
-def _assert_model_matches(engine) -> None:  # noqa: ANN001
+def _assert_model_matches(engine) -> None:
     """The ORM model ``PromptEvidence`` and migration 0002 describe the same table."""
     from alembic.autogenerate import compare_metadata
     from alembic.migration import MigrationContext

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.engine
 
 
 @pytest.fixture(scope="module")
-def perturbed_model(model_dir, tmp_path_factory):  # noqa: ANN001, ANN201
+def perturbed_model(model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("perturbed") / "v1"
     shutil.copytree(model_dir, out)
     weights = load_file(out / "model.safetensors")

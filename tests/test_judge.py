@@ -237,7 +237,7 @@ def stub() -> Iterator[tuple[_Stub, str]]:
     state = _Stub()
 
     class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
+        def do_POST(self) -> None:
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             with state.lock:
                 state.received.append(body)

@@ -9,7 +9,7 @@ from core.logbus import KafkaLog, LogUnavailable, SqlLog, open_log
 from tests.logutil import read_topic
 
 
-def _exercise(log):  # noqa: ANN001, ANN202
+def _exercise(log):
     placed = [log.append("trajectories", f"p{i % 3}", f'{{"n": {i}}}'.encode()) for i in range(12)]
     entries = read_topic(log, "trajectories")
     assert sorted(int(e.value.decode()[6:-1]) for e in entries) == list(range(12))

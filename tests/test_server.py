@@ -26,13 +26,13 @@ PROMPT = [{"role": "user", "content": "Write one sentence about the sea."}]
 
 
 @pytest.fixture
-async def sqlite_server(policy_engine, tmp_path):  # noqa: ANN001, ANN201
+async def sqlite_server(policy_engine, tmp_path):
     settings = make_settings(tmp_path)
     async with running_server(settings, policy_engine) as url:
         yield url, settings
 
 
-def hf_logprobs(model_dir, prompt_ids, response_ids, temperature):  # noqa: ANN001, ANN201
+def hf_logprobs(model_dir, prompt_ids, response_ids, temperature):
     """Transformers recomputation in fp32: log softmax(logits / T) of each response token."""
     from transformers import AutoModelForCausalLM
 
@@ -160,7 +160,7 @@ async def _mixed_load(url: str, n: int = 32) -> dict[str, str]:
     return seen
 
 
-async def _wait_for(predicate, timeout_s: float = 30.0) -> None:  # noqa: ANN001
+async def _wait_for(predicate, timeout_s: float = 30.0) -> None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     while not predicate():
@@ -168,7 +168,7 @@ async def _wait_for(predicate, timeout_s: float = 30.0) -> None:  # noqa: ANN001
         await asyncio.sleep(0.2)
 
 
-def _check_exactly_one(log, seen: dict[str, str]) -> None:  # noqa: ANN001
+def _check_exactly_one(log, seen: dict[str, str]) -> None:
     records = [TrajectoryRecord.model_validate_json(e.value) for e in read_topic(log, "trajectories")]
     ids = [r.id for r in records]
     assert len(ids) == len(set(ids)) == len(seen) == 32
@@ -204,7 +204,7 @@ async def test_exactly_one_record_per_request_kafka_postgres(policy_engine, tmp_
         async with running_server(settings, policy_engine) as url:
             seen = await _mixed_load(url)
 
-            def new_records():  # noqa: ANN202
+            def new_records():
                 return [
                     e for e in read_topic(topic_log, "trajectories") if (e.partition, e.offset) not in before
                 ]
@@ -418,17 +418,17 @@ async def test_log_down_with_spool_answers_and_resends(policy_engine, tmp_path):
         def __init__(self, url: str):
             self.inner, self.up, self.url = SqlLog(url), False, url
 
-        def append(self, topic, key, value):  # noqa: ANN001, ANN202
+        def append(self, topic, key, value):
             from core.logbus import LogUnavailable
 
             if not self.up:
                 raise LogUnavailable("broker down")
             return self.inner.append(topic, key, value)
 
-        def partitions(self, topic):  # noqa: ANN001, ANN202
+        def partitions(self, topic):
             return self.inner.partitions(topic)
 
-        def read(self, *a, **k):  # noqa: ANN002, ANN003, ANN202
+        def read(self, *a, **k):
             return self.inner.read(*a, **k)
 
     settings = make_settings(tmp_path, log_required=False)

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.engine
 
 
 @pytest.fixture(scope="module")
-def offline_judge():  # noqa: ANN201
+def offline_judge():
     from judge.offline import OfflineJudge
 
     return OfflineJudge()

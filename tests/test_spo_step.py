@@ -12,7 +12,7 @@ from learner.spo import SPOConfig, SPOLearner
 from tests.test_sao_step import tiny_policy
 
 
-def two_rows(policy) -> Batch:  # noqa: ANN001
+def two_rows(policy) -> Batch:
     # Row 0: 3 action tokens, row 1: 1 action token (right-padded).
     ids = torch.tensor([[5, 6, 7, 8, 9], [5, 6, 7, 0, 0]])
     attn = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])

@@ -1,5 +1,5 @@
 # The two commands of the README. Each installs what it needs (scripts/install.sh is idempotent).
-.PHONY: install demo test bench lint
+.PHONY: install demo test test-unit bench lint
 
 install:
 	bash scripts/install.sh
@@ -9,6 +9,10 @@ demo: install
 
 test: install
 	.venv/bin/pytest -q -p no:cacheprovider
+
+# The fast tier: pure modules and plans, no engine, model, broker or PostgreSQL (under a minute).
+test-unit: install
+	.venv/bin/pytest -q -p no:cacheprovider -m "not integration"
 
 bench: install
 	.venv/bin/python bench/bench_serving.py

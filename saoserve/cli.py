@@ -178,7 +178,8 @@ def _judge(kind: str):
     if kind == "offline":
         from judge.offline import OfflineJudge
 
-        return OfflineJudge()
+        emb = get_settings().judge_embedding_dir
+        return OfflineJudge(model_path=str(emb) if emb else None)
     if kind == "llm":
         from judge.llm import LLMJudge
 

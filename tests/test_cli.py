@@ -51,6 +51,23 @@ def test_llm_judge_needs_settings(monkeypatch):
     assert result.exit_code == 2 and "SAOSERVE_JUDGE_URL" in result.output
 
 
+def test_judge_settings_are_separate(monkeypatch, tmp_path):
+    """SAOSERVE_JUDGE_MODEL names the LLM judge's model only; the offline judge's embedding
+    folder is SAOSERVE_JUDGE_EMBEDDING_DIR (setting one used to break the other)."""
+    from core.settings import get_settings
+    from saoserve.cli import _judge
+
+    monkeypatch.setenv("SAOSERVE_JUDGE_MODEL", "gpt-judge")
+    get_settings.cache_clear()
+    assert _judge("offline").model_path is None  # the shipped package, not "gpt-judge"
+    monkeypatch.setenv("SAOSERVE_JUDGE_URL", "http://127.0.0.1:9/v1")
+    get_settings.cache_clear()
+    assert _judge("llm").model == "gpt-judge"
+    monkeypatch.setenv("SAOSERVE_JUDGE_EMBEDDING_DIR", str(tmp_path / "minilm"))
+    get_settings.cache_clear()
+    assert _judge("offline").model_path == str(tmp_path / "minilm")
+
+
 def test_evidence_init_bad_line_names_it(home):
     f = home / "rollouts.jsonl"
     f.write_text('{"prompt_id": "a", "reward": 1}\n{"prompt_id": "a", "reward": 7}\n')

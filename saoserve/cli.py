@@ -270,6 +270,7 @@ def _run_methods(
     critic_lr: float,
     adam_beta1: float,
     kl_coef: float,
+    keep_weights: bool,
 ) -> None:
     import shutil
 
@@ -302,6 +303,7 @@ def _run_methods(
                 *("--policy-lr", repr(policy_lr), "--critic-lr", repr(critic_lr)),
                 *("--adam-beta1", repr(adam_beta1), "--kl-coef", repr(kl_coef)),
             ],
+            keep_weights=keep_weights,
         )
         records[method] = result.records
         if result.interrupted:
@@ -346,6 +348,9 @@ def demo(
     critic_lr: float = typer.Option(DEMO_CRITIC_LR, min=0.0, help="Learner critic learning rate."),
     adam_beta1: float = typer.Option(DEMO_ADAM_BETA1, min=0.0, max=0.999, help="Learner AdamW β1."),
     kl_coef: float = typer.Option(DEMO_KL_COEF, min=0.0, help="Learner KL anchor to the base policy."),
+    keep_weights: bool = typer.Option(
+        False, help="Keep the policy versions and checkpoint (GBs); the report never needs them."
+    ),
 ) -> None:
     """Start server + learner (SAO) on embedded defaults, run the simulation, write the report."""
     _run_methods(
@@ -361,6 +366,7 @@ def demo(
         critic_lr,
         adam_beta1,
         kl_coef,
+        keep_weights,
     )
 
 
@@ -377,6 +383,9 @@ def compare(
     critic_lr: float = typer.Option(DEMO_CRITIC_LR, min=0.0, help="Learner critic learning rate."),
     adam_beta1: float = typer.Option(DEMO_ADAM_BETA1, min=0.0, max=0.999, help="Learner AdamW β1."),
     kl_coef: float = typer.Option(DEMO_KL_COEF, min=0.0, help="Learner KL anchor to the base policy."),
+    keep_weights: bool = typer.Option(
+        False, help="Keep the policy versions and checkpoint (GBs); the report never needs them."
+    ),
 ) -> None:
     """SAO vs the running-mean baseline on the same schedule and seeds, side by side."""
     _run_methods(
@@ -392,6 +401,7 @@ def compare(
         critic_lr,
         adam_beta1,
         kl_coef,
+        keep_weights,
     )
 
 

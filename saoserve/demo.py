@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -98,6 +99,26 @@ class Services:
         self.procs.clear()
 
 
+def drop_weights(home: Path) -> int:
+    """Delete the policy versions and the learner checkpoint under ``home``; returns bytes freed.
+
+    A finished run keeps its database, records, logs and report (megabytes); the weights (about
+    540 MB a version in float32, plus a checkpoint with optimiser states) are only needed to
+    serve or resume, so ``demo``/``compare`` drop them unless ``--keep-weights`` is given.
+    """
+    policies = home / "policies"
+    victims = [*policies.glob("v[0-9]*"), *policies.glob("checkpoint.pt*")]
+    freed = 0
+    for v in victims:
+        files = [v] if v.is_file() else [f for f in v.rglob("*") if f.is_file()]
+        freed += sum(f.stat().st_size for f in files)
+        if v.is_dir():
+            shutil.rmtree(v)
+        else:
+            v.unlink()
+    return freed
+
+
 def run_method(
     method: str,
     schedule: Schedule,
@@ -107,8 +128,13 @@ def run_method(
     max_tokens: int = 64,
     seed: int = 0,
     learn_extra: list[str] | None = None,
+    keep_weights: bool = False,
 ) -> SimulationResult:
-    """One full run of ``method`` (``sao`` or ``running_mean``) on ``schedule``."""
+    """One full run of ``method`` (``sao`` or ``running_mean``) on ``schedule``.
+
+    Unless ``keep_weights``, the run's policy versions and checkpoint are deleted at the end
+    (``drop_weights``).
+    """
     home = out / f"run-{method}"
     # The simulation does not wait for a version after its last step, so the learner stops after
     # the version that step is served by instead of training (about 25 s) on a batch no one sees.
@@ -152,5 +178,11 @@ def run_method(
                 result.interrupted = True
     finally:
         services.stop()
+        if not keep_weights:
+            freed = drop_weights(home)
+            console.print(
+                f"{method}: deleted {freed / 2**30:.1f} GiB of policy weights and checkpoint "
+                "(pass --keep-weights to keep them)"
+            )
     save_records(out / f"records-{method}.jsonl", result.records)
     return result

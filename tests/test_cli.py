@@ -102,6 +102,7 @@ def test_learning_rates_reach_the_learner(monkeypatch, tmp_path, command):
 
     def fake_run_method(method, schedule, judge, out, **kw):
         seen.append((method, kw["learn_extra"]))
+        assert kw["keep_weights"] is False
         return SimulationResult()
 
     monkeypatch.setattr(saoserve.demo, "run_method", fake_run_method)
@@ -129,3 +130,20 @@ def test_learning_rates_reach_the_learner(monkeypatch, tmp_path, command):
     want = ["--policy-lr", "0.0003", "--critic-lr", "0.0007", "--adam-beta1", "0.5", "--kl-coef", "0.05"]
     assert seen and all(extra == want for _, extra in seen)
     assert [m for m, _ in seen] == (["sao"] if command == "demo" else ["sao", "running_mean"])
+
+
+def test_drop_weights_keeps_the_report_data(tmp_path):
+    """A finished demo deletes versions and checkpoint (3 + 5 + 7 bytes here), nothing else."""
+    from saoserve.demo import drop_weights
+
+    pol = tmp_path / "policies"
+    (pol / "v000001").mkdir(parents=True)
+    (pol / "v000001" / "model.safetensors").write_bytes(b"abc")
+    (pol / "v000002").mkdir()
+    (pol / "v000002" / "model.safetensors").write_bytes(b"abcde")
+    (pol / "checkpoint.pt").write_bytes(b"1234567")
+    (pol / "critic_pretrained.pt").write_bytes(b"keep")
+    (tmp_path / "saoserve.db").write_bytes(b"db")
+    assert drop_weights(tmp_path) == 3 + 5 + 7
+    assert sorted(p.name for p in pol.iterdir()) == ["critic_pretrained.pt"]
+    assert (tmp_path / "saoserve.db").read_bytes() == b"db"

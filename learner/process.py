@@ -44,6 +44,7 @@ from core.records import (
     utcnow,
 )
 from core.settings import Settings
+from core.weights import weights_sha256
 from learner.joiner import Joiner, JoinStats
 from learner.pretrain import PRETRAINED_CRITIC
 from learner.samples import Sample, collate
@@ -195,8 +196,6 @@ class Learner:
             ).first()
 
     def _record_base_version(self) -> None:
-        from saoserve.model import weights_sha256
-
         with self.db.begin() as conn:
             conn.execute(
                 insert(PolicyVersion).values(
@@ -241,8 +240,6 @@ class Learner:
         float32 engine and float32 weights they agree to ~1e-4.
         """
         from safetensors.torch import save_file
-
-        from saoserve.model import weights_sha256
 
         out = self.policy_dir / f"v{version:06d}"
         tmp = out.with_name(out.name + ".tmp")

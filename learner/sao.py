@@ -335,7 +335,8 @@ class SAOLearner:
         """One SAO step on ``batch``; returns metrics (python floats).
 
         Metrics: policy_loss (the DIS loss, plus ``kl_coef · kl_ref`` when the anchor is on),
-        kept_fraction, mean_abs_log_ratio, approx_kl (k3), policy_grad_norm (before clipping),
+        kept_fraction, mean_abs_log_ratio, approx_kl (k3), nonfinite_tokens (action tokens
+        masked for a non-finite or impossibly small logprob, ``learner.finite``), policy_grad_norm (before clipping),
         advantage_mean, reward_mean, tokens (attended tokens through the forward passes),
         action_tokens, step_time_s, tokens_per_s, policy_lr, step; with the critic also critic_loss
         (mean over the K updates), critic_grad_norm (mean, before clipping), explained_variance

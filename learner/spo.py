@@ -26,6 +26,7 @@ from learner.advantages import (
     trajectory_whiten,
 )
 from learner.batch import Batch, policy_logprobs
+from learner.finite import usable_tokens
 from learner.sao import make_adamw
 
 
@@ -65,8 +66,10 @@ class SPOLearner:
     def step(self, batch: Batch, baseline_values: torch.Tensor) -> dict:
         """``baseline_values``: [B] float, v̂ frozen at dispatch per trajectory.
 
-        Returns metrics: policy_loss, the loss stats, Cov_n(L, A) and the token-weighted
-        centre before/after normalisation, reward_mean, step_time_s, tokens_per_s.
+        Action tokens with a non-finite or impossibly small logprob are masked and counted
+        (``nonfinite_tokens``, ``learner.finite``). Returns metrics: policy_loss, the loss
+        stats, Cov_n(L, A) and the token-weighted centre before/after normalisation,
+        reward_mean, step_time_s, tokens_per_s.
         Raises ValueError on an invalid batch.
         """
         t0 = time.perf_counter()
@@ -101,8 +104,10 @@ class SPOLearner:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip).item()
         self.policy_opt.step()
         self.steps += 1
-        # DIS-style diagnostics so the dashboard's kept fraction means the same thing.
-        log_ratio = (lp.detach() - batch.rollout_logprobs)[mask]
+        # DIS-style diagnostics so the dashboard's kept fraction means the same thing; over the
+        # tokens the loss used, so the metric stays finite.
+        usable, _ = usable_tokens(mask, lp, batch.rollout_logprobs)
+        log_ratio = (lp.detach() - batch.rollout_logprobs)[usable].double()
         elapsed = time.perf_counter() - t0
         tokens = int(batch.attention_mask.bool().sum().item())
         return {
@@ -112,7 +117,7 @@ class SPOLearner:
             "policy_grad_norm": grad_norm,
             "policy_lr": cfg.policy_lr,
             "kept_fraction": 1.0 - loss_stats["rollout_is_truncated_fraction"],
-            "mean_abs_log_ratio": log_ratio.abs().mean().item(),
+            "mean_abs_log_ratio": log_ratio.abs().mean().item() if log_ratio.numel() else 0.0,
             "reward_mean": batch.rewards.float().mean().item(),
             "baseline_mean": baseline_values.float().mean().item(),
             "tokens": tokens,

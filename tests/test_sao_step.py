@@ -1,5 +1,7 @@
 """The SAO step on a tiny random Llama: log-probabilities, critic/policy updates, checkpoints."""
 
+import math
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -7,6 +9,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from learner.baselines import RunningMeanBaseline
 from learner.batch import Batch, policy_logprobs
 from learner.critic import ValueModel
+from learner.dis import dis_loss
 from learner.sao import (
     SAOConfig,
     SAOLearner,
@@ -334,3 +337,35 @@ def test_value_range_must_be_increasing(bad):
     policy = tiny_policy()
     with pytest.raises(ValueError, match="value_range"):
         SAOLearner(policy, ValueModel.from_policy(policy), SAOConfig(value_range=bad))
+
+
+@pytest.mark.parametrize("bad", [math.nan, -math.inf, -9999.0])
+def test_dis_loss_drops_non_finite_rollout_logprobs_from_loss_and_stats(bad):
+    # The input of issue 13 item 6 through SAO's loss: rollout [0, −0.5, bad, −0.5], mask [0, 1, 1, 1].
+    lp = torch.tensor([[0.0, -0.4, -0.3, -0.6]], requires_grad=True)
+    rollout = torch.tensor([[0.0, -0.5, bad, -0.5]])
+    loss, stats = dis_loss(lp, rollout, torch.full((1, 4), 0.7), torch.tensor([[0, 1, 1, 1]]))
+    # Kept: token 1 (log r = 0.1, r = 1.1051709) and token 3 (log r = −0.1, r = 0.9048374), both in
+    # (0.7, 6). L = −0.7·(1.1051709·(−0.4) + 0.9048374·(−0.6)) / 2 = 0.7·0.9849708/2 = 0.3447398.
+    assert loss.item() == pytest.approx(0.7 * (0.4 * math.exp(0.1) + 0.6 * math.exp(-0.1)) / 2, rel=1e-6)
+    assert loss.item() == pytest.approx(0.3447398, abs=1e-6)
+    assert stats["nonfinite_tokens"] == 1 and stats["action_tokens"] == 2
+    # k3 = mean(e^d − 1 − d) over d = ±0.1 = cosh(0.1) − 1 = 0.0050042; mean |log r| = 0.1.
+    assert stats["approx_kl"] == pytest.approx(math.cosh(0.1) - 1, rel=1e-6)
+    assert stats["mean_abs_log_ratio"] == pytest.approx(0.1, rel=1e-6)
+    assert stats["kept_fraction"] == 1.0
+
+
+@pytest.mark.parametrize("bad", [math.nan, -math.inf, -9999.0])
+def test_sao_step_metrics_stay_finite_with_a_non_finite_rollout_logprob(bad):
+    policy = tiny_policy()
+    batch = make_batch(policy)
+    batch.rollout_logprobs[0, 4] = bad
+    batch.rollout_logprobs[2, 5] = bad
+    learner = SAOLearner(policy, ValueModel.from_policy(policy), SAOConfig(**FAST))
+    m = learner.step(batch)
+    assert m["nonfinite_tokens"] == 2
+    assert all(
+        math.isfinite(m[k]) for k in ("approx_kl", "mean_abs_log_ratio", "policy_loss", "kept_fraction")
+    )
+    assert all(torch.isfinite(v).all() for v in policy.state_dict().values())

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from core.records import TrajectoryRecord, utcnow
+from learner.advantages import spo_ppo_loss
 from learner.batch import Batch, policy_logprobs
 from learner.samples import NotLearnable, collate, episode_sample, single_turn_sample
 from learner.spo import SPOConfig, SPOLearner
@@ -135,3 +138,54 @@ def test_adam_beta1_reaches_the_spo_optimizer():
         0.999,
     )
     assert SPOLearner(tiny_policy(), SPOConfig()).policy_opt.param_groups[0]["betas"] == (0.9, 0.999)
+
+
+BAD_LOGPROBS = [math.nan, -math.inf, -9999.0]
+
+
+@pytest.mark.parametrize("bad", BAD_LOGPROBS)
+def test_spo_loss_masks_and_counts_non_finite_rollout_logprobs(bad):
+    # Issue 13 item 6: rollout logprobs [0, −0.5, bad, −0.5], action mask [0, 1, 1, 1], A = 0.7.
+    logp = torch.tensor([[0.0, -0.4, -0.3, -0.6]], dtype=torch.float64, requires_grad=True)
+    rollout = torch.tensor([[0.0, -0.5, bad, -0.5]], dtype=torch.float64)
+    mask = torch.tensor([[0, 1, 1, 1]])
+    loss, stats = spo_ppo_loss(logp, logp.detach(), rollout, torch.tensor([0.7], dtype=torch.float64), mask)
+    # Token 2 is dropped (NaN, −inf, or below the −100 floor); tokens 1 and 3 remain, π_old = πθ so
+    # r = 1 and each ℓ = −A·r = −0.7, weighted by w = min(exp(old − rollout), 2):
+    #   w1 = exp(−0.4 + 0.5) = e^0.1 = 1.1051709, w3 = exp(−0.6 + 0.5) = e^−0.1 = 0.9048374.
+    #   loss = (1.1051709·(−0.7) + 0.9048374·(−0.7)) / 2 = −0.7·2.0100083/2 = −0.7035029.
+    assert loss.item() == pytest.approx(-0.7 * (math.exp(0.1) + math.exp(-0.1)) / 2, rel=1e-12)
+    assert loss.item() == pytest.approx(-0.7035029, abs=1e-7)
+    loss.backward()
+    # ∂loss/∂logπθ_t = −A·w_t/2 on the kept tokens: −0.3868098, 0, −0.3166931.
+    assert logp.grad.tolist()[0] == pytest.approx([0.0, -0.35 * math.exp(0.1), 0.0, -0.35 * math.exp(-0.1)])
+    assert stats["nonfinite_tokens"] == 1 and stats["n_action_tokens"] == 2.0
+    assert stats["rollout_is_mean"] == pytest.approx((math.exp(0.1) + math.exp(-0.1)) / 2)
+    assert stats["rollout_is_truncated_fraction"] == 0.0
+    assert all(math.isfinite(v) for v in stats.values())
+
+
+def test_spo_loss_floor_is_inclusive_and_all_masked_gives_zero():
+    # −100 itself is usable; −100.5 is not. All unusable: loss 0 with a graph, stats 0.
+    logp = torch.zeros(1, 3, dtype=torch.float64, requires_grad=True)
+    mask = torch.tensor([[0, 1, 1]])
+    _, stats = spo_ppo_loss(logp, logp.detach(), torch.tensor([[0.0, -100.0, -100.5]]), torch.ones(1), mask)
+    assert stats["n_action_tokens"] == 1.0 and stats["nonfinite_tokens"] == 1
+    loss, stats = spo_ppo_loss(
+        logp, logp.detach(), torch.tensor([[0.0, math.nan, -1e4]]), torch.ones(1), mask
+    )
+    loss.backward()
+    assert loss.item() == 0.0 and logp.grad.tolist() == [[0.0, 0.0, 0.0]]
+    assert stats["nonfinite_tokens"] == 2 and stats["n_action_tokens"] == 0.0 and stats["ratio_mean"] == 0.0
+
+
+@pytest.mark.parametrize("bad", BAD_LOGPROBS)
+def test_spo_step_keeps_weights_finite_with_a_non_finite_rollout_logprob(bad):
+    policy = tiny_policy()
+    batch = two_rows(policy)
+    batch.rollout_logprobs[0, 3] = bad
+    learner = SPOLearner(policy, SPOConfig(policy_lr=1e-2))
+    m = learner.step(batch, torch.tensor([0.5, 0.5]))
+    assert all(torch.isfinite(v).all() for v in policy.state_dict().values())
+    assert m["nonfinite_tokens"] == 1 and m["n_action_tokens"] == 3.0
+    assert all(math.isfinite(v) for v in m.values() if isinstance(v, float))

@@ -235,3 +235,22 @@ class ControlFlag(Base):
     name: Mapped[str] = mapped_column(String(64), primary_key=True)
     value: Mapped[str] = mapped_column(Text)
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class Episode(Base):
+    """An episode and its start: the first chat with a new episode id starts it; the primary key
+    makes exactly one of two racing first turns win. Later turns present the episode's token."""
+
+    __tablename__ = "episodes"
+    episode_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class EpisodeTurn(Base):
+    """An episode turn dispatched whose record is not indexed yet (the row is deleted in the
+    transaction that indexes the record): the episode's feedback waits while one is in flight."""
+
+    __tablename__ = "episode_turns"
+    trajectory_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    episode_id: Mapped[str] = mapped_column(String(128), index=True)
+    dispatched_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))

@@ -1,29 +1,98 @@
-"""Request bodies of the HTTP API, validated by pydantic (OpenAI chat shapes + extensions)."""
+"""Request bodies of the HTTP API, validated by pydantic (OpenAI chat shapes + extensions).
+
+Every field is bounded at the edge (DESIGN §8), before any work, generation or write:
+integers within what the database's INTEGER columns and vLLM's sampling tensors hold, strings
+with a length bound, and every string (also inside lists, dicts and content parts) valid UTF-8
+(a lone surrogate cannot be encoded, tokenised or stored) by one validator, ``EdgeModel``'s.
+NUL (U+0000) is refused in every string except free text for the model (message content and
+stop strings): PostgreSQL cannot store a NUL in a text column, and those two are never stored as
+text (the log holds token ids), while a NUL is a character a prompt may legitimately hold.
+"""
 
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 ROLES = ("system", "user", "assistant", "tool")
 
+# PostgreSQL INTEGER columns (turn, policy versions) and vLLM's int32 sampling tensors.
+MAX_INT32 = 2**31 - 1
+MAX_NAME_CHARS = 256
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1024
+MAX_MESSAGES = 4096
+
+
+def check_strings(value: Any, nul_allowed: bool, where: str = "") -> None:
+    """Raise ``invalid_value`` if any string in ``value`` (str, or nested in lists, tuples, dict
+    keys and values, and plain pydantic models) is not encodable as UTF-8, or holds a NUL where
+    ``nul_allowed`` is False. ``where`` names the position inside the field, for the message."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            cp = ord(value[exc.start])
+            raise PydanticCustomError(
+                "invalid_value",
+                f"{where}is not valid UTF-8 text: lone surrogate U+{cp:04X} at character {exc.start}",
+            ) from None
+        if not nul_allowed and "\x00" in value:
+            raise PydanticCustomError(
+                "invalid_value", f"{where}contains a NUL character (U+0000), which cannot be stored"
+            )
+    elif isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            check_strings(item, nul_allowed, f"{where}item {i}: ")
+    elif isinstance(value, dict):
+        for k, item in value.items():
+            check_strings(k, False, f"{where}a key: ")
+            check_strings(item, nul_allowed, f"{where}key {k!r}: ")
+    elif isinstance(value, BaseModel) and not isinstance(value, EdgeModel):
+        for name in type(value).model_fields:
+            check_strings(getattr(value, name), nul_allowed, f"{where}{name}: ")
+
+
+class EdgeModel(BaseModel):
+    """Base of every request body: one check on every string of every field
+    (``check_strings``); NUL is allowed only in the fields named in ``text_fields``."""
+
+    text_fields: ClassVar[frozenset[str]] = frozenset()
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _strings_at_the_edge(cls, v: Any, info: ValidationInfo) -> Any:
+        check_strings(v, nul_allowed=info.field_name in cls.text_fields)
+        return v
+
 
 class ContentPart(BaseModel):
+    """A text part of a message (checked by the enclosing ``ChatMessage``)."""
+
     model_config = ConfigDict(extra="ignore")
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(EdgeModel):
     """One chat message; content is a string or a list of text parts (no images)."""
 
     model_config = ConfigDict(extra="ignore")
+    text_fields: ClassVar[frozenset[str]] = frozenset({"content"})
     role: Literal["system", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
-    name: str | None = None
-    tool_call_id: str | None = None
+    name: str | None = Field(None, max_length=MAX_NAME_CHARS)
+    tool_call_id: str | None = Field(None, max_length=MAX_NAME_CHARS)
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -31,35 +100,75 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
-class ChatCompletionRequest(BaseModel):
-    """``POST /v1/chat/completions``. Extra fields: ``prompt_id``, ``episode_id``, ``turn``.
+# The one-of rules in JSON Schema, so the OpenAPI document says what the validators enforce.
+NON_BLANK = {"type": "string", "pattern": r"\S"}
+AT_LEAST_ONE_USER_MESSAGE = {
+    "contains": {
+        "type": "object",
+        "required": ["role", "content"],
+        "properties": {
+            "role": {"const": "user"},
+            "content": {
+                "anyOf": [
+                    NON_BLANK,
+                    {"type": "array", "contains": {"type": "object", "properties": {"text": NON_BLANK}}},
+                ]
+            },
+        },
+    }
+}
+
+
+def _exactly_one(*names: str, types: tuple[dict, ...]) -> dict:
+    return {"oneOf": [{"required": [n], "properties": {n: t}} for n, t in zip(names, types, strict=True)]}
+
+
+class ChatCompletionRequest(EdgeModel):
+    """``POST /v1/chat/completions``. Extra fields: ``prompt_id``, ``episode_id``, ``turn``,
+    ``episode_token``.
 
     Sampling options that would change the distribution the learner must reproduce without
     being logged (penalties, logit bias, several choices) are refused rather than ignored.
     """
 
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    text_fields: ClassVar[frozenset[str]] = frozenset({"stop"})
 
-    model: str | None = None
-    messages: list[ChatMessage] = Field(min_length=1)
+    model: str | None = Field(None, max_length=MAX_NAME_CHARS)
+    messages: list[ChatMessage] = Field(
+        min_length=1,
+        max_length=MAX_MESSAGES,
+        description="At least one user message with non-blank content.",
+        json_schema_extra=AT_LEAST_ONE_USER_MESSAGE,
+    )
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    n: int = 1
+    top_k: int = Field(0, ge=-1, le=MAX_INT32, description="0 or -1: off; a value >= the vocabulary is off.")
+    max_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
+    n: int = Field(1, json_schema_extra={"minimum": 1, "maximum": 1})
     stream: bool = False
-    stream_options: dict | None = None
+    stream_options: dict[str, Any] | None = None
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
-    stop: str | list[str] | None = None
+    stop: str | list[str] | None = Field(
+        None,
+        description=f"At most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_CHARS} characters.",
+    )
     logprobs: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    user: str | None = Field(None, max_length=MAX_NAME_CHARS)
     prompt_id: str | None = Field(None, min_length=1, max_length=128)
     episode_id: str | None = Field(None, min_length=1, max_length=128)
-    turn: int | None = Field(None, ge=0)
+    turn: int | None = Field(None, ge=0, le=MAX_INT32)
+    episode_token: str | None = Field(
+        None,
+        min_length=1,
+        max_length=128,
+        description="Later turns of an episode: the episode_feedback_token its first turn returned. "
+        "Without it, only a new episode_id is accepted (403 otherwise).",
+    )
 
     @field_validator("n")
     @classmethod
@@ -68,15 +177,26 @@ class ChatCompletionRequest(BaseModel):
             raise ValueError("n must be 1: one rollout per request is the contract")
         return v
 
-    @model_validator(mode="after")
-    def _checks(self) -> ChatCompletionRequest:
-        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, v: str | list[str] | None) -> str | list[str] | None:
+        stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
         if any(not s for s in stops):
             raise ValueError("stop strings must be non-empty")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"stop strings must be at most {MAX_STOP_CHARS} characters")
+        return v
+
+    @model_validator(mode="after")
+    def _checks(self) -> ChatCompletionRequest:
         if self.presence_penalty or self.frequency_penalty or self.logit_bias:
             raise ValueError("presence_penalty, frequency_penalty and logit_bias are not supported")
         if not any(m.text().strip() for m in self.messages if m.role == "user"):
             raise ValueError("messages need at least one non-empty user message")
+        if self.episode_token is not None and self.episode_id is None:
+            raise ValueError("episode_token needs episode_id")
         return self
 
     @property
@@ -84,10 +204,23 @@ class ChatCompletionRequest(BaseModel):
         return self.max_completion_tokens or self.max_tokens
 
 
-class FeedbackRequest(BaseModel):
+class FeedbackRequest(EdgeModel):
     """``POST /v1/feedback``: a reward in [0, 1] or a thumb for a completion or an episode."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=True)
+    model_config = ConfigDict(
+        extra="forbid",
+        allow_inf_nan=True,
+        json_schema_extra={
+            "allOf": [
+                _exactly_one("id", "episode_id", types=({"type": "string"}, {"type": "string"})),
+                _exactly_one(
+                    "reward",
+                    "thumbs",
+                    types=({"type": "number", "minimum": 0, "maximum": 1}, {"enum": ["up", "down"]}),
+                ),
+            ]
+        },
+    )
 
     id: str | None = Field(None, min_length=1, max_length=64)
     episode_id: str | None = Field(None, min_length=1, max_length=128)
@@ -113,17 +246,30 @@ class FeedbackRequest(BaseModel):
         return 1.0 if self.thumbs == "up" else 0.0
 
 
-class LoadPolicyRequest(BaseModel):
+class LoadPolicyRequest(EdgeModel):
     """``POST /admin/load_policy``: serve the weights in ``path`` as ``version``."""
 
     model_config = ConfigDict(extra="forbid")
-    version: int = Field(ge=0)
-    path: str = Field(min_length=1)
+    version: int = Field(ge=0, le=MAX_INT32)
+    path: str = Field(min_length=1, max_length=4096)
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
 
 
-class RollbackRequest(BaseModel):
+class RollbackRequest(EdgeModel):
     """``POST /admin/rollback``: the learner publishes a new version with these weights."""
 
     model_config = ConfigDict(extra="forbid")
-    version: int = Field(ge=0)
+    version: int = Field(ge=0, le=MAX_INT32)
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every error the server answers, in OpenAI's shape (``server.state.ApiError``)."""
+
+    error: ErrorBody

@@ -12,9 +12,10 @@ text (the log holds token ids), while a NUL is a character a prompt may legitima
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -273,3 +274,12 @@ class ErrorResponse(BaseModel):
     """Every error the server answers, in OpenAI's shape (``server.state.ApiError``)."""
 
     error: ErrorBody
+
+
+def _edge_string(v: str) -> str:
+    check_strings(v, nul_allowed=False)
+    return v
+
+
+# A path or query string parameter, checked like the fields of a body.
+EdgeStr = Annotated[str, AfterValidator(_edge_string)]

@@ -6,14 +6,27 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import timedelta
 
-from sqlalchemy import delete, insert, select, update
+from sqlalchemy import delete, func, insert, select, update
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 
-from core.db import FeedbackClaim, LearnerCounter, LearnerStep, PolicyVersion, TrajectoryIndex
+from core.db import (
+    Episode,
+    EpisodeTurn,
+    FeedbackClaim,
+    LearnerCounter,
+    LearnerStep,
+    PolicyVersion,
+    TrajectoryIndex,
+)
 from core.records import TrajectoryRecord, utcnow
 
 CLAIM_TIMEOUT = timedelta(seconds=30)
+# A dispatched episode turn not indexed after this long never will be (its request failed
+# before a record, or the server died): it no longer holds the episode's feedback back.
+TURN_TIMEOUT = timedelta(minutes=5)
+# Finish reasons of records that are not whole answers: never rated, never trained as answers.
+NOT_WHOLE = ("abort", "error")
 
 
 @dataclass(frozen=True)
@@ -23,6 +36,17 @@ class IndexedTrajectory:
     episode_id: str | None
     log_partition: int
     log_offset: int
+    finish_reason: str
+
+
+@dataclass(frozen=True)
+class EpisodeState:
+    """What episode feedback must know: its prompt id (None: unknown episode), its turns whose
+    records are not whole answers, and its turns dispatched but not yet indexed."""
+
+    prompt_id: str | None
+    not_whole_turns: int
+    turns_in_flight: int
 
 
 class ServerStore:
@@ -32,8 +56,11 @@ class ServerStore:
         self.engine = engine
 
     def index_trajectory(self, rec: TrajectoryRecord, partition: int, offset: int) -> None:
+        """Index a logged record; an episode turn stops being in flight in the same transaction."""
         last_version = rec.token_versions[-1][0] if rec.token_versions else rec.dispatch_version
         with self.engine.begin() as conn:
+            if rec.episode_id is not None:
+                conn.execute(delete(EpisodeTurn).where(EpisodeTurn.trajectory_id == rec.id))
             conn.execute(
                 insert(TrajectoryIndex).values(
                     id=rec.id,
@@ -59,6 +86,7 @@ class ServerStore:
                     TrajectoryIndex.episode_id,
                     TrajectoryIndex.log_partition,
                     TrajectoryIndex.log_offset,
+                    TrajectoryIndex.finish_reason,
                 ).where(TrajectoryIndex.id == trajectory_id)
             ).first()
         return IndexedTrajectory(*row) if row else None
@@ -69,6 +97,59 @@ class ServerStore:
             return conn.execute(
                 select(TrajectoryIndex.prompt_id).where(TrajectoryIndex.episode_id == episode_id).limit(1)
             ).scalar_one_or_none()
+
+    def start_episode_turn(self, episode_id: str, trajectory_id: str, token_ok: bool) -> str:
+        """Record a dispatched turn of ``episode_id``; returns ``ok``, ``not_yours`` or ``rated``.
+
+        Without a valid episode token (``token_ok`` False) only a new episode may start: the
+        primary key of ``episodes`` lets exactly one of two racing first turns win. A turn is
+        refused once the episode's feedback is claimed. The turn row is committed before the
+        claim is read, and feedback takes its claim before it reads the turn rows, so of a turn
+        and a feedback racing, at least one sees the other (``episode_state``).
+        """
+        now = utcnow()
+        try:
+            with self.engine.begin() as conn:
+                conn.execute(insert(Episode).values(episode_id=episode_id, created_at=now))
+        except IntegrityError:
+            if not token_ok:
+                return "not_yours"
+        with self.engine.begin() as conn:
+            conn.execute(
+                insert(EpisodeTurn).values(
+                    trajectory_id=trajectory_id, episode_id=episode_id, dispatched_at=now
+                )
+            )
+        with self.engine.connect() as conn:
+            claimed = conn.execute(
+                select(FeedbackClaim.target).where(FeedbackClaim.target == f"e:{episode_id}")
+            ).first()
+        if claimed is None:
+            return "ok"
+        with self.engine.begin() as conn:
+            conn.execute(delete(EpisodeTurn).where(EpisodeTurn.trajectory_id == trajectory_id))
+        return "rated"
+
+    def episode_state(self, episode_id: str) -> EpisodeState:
+        """Read after taking the episode's feedback claim. Turns in flight are read before the
+        index: a turn indexed in between is then seen in the index (both change in one
+        transaction), so no turn escapes both reads."""
+        since = utcnow() - TURN_TIMEOUT
+        with self.engine.connect() as conn:
+            in_flight = conn.execute(
+                select(func.count())
+                .select_from(EpisodeTurn)
+                .where(EpisodeTurn.episode_id == episode_id, EpisodeTurn.dispatched_at > since)
+            ).scalar_one()
+            prompt_id = conn.execute(
+                select(TrajectoryIndex.prompt_id).where(TrajectoryIndex.episode_id == episode_id).limit(1)
+            ).scalar_one_or_none()
+            not_whole = conn.execute(
+                select(func.count())
+                .select_from(TrajectoryIndex)
+                .where(TrajectoryIndex.episode_id == episode_id, TrajectoryIndex.finish_reason.in_(NOT_WHOLE))
+            ).scalar_one()
+        return EpisodeState(prompt_id, not_whole, in_flight)
 
     def claim(self, target: str) -> bool:
         """Take the first-wins claim on ``target``; False if feedback was already given.

@@ -156,6 +156,7 @@ class ChatCompletionRequest(EdgeModel):
         description=f"At most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_CHARS} characters.",
     )
     logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20, description="0..20 (vLLM's max_logprobs).")
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None

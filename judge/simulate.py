@@ -1,13 +1,27 @@
 """The online preference-shift simulation (SAO §3.4, DESIGN §6): a real HTTP client.
 
-Each step: ``batch_size`` writing requests go to the server with the SAO system prompt that
-lets the policy choose among the schedule's styles; a judge scores each answer (reward =
-quality × [style == the step's target]) and posts it as feedback with the completion's token.
-One rollout per prompt; feedback per request. By default the client then waits for the
-learner's next policy version, so a simulation step is a learner step (the report's x axis).
+Writing requests go to the server with the SAO system prompt that lets the policy choose among
+the schedule's styles; a judge scores each answer (reward = quality × [style == the target])
+and posts it as feedback with the completion's token. One rollout per prompt; feedback per
+request. Two modes:
 
-Options: concurrency, at most one in-flight request per prompt (SPO++ setting), the
-uncertainty sampler (prompt weight sqrt(v̂(1−v̂) + 0.05) from the server's evidence view).
+- ``sync`` (lockstep): each step sends ``batch_size`` requests, waits for their feedback, then
+  waits for the learner's next policy version, so a step is a learner step and every sample is
+  on-policy.
+- ``async`` (open loop, SAO's setting): requests keep flowing at a fixed number in flight
+  (``concurrency``) or at a rate (``rate`` requests/s, Poisson arrivals) and never wait for the
+  learner; each answer is judged when it comes back and its feedback posted after an optional
+  exponential delay (``feedback_delay_s``, the mean). The learner trains whenever a batch is
+  ready and the server swaps versions while requests are in flight. An answer counts once,
+  toward the version that generated its first token (the trajectory record's spans, read from
+  ``GET /admin/trajectories/{id}``; the dispatch version without an admin key): its step is
+  that version minus the version served at the start, and the schedule's target is the target
+  at that step. The run ends when the last step of the schedule holds ``batch_size`` answers,
+  or after ``max_seconds``.
+
+Options: at most one in-flight request per prompt (SPO++ setting), the uncertainty sampler
+(prompt weight sqrt(v̂(1−v̂) + 0.05) from the server's evidence view), a prompt pool of K
+requests cycled in order (every prompt recurs every K requests), a backlog cap in async mode.
 """
 
 from __future__ import annotations
@@ -26,10 +40,19 @@ from core.evidence import uncertainty_weight
 from judge.base import Judge, JudgeFailure
 from judge.styles import Schedule, system_prompt, writing_requests
 
+MODES = ("sync", "async")
+
 
 @dataclass
 class SimulationConfig:
-    """One simulation run. ``steps`` defaults to the schedule's length."""
+    """One simulation run. ``steps`` defaults to the schedule's length (in learner versions).
+
+    ``rate`` (requests/s) and ``feedback_delay_s`` (seconds, mean of an exponential; 0 = at
+    once), ``max_seconds`` and ``max_backlog`` (samples waiting for the learner, estimated as
+    feedback posted minus ``batch_size`` per new version; new requests are held while it is
+    reached; None = never held) apply to ``mode="async"``. ``prompt_pool``: cycle the first K
+    writing requests in order instead of sampling all of them.
+    """
 
     base_url: str
     schedule: Schedule
@@ -45,14 +68,54 @@ class SimulationConfig:
     version_timeout_s: float = 600.0
     admin_key: str | None = None
     n_prompts: int | None = None
+    mode: str = "sync"
+    rate: float | None = None
+    feedback_delay_s: float = 0.0
+    max_seconds: float | None = None
+    max_backlog: int | None = None
+    prompt_pool: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"unknown mode {self.mode!r}: choose sync or async")
+        if self.rate is not None and self.rate <= 0:
+            raise ValueError(f"rate must be > 0 requests/s, got {self.rate}")
+        if self.feedback_delay_s < 0:
+            raise ValueError(f"feedback_delay_s must be >= 0, got {self.feedback_delay_s}")
+        if self.prompt_pool is not None and self.prompt_pool < 1:
+            raise ValueError(f"prompt_pool must be >= 1, got {self.prompt_pool}")
 
 
 @dataclass
 class SimulationResult:
+    """Records (one per judged answer), the learner's step metrics of the run (``GET
+    /admin/learner``, versions after ``start_version``; empty without an admin key), and in
+    async mode a timeline sampled about once a second: ``{"t": s since start, "version",
+    "backlog": samples waiting (estimate), "in_flight": requests}``."""
+
     records: list[dict] = field(default_factory=list)
     judge_failures: int = 0
     request_failures: int = 0
     interrupted: bool = False
+    mode: str = "sync"
+    start_version: int = 0
+    wall_s: float = 0.0
+    held_s: float = 0.0
+    learner_steps: list[dict] = field(default_factory=list)
+    timeline: list[dict] = field(default_factory=list)
+
+    def details(self) -> dict:
+        """What ``judge.report.write_report`` reads besides the records."""
+        return {
+            "mode": self.mode,
+            "start_version": self.start_version,
+            "wall_s": self.wall_s,
+            "held_s": self.held_s,
+            "learner_steps": self.learner_steps,
+            "timeline": self.timeline,
+            "request_failures": self.request_failures,
+            "judge_failures": self.judge_failures,
+        }
 
 
 class Simulation:
@@ -66,18 +129,31 @@ class Simulation:
         self.on_step = on_step
         self.rng = random.Random(config.seed)
         requests = writing_requests()
-        self.requests = requests[: config.n_prompts] if config.n_prompts else requests
+        n = config.prompt_pool or config.n_prompts
+        self.requests = requests[:n] if n else requests
         self.system = system_prompt(config.schedule.styles)
         self.in_flight: set[int] = set()
-        self.result = SimulationResult()
+        self.result = SimulationResult(mode=config.mode)
+        self._cursor = 0
+        self._t0 = time.monotonic()
+        self._version_now = 0
+        self._feedback_posted = 0
+        self._requests_open = 0
+        self._per_step: dict[int, int] = {}
+
+    @property
+    def _headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.config.admin_key}"} if self.config.admin_key else {}
+
+    def _now(self) -> float:
+        return time.monotonic() - self._t0
 
     async def _version(self, http: httpx.AsyncClient) -> int:
         return (await http.get("/v1/models")).json()["data"][0]["policy_version"]
 
     async def _weights(self, http: httpx.AsyncClient) -> list[float]:
         """Uncertainty sampler weights per request, from the evidence view (1 where unknown)."""
-        headers = {"Authorization": f"Bearer {self.config.admin_key}"}
-        r = await http.get("/admin/evidence", params={"top": len(self.requests)}, headers=headers)
+        r = await http.get("/admin/evidence", params={"top": len(self.requests)}, headers=self._headers)
         r.raise_for_status()
         by_id = {p["prompt_id"]: p["value"] for p in r.json()["prompts"]}
         return [uncertainty_weight(by_id.get(self._prompt_id(i), 0.5)) for i in range(len(self.requests))]
@@ -91,6 +167,14 @@ class Simulation:
             for i in range(len(self.requests))
             if not (self.config.one_in_flight_per_prompt and i in self.in_flight)
         ]
+        if self.config.prompt_pool:
+            # Round robin over the pool from where the last pick stopped, skipping busy prompts.
+            k = len(self.requests)
+            order = [(self._cursor + j) % k for j in range(k)]
+            picked = [i for i in order if i in set(free)][:n]
+            if picked:
+                self._cursor = (picked[-1] + 1) % k
+            return picked
         if self.config.uncertainty_sampler and self.config.admin_key:
             weights = await self._weights(http)
             picked: list[int] = []
@@ -101,57 +185,73 @@ class Simulation:
             return picked
         return self.rng.sample(free, min(n, len(free)))
 
+    async def _ask(self, http: httpx.AsyncClient, i: int) -> dict | None:
+        """Send request ``i``; the response body, or None (counted) on a non-200."""
+        cfg = self.config
+        r = await http.post(
+            "/v1/chat/completions",
+            json={
+                "messages": [
+                    {"role": "system", "content": self.system},
+                    {"role": "user", "content": self.requests[i]},
+                ],
+                "max_tokens": cfg.max_tokens,
+                "temperature": cfg.temperature,
+                "prompt_id": self._prompt_id(i),
+            },
+        )
+        if r.status_code != 200:
+            self.result.request_failures += 1
+            return None
+        return r.json()
+
+    async def _judge(self, request: str, answer: str, target: str):
+        try:
+            return (await asyncio.to_thread(self.judge.judge_many, [(request, answer, target)]))[0]
+        except JudgeFailure:
+            self.result.judge_failures += 1
+            return None
+
+    async def _feedback(self, http: httpx.AsyncClient, body: dict, reward: float) -> bool:
+        fb = await http.post(
+            "/v1/feedback",
+            json={
+                "id": body["id"],
+                "feedback_token": body["feedback_token"],
+                "reward": reward,
+                "source": "judge",
+            },
+        )
+        if fb.status_code != 202:
+            self.result.request_failures += 1
+            return False
+        return True
+
     async def _one(
         self, http: httpx.AsyncClient, sem: asyncio.Semaphore, step: int, i: int, target: str
     ) -> dict | None:
-        cfg = self.config
         request = self.requests[i]
         async with sem:
             self.in_flight.add(i)
             try:
-                r = await http.post(
-                    "/v1/chat/completions",
-                    json={
-                        "messages": [
-                            {"role": "system", "content": self.system},
-                            {"role": "user", "content": request},
-                        ],
-                        "max_tokens": cfg.max_tokens,
-                        "temperature": cfg.temperature,
-                        "prompt_id": self._prompt_id(i),
-                    },
-                )
-                if r.status_code != 200:
-                    self.result.request_failures += 1
+                body = await self._ask(http, i)
+                if body is None:
                     return None
-                body = r.json()
                 answer = body["choices"][0]["message"]["content"]
-                try:
-                    j = (await asyncio.to_thread(self.judge.judge_many, [(request, answer, target)]))[0]
-                except JudgeFailure:
-                    self.result.judge_failures += 1
-                    return None
-                fb = await http.post(
-                    "/v1/feedback",
-                    json={
-                        "id": body["id"],
-                        "feedback_token": body["feedback_token"],
-                        "reward": j.reward,
-                        "source": "judge",
-                    },
-                )
-                if fb.status_code != 202:
-                    self.result.request_failures += 1
+                j = await self._judge(request, answer, target)
+                if j is None or not await self._feedback(http, body, j.reward):
                     return None
             finally:
                 self.in_flight.discard(i)
         return {
             "step": step,
+            "id": body["id"],
             "target_style": target,
             "detected_style": j.style,
             "reward": j.reward,
             "quality": j.quality,
             "policy_version": body["policy_version"],
+            "finish_reason": body["choices"][0]["finish_reason"],
             "prompt_id": self._prompt_id(i),
             "request": request,
             "answer": answer,
@@ -159,24 +259,46 @@ class Simulation:
 
     async def run(self) -> SimulationResult:
         cfg = self.config
-        steps = cfg.steps or cfg.schedule.total_steps
-        sem = asyncio.Semaphore(cfg.concurrency)
+        self._t0 = time.monotonic()
         async with httpx.AsyncClient(base_url=cfg.base_url, timeout=600) as http:
+            self.result.start_version = self._version_now = await self._version(http)
             try:
-                for step in range(steps):
-                    target = cfg.schedule.target_at(step)
-                    version = await self._version(http)
-                    picks = await self._pick(http, cfg.batch_size)
-                    done = await asyncio.gather(*(self._one(http, sem, step, i, target) for i in picks))
-                    recs = [d for d in done if d is not None]
-                    self.result.records.extend(recs)
-                    if self.on_step:
-                        self.on_step(step, recs)
-                    if cfg.wait_for_version and step < steps - 1:
-                        await self._await_version(http, version)
+                if cfg.mode == "async":
+                    await self._run_async(http)
+                else:
+                    await self._run_sync(http)
             except asyncio.CancelledError:
                 self.result.interrupted = True
+            self.result.wall_s = self._now()
+            if cfg.admin_key:
+                self.result.learner_steps = await self._learner_steps(http)
         return self.result
+
+    async def _learner_steps(self, http: httpx.AsyncClient) -> list[dict]:
+        """The learner's step metrics for the versions this run trained (admin view)."""
+        try:
+            r = await http.get("/admin/learner", params={"limit": 1000}, headers=self._headers)
+        except httpx.HTTPError:
+            return []
+        if r.status_code != 200:
+            return []
+        return [s for s in r.json()["steps"] if s["version"] > self.result.start_version]
+
+    async def _run_sync(self, http: httpx.AsyncClient) -> None:
+        cfg = self.config
+        steps = cfg.steps or cfg.schedule.total_steps
+        sem = asyncio.Semaphore(cfg.concurrency)
+        for step in range(steps):
+            target = cfg.schedule.target_at(step)
+            version = await self._version(http)
+            picks = await self._pick(http, cfg.batch_size)
+            done = await asyncio.gather(*(self._one(http, sem, step, i, target) for i in picks))
+            recs = [d for d in done if d is not None]
+            self.result.records.extend(recs)
+            if self.on_step:
+                self.on_step(step, recs)
+            if cfg.wait_for_version and step < steps - 1:
+                await self._await_version(http, version)
 
     async def _await_version(self, http: httpx.AsyncClient, version: int) -> None:
         deadline = time.monotonic() + self.config.version_timeout_s
@@ -184,6 +306,155 @@ class Simulation:
             if await self._version(http) > version:
                 return
             await asyncio.sleep(0.5)
+
+    # ------------------------------------------------------------------ async mode
+    def _backlog(self) -> int:
+        """Samples waiting for the learner: feedback posted minus a batch per new version."""
+        trained = (self._version_now - self.result.start_version) * self.config.batch_size
+        return max(0, self._feedback_posted - trained)
+
+    def _done(self) -> bool:
+        steps = self.config.steps or self.config.schedule.total_steps
+        past = self._version_now - self.result.start_version >= steps
+        return past or self._per_step.get(steps - 1, 0) >= self.config.batch_size
+
+    async def _spans(self, http: httpx.AsyncClient, body: dict) -> tuple[int, int]:
+        """(first, last) token versions of the answer from its trajectory record; the dispatch
+        version for both without an admin key or when the record cannot be read."""
+        v = body["policy_version"]
+        if not self.config.admin_key:
+            return v, v
+        r = await http.get(f"/admin/trajectories/{body['id']}", headers=self._headers)
+        if r.status_code != 200:
+            return v, v
+        spans = r.json().get("token_versions") or [[v, 0]]
+        return spans[0][0], spans[-1][0]
+
+    async def _one_async(self, http: httpx.AsyncClient, i: int, pending: set[asyncio.Task]) -> None:
+        cfg = self.config
+        request = self.requests[i]
+        self.in_flight.add(i)
+        self._requests_open += 1
+        try:
+            sent = self._now()
+            body = await self._ask(http, i)
+            if body is None:
+                return
+            answered = self._now()
+            first, last = await self._spans(http, body)
+        finally:
+            self.in_flight.discard(i)
+            self._requests_open -= 1
+        step = first - self.result.start_version
+        if step >= (cfg.steps or cfg.schedule.total_steps):
+            return  # generated by a version past the schedule: not part of the run
+        target = cfg.schedule.target_at(step)
+        answer = body["choices"][0]["message"]["content"]
+        j = await self._judge(request, answer, target)
+        if j is None:
+            return
+        rec = {
+            "step": step,
+            "id": body["id"],
+            "target_style": target,
+            "detected_style": j.style,
+            "reward": j.reward,
+            "quality": j.quality,
+            "policy_version": body["policy_version"],
+            "first_version": first,
+            "last_version": last,
+            "finish_reason": body["choices"][0]["finish_reason"],
+            "t_sent": sent,
+            "t_answer": answered,
+            "t_feedback": None,
+            "prompt_id": self._prompt_id(i),
+            "request": request,
+            "answer": answer,
+        }
+        self.result.records.append(rec)
+        self._per_step[step] = self._per_step.get(step, 0) + 1
+        task = asyncio.create_task(self._late_feedback(http, body, rec))
+        pending.add(task)
+        task.add_done_callback(pending.discard)
+
+    async def _late_feedback(self, http: httpx.AsyncClient, body: dict, rec: dict) -> None:
+        delay = self.config.feedback_delay_s
+        if delay > 0:
+            await asyncio.sleep(self.rng.expovariate(1.0 / delay))
+        if await self._feedback(http, body, rec["reward"]):
+            rec["t_feedback"] = self._now()
+            self._feedback_posted += 1
+
+    async def _admit(self) -> None:
+        """Hold a new request while the backlog cap is reached (time counted in ``held_s``)."""
+        cap = self.config.max_backlog
+        while cap is not None and self._backlog() >= cap:
+            t = self._now()
+            await asyncio.sleep(0.2)
+            self.result.held_s += self._now() - t
+
+    async def _worker(self, http: httpx.AsyncClient, pending: set[asyncio.Task]) -> None:
+        while True:
+            await self._admit()
+            picks = await self._pick(http, 1)
+            if not picks:
+                await asyncio.sleep(0.1)
+                continue
+            await self._one_async(http, picks[0], pending)
+
+    async def _arrivals(self, http: httpx.AsyncClient, pending: set[asyncio.Task]) -> None:
+        assert self.config.rate is not None
+        while True:
+            await asyncio.sleep(self.rng.expovariate(self.config.rate))
+            await self._admit()
+            picks = await self._pick(http, 1)
+            if not picks:
+                continue  # every prompt of the pool is in flight: this arrival is dropped
+            self.in_flight.add(picks[0])
+            task = asyncio.create_task(self._one_async(http, picks[0], pending))
+            pending.add(task)
+            task.add_done_callback(pending.discard)
+
+    async def _monitor(self, http: httpx.AsyncClient) -> None:
+        """Follow the served version (for the backlog), sample the timeline, report progress."""
+        cfg = self.config
+        while not self._done() and (cfg.max_seconds is None or self._now() < cfg.max_seconds):
+            try:
+                version = await self._version(http)
+            except httpx.HTTPError:
+                version = self._version_now
+            for v in range(self._version_now, version):
+                step = v - self.result.start_version
+                if self.on_step:
+                    self.on_step(step, [r for r in self.result.records if r["step"] == step])
+            self._version_now = max(self._version_now, version)
+            self.result.timeline.append(
+                {
+                    "t": round(self._now(), 3),
+                    "version": self._version_now,
+                    "backlog": self._backlog(),
+                    "in_flight": self._requests_open,
+                }
+            )
+            await asyncio.sleep(1.0)
+        if self.on_step:
+            step = self._version_now - self.result.start_version
+            self.on_step(step, [r for r in self.result.records if r["step"] == step])
+
+    async def _run_async(self, http: httpx.AsyncClient) -> None:
+        cfg = self.config
+        pending: set[asyncio.Task] = set()
+        if cfg.rate is None:
+            drivers = [asyncio.create_task(self._worker(http, pending)) for _ in range(cfg.concurrency)]
+        else:
+            drivers = [asyncio.create_task(self._arrivals(http, pending))]
+        try:
+            await self._monitor(http)
+        finally:
+            # Requests and feedback still out belong to versions the run has finished with.
+            for t in [*drivers, *pending]:
+                t.cancel()
+            await asyncio.gather(*drivers, *pending, return_exceptions=True)
 
 
 def save_records(path: Path, records: list[dict]) -> None:

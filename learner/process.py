@@ -12,12 +12,21 @@ server replica follows.
 A crash at any point loses and duplicates nothing: offsets only move together with the state
 they produced; a trajectory id joined once leaves a tombstone so a re-sent copy is ignored; a
 version committed but not yet announced is announced again at start.
+
+The database is the truth of the learner's state (DESIGN §8). A version's directory is written
+before its commit but means nothing until then: at load, directories above the database's
+latest version are deleted. ``checkpoint.pt`` (tagged with its version) is written only after
+the commit, and a checkpoint newer than the database's latest version is ignored. A failure
+between applying a step in memory and its commit drops the in-memory models; the next iteration
+reloads the committed state as a restart would (``load``). Fault points (``learner.faults``)
+mark each step of the cycle for the kill -9 harness (tests/test_learner_faults.py).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import shutil
 import threading
 import uuid
@@ -31,6 +40,7 @@ from sqlalchemy.engine import Engine
 from core.control import PAUSED, ROLLBACK_TO, get_flag
 from core.db import (
     ControlFlag,
+    LearnerCounter,
     LearnerSample,
     LearnerStep,
     PolicyVersion,
@@ -45,6 +55,7 @@ from core.records import (
 )
 from core.settings import Settings
 from core.weights import weights_sha256
+from learner.faults import ReadFaultLog, armed, fault_point
 from learner.joiner import Joiner, JoinStats
 from learner.pretrain import PRETRAINED_CRITIC
 from learner.samples import Sample, collate
@@ -54,6 +65,22 @@ log = logging.getLogger(__name__)
 CONSUMER = "learner"
 POLICY_KEY = "policy"
 WEIGHTS_FILE = "model.safetensors"
+CHECKPOINT_FILE = "checkpoint.pt"
+
+
+def storable(value):
+    """``value`` with every non-finite float replaced by None, recursively (dicts, lists).
+
+    PostgreSQL's JSON refuses NaN and Infinity, and a metric that is not a number is unknown:
+    metrics are stored finite or null (DESIGN §8).
+    """
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): storable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [storable(v) for v in value]
+    return value
 
 
 @dataclass
@@ -102,7 +129,8 @@ class Learner:
     ):
         self.settings = settings
         self.config = config
-        self.log = log_transport or open_log(settings.resolved_log_url)
+        transport = log_transport or open_log(settings.resolved_log_url)
+        self.log = ReadFaultLog(transport) if armed() else transport
         self.db = db or make_engine(settings.resolved_database_url)
         self.joiner = Joiner(self.log, self.db, config.expire_s)
         self.policy_dir = Path(settings.resolved_policy_dir)
@@ -110,10 +138,14 @@ class Learner:
         self.run_id = uuid.uuid4().hex[:12]
         self.sao = None
         self.version = 0
+        self._unannounced = False
 
     def poll_once(self, max_records: int = 500) -> JoinStats:
         """Read new records, join, commit offsets + joins + samples + evidence together."""
-        return self.joiner.poll_once(max_records)
+        stats = self.joiner.poll_once(max_records)
+        if isinstance(self.log, ReadFaultLog) and self.log.take_read():
+            fault_point("after_join_commit")
+        return stats
 
     def waiting_samples(self) -> int:
         with self.db.connect() as conn:
@@ -121,7 +153,21 @@ class Learner:
 
     # ---------------------------------------------------------------- model
     def load(self) -> None:
-        """Build policy and critic (or resume from the last checkpoint and published version)."""
+        """Build policy and critic in the state the database has committed.
+
+        The policy takes the weights of the database's latest version; the critic, optimizer
+        states and step count come from ``checkpoint.pt`` when its version is not newer than
+        that (else from the pretrained critic, or fresh). Version directories the database
+        does not know are deleted. On any error ``self.sao`` stays None.
+        """
+        self.sao = None
+        try:
+            self._load()
+        except BaseException:
+            self.sao = None
+            raise
+
+    def _load(self) -> None:
         from transformers import AutoModelForCausalLM
 
         from learner.critic import ValueModel
@@ -162,13 +208,21 @@ class Learner:
             self.sao = SAOLearner(policy, critic, sao_cfg, reference=reference)
         else:
             raise ValueError(f"unknown estimator {cfg.estimator!r} (sao, running_mean, spo)")
-        ckpt = self.policy_dir / "checkpoint.pt"
+        committed = latest.version if latest is not None else 0
+        self._discard_uncommitted(committed)
+        ckpt = self.policy_dir / CHECKPOINT_FILE
+        state = torch.load(ckpt, map_location="cpu", weights_only=False) if ckpt.is_file() else None
+        if state is not None and state["version"] > committed:
+            # Written by a learner before the version was committed in this database (older
+            # code, or a database restored from a backup): it claims updates that never were.
+            log.warning("ignoring %s at version %d: the database is at %d", ckpt, state["version"], committed)
+            state = None
         pretrained = self.policy_dir / PRETRAINED_CRITIC
-        if critic is not None and not ckpt.is_file() and pretrained.is_file():
+        if critic is not None and state is None and pretrained.is_file():
             critic.load_state_dict(torch.load(pretrained, map_location="cpu"))
             log.info("critic initialised from %s", pretrained)
-        if ckpt.is_file():
-            state = torch.load(ckpt, map_location="cpu", weights_only=False)
+        self.version = 0
+        if state is not None:
             self.sao.load_state_dict(state["learner"])
             self.version = state["version"]
         if latest is not None and latest.version > self.version:
@@ -180,6 +234,21 @@ class Learner:
             self._record_base_version()
         elif latest.status != "published":
             self._announce(latest)
+
+    def _discard_uncommitted(self, committed: int) -> None:
+        """Delete version directories above ``committed`` and half-written files.
+
+        Such a directory was written by a learner that died (or failed) before the version's
+        commit; the next step of that number writes it again.
+        """
+        if not self.policy_dir.is_dir():
+            return
+        for d in self.policy_dir.glob("v[0-9]*"):
+            number = d.name[1:]
+            if not number.isdigit() or int(number) > committed:
+                log.info("deleting %s: not a version the database has committed", d)
+                shutil.rmtree(d, ignore_errors=True)
+        (self.policy_dir / (CHECKPOINT_FILE + ".tmp")).unlink(missing_ok=True)
 
     def _load_policy_weights(self, path: Path) -> None:
         from safetensors.torch import load_file
@@ -222,6 +291,7 @@ class Learner:
             metrics={k: float(v) for k, v in (row.metrics or {}).items() if isinstance(v, int | float)},
         )
         self.log.append(TOPIC_POLICY, POLICY_KEY, event.to_json())
+        fault_point("after_policy_event")
         if row.status != "published":
             with self.db.begin() as conn:
                 conn.execute(
@@ -260,7 +330,11 @@ class Learner:
 
     def _prune(self) -> None:
         keep = self.config.keep_versions
-        dirs = sorted(self.policy_dir.glob("v[0-9]*"))
+        dirs = sorted(
+            d
+            for d in self.policy_dir.glob("v[0-9]*")
+            if d.name[1:].isdigit() and int(d.name[1:]) <= self.version
+        )
         for d in dirs[:-keep] if keep > 0 else []:
             shutil.rmtree(d, ignore_errors=True)
 
@@ -269,7 +343,12 @@ class Learner:
         return get_flag(self.db, name)
 
     def train_step(self) -> dict | None:
-        """One SAO step on the oldest ``batch_size`` samples, then publish the new version."""
+        """One step on the oldest ``batch_size`` samples, then publish the new version.
+
+        The step counts as applied only once its version is committed: on any error before
+        that, the in-memory models are dropped (``self.sao = None``) and the error re-raised;
+        ``run`` reloads the committed state before anything else.
+        """
         with self.db.connect() as conn:
             rows = conn.execute(
                 select(LearnerSample.id, LearnerSample.payload)
@@ -280,6 +359,36 @@ class Learner:
             return None
         samples = [Sample.from_json(json.loads(p)) for _, p in rows]
         batch = collate(samples, self.version)
+        new_version = self.version + 1
+        try:
+            metrics = self._step(samples, batch)
+            fault_point("during_step")
+            path, sha = self._write_version(new_version)
+            fault_point("after_weights")
+            self._commit_version(new_version, path, sha, metrics, [r[0] for r in rows])
+        except BaseException:
+            self.sao = None
+            raise
+        self.version = new_version
+        self._unannounced = True
+        fault_point("after_commit")
+        if self.sao.steps % self.config.checkpoint_every == 0:
+            self._checkpoint(new_version)
+            fault_point("after_checkpoint")
+        self._announce_latest()
+        self._prune()
+        log.info(
+            "version %d: reward %.3f kept %.3f EV %s loss %.4f (%.1fs)",
+            new_version,
+            metrics["reward_mean"],
+            metrics["kept_fraction"],
+            metrics.get("explained_variance"),
+            metrics["policy_loss"],
+            metrics["step_time_s"],
+        )
+        return metrics
+
+    def _step(self, samples: list[Sample], batch) -> dict:
         if self.config.estimator == "spo":
             # The value frozen at dispatch; 0.5 (the default prior) for records logged before
             # evidence existed.
@@ -295,17 +404,21 @@ class Learner:
         metrics["staleness_hist"] = {
             str(int(k)): int(v) for k, v in zip(*torch.unique(stale, return_counts=True), strict=True)
         }
-        new_version = self.version + 1
-        path, sha = self._write_version(new_version)
-        if self.sao.steps % self.config.checkpoint_every == 0:
-            self._checkpoint(new_version)
-        flat = {k: v for k, v in metrics.items() if isinstance(v, int | float)}
+        return metrics
+
+    def _commit_version(
+        self, version: int, path: Path, sha: str, metrics: dict, sample_ids: list[str]
+    ) -> None:
+        """Record the version, its step (with the ids of the samples it trained) and delete
+        those samples, in one transaction. Metrics are stored finite or null (``storable``)."""
+        clean = storable(metrics)
+        flat = {k: v for k, v in clean.items() if v is None or isinstance(v, int | float)}
         now = utcnow()
         with self.db.begin() as conn:
-            conn.execute(delete(LearnerSample).where(LearnerSample.id.in_([r[0] for r in rows])))
+            conn.execute(delete(LearnerSample).where(LearnerSample.id.in_(sample_ids)))
             conn.execute(
                 insert(PolicyVersion).values(
-                    version=new_version,
+                    version=version,
                     path=str(path.resolve()),
                     sha256=sha,
                     status="committed",
@@ -318,70 +431,82 @@ class Learner:
                 insert(LearnerStep).values(
                     run_id=self.run_id,
                     step=self.sao.steps,
-                    version=new_version,
-                    metrics=json.loads(json.dumps(metrics, default=str)),
+                    version=version,
+                    metrics=json.loads(json.dumps(clean | {"sample_ids": sample_ids}, default=str)),
                     created_at=now,
                 )
             )
-        self.version = new_version
+
+    def _announce_latest(self) -> None:
         self._announce(self._latest_version())
-        self._prune()
-        log.info(
-            "version %d: reward %.3f kept %.3f EV %s loss %.4f (%.1fs)",
-            new_version,
-            metrics["reward_mean"],
-            metrics["kept_fraction"],
-            metrics.get("explained_variance"),
-            metrics["policy_loss"],
-            metrics["step_time_s"],
-        )
-        return metrics
+        self._unannounced = False
 
     def _checkpoint(self, version: int) -> None:
-        tmp = self.policy_dir / "checkpoint.pt.tmp"
+        """Replace ``checkpoint.pt`` with the state of ``version``; call only once it is committed."""
+        tmp = self.policy_dir / (CHECKPOINT_FILE + ".tmp")
         torch.save({"version": version, "learner": self.sao.state_dict(), "config": asdict(self.config)}, tmp)
-        tmp.replace(self.policy_dir / "checkpoint.pt")
+        tmp.replace(self.policy_dir / CHECKPOINT_FILE)
 
-    def rollback(self, version: int) -> int:
+    def rollback(self, version: int) -> int | None:
         """Publish a new version whose weights are those of ``version`` (versions stay monotone).
 
-        Raises ValueError for an unknown version. Optimizer moments are reset: they belong to
-        the abandoned trajectory of updates.
+        Optimizer moments are reset: they belong to the abandoned trajectory of updates. An
+        unknown ``version``, or one whose weights were pruned, is refused: the flag is cleared,
+        the ``rollback_refused`` counter bumped and None returned (retrying could never
+        succeed). As in ``train_step``, an error before the commit drops the in-memory models.
         """
         with self.db.connect() as conn:
             row = conn.execute(
                 select(*PolicyVersion.__table__.columns).where(PolicyVersion.version == version)
             ).first()
-        if row is None or not Path(row.path).is_dir():
-            raise ValueError(f"policy version {version} is unknown or its weights are gone")
-        self._load_policy_weights(Path(row.path))
-        self.sao.policy_opt.state.clear()
-        new_version = self.version + 1
-        path, sha = self._write_version(new_version)
-        with self.db.begin() as conn:
-            conn.execute(
-                insert(PolicyVersion).values(
-                    version=new_version,
-                    path=str(path.resolve()),
-                    sha256=sha,
-                    status="committed",
-                    parent_version=version,
-                    metrics={"rollback_to": version},
-                    created_at=utcnow(),
+        if row is None or not (Path(row.path) / WEIGHTS_FILE).is_file():
+            log.error("rollback to version %d refused: unknown, or its weights are gone", version)
+            with self.db.begin() as conn:
+                conn.execute(delete(ControlFlag).where(ControlFlag.name == ROLLBACK_TO))
+                res = conn.execute(
+                    update(LearnerCounter)
+                    .where(LearnerCounter.name == "rollback_refused")
+                    .values(value=LearnerCounter.value + 1)
                 )
-            )
-            conn.execute(delete(ControlFlag).where(ControlFlag.name == ROLLBACK_TO))
+                if res.rowcount == 0:
+                    conn.execute(insert(LearnerCounter).values(name="rollback_refused", value=1))
+            return None
+        new_version = self.version + 1
+        try:
+            self._load_policy_weights(Path(row.path))
+            self.sao.policy_opt.state.clear()
+            path, sha = self._write_version(new_version)
+            with self.db.begin() as conn:
+                conn.execute(
+                    insert(PolicyVersion).values(
+                        version=new_version,
+                        path=str(path.resolve()),
+                        sha256=sha,
+                        status="committed",
+                        parent_version=version,
+                        metrics={"rollback_to": version},
+                        created_at=utcnow(),
+                    )
+                )
+                conn.execute(delete(ControlFlag).where(ControlFlag.name == ROLLBACK_TO))
+        except BaseException:
+            self.sao = None
+            raise
         self.version = new_version
-        self._announce(self._latest_version())
+        self._unannounced = True
+        self._announce_latest()
         return new_version
 
     def run(self, stop: threading.Event | None = None) -> None:
         """Join and train until ``stop`` is set or ``max_steps`` steps are done."""
         stop = stop or threading.Event()
-        if self.sao is None:
-            self.load()
         while not stop.is_set():
             try:
+                if self.sao is None:
+                    # First start, or a step failed before its commit: the committed state.
+                    self.load()
+                elif self._unannounced:
+                    self._announce_latest()
                 self.poll_once()
                 target = self.flag(ROLLBACK_TO)
                 if target is not None:

@@ -174,6 +174,42 @@ def evidence_init(
     typer.echo(f"initialised evidence of {n} prompts")
 
 
+MODE_HELP = "sync (lockstep: each step waits for the learner) | async (open loop, swaps in flight)"
+RATE_HELP = "Async: requests/s (Poisson arrivals) instead of a fixed number in flight."
+FEEDBACK_DELAY_HELP = "Async: mean seconds (exponential) before an answer's feedback is posted; 0 = at once."
+MAX_SECONDS_HELP = "Async: stop after this many seconds even if the schedule is not done."
+MAX_BACKLOG_HELP = "Async: hold new requests while this many samples wait for the learner (0 = never)."
+PROMPT_POOL_HELP = "Cycle the first K writing requests in order (each recurs every K requests)."
+
+
+def _traffic(
+    mode: str,
+    concurrency: int | None,
+    rate: float | None,
+    feedback_delay_s: float,
+    max_seconds: float | None,
+    max_backlog: int | None,
+    prompt_pool: int | None,
+) -> dict:
+    """The ``SimulationConfig`` traffic fields of the CLI options (None: the config's default)."""
+    if mode not in ("sync", "async"):
+        fail(f"unknown mode {mode!r}: choose sync or async")
+    if rate is not None and rate <= 0:
+        fail("--rate must be > 0 requests/s")
+    if mode == "sync" and (rate is not None or feedback_delay_s > 0 or max_backlog):
+        fail("--rate, --feedback-delay-s and --max-backlog apply to --mode async")
+    fields = {
+        "mode": mode,
+        "concurrency": concurrency,
+        "rate": rate,
+        "feedback_delay_s": feedback_delay_s,
+        "max_seconds": max_seconds,
+        "max_backlog": max_backlog or None,
+        "prompt_pool": prompt_pool,
+    }
+    return {k: v for k, v in fields.items() if v is not None}
+
+
 def _judge(kind: str):
     if kind == "offline":
         from judge.offline import OfflineJudge
@@ -206,13 +242,21 @@ def simulate(
     steps_per_style: int = typer.Option(12, min=1, help="Steps per style for a named schedule."),
     batch_size: int = typer.Option(8, min=1, help="Requests per step (= the learner's batch size)."),
     max_tokens: int = typer.Option(64, min=1),
-    concurrency: int = typer.Option(8, min=1),
+    concurrency: int = typer.Option(8, min=1, help="Requests in flight (async: unless --rate)."),
     seed: int = typer.Option(0),
     judge: str = typer.Option("offline", help="offline | llm (SAOSERVE_JUDGE_URL/MODEL/KEY)"),
     uncertainty_sampler: bool = typer.Option(
         False, help="Sample prompts by sqrt(v(1-v)+0.05) (needs admin key)."
     ),
-    wait_for_version: bool = typer.Option(True, help="Wait for a new policy version after each step."),
+    wait_for_version: bool = typer.Option(
+        True, help="Sync mode: wait for a new policy version after each step."
+    ),
+    mode: str = typer.Option("sync", help=MODE_HELP),
+    rate: float = typer.Option(None, min=0.0, help=RATE_HELP),
+    feedback_delay_s: float = typer.Option(0.0, min=0.0, help=FEEDBACK_DELAY_HELP),
+    max_seconds: float = typer.Option(None, min=1.0, help=MAX_SECONDS_HELP),
+    max_backlog: int = typer.Option(None, min=0, help=MAX_BACKLOG_HELP),
+    prompt_pool: int = typer.Option(None, min=1, help=PROMPT_POOL_HELP),
     out: Path = typer.Option(Path("report"), help="Report folder."),
 ) -> None:
     """Run the style-shift simulation against a running server and write the report."""
@@ -222,16 +266,17 @@ def simulate(
     from judge.simulate import Simulation, SimulationConfig, save_records
 
     sched = _schedule(schedule, steps_per_style)
+    traffic = _traffic(mode, concurrency, rate, feedback_delay_s, max_seconds, max_backlog, prompt_pool)
     cfg = SimulationConfig(
         base_url=url,
         schedule=sched,
         batch_size=batch_size,
         max_tokens=max_tokens,
-        concurrency=concurrency,
         seed=seed,
         uncertainty_sampler=uncertainty_sampler,
         wait_for_version=wait_for_version,
         admin_key=get_settings().admin_key or None,
+        **traffic,
     )
     sim = Simulation(
         cfg,
@@ -247,7 +292,14 @@ def simulate(
         result = sim.result
     save_records(out / "records-sao.jsonl", result.records)
     if result.records:
-        write_report(out, sched, {"sao": result.records}, window=REPORT_WINDOW, threshold=REPORT_THRESHOLD)
+        write_report(
+            out,
+            sched,
+            {"sao": result.records},
+            window=REPORT_WINDOW,
+            threshold=REPORT_THRESHOLD,
+            details={"sao": result.details()},
+        )
     typer.echo(f"report: {out.resolve()}/index.html")
 
 
@@ -271,7 +323,11 @@ def _run_methods(
     adam_beta1: float,
     kl_coef: float,
     keep_weights: bool,
+    traffic: dict | None = None,
+    seeds: int = 1,
 ) -> None:
+    """Run each method ``seeds`` times (seeds ``seed .. seed + seeds - 1``, methods interleaved
+    so an interrupted comparison stays balanced) and write one report."""
     import shutil
 
     from judge.report import write_report
@@ -283,42 +339,67 @@ def _run_methods(
     prepare_model(settings.resolved_model_dir)
     out.mkdir(parents=True, exist_ok=True)
     judge_obj = _judge(judge)
-    records: dict[str, list[dict]] = {}
-    model_link = None
-    for method in methods:
-        home = out / f"run-{method}"
-        shutil.rmtree(home, ignore_errors=True)
-        home.mkdir(parents=True)
-        model_link = home / "model"
-        model_link.symlink_to(settings.resolved_model_dir.resolve(), target_is_directory=True)
-        result = run_method(
-            method,
-            sched,
-            judge_obj,
-            out,
-            batch_size=batch_size,
-            max_tokens=max_tokens,
-            seed=seed,
-            learn_extra=[
-                *("--policy-lr", repr(policy_lr), "--critic-lr", repr(critic_lr)),
-                *("--adam-beta1", repr(adam_beta1), "--kl-coef", repr(kl_coef)),
-            ],
-            keep_weights=keep_weights,
-        )
-        records[method] = result.records
-        if result.interrupted:
+    runs: dict[str, list[dict]] = {m: [] for m in methods}
+    interrupted = False
+    for s in range(seed, seed + seeds):
+        for method in methods:
+            name = method if seeds == 1 else f"{method}-s{s}"
+            home = out / f"run-{name}"
+            shutil.rmtree(home, ignore_errors=True)
+            home.mkdir(parents=True)
+            (home / "model").symlink_to(settings.resolved_model_dir.resolve(), target_is_directory=True)
+            result = run_method(
+                method,
+                sched,
+                judge_obj,
+                out,
+                batch_size=batch_size,
+                max_tokens=max_tokens,
+                seed=s,
+                learn_extra=[
+                    *("--policy-lr", repr(policy_lr), "--critic-lr", repr(critic_lr)),
+                    *("--adam-beta1", repr(adam_beta1), "--kl-coef", repr(kl_coef)),
+                ],
+                keep_weights=keep_weights,
+                traffic=traffic,
+                name=name,
+            )
+            if result.records:
+                runs[method].append({"seed": s, "records": result.records, "details": result.details()})
+            if result.interrupted:
+                interrupted = True
+                break
+        if interrupted:
             typer.secho("interrupted: writing a partial report", fg="yellow", err=True)
             break
-    records = {m: r for m, r in records.items() if r}
-    if not records:
+    runs = {m: r for m, r in runs.items() if r}
+    if not runs:
         fail("no step completed; nothing to report")
-    metrics = write_report(out, sched, records, window=REPORT_WINDOW, threshold=REPORT_THRESHOLD)
+    metrics = write_report(
+        out,
+        sched,
+        {m: r[0]["records"] for m, r in runs.items()},
+        window=REPORT_WINDOW,
+        threshold=REPORT_THRESHOLD,
+        details={m: r[0]["details"] for m, r in runs.items()},
+        seeds=runs if seeds > 1 else None,
+    )
     for m, v in metrics["methods"].items():
         typer.echo(
             f"{m}: AUC {v['auc']:.3f}, last-5 mean {v['last5_mean']:.3f}, "
-            f"adaptation lag {v['adaptation_lag']}"
+            f"adaptation lag {v['adaptation_lag']}, staleness mean {_fmt_opt(v['staleness']['mean'])}, "
+            f"feedback→served p50 {_fmt_opt(v['feedback_to_served_s']['p50'])} s"
         )
+        for row in v.get("seeds", []):
+            typer.echo(
+                f"  seed {row['seed']}: AUC {row['auc']:.3f}, last-5 {row['last5_mean']:.3f}, "
+                f"lag {row['adaptation_lag']}"
+            )
     typer.echo(f"report: {(out / 'index.html').resolve()}")
+
+
+def _fmt_opt(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.2f}"
 
 
 # Measured (docs/demo.md). At batch 8 the second target crossed the 0.4 share in one of three
@@ -333,6 +414,11 @@ DEMO_POLICY_LR = 1e-4
 DEMO_CRITIC_LR = 2e-4
 DEMO_ADAM_BETA1 = 0.5
 DEMO_KL_COEF = 0.1
+# Async traffic of demo/compare: 8 requests in flight (half a batch, so a batch's answers span a
+# swap), and new requests held while two batches of samples wait for the learner, so the learner
+# keeps up and staleness stays bounded (a judgement, see docs/demo.md for what runs showed).
+DEMO_CONCURRENCY = 8
+DEMO_BACKLOG_BATCHES = 2
 
 
 @app.command()
@@ -351,8 +437,22 @@ def demo(
     keep_weights: bool = typer.Option(
         False, help="Keep the policy versions and checkpoint (GBs); the report never needs them."
     ),
+    mode: str = typer.Option("async", help=MODE_HELP),
+    concurrency: int = typer.Option(
+        None, min=1, help=f"Requests in flight (default: async {DEMO_CONCURRENCY}, sync the batch size)."
+    ),
+    rate: float = typer.Option(None, min=0.0, help=RATE_HELP),
+    feedback_delay_s: float = typer.Option(0.0, min=0.0, help=FEEDBACK_DELAY_HELP),
+    max_seconds: float = typer.Option(None, min=1.0, help=MAX_SECONDS_HELP),
+    max_backlog: int = typer.Option(
+        None, min=0, help=f"{MAX_BACKLOG_HELP} Default: {DEMO_BACKLOG_BATCHES} batches in async mode."
+    ),
+    prompt_pool: int = typer.Option(None, min=1, help=PROMPT_POOL_HELP),
 ) -> None:
     """Start server + learner (SAO) on embedded defaults, run the simulation, write the report."""
+    traffic = _demo_traffic(
+        mode, batch_size, concurrency, rate, feedback_delay_s, max_seconds, max_backlog, prompt_pool
+    )
     _run_methods(
         ["sao"],
         schedule,
@@ -367,6 +467,7 @@ def demo(
         adam_beta1,
         kl_coef,
         keep_weights,
+        traffic,
     )
 
 
@@ -386,8 +487,25 @@ def compare(
     keep_weights: bool = typer.Option(
         False, help="Keep the policy versions and checkpoint (GBs); the report never needs them."
     ),
+    mode: str = typer.Option("async", help=MODE_HELP),
+    concurrency: int = typer.Option(
+        None, min=1, help=f"Requests in flight (default: async {DEMO_CONCURRENCY}, sync the batch size)."
+    ),
+    rate: float = typer.Option(None, min=0.0, help=RATE_HELP),
+    feedback_delay_s: float = typer.Option(0.0, min=0.0, help=FEEDBACK_DELAY_HELP),
+    max_seconds: float = typer.Option(None, min=1.0, help=MAX_SECONDS_HELP),
+    max_backlog: int = typer.Option(
+        None, min=0, help=f"{MAX_BACKLOG_HELP} Default: {DEMO_BACKLOG_BATCHES} batches in async mode."
+    ),
+    prompt_pool: int = typer.Option(None, min=1, help=PROMPT_POOL_HELP),
+    seeds: int = typer.Option(
+        1, min=1, help="Runs per method (seeds --seed, --seed + 1, …); the report gives mean and spread."
+    ),
 ) -> None:
-    """SAO vs the running-mean baseline on the same schedule and seeds, side by side."""
+    """SAO vs the running-mean baseline on the same schedule, prompts and judge, side by side."""
+    traffic = _demo_traffic(
+        mode, batch_size, concurrency, rate, feedback_delay_s, max_seconds, max_backlog, prompt_pool
+    )
     _run_methods(
         ["sao", "running_mean"],
         schedule,
@@ -402,7 +520,28 @@ def compare(
         adam_beta1,
         kl_coef,
         keep_weights,
+        traffic,
+        seeds,
     )
+
+
+def _demo_traffic(
+    mode: str,
+    batch_size: int,
+    concurrency: int | None,
+    rate: float | None,
+    feedback_delay_s: float,
+    max_seconds: float | None,
+    max_backlog: int | None,
+    prompt_pool: int | None,
+) -> dict:
+    """demo/compare traffic: the async defaults, or lockstep with a step's requests in one batch."""
+    if mode == "async":
+        concurrency = concurrency or DEMO_CONCURRENCY
+        max_backlog = DEMO_BACKLOG_BATCHES * batch_size if max_backlog is None else max_backlog
+    else:
+        concurrency = concurrency or batch_size
+    return _traffic(mode, concurrency, rate, feedback_delay_s, max_seconds, max_backlog, prompt_pool)
 
 
 def _check_secrets(settings) -> None:

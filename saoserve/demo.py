@@ -2,13 +2,15 @@
 
 ``run_method`` starts ``saoserve serve`` and ``saoserve learn`` in a fresh home folder (SQLite
 and the SQL-table log unless the environment says otherwise), drives the simulation with a
-progress bar and returns its records. Ctrl-C stops the run and keeps what was measured, so the
-report is still written (marked partial).
+progress bar and returns its result (records, the learner's step metrics, the async timeline;
+also saved as ``records-<name>.jsonl`` and ``details-<name>.json``). Ctrl-C stops the run and
+keeps what was measured, so the report is still written (marked partial).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import secrets
 import shutil
@@ -129,30 +131,37 @@ def run_method(
     seed: int = 0,
     learn_extra: list[str] | None = None,
     keep_weights: bool = False,
+    traffic: dict | None = None,
+    name: str | None = None,
 ) -> SimulationResult:
     """One full run of ``method`` (``sao`` or ``running_mean``) on ``schedule``.
 
-    Unless ``keep_weights``, the run's policy versions and checkpoint are deleted at the end
-    (``drop_weights``).
+    ``traffic``: extra ``SimulationConfig`` fields (``mode``, ``concurrency``, ``rate``,
+    ``feedback_delay_s``, ``max_seconds``, ``max_backlog``, ``prompt_pool``); by default the
+    lockstep mode with a step's requests in one batch. ``name`` labels the run's folders
+    (default: the method). Unless ``keep_weights``, the run's policy versions and checkpoint
+    are deleted at the end (``drop_weights``).
     """
-    home = out / f"run-{method}"
-    # The simulation does not wait for a version after its last step, so the learner stops after
-    # the version that step is served by instead of training (about 25 s) on a batch no one sees.
+    name = name or method
+    home = out / f"run-{name}"
+    # The schedule's last step is served by version total - 1 (in both modes), so the learner
+    # stops there instead of training (about 25 s) on a batch no one sees.
     learn_args = [
         *("--batch-size", str(batch_size), "--estimator", method),
         *("--max-steps", str(max(1, schedule.total_steps - 1)), *(learn_extra or [])),
     ]
-    services = Services(home, learn_args, out / "logs" / method)
-    console.print(f"[bold]{method}[/]: starting server and learner in {home} …")
+    services = Services(home, learn_args, out / "logs" / name)
+    console.print(f"[bold]{name}[/]: starting server and learner in {home} …")
     services.start()
     config = SimulationConfig(
         base_url=services.url,
         schedule=schedule,
         batch_size=batch_size,
-        concurrency=batch_size,  # the whole step's requests in one vLLM batch
         max_tokens=max_tokens,
         seed=seed,
         admin_key=services.admin_key,
+        # Lockstep default: the whole step's requests in one vLLM batch.
+        **({"concurrency": batch_size} | (traffic or {})),
     )
     result = SimulationResult()
     try:
@@ -164,11 +173,15 @@ def run_method(
             TimeElapsedColumn(),
             console=console,
         ) as bar:
-            task = bar.add_task(method, total=schedule.total_steps, status="")
+            task = bar.add_task(name, total=schedule.total_steps, status="")
 
             def on_step(step: int, recs: list[dict]) -> None:
                 mean = sum(r["reward"] for r in recs) / len(recs) if recs else float("nan")
-                bar.update(task, advance=1, status=f"target {schedule.target_at(step)}, reward {mean:.2f}")
+                bar.update(
+                    task,
+                    completed=min(step + 1, schedule.total_steps),
+                    status=f"target {schedule.target_at(step)}, reward {mean:.2f}",
+                )
 
             sim = Simulation(config, judge, on_step=on_step)
             try:
@@ -181,8 +194,9 @@ def run_method(
         if not keep_weights:
             freed = drop_weights(home)
             console.print(
-                f"{method}: deleted {freed / 2**30:.1f} GiB of policy weights and checkpoint "
+                f"{name}: deleted {freed / 2**30:.1f} GiB of policy weights and checkpoint "
                 "(pass --keep-weights to keep them)"
             )
-    save_records(out / f"records-{method}.jsonl", result.records)
+    save_records(out / f"records-{name}.jsonl", result.records)
+    (out / f"details-{name}.json").write_text(json.dumps(result.details(), default=str), encoding="utf-8")
     return result

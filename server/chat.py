@@ -13,7 +13,15 @@ import uuid
 from fastapi.responses import JSONResponse
 
 from core.logbus import LogUnavailable
-from core.records import SamplingRecord, TrajectoryRecord, feedback_token, prompt_id_for, utcnow
+from core.records import (
+    SamplingRecord,
+    TrajectoryRecord,
+    check_feedback_token,
+    feedback_token,
+    prompt_id_for,
+    utcnow,
+)
+from server.limits import max_message_chars
 from server.rollout import Rollout
 from server.schemas import ChatCompletionRequest
 from server.state import ApiError, ServerState, episode_token_subject
@@ -50,6 +58,16 @@ async def prepare_rollout(s: ServerState, req: ChatCompletionRequest):
             code="model_not_found",
         )
     msgs = messages_of(req)
+    n_chars = sum(len(m["content"]) for m in msgs)
+    if n_chars > max_message_chars(st.max_model_len):
+        # Cannot fit the context whatever the tokenizer does: refused without tokenising.
+        raise ApiError(
+            400,
+            f"the messages hold {n_chars} characters, more than a context of {st.max_model_len} "
+            f"tokens can hold ({max_message_chars(st.max_model_len)})",
+            param="messages",
+            code="context_length_exceeded",
+        )
     try:
         prompt_ids = await asyncio.to_thread(s.engine.render, msgs)
     except Exception as exc:  # the chat template rejects an ordering it cannot render
@@ -82,7 +100,8 @@ async def prepare_rollout(s: ServerState, req: ChatCompletionRequest):
             param="max_tokens",
             code="context_length_exceeded",
         )
-    top_k = max(req.top_k, 0)
+    # -1, 0 and any value >= the vocabulary all leave top-k off; recorded as 0.
+    top_k = req.top_k if 0 < req.top_k < len(s.engine.tokenizer) else 0
     try:
         sampling = SamplingParams(
             temperature=req.temperature,
@@ -98,7 +117,10 @@ async def prepare_rollout(s: ServerState, req: ChatCompletionRequest):
     version = s.engine.version
     baseline = await s.read_baseline(prompt_id, version) if s.read_baseline else None
     rollout = Rollout(
-        id=f"chatcmpl-{uuid.uuid4().hex}",
+        id=rollout_id,
+    rollout_id = f"chatcmpl-{uuid.uuid4().hex}"
+    if req.episode_id is not None:
+        await start_episode_turn(s, req, rollout_id)
         prompt_id=prompt_id,
         model=st.served_model_name,
         prompt_token_ids=prompt_ids,
@@ -116,6 +138,36 @@ async def prepare_rollout(s: ServerState, req: ChatCompletionRequest):
 
 def extension_fields(s: ServerState, rollout: Rollout) -> dict:
     """The documented response extension: policy version at dispatch and feedback tokens."""
+async def start_episode_turn(s: ServerState, req: ChatCompletionRequest, rollout_id: str) -> None:
+    """Only the party that started an episode extends it (DESIGN §8): a chat with a new
+    ``episode_id`` starts it; a later turn presents ``episode_token`` (the
+    ``episode_feedback_token`` its first turn returned). Raises ApiError 403 otherwise, 409 once
+    the episode is rated; nothing has been generated or logged then."""
+    subject = episode_token_subject(req.episode_id)
+    token_ok = req.episode_token is not None
+    if token_ok and not check_feedback_token(s.settings.feedback_secret, subject, req.episode_token):
+        raise ApiError(
+            403, "episode_token does not match this episode", "permission_error", "episode_token", "bad_token"
+        )
+    outcome = await asyncio.to_thread(s.store.start_episode_turn, req.episode_id, rollout_id, token_ok)
+    if outcome == "not_yours":
+        raise ApiError(
+            403,
+            f"episode {req.episode_id!r} was started by another request; later turns must send its "
+            "episode_feedback_token as episode_token (a new episode needs a new episode_id)",
+            "permission_error",
+            "episode_id",
+            "episode_not_yours",
+        )
+    if outcome == "rated":
+        raise ApiError(
+            409,
+            f"episode {req.episode_id!r} is rated and takes no more turns",
+            param="episode_id",
+            code="episode_rated",
+        )
+
+
     secret = s.settings.feedback_secret
     out = {
         "policy_version": rollout.dispatch_version,

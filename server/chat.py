@@ -113,14 +113,16 @@ async def prepare_rollout(s: ServerState, req: ChatCompletionRequest):
         )
     except (ValueError, VLLMValidationError) as exc:  # vLLM's own parameter checks
         raise ApiError(400, f"invalid sampling parameters: {exc}", code="invalid_value") from exc
+    # Storage known down: refuse now (503) rather than generate an answer that cannot be recorded.
+    await s.require_storage()
     prompt_id = req.prompt_id or prompt_id_for(task_messages(msgs, req.episode_id is not None))
     version = s.engine.version
     baseline = await s.read_baseline(prompt_id, version) if s.read_baseline else None
-    rollout = Rollout(
-        id=rollout_id,
     rollout_id = f"chatcmpl-{uuid.uuid4().hex}"
     if req.episode_id is not None:
         await start_episode_turn(s, req, rollout_id)
+    rollout = Rollout(
+        id=rollout_id,
         prompt_id=prompt_id,
         model=st.served_model_name,
         prompt_token_ids=prompt_ids,
@@ -136,8 +138,6 @@ async def prepare_rollout(s: ServerState, req: ChatCompletionRequest):
     return rollout, sampling
 
 
-def extension_fields(s: ServerState, rollout: Rollout) -> dict:
-    """The documented response extension: policy version at dispatch and feedback tokens."""
 async def start_episode_turn(s: ServerState, req: ChatCompletionRequest, rollout_id: str) -> None:
     """Only the party that started an episode extends it (DESIGN §8): a chat with a new
     ``episode_id`` starts it; a later turn presents ``episode_token`` (the
@@ -168,6 +168,8 @@ async def start_episode_turn(s: ServerState, req: ChatCompletionRequest, rollout
         )
 
 
+def extension_fields(s: ServerState, rollout: Rollout) -> dict:
+    """The documented response extension: policy version at dispatch and feedback tokens."""
     secret = s.settings.feedback_secret
     out = {
         "policy_version": rollout.dispatch_version,
@@ -179,14 +181,61 @@ async def start_episode_turn(s: ServerState, req: ChatCompletionRequest, rollout
     return out
 
 
-def logprobs_body(s: ServerState, token_ids: list[int], logprobs: list[float]) -> dict:
-    toks = s.engine.tokenizer.convert_ids_to_tokens(token_ids)
-    return {
-        "content": [
-            {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-            for t, lp in zip(toks, logprobs, strict=True)
-        ]
+def extension_headers(s: ServerState, rollout: Rollout) -> dict[str, str]:
+    """The extension fields as response headers, for clients that return the message but drop
+    unknown body fields (LangChain's ``ChatOpenAI`` with ``include_response_headers=True``,
+    LiteLLM's ``_hidden_params``). Known at dispatch, so a stream sends them too."""
+    ext = extension_fields(s, rollout)
+    out = {
+        "x-completion-id": rollout.id,
+        "x-policy-version": str(ext["policy_version"]),
+        "x-feedback-token": ext["feedback_token"],
     }
+    if "episode_feedback_token" in ext:
+        out["x-episode-feedback-token"] = ext["episode_feedback_token"]
+    return out
+
+
+# vLLM's server clamps -inf (a token outside top-p/top-k) to this; JSON has no infinities.
+MIN_LOGPROB = -9999.0
+
+
+def token_entry(text: bytes, logprob: float) -> dict:
+    """One token in OpenAI's logprob shape: its text, its UTF-8 bytes, its logprob (nats).
+
+    A token that ends inside a character (part of an emoji) is not text by itself: its
+    ``token`` is ``bytes:\\xf0\\x9f`` as OpenAI writes it, and ``bytes`` holds the raw bytes, so
+    the bytes of consecutive tokens join into the answer's UTF-8.
+    """
+    try:
+        token = text.decode()
+    except UnicodeDecodeError:
+        token = "bytes:" + "".join(f"\\x{b:02x}" for b in text)
+    return {"token": token, "logprob": max(logprob, MIN_LOGPROB), "bytes": list(text)}
+
+
+def logprobs_body(
+    s: ServerState,
+    token_ids: list[int],
+    logprobs: list[float],
+    top_logprobs: list[list[tuple[int, float]]] | None = None,
+) -> dict:
+    """``choices[].logprobs`` for these tokens: each sampled token with its processed logprob
+    (the one logged for the learner) and, when asked, the most likely tokens by rank.
+
+    One entry per sampled token, the end-of-sequence token included (its text is empty: the
+    engine skips special tokens in the answer). With a stop string the last entries spell the
+    stop string, which the content omits.
+    """
+    top_logprobs = top_logprobs or [[] for _ in token_ids]
+    alt_ids = sorted({t for alts in top_logprobs for t, _ in alts})
+    alt_bytes = dict(zip(alt_ids, s.engine.token_bytes(alt_ids), strict=True))
+    content = []
+    for b, lp, alts in zip(s.engine.token_bytes(token_ids), logprobs, top_logprobs, strict=True):
+        entry = token_entry(b, lp)
+        entry["top_logprobs"] = [token_entry(alt_bytes[t], alp) for t, alp in alts]
+        content.append(entry)
+    return {"content": content}
 
 
 def usage_of(rollout: Rollout) -> dict:
@@ -194,19 +243,27 @@ def usage_of(rollout: Rollout) -> dict:
     return {"prompt_tokens": n_p, "completion_tokens": n_c, "total_tokens": n_p + n_c}
 
 
+def top_logprobs_of(req: ChatCompletionRequest) -> int:
+    """How many alternatives per token the request asks the engine for (0 without logprobs)."""
+    return (req.top_logprobs or 0) if req.logprobs else 0
+
+
 async def complete_chat(
     s: ServerState, req: ChatCompletionRequest, rollout: Rollout, sampling
 ) -> JSONResponse:
     t0 = time.perf_counter()
     text_parts: list[str] = []
+    tops: list[list[tuple[int, float]]] = []
+    n_top = top_logprobs_of(req)
     s.metrics.in_flight.inc()
     try:
         async with contextlib.aclosing(
-            s.engine.generate(rollout.prompt_token_ids, sampling, rollout.id)
+            s.engine.generate(rollout.prompt_token_ids, sampling, rollout.id, top_logprobs=n_top)
         ) as gen:
             async for d in gen:
                 rollout.add(d)
                 text_parts.append(d.text)
+                tops.extend(d.top_logprobs)
     except Exception as exc:
         s.metrics.requests.labels("false", "engine_error").inc()
         if rollout.token_ids:
@@ -230,7 +287,11 @@ async def complete_chat(
         "index": 0,
         "message": {"role": "assistant", "content": "".join(text_parts)},
         "finish_reason": rec.finish_reason,
-        "logprobs": logprobs_body(s, rec.response_token_ids, rec.rollout_logprobs) if req.logprobs else None,
+        "logprobs": (
+            logprobs_body(s, rec.response_token_ids, rec.rollout_logprobs, tops if n_top else None)
+            if req.logprobs
+            else None
+        ),
     }
     body = {
         "id": rollout.id,
@@ -241,7 +302,7 @@ async def complete_chat(
         "usage": usage_of(rollout),
         **extension_fields(s, rollout),
     }
-    return JSONResponse(body)
+    return JSONResponse(body, headers=extension_headers(s, rollout))
 
 
 async def persist_quietly(s: ServerState, rec: TrajectoryRecord) -> None:
@@ -258,7 +319,10 @@ def sse(obj: dict) -> str:
 
 
 async def stream_chat(s: ServerState, req: ChatCompletionRequest, rollout: Rollout, sampling):
-    """SSE chunks in OpenAI's shape; the last chunk carries the extension fields.
+    """SSE chunks in OpenAI's shape; the finish chunk carries the extension fields.
+
+    With ``stream_options.include_usage`` a last chunk with empty ``choices`` carries the
+    usage, and every chunk before it has ``usage: null`` (the OpenAI spec).
 
     A client that disconnects cancels this generator: the engine request is aborted and the
     tokens sampled so far are logged with finish reason ``abort`` (still exactly one record).
@@ -271,6 +335,9 @@ async def stream_chat(s: ServerState, req: ChatCompletionRequest, rollout: Rollo
         "model": rollout.model,
     }
     include_usage = bool((req.stream_options or {}).get("include_usage"))
+    if include_usage:
+        base["usage"] = None
+    n_top = top_logprobs_of(req)
     done = False
     last = None
     s.metrics.in_flight.inc()
@@ -284,7 +351,7 @@ async def stream_chat(s: ServerState, req: ChatCompletionRequest, rollout: Rollo
             }
         )
         async with contextlib.aclosing(
-            s.engine.generate(rollout.prompt_token_ids, sampling, rollout.id)
+            s.engine.generate(rollout.prompt_token_ids, sampling, rollout.id, top_logprobs=n_top)
         ) as gen:
             async for d in gen:
                 rollout.add(d)
@@ -294,7 +361,7 @@ async def stream_chat(s: ServerState, req: ChatCompletionRequest, rollout: Rollo
                 if d.text or (req.logprobs and d.token_ids):
                     choice = {"index": 0, "delta": {"content": d.text}, "finish_reason": None}
                     if req.logprobs:
-                        choice["logprobs"] = logprobs_body(s, d.token_ids, d.logprobs)
+                        choice["logprobs"] = logprobs_body(s, d.token_ids, d.logprobs, d.top_logprobs)
                     yield sse({**base, "choices": [choice]})
         rec = rollout.record()
         done = True
@@ -317,11 +384,10 @@ async def stream_chat(s: ServerState, req: ChatCompletionRequest, rollout: Rollo
             "finish_reason": rec.finish_reason,
         }
         if req.logprobs and tail and tail.token_ids:
-            final["logprobs"] = logprobs_body(s, tail.token_ids, tail.logprobs)
-        chunk = {**base, "choices": [final], **extension_fields(s, rollout)}
+            final["logprobs"] = logprobs_body(s, tail.token_ids, tail.logprobs, tail.top_logprobs)
+        yield sse({**base, "choices": [final], **extension_fields(s, rollout)})
         if include_usage:
-            chunk["usage"] = usage_of(rollout)
-        yield sse(chunk)
+            yield sse({**base, "choices": [], "usage": usage_of(rollout)})
         yield "data: [DONE]\n\n"
         s.metrics.requests.labels("true", "ok").inc()
         s.metrics.latency.observe(time.perf_counter() - t0)

@@ -14,10 +14,12 @@ import hmac
 import logging
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Annotated
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import Depends, FastAPI, Query, Request
+from fastapi import Path as PathParam
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -37,16 +39,47 @@ from core.records import (
 from core.settings import Settings, get_settings
 from server.chat import complete_chat, prepare_rollout, stream_chat
 from server.engine import PolicyEngine, SwapRefused
+from server.limits import BodySizeLimit, max_body_bytes
 from server.metrics import ServerMetrics
 from server.policy_watch import PolicyWatcher
-from server.schemas import ChatCompletionRequest, FeedbackRequest, LoadPolicyRequest, RollbackRequest
+from server.schemas import (
+    ChatCompletionRequest,
+    EdgeStr,
+    ErrorResponse,
+    FeedbackRequest,
+    LoadPolicyRequest,
+    RollbackRequest,
+)
 from server.spool import Spool
 from server.state import ApiError, BaselineReader, ServerState, episode_token_subject
-from server.store import ServerStore
+from server.store import NOT_WHOLE, ServerStore
 
 log = logging.getLogger(__name__)
 
 DASHBOARD_HTML = (Path(__file__).parent / "dashboard.html").read_text()
+
+ERROR_TEXT = {
+    400: "Invalid request (OpenAI answers 400 for a bad body or parameter; `param` names it)",
+    401: "Missing or wrong admin key",
+    403: "Forbidden: wrong token, an episode started by another party, or admin routes disabled",
+    404: "Unknown model, completion, episode, trajectory or policy version",
+    409: "Conflict: feedback already given, not a whole answer, episode in progress or rated",
+    413: "Request body larger than the model's context can hold",
+    422: "Invalid feedback body or reward; a refused weights directory",
+    500: "Generation failed",
+    503: "Storage unavailable: nothing was recorded; retry after Retry-After seconds",
+}
+
+
+def errors(*statuses: int) -> dict:
+    """OpenAPI ``responses`` for these error statuses, all in the OpenAI error shape; ``default``
+    keeps FastAPI from documenting its own 422 shape, which this server does not answer."""
+    out: dict = {st: {"model": ErrorResponse, "description": ERROR_TEXT[st]} for st in statuses}
+    out["default"] = {"model": ErrorResponse, "description": "Any other error, same shape"}
+    return out
+
+
+ADMIN_ERRORS = errors(400, 401, 403, 503)
 
 
 def create_app(
@@ -96,6 +129,7 @@ def create_app(
                 eng.shutdown()
 
     app = FastAPI(title="saoserve", version="0.1.0", lifespan=lifespan)
+    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes(settings.max_model_len))
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
@@ -110,12 +144,13 @@ def create_app(
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         errs = exc.errors()
         first = errs[0] if errs else {}
-        loc = [str(p) for p in first.get("loc", []) if p != "body"]
+        loc = [printable(p) for p in first.get("loc", []) if p != "body"]
         if first.get("type") == "json_invalid":
             msg, loc = "request body is not valid JSON", []
         else:
             msg = "; ".join(
-                f"{'.'.join(str(p) for p in e.get('loc', []) if p != 'body') or 'body'}: {e.get('msg')}"
+                f"{'.'.join(printable(p) for p in e.get('loc', []) if p != 'body') or 'body'}: "
+                f"{printable(e.get('msg'))}"
                 for e in errs
             )
         # OpenAI answers 400 for a bad chat request; the feedback contract says 422.
@@ -150,7 +185,7 @@ def create_app(
         ok = s.engine.engine is not None
         return JSONResponse({"ready": ok, "policy_version": s.engine.version}, status_code=200 if ok else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics(request: Request) -> Response:
         return Response(generate_latest(state_of(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -171,7 +206,7 @@ def create_app(
             ],
         }
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=errors(400, 403, 404, 409, 413, 500, 503))
     async def chat(req: ChatCompletionRequest, request: Request):
         s = state_of(request)
         try:
@@ -187,7 +222,7 @@ def create_app(
             )
         return await complete_chat(s, req, rollout, sampling)
 
-    @app.post("/v1/feedback", status_code=202)
+    @app.post("/v1/feedback", status_code=202, responses=errors(403, 404, 409, 413, 422, 503))
     async def feedback(body: FeedbackRequest, request: Request) -> JSONResponse:
         s = state_of(request)
         secret = s.settings.feedback_secret
@@ -197,6 +232,7 @@ def create_app(
                 s.metrics.feedback.labels("unknown").inc()
                 raise ApiError(404, f"no completion with id {body.id!r}", code="not_found", param="id")
             subject, prompt_id, target = body.id, traj.prompt_id, f"t:{body.id}"
+            finish_reason = traj.finish_reason
         else:
             prompt_id = await asyncio.to_thread(s.store.episode_prompt_id, body.episode_id)
             if prompt_id is None:
@@ -205,6 +241,7 @@ def create_app(
                     404, f"no episode with id {body.episode_id!r}", code="not_found", param="episode_id"
                 )
             subject, target = episode_token_subject(body.episode_id), f"e:{body.episode_id}"
+            finish_reason = None
         if not check_feedback_token(secret, subject, body.feedback_token):
             s.metrics.feedback.labels("bad_token").inc()
             raise ApiError(
@@ -213,11 +250,33 @@ def create_app(
                 "permission_error",
                 param="feedback_token",
             )
+        if finish_reason in NOT_WHOLE:
+            s.metrics.feedback.labels("not_whole").inc()
+            raise not_whole(f"completion {body.id!r} ended with finish_reason {finish_reason!r}")
         if not await asyncio.to_thread(s.store.claim, target):
             s.metrics.feedback.labels("duplicate").inc()
             raise ApiError(
                 409, "feedback was already given for this completion (first wins)", code="conflict"
             )
+        if body.episode_id is not None:
+            # Read after the claim is taken: a turn dispatched from now on sees the claim and is
+            # refused, so no turn can join the episode unseen (ServerStore.start_episode_turn).
+            ep = await asyncio.to_thread(s.store.episode_state, body.episode_id)
+            if ep.turns_in_flight or ep.not_whole_turns:
+                await asyncio.to_thread(s.store.release, target)
+            if ep.turns_in_flight:
+                s.metrics.feedback.labels("episode_in_progress").inc()
+                raise ApiError(
+                    409,
+                    f"episode {body.episode_id!r} has a turn in progress; rate it once its last answer is whole",
+                    param="episode_id",
+                    code="episode_in_progress",
+                )
+            if ep.not_whole_turns:
+                s.metrics.feedback.labels("not_whole").inc()
+                raise not_whole(
+                    f"episode {body.episode_id!r} has {ep.not_whole_turns} aborted or failed turn(s)"
+                )
         rec = FeedbackRecord(
             trajectory_id=body.id,
             episode_id=body.episode_id if body.id is None else None,
@@ -236,8 +295,14 @@ def create_app(
         s.metrics.feedback.labels("accepted").inc()
         return JSONResponse({"status": "accepted", "target": target, "reward": rec.reward}, status_code=202)
 
-    @app.get("/admin/trajectories/{trajectory_id}", dependencies=[Depends(require_admin)])
-    async def admin_trajectory(trajectory_id: str, request: Request) -> Response:
+    @app.get(
+        "/admin/trajectories/{trajectory_id}",
+        dependencies=[Depends(require_admin)],
+        responses=ADMIN_ERRORS | errors(404),
+    )
+    async def admin_trajectory(
+        trajectory_id: Annotated[EdgeStr, PathParam(max_length=64)], request: Request
+    ) -> Response:
         s = state_of(request)
         traj = await asyncio.to_thread(s.store.find_trajectory, trajectory_id)
         if traj is None:
@@ -251,7 +316,9 @@ def create_app(
             )
         return Response(entries[0].value, media_type="application/json")
 
-    @app.post("/admin/load_policy", dependencies=[Depends(require_admin)])
+    @app.post(
+        "/admin/load_policy", dependencies=[Depends(require_admin)], responses=ADMIN_ERRORS | errors(413, 422)
+    )
     async def admin_load_policy(body: LoadPolicyRequest, request: Request) -> dict:
         s = state_of(request)
         try:
@@ -268,7 +335,7 @@ def create_app(
     async def dashboard() -> HTMLResponse:
         return HTMLResponse(DASHBOARD_HTML)
 
-    @app.get("/dashboard/data")
+    @app.get("/dashboard/data", responses=errors(503))
     async def dashboard_data(request: Request) -> dict:
         """Aggregates only (no prompts or texts), so operators can watch without the admin key."""
         s = state_of(request)
@@ -293,17 +360,19 @@ def create_app(
             "counters": status["counters"],
         }
 
-    @app.post("/admin/pause", dependencies=[Depends(require_admin)])
+    @app.post("/admin/pause", dependencies=[Depends(require_admin)], responses=ADMIN_ERRORS)
     async def admin_pause(request: Request) -> dict:
         await asyncio.to_thread(set_flag, state_of(request).store.engine, PAUSED, "1")
         return {"learning": "paused"}
 
-    @app.post("/admin/resume", dependencies=[Depends(require_admin)])
+    @app.post("/admin/resume", dependencies=[Depends(require_admin)], responses=ADMIN_ERRORS)
     async def admin_resume(request: Request) -> dict:
         await asyncio.to_thread(set_flag, state_of(request).store.engine, PAUSED, None)
         return {"learning": "running"}
 
-    @app.post("/admin/rollback", dependencies=[Depends(require_admin)])
+    @app.post(
+        "/admin/rollback", dependencies=[Depends(require_admin)], responses=ADMIN_ERRORS | errors(404, 413)
+    )
     async def admin_rollback(body: RollbackRequest, request: Request) -> dict:
         s = state_of(request)
         versions = await asyncio.to_thread(s.store.policy_versions)
@@ -312,18 +381,20 @@ def create_app(
         await asyncio.to_thread(set_flag, s.store.engine, ROLLBACK_TO, str(body.version))
         return {"rollback_to": body.version, "status": "requested"}
 
-    @app.get("/admin/policy_versions", dependencies=[Depends(require_admin)])
+    @app.get("/admin/policy_versions", dependencies=[Depends(require_admin)], responses=ADMIN_ERRORS)
     async def admin_versions(request: Request) -> dict:
         s = state_of(request)
         return {"serving": s.engine.version, "versions": await asyncio.to_thread(s.store.policy_versions)}
 
-    @app.get("/admin/learner", dependencies=[Depends(require_admin)])
-    async def admin_learner(request: Request, limit: int = 50) -> dict:
+    @app.get("/admin/learner", dependencies=[Depends(require_admin)], responses=ADMIN_ERRORS)
+    async def admin_learner(request: Request, limit: Annotated[int, Query(ge=1, le=1000)] = 50) -> dict:
         s = state_of(request)
-        return await asyncio.to_thread(s.store.learner_status, min(max(limit, 1), 1000))
+        return await asyncio.to_thread(s.store.learner_status, limit)
 
-    @app.get("/admin/evidence/{prompt_id}", dependencies=[Depends(require_admin)])
-    async def admin_evidence(prompt_id: str, request: Request) -> dict:
+    @app.get("/admin/evidence/{prompt_id}", dependencies=[Depends(require_admin)], responses=ADMIN_ERRORS)
+    async def admin_evidence(
+        prompt_id: Annotated[EdgeStr, PathParam(max_length=128)], request: Request
+    ) -> dict:
         s = state_of(request)
         ev = EvidenceStore(s.store.engine)
         row = await asyncio.to_thread(ev.get, prompt_id)
@@ -336,14 +407,25 @@ def create_app(
             "reward_sum": row.reward_sum if row else 0.0,
         }
 
-    @app.get("/admin/evidence", dependencies=[Depends(require_admin)])
-    async def admin_uncertain(request: Request, top: int = 10) -> dict:
+    @app.get("/admin/evidence", dependencies=[Depends(require_admin)], responses=ADMIN_ERRORS)
+    async def admin_uncertain(request: Request, top: Annotated[int, Query(ge=1, le=1000)] = 10) -> dict:
         s = state_of(request)
         ev = EvidenceStore(s.store.engine)
-        rows = await asyncio.to_thread(ev.top_uncertain, min(max(top, 1), 1000), s.engine.version)
+        rows = await asyncio.to_thread(ev.top_uncertain, top, s.engine.version)
         return {"version": s.engine.version, "prompts": [{"prompt_id": p, **b.model_dump()} for p, b in rows]}
 
     return app
+
+
+def printable(part: object) -> str:
+    """A validation error's location or message as text that can be encoded (a dict key or an
+    unknown field's name may hold a lone surrogate)."""
+    return str(part).encode("utf-8", "backslashreplace").decode()
+
+
+def not_whole(what: str) -> ApiError:
+    """Feedback on an answer that is not whole: refused, never trained as an answer (DESIGN §8)."""
+    return ApiError(409, f"{what}: not a whole answer, feedback refused", code="not_a_whole_answer")
 
 
 def evidence_reader(store: EvidenceStore) -> BaselineReader:

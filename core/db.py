@@ -21,6 +21,7 @@ from sqlalchemy import (
     Text,
     create_engine,
     event,
+    make_url,
 )
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -137,7 +138,8 @@ def make_engine(url: str) -> Engine:
     """An engine with the pragmas SQLite needs for one writer beside readers.
 
     WAL lets the learner read while the server writes; busy_timeout makes concurrent
-    writers wait instead of failing with "database is locked".
+    writers wait instead of failing with "database is locked". Other databases get a pool
+    that tests each connection before use, so it recovers by itself after an outage.
     """
     if url.startswith("sqlite:///"):
         Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
@@ -152,7 +154,10 @@ def make_engine(url: str) -> Engine:
             cur.close()
 
         return engine
-    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
+    # pre_ping replaces connections that died with the server (the pool recovers without a
+    # restart); connect_timeout bounds each attempt while the server does not answer.
+    connect_args = {"connect_timeout": 5} if make_url(url).get_backend_name() == "postgresql" else {}
+    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20, connect_args=connect_args)
 
 
 def migrate(url: str, revision: str = "head") -> None:

@@ -11,11 +11,14 @@ Two implementations, chosen by URL (``open_log``):
   partition per topic; offsets are row ids.
 
 ``append`` returns only once the record is durable (acknowledged by all in-sync replicas, or
-committed); a failure raises ``LogUnavailable`` and nothing is half-written.
+committed); a failure raises ``LogUnavailable`` and nothing is half-written. A transport
+remembers recent failures (``core.breaker``): ``check`` refuses while its back end is known to
+be down, so callers can refuse a request before doing any work for it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -23,11 +26,12 @@ from dataclasses import dataclass
 
 from sqlalchemy import insert, select, text
 
+from core.breaker import Breaker, Unavailable
 from core.db import LogRecord, make_engine
 from core.records import TOPICS, utcnow
 
 
-class LogUnavailable(RuntimeError):
+class LogUnavailable(Unavailable):
     """The log could not durably accept or serve records (broker or database down)."""
 
 
@@ -64,6 +68,9 @@ class LogTransport(ABC):
     ) -> list[LogEntry]:
         """Records of (topic, partition) from ``offset`` on, in order; [] if none yet."""
 
+    def check(self) -> None:  # noqa: B027 - optional hook
+        """Raise LogUnavailable if the log is known to be down or does not answer a probe now."""
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections."""
 
@@ -80,6 +87,14 @@ class SqlLog(LogTransport):
         self.url = url
         self.engine = make_engine(url)
         self._serialize = self.engine.dialect.name == "postgresql"
+        self.breaker = Breaker("the SQL log", self._probe, LogUnavailable)
+
+    def _probe(self) -> None:
+        with self.engine.connect() as conn:
+            conn.execute(text("SELECT 1"))
+
+    def check(self) -> None:
+        self.breaker.check()
 
     def append(self, topic: str, key: str, value: bytes) -> tuple[int, int]:
         if topic not in TOPICS:
@@ -93,9 +108,12 @@ class SqlLog(LogTransport):
                         topic=topic, key=key, payload=value.decode(), created_at=utcnow()
                     )
                 )
-                return 0, int(res.inserted_primary_key[0])
+                offset = int(res.inserted_primary_key[0])
         except Exception as exc:  # any driver error means "not durable"
+            self.breaker.trip(str(exc))
             raise LogUnavailable(f"SQL log append failed: {exc}") from exc
+        self.breaker.ok()
+        return 0, offset
 
     def partitions(self, topic: str) -> list[int]:
         return [0]
@@ -126,41 +144,94 @@ class SqlLog(LogTransport):
 
 
 class KafkaLog(LogTransport):
-    """Kafka topics through kafka-python (tansu in tests, Apache Kafka in production)."""
+    """Kafka topics through kafka-python (tansu in tests, Apache Kafka in production).
 
-    def __init__(self, url: str, num_partitions: int = 4, send_timeout_s: float = 10.0):
+    A refused append must never appear later (DESIGN §8), but a produce request already
+    written to a paused broker's socket is appended when the broker resumes, whatever the
+    client does. So the broker is probed before a record is sent unless it answered less than
+    ``probe_after_s`` ago (a paused or dead broker is refused with nothing sent), and a record
+    once sent is waited for up to ``ack_timeout_s``, long enough to outlast short pauses, so
+    its answer is the broker's. After any failure the producer is closed without delivering
+    its buffer and rebuilt on the next append (a producer whose broker restarted is in a fatal
+    state for good: its producer id is unknown there), and missing topics are recreated (a
+    tansu broker with memory storage restarts empty).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        num_partitions: int = 4,
+        send_timeout_s: float = 5.0,
+        ack_timeout_s: float = 30.0,
+        probe_timeout_s: float = 1.0,
+        probe_after_s: float = 0.5,
+    ):
         self.url = url
         self.bootstrap = url.removeprefix("kafka://").split(",")
         self.num_partitions = num_partitions
         self.send_timeout_s = send_timeout_s
+        self.ack_timeout_s = ack_timeout_s
+        self.probe_timeout_s = probe_timeout_s
         self._producer = None
+        self._admin = None
         self._consumers: dict = {}
         self._lock = threading.Lock()
         self._read_lock = threading.Lock()
+        self.breaker = Breaker("the Kafka log", self._probe, LogUnavailable, fresh_s=probe_after_s)
+
+    def _new_admin(self, timeout_s: float):
+        from kafka.admin import KafkaAdminClient
+
+        timeout_ms = int(timeout_s * 1000)
+        return KafkaAdminClient(
+            bootstrap_servers=self.bootstrap, request_timeout_ms=timeout_ms, bootstrap_timeout_ms=timeout_ms
+        )
+
+    def _create_missing(self, admin) -> bool:
+        """Create the topics ``admin``'s broker lacks; True if any was missing."""
+        from kafka.admin import NewTopic
+        from kafka.errors import TopicAlreadyExistsError
+
+        existing = set(admin.list_topics())
+        new = [
+            NewTopic(t, num_partitions=self.num_partitions, replication_factor=1)
+            for t in TOPICS
+            if t not in existing
+        ]
+        if new:
+            try:
+                admin.create_topics(new)
+            except TopicAlreadyExistsError:
+                pass
+        return bool(new)
 
     def ensure_topics(self) -> None:
         """Create the three topics if missing (idempotent)."""
-        from kafka.admin import KafkaAdminClient, NewTopic
-        from kafka.errors import TopicAlreadyExistsError
-
-        timeout_ms = int(self.send_timeout_s * 1000)
-        admin = KafkaAdminClient(
-            bootstrap_servers=self.bootstrap, request_timeout_ms=timeout_ms, bootstrap_timeout_ms=timeout_ms
-        )
+        admin = self._new_admin(self.send_timeout_s)
         try:
-            existing = set(admin.list_topics())
-            new = [
-                NewTopic(t, num_partitions=self.num_partitions, replication_factor=1)
-                for t in TOPICS
-                if t not in existing
-            ]
-            if new:
-                try:
-                    admin.create_topics(new)
-                except TopicAlreadyExistsError:
-                    pass
+            self._create_missing(admin)
         finally:
             admin.close()
+
+    def _probe(self) -> None:
+        # A client whose request timed out can take the connection's full reconnect time on
+        # its next call: a failed probe drops its admin client and the next one starts fresh.
+        try:
+            if self._admin is None:
+                self._admin = self._new_admin(self.probe_timeout_s)
+            restarted = self._create_missing(self._admin)
+        except Exception:
+            admin, self._admin = self._admin, None
+            if admin is not None:
+                with contextlib.suppress(Exception):
+                    admin.close()
+            raise
+        if restarted and self._producer is not None:
+            # Topics we used are gone: the broker restarted empty and forgot our producer id.
+            self._discard_producer(self._producer, None)
+
+    def check(self) -> None:
+        self.breaker.check()
 
     def _get_producer(self):
         with self._lock:
@@ -168,7 +239,6 @@ class KafkaLog(LogTransport):
                 from kafka import KafkaProducer
 
                 try:
-                    self.ensure_topics()
                     self._producer = KafkaProducer(
                         bootstrap_servers=self.bootstrap,
                         acks="all",
@@ -176,19 +246,49 @@ class KafkaLog(LogTransport):
                         linger_ms=2,
                         max_block_ms=int(self.send_timeout_s * 1000),
                         bootstrap_timeout_ms=int(self.send_timeout_s * 1000),
+                        # Longer than our wait: the client must not give up on a request (and
+                        # resend it) while we still wait for the broker's answer.
+                        request_timeout_ms=int((self.ack_timeout_s + 5) * 1000),
+                        delivery_timeout_ms=int((self.ack_timeout_s + 10) * 1000),
                     )
                 except Exception as exc:
+                    self.breaker.trip(str(exc))
                     raise LogUnavailable(f"Kafka producer unavailable: {exc}") from exc
             return self._producer
+
+    def _discard_producer(self, producer, reason: str | None) -> None:
+        """Close ``producer`` without delivering what it still buffers; the next append builds
+        a new one. kafka-python's ``close(timeout=0)`` first flushes (and raises when the
+        flush cannot finish), so its sender is force-closed first: that fails every buffered
+        batch instead of sending it. A ``reason`` opens the breaker."""
+        if reason is not None:
+            self.breaker.trip(reason)
+        with self._lock:
+            if self._producer is producer:
+                self._producer = None
+        sender = getattr(producer, "_sender", None)
+        if sender is not None:
+            sender.force_close()
+            sender.join(5)
+        with contextlib.suppress(Exception):
+            producer.close(timeout=0)
 
     def append(self, topic: str, key: str, value: bytes) -> tuple[int, int]:
         if topic not in TOPICS:
             raise ValueError(f"unknown topic {topic!r}")
+        self.breaker.check()
         producer = self._get_producer()
         try:
-            meta = producer.send(topic, key=key.encode(), value=value).get(timeout=self.send_timeout_s)
-        except Exception as exc:
+            future = producer.send(topic, key=key.encode(), value=value)
+        except Exception as exc:  # no metadata or no buffer space in time: nothing was sent
+            self._discard_producer(producer, str(exc))
             raise LogUnavailable(f"Kafka append failed: {exc}") from exc
+        try:
+            meta = future.get(timeout=self.ack_timeout_s)
+        except Exception as exc:
+            self._discard_producer(producer, str(exc))
+            raise LogUnavailable(f"Kafka append failed: {exc}") from exc
+        self.breaker.ok()
         return meta.partition, meta.offset
 
     def partitions(self, topic: str) -> list[int]:
@@ -235,6 +335,10 @@ class KafkaLog(LogTransport):
             try:
                 batch = c.poll(timeout_ms=int(timeout_s * 1000), max_records=max_records)
             except Exception as exc:
+                # A consumer that failed is rebuilt on the next read (its broker may be new).
+                del self._consumers[tp]
+                with contextlib.suppress(Exception):
+                    c.close()
                 raise LogUnavailable(f"Kafka read failed: {exc}") from exc
             msgs = batch.get(tp, [])
             return [LogEntry(topic, partition, m.offset, (m.key or b"").decode(), m.value) for m in msgs]
@@ -244,6 +348,9 @@ class KafkaLog(LogTransport):
             if self._producer is not None:
                 self._producer.close(timeout=5)
                 self._producer = None
+        if self._admin is not None:
+            self._admin.close()
+            self._admin = None
         with self._read_lock:
             for c in self._consumers.values():
                 c.close()

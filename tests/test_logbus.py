@@ -1,11 +1,17 @@
-"""Log transports on real back ends: SQLite, PostgreSQL, and a tansu Kafka broker."""
+"""Log transports on real back ends: SQLite, PostgreSQL, and a tansu Kafka broker (the
+shared one, or one of the test's own that it pauses, kills and restarts)."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 
+from core.breaker import Breaker
 from core.db import migrate
 from core.logbus import KafkaLog, LogUnavailable, SqlLog, open_log
+from tests.dependencies import TansuBroker
 from tests.logutil import read_topic
 
 
@@ -68,3 +74,127 @@ def test_kafka_log_broker_down_is_unavailable():
 def test_open_log_rejects_garbage():
     with pytest.raises(ValueError, match="neither kafka"):
         open_log("not a url")
+
+
+class _Probe:
+    """A fake dependency for the breaker: answers while ``up``; counts probes."""
+
+    def __init__(self):
+        self.up, self.calls = True, 0
+
+    def __call__(self):
+        self.calls += 1
+        if not self.up:
+            raise ConnectionRefusedError("down")
+
+
+def test_breaker_probes_when_stale_and_refuses_while_open():
+    probe = _Probe()
+    # fresh_s = 60: one success covers every later check; cooldown_s = 60: one failure refuses.
+    b = Breaker("dep", probe, LogUnavailable, fresh_s=60.0, cooldown_s=60.0)
+    b.check()
+    b.check()
+    assert probe.calls == 1
+    b.trip("append failed")
+    probe.up = True
+    with pytest.raises(LogUnavailable, match="dep is unavailable: append failed"):
+        b.check()
+    assert probe.calls == 1 and b.down
+
+
+def test_breaker_failed_probe_opens_and_recovers_after_cooldown():
+    probe = _Probe()
+    probe.up = False
+    # fresh_s = 0 and cooldown_s = 0: every check probes, so the state follows the probe.
+    b = Breaker("dep", probe, LogUnavailable, fresh_s=0.0, cooldown_s=0.0)
+    with pytest.raises(LogUnavailable, match="ConnectionRefusedError: down"):
+        b.check()
+    probe.up = True
+    b.check()
+    assert probe.calls == 2 and not b.down
+
+
+def test_sql_log_failed_append_opens_its_breaker(tmp_path):
+    url = f"sqlite:///{tmp_path / 'log.db'}"
+    migrate(url)
+    healthy = SqlLog(url)
+    healthy.check()
+    healthy.close()
+    broken = SqlLog(f"sqlite:///{tmp_path / 'empty.db'}")  # no schema: every append fails
+    broken.check()  # SELECT 1 still answers
+    with pytest.raises(LogUnavailable, match="SQL log append failed"):
+        broken.append("feedback", "k", b"{}")
+    with pytest.raises(LogUnavailable, match="the SQL log is unavailable: .*no such table"):
+        broken.check()  # refused without a probe while the breaker is open
+    broken.close()
+
+
+def _values(log, topic: str) -> list[bytes]:
+    return [e.value for e in sorted(read_topic(log, topic), key=lambda e: (e.partition, e.offset))]
+
+
+@pytest.mark.kafka
+def test_kafka_log_paused_broker_refuses_with_nothing_sent():
+    """Issue 13 item 3: a refused append (the broker paused, idle before) never appears later."""
+    broker = TansuBroker()
+    broker.start()
+    log = KafkaLog(broker.url, ack_timeout_s=20.0)
+    try:
+        assert log.append("feedback", "k", b"first") == (0, 0)
+        time.sleep(log.breaker.fresh_s + 0.1)  # idle: the next append probes first
+        broker.pause()
+        with pytest.raises(LogUnavailable):
+            log.append("feedback", "k", b"refused")
+        with pytest.raises(LogUnavailable):
+            log.check()
+        broker.resume()
+        time.sleep(log.breaker.cooldown_s + 0.1)
+        log.append("feedback", "k", b"retried")
+        assert _values(log, "feedback") == [b"first", b"retried"]
+    finally:
+        broker.kill()
+        log.close()
+
+
+@pytest.mark.kafka
+def test_kafka_log_record_sent_before_a_pause_gets_the_brokers_answer():
+    """A record already sent when the broker pauses is not refused at a timeout (it would be
+    appended on resume): its append waits and returns the broker's offset."""
+    broker = TansuBroker()
+    broker.start()
+    log = KafkaLog(broker.url, ack_timeout_s=20.0)
+    try:
+        log.append("feedback", "k", b"first")
+        broker.pause()  # within fresh_s of the last answer: no probe, the record is sent
+        timer = threading.Timer(2.0, broker.resume)
+        timer.start()
+        assert log.append("feedback", "k", b"in-flight") == (0, 1)
+        timer.join()
+        assert _values(log, "feedback") == [b"first", b"in-flight"]
+    finally:
+        broker.kill()
+        log.close()
+
+
+@pytest.mark.kafka
+def test_kafka_log_rebuilds_producer_and_topics_after_broker_restart():
+    """Issue 13 item 3: after a kill and restart (memory storage: topics and producer ids
+    lost) appends work again without a new KafkaLog."""
+    broker = TansuBroker()
+    broker.start()
+    log = KafkaLog(broker.url)
+    try:
+        log.append("trajectories", "p", b"before")
+        broker.kill()
+        time.sleep(log.breaker.fresh_s + 0.1)
+        with pytest.raises(LogUnavailable):
+            log.append("trajectories", "p", b"while-down")
+        broker.start()
+        time.sleep(log.breaker.cooldown_s + 0.1)
+        placed = [log.append("trajectories", "p", f"after-{i}".encode()) for i in range(3)]
+        assert [off for _, off in placed] == [0, 1, 2]
+        assert _values(log, "trajectories") == [b"after-0", b"after-1", b"after-2"]
+        assert sorted(log.partitions("feedback")) == list(range(log.num_partitions))
+    finally:
+        broker.kill()
+        log.close()

@@ -39,6 +39,7 @@ from core.records import (
 from core.settings import Settings, get_settings
 from server.chat import complete_chat, prepare_rollout, stream_chat
 from server.engine import PolicyEngine, SwapRefused
+from server.health import RETRY_AFTER_S, STORAGE_ERROR_TYPES, Health, is_storage_error
 from server.limits import BodySizeLimit, max_body_bytes
 from server.metrics import ServerMetrics
 from server.policy_watch import PolicyWatcher
@@ -102,7 +103,8 @@ def create_app(
         lt = log_transport or open_log(settings.resolved_log_url)
         spool = None if settings.log_required else Spool(settings.home / "spool", lt, ServerStore(db))
         reader = read_baseline or evidence_reader(EvidenceStore(db))
-        state = ServerState(settings, eng, lt, ServerStore(db), ServerMetrics(), spool, reader)
+        health = Health(db, lt, settings.log_required)
+        state = ServerState(settings, eng, lt, ServerStore(db), ServerMetrics(), spool, reader, health)
         state.metrics.policy_version.set(eng.version)
         app.state.s = state
         watcher = PolicyWatcher(lt, eng, state.metrics) if watch_policy else None
@@ -122,6 +124,10 @@ def create_app(
                     await t
             if state.background:
                 await asyncio.gather(*state.background, return_exceptions=True)
+            if state.index_retries:
+                log.warning("%d deferred index rows not written at shutdown", len(state.index_retries))
+                for t in list(state.index_retries):
+                    t.cancel()
             if log_transport is None:
                 lt.close()
             db.dispose()
@@ -133,7 +139,27 @@ def create_app(
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.status == 503 else None
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+    async def _storage_error(request: Request, exc: Exception) -> JSONResponse:
+        """A storage failure anywhere is a 503 (nothing was recorded); anything else stays a 500."""
+        if not is_storage_error(exc):
+            raise exc
+        s = request.app.state.s
+        if request.url.path == "/v1/chat/completions":
+            s.metrics.failed_before_generation.labels("storage_unavailable").inc()
+        what = "the log" if isinstance(exc, LogUnavailable) else "the database"
+        err = ApiError(
+            503,
+            f"storage unavailable ({what}), nothing was recorded; retry later: {exc.__class__.__name__}",
+            "server_error",
+            code="storage_unavailable",
+        )
+        return JSONResponse(err.body(), status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
+
+    for exc_type in STORAGE_ERROR_TYPES:
+        app.add_exception_handler(exc_type, _storage_error)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -181,9 +207,15 @@ def create_app(
 
     @app.get("/readyz")
     async def readyz(request: Request) -> JSONResponse:
+        """200 when the engine runs and the database and the log answer; 503 naming what is down."""
         s = state_of(request)
-        ok = s.engine.engine is not None
-        return JSONResponse({"ready": ok, "policy_version": s.engine.version}, status_code=200 if ok else 503)
+        deps = await s.health.report()
+        deps["engine"] = "ok" if s.engine.engine is not None else "not running"
+        ok = all(v == "ok" for v in deps.values())
+        body = {"ready": ok, "policy_version": s.engine.version, **deps}
+        if ok:
+            return JSONResponse(body)
+        return JSONResponse(body, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics(request: Request) -> Response:

@@ -8,15 +8,21 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+from sqlalchemy.exc import IntegrityError
+
 from core.logbus import LogTransport, LogUnavailable
 from core.records import TOPIC_TRAJECTORIES, FrozenBaseline, TrajectoryRecord
 from core.settings import Settings
 from server.engine import PolicyEngine
+from server.health import Health, is_storage_error
 from server.metrics import ServerMetrics
 from server.spool import Spool
 from server.store import ServerStore
 
 log = logging.getLogger(__name__)
+
+# Seconds between attempts to write a deferred index row.
+INDEX_RETRY_S = 1.0
 
 BaselineReader = Callable[[str, int], Awaitable[FrozenBaseline | None]]
 
@@ -55,7 +61,15 @@ class ServerState:
     metrics: ServerMetrics
     spool: Spool | None
     read_baseline: BaselineReader | None = None
+    health: Health | None = None
     background: set[asyncio.Task] = field(default_factory=set)
+    index_retries: set[asyncio.Task] = field(default_factory=set)
+
+    async def require_storage(self) -> None:
+        """Refuse (DatabaseUnavailable / LogUnavailable, answered 503) before any work while
+        the database or the log is known to be down, or does not answer a probe now."""
+        if self.health is not None:
+            await asyncio.to_thread(self.health.require)
 
     def spawn(self, coro: Awaitable) -> None:
         """Run ``coro`` to completion even if the request that started it is cancelled."""
@@ -70,26 +84,28 @@ class ServerState:
         finally:
             self.metrics.log_append.labels(topic).observe(time.perf_counter() - t0)
 
-    def _append_and_index(self, rec: TrajectoryRecord) -> None:
+    def _append(self, rec: TrajectoryRecord) -> tuple[int, int]:
         t0 = time.perf_counter()
-        part, off = self.log.append(TOPIC_TRAJECTORIES, rec.prompt_id, rec.to_json())
+        placed = self.log.append(TOPIC_TRAJECTORIES, rec.prompt_id, rec.to_json())
         self.metrics.log_append.labels(TOPIC_TRAJECTORIES).observe(time.perf_counter() - t0)
-        self.store.index_trajectory(rec, part, off)
+        return placed
 
     async def persist_trajectory(self, rec: TrajectoryRecord) -> None:
         """Make ``rec`` durable in the log and index it for feedback.
 
         Append and index run as one unit in a shielded task: a client that disconnects while
         its record is being written cannot leave a logged record without its index row.
-        Raises LogUnavailable when the log or the database refused and records must not be
-        kept locally (``log_required``); otherwise the record goes to the local spool, which
-        re-sends it when the log is back.
+        Raises LogUnavailable when the log refused and records must not be kept locally
+        (``log_required``): then the record is not in the log and never will be. Otherwise
+        the record goes to the local spool, which re-sends it when the log is back. Once the
+        log holds the record the answer stands: an index row the database refuses is written
+        by a retrying task when the database is back.
         """
         await asyncio.shield(asyncio.ensure_future(self._persist(rec)))
 
     async def _persist(self, rec: TrajectoryRecord) -> None:
         try:
-            await asyncio.to_thread(self._append_and_index, rec)
+            part, off = await asyncio.to_thread(self._append, rec)
         except Exception as exc:
             self.metrics.log_failures.labels(TOPIC_TRAJECTORIES).inc()
             if self.spool is None:
@@ -97,5 +113,31 @@ class ServerState:
             await asyncio.to_thread(self.spool.put, rec)
             self.metrics.spooled.inc()
             log.warning("trajectory %s spooled: %s", rec.id, exc)
+        else:
+            try:
+                await asyncio.to_thread(self.store.index_trajectory, rec, part, off)
+            except Exception as exc:
+                if not is_storage_error(exc):
+                    log.exception("trajectory %s logged but not indexed", rec.id)
+                    raise
+                log.warning("trajectory %s logged, index row deferred: %s", rec.id, exc)
+                task = asyncio.ensure_future(self._index_later(rec, part, off))
+                self.index_retries.add(task)
+                task.add_done_callback(self.index_retries.discard)
         self.metrics.trajectories.labels(rec.finish_reason).inc()
         self.metrics.tokens.inc(len(rec.response_token_ids))
+
+    async def _index_later(self, rec: TrajectoryRecord, partition: int, offset: int) -> None:
+        """Retry the index row of a logged record until the database takes it (cancelled at
+        shutdown: the record stays in the log, only feedback by its id is lost)."""
+        while True:
+            await asyncio.sleep(INDEX_RETRY_S)
+            try:
+                await asyncio.to_thread(self.store.index_trajectory, rec, partition, offset)
+            except IntegrityError:
+                return
+            except Exception as exc:
+                log.debug("index row of %s still deferred: %s", rec.id, exc)
+                continue
+            log.info("deferred index row of %s written", rec.id)
+            return

@@ -191,3 +191,149 @@ def test_cli_reads_json_lines(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     )
     assert "index.html" in capsys.readouterr().out
     assert set(json.loads((tmp_path / "out" / "metrics.json").read_text())["methods"]) == {"sao", "rm"}
+
+
+def _timed(step: int, detected: str, reward: float, rid: str, t: float, first: int) -> dict[str, object]:
+    return {
+        **_rec(step, detected, reward),
+        "id": rid,
+        "first_version": first,
+        "t_answer": t,
+        "t_feedback": t + 0.5,
+        "request": f"request {rid}",
+        "answer": f"answer {rid}",
+    }
+
+
+# An async run: versions 0..4 = steps 0..4, step 3 without answers (a gap).
+ASYNC_RECORDS = [
+    _timed(0, "plain", 0.0, "a", 1.0, 0),
+    _timed(0, "cute", 1.0, "b", 2.0, 0),
+    _timed(1, "cute", 1.0, "c", 12.0, 1),
+    _timed(2, "cute", 0.0, "d", 33.0, 2),
+    _timed(2, "formal", 1.0, "e", 34.0, 2),
+    _timed(4, "formal", 1.0, "f", 61.0, 4),
+    _timed(4, "formal", 0.0, "g", 62.0, 4),
+]
+LEARNER_STEPS = [
+    {
+        "version": 1,
+        "kept_fraction": 1.0,
+        "mean_abs_log_ratio": 0.0,
+        "explained_variance": -0.5,
+        "critic_loss": 0.3,
+        "kl_ref": 0.0,
+        "staleness_mean": 0.0,
+        "step_time_s": 8.0,
+        "staleness_hist": {"0": 20},
+        "completing_sample": "b",
+    },
+    {
+        "version": 2,
+        "kept_fraction": 0.9,
+        "mean_abs_log_ratio": 0.05,
+        "explained_variance": 0.1,
+        "critic_loss": 0.2,
+        "kl_ref": 0.01,
+        "staleness_mean": 0.5,
+        "step_time_s": 10.0,
+        "staleness_hist": {"0": 10, "1": 10},
+        "completing_sample": "c",
+    },
+    {
+        "version": 3,
+        "kept_fraction": 0.8,
+        "mean_abs_log_ratio": 0.1,
+        "explained_variance": 0.2,
+        "critic_loss": 0.1,
+        "kl_ref": 0.02,
+        "staleness_mean": 1.5,
+        "step_time_s": 12.0,
+        "staleness_hist": {"1": 10, "2": 10},
+        "completing_sample": "e",
+    },
+]
+DETAILS = {
+    "mode": "async",
+    "wall_s": 70.0,
+    "held_s": 3.0,
+    "learner_steps": LEARNER_STEPS,
+    "timeline": [
+        {"t": 1.0, "version": 0, "backlog": 2, "in_flight": 4},
+        {"t": 2.0, "version": 1, "backlog": 6, "in_flight": 4},
+    ],
+}
+
+
+def test_report_async_fields(tmp_path: Path) -> None:
+    metrics = write_report(tmp_path, SCHEDULE, {"sao": ASYNC_RECORDS}, details={"sao": DETAILS})
+    m = json.loads((tmp_path / "metrics.json").read_text())["methods"]["sao"]
+    assert m == metrics["methods"]["sao"]
+    # Step rewards 0.5, 1, 0.5, (gap), 0.5: the gap is null, not an error.
+    assert m["reward"] == [0.5, 1.0, 0.5, None, 0.5]
+    # Trapezoids over present steps: (0.5+1)/2·1 + (1+0.5)/2·1 + (0.5+0.5)/2·2 = 0.75+0.75+1 = 2.5
+    # over the span 4 -> 0.625. Last-5 over the 4 present steps: 2.5 / 4 = 0.625.
+    assert m["auc"] == pytest.approx(0.625) and m["last5_mean"] == pytest.approx(0.625)
+    # Staleness tokens: 0: 20 + 10 = 30, 1: 10 + 10 = 20, 2: 10; mean (20 + 20) / 60 = 2/3;
+    # cumulative 30, 50, 60 >= 0.95·60 = 57 first at 2.
+    assert m["staleness"] == {
+        "mean": pytest.approx(2 / 3),
+        "p95": 2,
+        "histogram": {"0": 30, "1": 20, "2": 10},
+        "tokens": 60,
+    }
+    # v1: completed by b's feedback (2.5 s), first answer of v1+ at 12.0 -> 9.5 s;
+    # v2: c's feedback at 12.5, first answer of v2+ at 33.0 -> 20.5 s;
+    # v3: e's feedback at 34.5, first answer of v3+ at 61.0 -> 26.5 s. p50 = 20.5;
+    # p95 at position 1.9: 20.5 + 0.9·(26.5 − 20.5) = 25.9.
+    assert m["feedback_to_served_s"] == {"p50": pytest.approx(20.5), "p95": pytest.approx(25.9), "n": 3}
+    assert m["dis_kept_fraction"] == [1.0, 0.9, 0.8] and m["learner_versions"] == [1, 2, 3]
+    assert m["kl_ref"] == [0.0, 0.01, 0.02] and m["step_time_s"] == [8.0, 10.0, 12.0]
+    # 7 answers in 70 s; in 30 s bins: a, b, c in [0, 30), d, e in [30, 60), f, g in [60, 90).
+    assert m["requests_per_s"] == pytest.approx(0.1)
+    assert m["requests_per_s_series"] == pytest.approx([3 / 30, 2 / 30, 2 / 30])
+    assert m["backlog"] == {"mean": 4.0, "max": 6, "final": 6, "held_s": 3.0}
+    # Rewards per bin: (0 + 1 + 1) / 3, (0 + 1) / 2, (1 + 0) / 2.
+    assert m["wallclock"]["reward"] == [pytest.approx(2 / 3), 0.5, 0.5]
+    # Examples: cute segment (steps 0-1): first 2 of step 0 (a, b), last of step 1 (c);
+    # formal segment (steps 2-4): first 2 of step 2 (d, e), last 2 of step 4 (f, g).
+    assert [(x["segment"], x["where"], x["answer"]) for x in m["examples"]] == [
+        (0, "start", "answer a"),
+        (0, "start", "answer b"),
+        (0, "end", "answer c"),
+        (1, "start", "answer d"),
+        (1, "start", "answer e"),
+        (1, "end", "answer f"),
+        (1, "end", "answer g"),
+    ]
+    page = (tmp_path / "index.html").read_text()
+    assert "Example answers" in page and "answer g" in page and "Learning while serving" in page
+    for name in ("learner.png", "staleness.png", "wallclock.png"):
+        assert (tmp_path / name).stat().st_size > 0, name
+    # A lockstep report without details keeps the new keys, empty.
+    plain = write_report(tmp_path / "plain", SCHEDULE, {"sao": RECORDS})["methods"]["sao"]
+    assert plain["staleness"]["mean"] is None and plain["dis_kept_fraction"] == []
+    assert plain["feedback_to_served_s"] == {"p50": None, "p95": None, "n": 0}
+
+
+def test_report_over_seeds(tmp_path: Path) -> None:
+    never = [_rec(r["step"], "cute", 0.0) for r in RECORDS]
+    runs = {"sao": [{"seed": 0, "records": RECORDS}, {"seed": 1, "records": never}]}
+    metrics = write_report(tmp_path, SCHEDULE, {"sao": RECORDS}, seeds=runs)
+    m = json.loads((tmp_path / "metrics.json").read_text())["methods"]["sao"]
+    assert m == metrics["methods"]["sao"]
+    # Seed 0: AUC 0.5, last-5 0.5, lag [1] (test_write_report); seed 1 all zero: 0, 0, [None].
+    assert m["seeds"] == [
+        {"seed": 0, "auc": 0.5, "last5_mean": 0.5, "adaptation_lag": [1]},
+        {"seed": 1, "auc": 0.0, "last5_mean": 0.0, "adaptation_lag": [None]},
+    ]
+    # Mean 0.25; sample std sqrt(((0.5-0.25)^2 + (0-0.25)^2) / 1) = sqrt(0.125).
+    assert m["seed_summary"]["auc"] == {
+        "mean": pytest.approx(0.25),
+        "std": pytest.approx(math.sqrt(0.125)),
+        "min": 0.0,
+        "max": 0.5,
+    }
+    assert m["seed_summary"]["adaptation_lag"] == [{"crossed": 1, "of": 2, "mean": 1.0, "min": 1, "max": 1}]
+    assert (tmp_path / "seeds.png").stat().st_size > 0
+    assert "Over seeds" in (tmp_path / "index.html").read_text()

@@ -1,0 +1,109 @@
+"""Feedback→served latency of the asynchronous main job (issue 10; target: p50 ≤ step time + 2 s).
+
+From the feedback that completes a learner batch to the first answer returned whose first token
+came from the version trained on that batch (``judge.runstats.feedback_to_served``). Either
+reads finished runs (a ``demo``/``compare`` folder: ``records-<run>.jsonl`` and
+``details-<run>.json``) or runs a short async job itself (``saoserve serve`` + ``saoserve
+learn`` as processes, the offline judge; the engine machine-wide lock is taken by the caller):
+
+    .venv/bin/python bench/bench_feedback_latency.py --from report
+    flock /tmp/saoserve-engine.lock .venv/bin/python bench/bench_feedback_latency.py \\
+        [--schedule cute:6] [--batch-size 8] [--concurrency 8] [--feedback-delay-s 0] [--out DIR]
+
+Prints one row per run: versions measured, p50 and p95 latency (s), the learner's median step
+time (s), the target (step time + 2 s) and p50 / target.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from judge.report import load_records  # noqa: E402
+from judge.runstats import feedback_to_served, latency_summary  # noqa: E402
+
+TARGET_MARGIN_S = 2.0
+
+
+def row(name: str, records: list[dict], details: dict) -> dict:
+    steps = details.get("learner_steps") or []
+    lat = latency_summary([x["latency_s"] for x in feedback_to_served(steps, records)])
+    times = [float(s["step_time_s"]) for s in steps if isinstance(s.get("step_time_s"), int | float)]
+    step_s = statistics.median(times) if times else None
+    target = step_s + TARGET_MARGIN_S if step_s is not None else None
+    ratio = lat["p50"] / target if lat["p50"] is not None and target else None
+    return {"run": name, **lat, "step_s": step_s, "target_s": target, "ratio": ratio}
+
+
+def from_folder(folder: Path) -> list[dict]:
+    rows = []
+    for details_path in sorted(folder.glob("details-*.json")):
+        name = details_path.stem.removeprefix("details-")
+        records = load_records(folder / f"records-{name}.jsonl")
+        rows.append(row(name, records, json.loads(details_path.read_text())))
+    return rows
+
+
+def run_once(args: argparse.Namespace) -> list[dict]:
+    from core.settings import get_settings
+    from judge.offline import OfflineJudge
+    from judge.styles import schedule_from_spec
+    from saoserve.demo import run_method
+    from saoserve.model import prepare_model
+
+    out = Path(args.out or tempfile.mkdtemp(prefix="bench-latency-"))
+    model = prepare_model(get_settings().resolved_model_dir)
+    home = out / "run-sao"
+    home.mkdir(parents=True, exist_ok=True)
+    if not (home / "model").exists():
+        (home / "model").symlink_to(Path(model).resolve(), target_is_directory=True)
+    traffic = {
+        "mode": "async",
+        "concurrency": args.concurrency,
+        "feedback_delay_s": args.feedback_delay_s,
+        "max_backlog": 2 * args.batch_size,
+    }
+    run_method(
+        "sao",
+        schedule_from_spec(args.schedule),
+        OfflineJudge(),
+        out,
+        batch_size=args.batch_size,
+        max_tokens=48,
+        traffic=traffic,
+    )
+    return from_folder(out)
+
+
+def fmt(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.2f}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--from", dest="folder", type=Path, help="read finished runs from this folder")
+    ap.add_argument("--schedule", default="cute:6")
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--feedback-delay-s", type=float, default=0.0)
+    ap.add_argument("--out", type=Path, help="folder of the run (default: a temporary one)")
+    args = ap.parse_args()
+    rows = from_folder(args.folder) if args.folder else run_once(args)
+    if not rows:
+        sys.exit("no runs found (details-<run>.json)")
+    print(f"{'run':<20}{'n':>4}{'p50 s':>9}{'p95 s':>9}{'step s':>9}{'target s':>10}{'p50/target':>12}")
+    for r in rows:
+        print(
+            f"{r['run']:<20}{r['n']:>4}{fmt(r['p50']):>9}{fmt(r['p95']):>9}{fmt(r['step_s']):>9}"
+            f"{fmt(r['target_s']):>10}{fmt(r['ratio']):>12}"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -362,6 +362,8 @@ class Learner:
         new_version = self.version + 1
         try:
             metrics = self._step(samples, batch)
+            # The newest sample of the batch, whose feedback completed it (judge.runstats).
+            metrics["completing_sample"] = rows[-1][0]
             fault_point("during_step")
             path, sha = self._write_version(new_version)
             fault_point("after_weights")

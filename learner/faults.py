@@ -1,0 +1,109 @@
+"""Named kill points in the learner's cycle, for the fault-injection harness (issue 13, DESIGN §8).
+
+``SAOSERVE_FAULT_POINT=<point>:<n>`` makes the learner process end with ``os._exit(137)`` the
+n-th time it passes ``<point>`` (n defaults to 1): no ``finally`` block, atexit handler or
+buffered write runs, which is what ``kill -9`` at that line does. Unset (the normal case),
+``fault_point`` is one comparison with None. The variable is read once, at import; ``arm``
+sets the point in a process forked from one that imported this module already (the harness's
+fork server).
+
+Points, in the order of one cycle (``learner.process.Learner``):
+
+* ``after_read``: the joiner has read records from the log, nothing committed yet;
+* ``after_join_commit``: offsets, pending joins, samples and evidence committed;
+* ``during_step``: the update applied to the in-memory models, nothing written;
+* ``after_weights``: the new version's directory written, not yet in the database;
+* ``after_commit``: the version (and the removal of its samples) committed;
+* ``after_checkpoint``: ``checkpoint.pt`` replaced (only on checkpoint steps);
+* ``after_policy_event``: the policy event appended to the log, its status not yet
+  ``published``.
+"""
+
+from __future__ import annotations
+
+import os
+
+from core.logbus import LogTransport
+
+FAULT_ENV = "SAOSERVE_FAULT_POINT"
+EXIT_CODE = 137
+"""What a shell reports for a process killed by SIGKILL (128 + 9)."""
+
+POINTS = (
+    "after_read",
+    "after_join_commit",
+    "during_step",
+    "after_weights",
+    "after_commit",
+    "after_checkpoint",
+    "after_policy_event",
+)
+
+
+def parse(value: str | None) -> tuple[str, int] | None:
+    """``"<point>:<n>"`` → (point, n); empty or None → None.
+
+    Raises:
+        ValueError: an unknown point or an n that is not an integer >= 1.
+    """
+    if not value:
+        return None
+    name, _, count = value.partition(":")
+    if name not in POINTS:
+        raise ValueError(f"{FAULT_ENV}: unknown point {name!r} (one of {', '.join(POINTS)})")
+    n = int(count) if count else 1
+    if n < 1:
+        raise ValueError(f"{FAULT_ENV}: the count must be >= 1, got {n}")
+    return name, n
+
+
+_target = parse(os.environ.get(FAULT_ENV))
+_passes = 0
+
+
+def arm(value: str | None) -> None:
+    """Arm ``"<point>:<n>"`` (or disarm with None) and reset the pass count. Raises as ``parse``."""
+    global _target, _passes
+    _target = parse(value)
+    _passes = 0
+
+
+def armed() -> bool:
+    """Whether this process was started with a fault point."""
+    return _target is not None
+
+
+def fault_point(name: str) -> None:
+    """Exit the process at once (status 137) on the armed point's n-th pass; else nothing."""
+    global _passes
+    if _target is None or name != _target[0]:
+        return
+    _passes += 1
+    if _passes >= _target[1]:
+        os._exit(EXIT_CODE)
+
+
+class ReadFaultLog:
+    """A log transport that passes ``after_read`` each time a read returns records.
+
+    Wraps the learner's transport only when a fault point is armed, so the joiner needs no hook.
+    """
+
+    def __init__(self, inner: LogTransport):
+        self._inner = inner
+        self._unread = False
+
+    def read(self, *args, **kwargs):
+        entries = self._inner.read(*args, **kwargs)
+        if entries:
+            self._unread = True
+            fault_point("after_read")
+        return entries
+
+    def take_read(self) -> bool:
+        """Whether a read returned records since the last call (the join had something to commit)."""
+        seen, self._unread = self._unread, False
+        return seen
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)

@@ -1,0 +1,499 @@
+"""The learner under faults (issue 13, DESIGN §8): kill -9 at each named point, failed commits,
+pause, rollback; every run audited from the database.
+
+The harness runs the learner against a tiny random Llama (2 layers, hidden 32) saved by the test,
+the database and the SQL-table log, fed with hand-made trajectory and feedback records (no
+vLLM). Each learner life is a child forked from a fork server that has imported torch,
+transformers and the learner but touched no database and run no torch op: a fresh process in
+all but the import time (~6 s here), so a kill costs about a second. The child arms one fault
+point (``learner.faults``) and dies there with ``os._exit(137)``; the next child restarts from
+whatever the dead one left on disk and in the database.
+
+``SAOSERVE_FAULT_KILLS`` sets the kills per database (default 70: 10 per point); figures for
+larger counts are in docs/reliability.md.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from sqlalchemy import func, select
+
+from core.control import PAUSED, ROLLBACK_TO, get_flag, set_flag
+from core.db import (
+    ConsumerOffset,
+    LearnerCounter,
+    LearnerSample,
+    LearnerStep,
+    LogRecord,
+    PendingJoin,
+    PolicyVersion,
+    make_engine,
+    migrate,
+)
+from core.logbus import open_log
+from core.records import (
+    TOPIC_FEEDBACK,
+    TOPIC_POLICY,
+    TOPIC_TRAJECTORIES,
+    FeedbackRecord,
+    TrajectoryRecord,
+    utcnow,
+)
+from learner.faults import EXIT_CODE, POINTS, parse
+from learner.process import CHECKPOINT_FILE, WEIGHTS_FILE, Learner, LearnerConfig, storable
+from tests.conftest import ROOT
+from tests.logutil import read_topic
+
+VOCAB = 512
+BATCH = 2
+
+
+def tiny_model_dir(path: Path) -> Path:
+    """A random 2-layer Llama saved as float32 safetensors (policy version 0)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+    )
+    LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def feed(log, n: int, start: int, duplicate_feedback: bool = False) -> list[str]:
+    """Append ``n`` trajectories (ids ``t<start>``…) and a feedback for each; returns the ids.
+
+    Rollout logprobs are −log(VOCAB) ≈ −6.24, near what the random model gives, so DIS keeps
+    most tokens and the steps move the weights.
+    """
+    ids = []
+    g = torch.Generator().manual_seed(start)
+    for i in range(start, start + n):
+        tid = f"t{i:05d}"
+        prompt_id = f"p{i % 7}"
+        response = torch.randint(0, VOCAB, (4,), generator=g).tolist()
+        rec = TrajectoryRecord(
+            id=tid,
+            prompt_id=prompt_id,
+            created_at=utcnow(),
+            model="tiny",
+            prompt_token_ids=torch.randint(0, VOCAB, (5,), generator=g).tolist(),
+            response_token_ids=response,
+            rollout_logprobs=[-math.log(VOCAB)] * len(response),
+            token_versions=[(0, len(response))],
+            dispatch_version=0,
+            sampling={"temperature": 1.0, "max_tokens": 8},
+            finish_reason="stop",
+        )
+        log.append(TOPIC_TRAJECTORIES, prompt_id, rec.to_json())
+        fb = FeedbackRecord(trajectory_id=tid, prompt_id=prompt_id, reward=float(i % 2), received_at=utcnow())
+        log.append(TOPIC_FEEDBACK, prompt_id, fb.to_json())
+        if duplicate_feedback:
+            again = FeedbackRecord(trajectory_id=tid, prompt_id=prompt_id, reward=0.5, received_at=utcnow())
+            log.append(TOPIC_FEEDBACK, prompt_id, again.to_json())
+        ids.append(tid)
+    return ids
+
+
+def caught_up(engine) -> bool:
+    """Every log record joined, no sample waiting, the latest version published."""
+    with engine.connect() as conn:
+        ends = dict(
+            conn.execute(select(LogRecord.topic, func.max(LogRecord.offset)).group_by(LogRecord.topic)).all()
+        )
+        offsets = dict(
+            conn.execute(
+                select(ConsumerOffset.topic, ConsumerOffset.next_offset).where(
+                    ConsumerOffset.consumer == "learner"
+                )
+            ).all()
+        )
+        waiting = conn.execute(select(func.count()).select_from(LearnerSample)).scalar_one()
+        status = conn.execute(
+            select(PolicyVersion.status).order_by(PolicyVersion.version.desc()).limit(1)
+        ).scalar()
+    joined = all(offsets.get(t, 0) > ends[t] for t in (TOPIC_TRAJECTORIES, TOPIC_FEEDBACK) if t in ends)
+    return joined and waiting == 0 and status == "published"
+
+
+# ------------------------------------------------------------------------------ fork server
+def _child(job: dict) -> None:
+    from core.settings import Settings
+    from learner import faults
+
+    faults.arm(job["fault"])
+    settings = Settings(
+        home=Path(job["home"]),
+        database_url=job["db"],
+        model_dir=Path(job["model_dir"]),
+        policy_dir=Path(job["policy_dir"]),
+    )
+    config = LearnerConfig(
+        batch_size=BATCH, estimator=job["estimator"], checkpoint_every=2, poll_s=0.02, keep_versions=3
+    )
+    learner = Learner(settings, config)
+    stop = threading.Event()
+
+    def watch() -> None:
+        engine = make_engine(job["db"])
+        while not stop.wait(0.05):
+            if learner.sao is not None and caught_up(engine):
+                stop.set()
+
+    threading.Thread(target=watch, daemon=True).start()
+    learner.run(stop)
+
+
+def fork_server() -> None:
+    """Import the learner's dependencies once, then fork one child per job line on stdin.
+
+    Each child's exit status is written back as one JSON line ``{"rc": status}``.
+    """
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+
+    import learner.critic  # noqa: F401
+    import learner.sao  # noqa: F401
+    import learner.spo  # noqa: F401
+
+    for line in sys.stdin:
+        job = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                _child(job)
+            except BaseException:
+                traceback.print_exc()
+                code = 1
+            sys.stderr.flush()
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        print(json.dumps({"rc": os.waitstatus_to_exitcode(status)}), flush=True)
+
+
+class Lives:
+    """Drives the fork server: ``run(fault)`` starts one learner life and returns its status."""
+
+    def __init__(self, job: dict):
+        self.job = job
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", "from tests.test_learner_faults import fork_server; fork_server()"],
+            cwd=ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=os.environ | {"SAOSERVE_FAULT_POINT": ""},
+        )
+
+    def run(self, fault: str | None) -> int:
+        self.proc.stdin.write(json.dumps(self.job | {"fault": fault}) + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())["rc"]
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+# ------------------------------------------------------------------------------------ audit
+def audit(engine, log, policy_dir: Path, fed: list[str]) -> dict:
+    """Everything the database, log and disk must say after the last life; returns figures."""
+    with engine.connect() as conn:
+        versions = conn.execute(
+            select(*PolicyVersion.__table__.columns).order_by(PolicyVersion.version)
+        ).all()
+        steps = conn.execute(
+            select(LearnerStep.version, LearnerStep.metrics).order_by(LearnerStep.version)
+        ).all()
+        pending = conn.execute(select(PendingJoin.key, PendingJoin.kind)).all()
+        waiting = conn.execute(select(func.count()).select_from(LearnerSample)).scalar_one()
+    top = versions[-1].version
+    # No version gap, parent chain consistent, every version published.
+    assert [v.version for v in versions] == list(range(top + 1))
+    assert [v.parent_version for v in versions] == [None, *range(top)]
+    assert {v.status for v in versions} == {"published"}
+    # Every feedback joined once and every sample trained exactly once, in exactly one version.
+    assert waiting == 0
+    assert {k for k, kind in pending if kind == "joined"} >= set(fed)
+    assert [k for k, kind in pending if kind != "joined"] == []
+    assert [s.version for s in steps] == list(range(1, top + 1))
+    trained = Counter(i for _, m in steps for i in m["sample_ids"])
+    assert set(trained) == set(fed) and set(trained.values()) == {1}
+    assert top == len(fed) // BATCH
+    # Every version announced; the events carry the committed checksums.
+    events = {}
+    for e in read_topic(log, TOPIC_POLICY):
+        event = json.loads(e.value)
+        events.setdefault(event["version"], set()).add(event["sha256"])
+    assert sorted(events) == list(range(1, top + 1))
+    assert all(events[v.version] == {v.sha256} for v in versions[1:])
+    # Disk: no directory above the committed version, kept ones match their rows, the
+    # checkpoint is not ahead of the database.
+    from saoserve.model import weights_sha256
+
+    on_disk = sorted(int(d.name[1:]) for d in policy_dir.glob("v[0-9]*"))
+    assert on_disk and on_disk[-1] == top and all(d.name[1:].isdigit() for d in policy_dir.glob("v*"))
+    for v in on_disk:
+        assert weights_sha256(policy_dir / f"v{v:06d}") == versions[v].sha256
+    assert torch.load(policy_dir / CHECKPOINT_FILE, weights_only=False)["version"] <= top
+    return {"versions": top, "samples": len(fed)}
+
+
+def run_harness(tmp_path: Path, db_url: str, estimator: str, kills: int) -> dict:
+    migrate(db_url)
+    model_dir = tiny_model_dir(tmp_path / "model")
+    policy_dir = tmp_path / "policies"
+    job = dict(
+        home=str(tmp_path),
+        db=db_url,
+        model_dir=str(model_dir),
+        policy_dir=str(policy_dir),
+        estimator=estimator,
+    )
+    log = open_log(db_url)
+    engine = make_engine(db_url)
+    fed: list[str] = []
+    outcomes: Counter = Counter()
+    lives = Lives(job)
+    try:
+        for i in range(kills):
+            point = POINTS[i % len(POINTS)]
+            # 4 new samples = 2 steps of work: the step points are passed at least twice.
+            n = (
+                1 + (i // len(POINTS)) % 2
+                if point not in ("after_read", "after_join_commit", "after_checkpoint")
+                else 1
+            )
+            fed += feed(log, 4, len(fed), duplicate_feedback=i % 5 == 0)
+            rc = lives.run(f"{point}:{n}")
+            assert rc == EXIT_CODE, f"life {i} ({point}:{n}) ended with {rc}, not at its fault point"
+            outcomes[point] += 1
+        assert lives.run(None) == 0
+    finally:
+        lives.close()
+    figures = audit(engine, log, policy_dir, fed)
+    engine.dispose()
+    log.close()
+    return figures | {"kills": dict(outcomes)}
+
+
+KILLS = int(os.environ.get("SAOSERVE_FAULT_KILLS", "70"))
+
+
+@pytest.mark.slow
+def test_kill_at_every_point_sqlite_sao(tmp_path):
+    figures = run_harness(tmp_path, f"sqlite:///{tmp_path / 'db.sqlite'}", "sao", KILLS)
+    assert sum(figures["kills"].values()) == KILLS and set(figures["kills"]) == set(POINTS)
+    print(figures)
+
+
+@pytest.mark.slow
+def test_kill_at_every_point_postgres_spo(tmp_path, pg_url):
+    figures = run_harness(tmp_path, pg_url, "spo", KILLS)
+    assert sum(figures["kills"].values()) == KILLS and set(figures["kills"]) == set(POINTS)
+    print(figures)
+
+
+# ------------------------------------------------------------------------- in-process tests
+def in_process(tmp_path: Path, db_url: str, **config) -> Learner:
+    from core.settings import Settings
+
+    migrate(db_url)
+    settings = Settings(
+        home=tmp_path,
+        database_url=db_url,
+        model_dir=tiny_model_dir(tmp_path / "model"),
+        policy_dir=tmp_path / "policies",
+    )
+    learner = Learner(settings, LearnerConfig(batch_size=BATCH, poll_s=0.01, **config))
+    learner.load()
+    return learner
+
+
+def committed_weights(learner: Learner, version: int) -> dict[str, torch.Tensor]:
+    with learner.db.connect() as conn:
+        path = conn.execute(select(PolicyVersion.path).where(PolicyVersion.version == version)).scalar_one()
+    return load_file(Path(path) / WEIGHTS_FILE)
+
+
+def assert_policy_is(learner: Learner, weights: dict[str, torch.Tensor]) -> None:
+    state = learner.sao.policy.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in weights.items())
+
+
+def trained_ids(learner: Learner) -> Counter:
+    with learner.db.connect() as conn:
+        return Counter(
+            i for m in conn.execute(select(LearnerStep.metrics)).scalars() for i in m["sample_ids"]
+        )
+
+
+def test_fault_point_spec_is_checked():
+    assert parse("after_commit:3") == ("after_commit", 3) and parse("during_step") == ("during_step", 1)
+    assert parse("") is None and parse(None) is None
+    for bad in ("after_lunch:1", "after_commit:0", "after_commit:x"):
+        with pytest.raises(ValueError):
+            parse(bad)
+
+
+def test_storable_replaces_non_finite_numbers_with_null():
+    metrics = {
+        "a": math.nan,
+        "b": math.inf,
+        "c": -math.inf,
+        "d": 1.5,
+        "e": 3,
+        "h": {"0": math.nan},
+        "l": [1.0, math.inf],
+    }
+    assert storable(metrics) == {
+        "a": None,
+        "b": None,
+        "c": None,
+        "d": 1.5,
+        "e": 3,
+        "h": {"0": None},
+        "l": [1.0, None],
+    }
+
+
+def test_failed_commit_reloads_the_committed_state(tmp_path, monkeypatch):
+    learner = in_process(tmp_path, f"sqlite:///{tmp_path / 'db.sqlite'}", checkpoint_every=1)
+    log = open_log(learner.settings.resolved_database_url)
+    fed = feed(log, 4, 0)
+    learner.poll_once()
+    assert learner.train_step() is not None and learner.version == 1
+    real = learner._commit_version
+
+    def refuse(*args, **kwargs):
+        monkeypatch.setattr(learner, "_commit_version", real)
+        raise RuntimeError("the database refused the commit")
+
+    monkeypatch.setattr(learner, "_commit_version", refuse)
+    with pytest.raises(RuntimeError, match="refused"):
+        learner.train_step()
+    # The step was applied in memory and v000002 written, but nothing committed: the models are
+    # dropped, the samples still wait.
+    assert learner.sao is None and learner.waiting_samples() == 2
+    assert (tmp_path / "policies" / "v000002").is_dir()
+    learner.load()
+    assert learner.version == 1 and not (tmp_path / "policies" / "v000002").exists()
+    assert_policy_is(learner, committed_weights(learner, 1))
+    assert learner.train_step() is not None and learner.version == 2
+    assert trained_ids(learner) == Counter(fed)
+
+
+def test_checkpoint_and_directory_ahead_of_the_database_are_ignored(tmp_path):
+    learner = in_process(tmp_path, f"sqlite:///{tmp_path / 'db.sqlite'}", checkpoint_every=1)
+    feed(open_log(learner.settings.resolved_database_url), 2, 0)
+    learner.poll_once()
+    learner.train_step()
+    # What the old order left after a kill before the commit: checkpoint and directory of v2.
+    ahead = {"version": 2, "learner": learner.sao.state_dict() | {"step": 99}, "config": {}}
+    torch.save(ahead, tmp_path / "policies" / CHECKPOINT_FILE)
+    (tmp_path / "policies" / "v000002").mkdir()
+    restarted = Learner(learner.settings, learner.config)
+    restarted.load()
+    assert restarted.version == 1 and restarted.sao.steps == 0
+    assert not (tmp_path / "policies" / "v000002").exists()
+    assert_policy_is(restarted, committed_weights(restarted, 1))
+
+
+def test_pause_joins_without_training_and_resume_trains(tmp_path):
+    learner = in_process(tmp_path, f"sqlite:///{tmp_path / 'db.sqlite'}")
+    set_flag(learner.db, PAUSED, "1")
+    feed(open_log(learner.settings.resolved_database_url), 4, 0)
+    stop = threading.Event()
+    thread = threading.Thread(target=learner.run, args=(stop,))
+    thread.start()
+    try:
+        assert wait_for(lambda: learner.waiting_samples() == 4)
+        assert learner._latest_version().version == 0
+        set_flag(learner.db, PAUSED, None)
+        assert wait_for(lambda: learner._latest_version().version == 2)
+    finally:
+        stop.set()
+        thread.join(60)
+    assert learner.waiting_samples() == 0
+
+
+def wait_for(condition, timeout_s: float = 120.0) -> bool:
+    """Poll ``condition`` until true (True) or ``timeout_s`` passes (False); a guard, not a timing."""
+    stop = threading.Event()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        stop.wait(0.05)
+    return False
+
+
+def test_rollback_publishes_the_old_weights_as_a_new_version(tmp_path):
+    learner = in_process(tmp_path, f"sqlite:///{tmp_path / 'db.sqlite'}")
+    feed(open_log(learner.settings.resolved_database_url), 4, 0)
+    learner.poll_once()
+    learner.train_step()
+    learner.train_step()
+    set_flag(learner.db, ROLLBACK_TO, "1")
+    assert learner.rollback(1) == 3
+    with learner.db.connect() as conn:
+        row = conn.execute(select(*PolicyVersion.__table__.columns).where(PolicyVersion.version == 3)).one()
+    assert row.parent_version == 1 and row.metrics == {"rollback_to": 1} and row.status == "published"
+    assert get_flag(learner.db, ROLLBACK_TO) is None and learner.sao.policy_opt.state == {}
+    v1 = committed_weights(learner, 1)
+    assert all(torch.equal(committed_weights(learner, 3)[k], v) for k, v in v1.items())
+    assert_policy_is(learner, v1)
+
+
+def test_rollback_to_an_unknown_version_is_refused_and_cleared(tmp_path):
+    learner = in_process(tmp_path, f"sqlite:///{tmp_path / 'db.sqlite'}")
+    set_flag(learner.db, ROLLBACK_TO, "7")
+    assert learner.rollback(7) is None
+    assert get_flag(learner.db, ROLLBACK_TO) is None and learner.version == 0
+    with learner.db.connect() as conn:
+        refused = conn.execute(
+            select(LearnerCounter.value).where(LearnerCounter.name == "rollback_refused")
+        ).scalar()
+    assert refused == 1
+
+
+def test_non_finite_metrics_are_stored_as_null_on_postgres(tmp_path, pg_url, monkeypatch):
+    learner = in_process(tmp_path, pg_url)
+    feed(open_log(pg_url), 2, 0)
+    learner.poll_once()
+    step = learner.sao.step
+
+    def poisoned(*args):
+        return step(*args) | {"approx_kl": math.nan, "tokens_per_s": math.inf, "by": {"1": -math.inf}}
+
+    monkeypatch.setattr(learner.sao, "step", poisoned)
+    assert learner.train_step() is not None
+    with learner.db.connect() as conn:
+        version = conn.execute(select(PolicyVersion.metrics).where(PolicyVersion.version == 1)).scalar_one()
+        metrics = conn.execute(select(LearnerStep.metrics)).scalar_one()
+    assert version["approx_kl"] is None and version["tokens_per_s"] is None
+    assert metrics["approx_kl"] is None and metrics["by"] == {"1": None}
+    assert metrics["sample_ids"] == ["t00000", "t00001"]

@@ -70,10 +70,20 @@ class EdgeModel(BaseModel):
 
     text_fields: ClassVar[frozenset[str]] = frozenset()
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _raw_string(cls, v: Any, info: ValidationInfo) -> Any:
+        # Before the type's own checks: a length-bounded string with a lone surrogate would
+        # otherwise fail there with a less clear message.
+        if isinstance(v, str):
+            check_strings(v, nul_allowed=info.field_name in cls.text_fields)
+        return v
+
     @field_validator("*", mode="after")
     @classmethod
     def _strings_at_the_edge(cls, v: Any, info: ValidationInfo) -> Any:
-        check_strings(v, nul_allowed=info.field_name in cls.text_fields)
+        if not isinstance(v, str):
+            check_strings(v, nul_allowed=info.field_name in cls.text_fields)
         return v
 
 

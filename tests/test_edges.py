@@ -1,0 +1,551 @@
+"""Every request field checked at the edge, episode ownership, and feedback only on whole answers
+(issue 12 items 1 and 4, issue 13 items 2, 4, 5 and 7; DESIGN §8).
+
+Pure tier: the schemas, the app's validation and body-size edge with a small fake state (no
+engine: a request refused there never reaches it), the store on SQLite and PostgreSQL. Engine
+tier: the same inputs through the real server, and nothing logged for any of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from types import SimpleNamespace
+
+import httpx
+import pytest
+from pydantic import ValidationError
+
+from core.db import make_engine, migrate
+from core.logbus import open_log
+from core.records import SamplingRecord, TrajectoryRecord, feedback_token, utcnow
+from server.limits import BodySizeLimit, max_body_bytes, max_message_chars
+from server.metrics import ServerMetrics
+from server.schemas import ChatCompletionRequest, FeedbackRequest, LoadPolicyRequest, RollbackRequest
+from server.state import episode_token_subject
+from server.store import ServerStore
+from tests.conftest import ADMIN, make_settings, running_server
+from tests.logutil import read_topic
+
+USER = [{"role": "user", "content": "Write one sentence about the sea."}]
+
+
+def refusal(cls, body: dict) -> tuple[tuple, str]:
+    """(location, error type) of the first error ``cls`` raises for ``body``."""
+    with pytest.raises(ValidationError) as info:
+        cls.model_validate(body)
+    err = info.value.errors()[0]
+    return err["loc"], err["type"]
+
+
+# --- the schemas ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("body", "loc"),
+    [
+        ({"messages": USER, "stop": ["\ud83d"]}, ("stop",)),
+        ({"messages": USER, "stop": "\ud83d"}, ("stop",)),
+        ({"messages": [{"role": "user", "content": "hi \ud83d"}]}, ("messages", 0, "content")),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "\udc00"}]}]},
+            ("messages", 0, "content"),
+        ),
+        ({"messages": [{"role": "user", "content": "hi", "name": "\ud800"}]}, ("messages", 0, "name")),
+        ({"messages": USER, "user": "\ud800"}, ("user",)),
+        ({"messages": USER, "model": "\ud800"}, ("model",)),
+        ({"messages": USER, "stream_options": {"\ud800": True}}, ("stream_options",)),
+        ({"messages": USER, "stream_options": {"x": ["\ud800"]}}, ("stream_options",)),
+    ],
+)
+def test_lone_surrogates_are_refused_in_every_chat_string(body, loc):
+    assert refusal(ChatCompletionRequest, body) == (loc, "invalid_value")
+
+
+@pytest.mark.parametrize("field", ["prompt_id", "episode_id", "user", "model", "episode_token"])
+def test_nul_is_refused_where_a_string_is_stored_or_an_id(field):
+    body = {"messages": USER, "episode_id": "ep", field: "a\x00b"}  # episode_token needs an episode
+    assert refusal(ChatCompletionRequest, body) == ((field,), "invalid_value")
+
+
+def test_nul_in_message_content_and_stop_is_text_for_the_model():
+    """Content and stop strings are tokenised, never stored as text (the log holds token ids),
+    and NUL is a character a prompt may hold: accepted."""
+    req = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "a\x00b"}], "stop": ["\x00"]}
+    )
+    assert req.messages[0].text() == "a\x00b" and req.stop == ["\x00"]
+
+
+@pytest.mark.parametrize(
+    ("cls", "body", "loc"),
+    [
+        (FeedbackRequest, {"id": "c\x00", "feedback_token": "t", "reward": 1}, ("id",)),
+        (FeedbackRequest, {"episode_id": "e\x00", "feedback_token": "t", "reward": 1}, ("episode_id",)),
+        (FeedbackRequest, {"id": "c", "feedback_token": "t\x00", "reward": 1}, ("feedback_token",)),
+        (LoadPolicyRequest, {"version": 1, "path": "/v\x00", "sha256": "0" * 64}, ("path",)),
+    ],
+)
+def test_nul_in_feedback_and_admin_bodies(cls, body, loc):
+    assert refusal(cls, body) == (loc, "invalid_value")
+
+
+@pytest.mark.parametrize(
+    ("cls", "body", "loc"),
+    [
+        (ChatCompletionRequest, {"messages": USER, "top_k": 10**30}, ("top_k",)),
+        (ChatCompletionRequest, {"messages": USER, "turn": 2**63}, ("turn",)),
+        (ChatCompletionRequest, {"messages": USER, "turn": 2**31}, ("turn",)),  # INTEGER column: < 2^31
+        (ChatCompletionRequest, {"messages": USER, "max_tokens": 2**31}, ("max_tokens",)),
+        (
+            ChatCompletionRequest,
+            {"messages": USER, "max_completion_tokens": 2**31},
+            ("max_completion_tokens",),
+        ),
+        (ChatCompletionRequest, {"messages": USER, "top_logprobs": 21}, ("top_logprobs",)),
+        (ChatCompletionRequest, {"messages": USER, "seed": 2**63}, ("seed",)),
+        (ChatCompletionRequest, {"messages": USER, "stop": ["s"] * 17}, ("stop",)),
+        (LoadPolicyRequest, {"version": 2**63, "path": "/v", "sha256": "0" * 64}, ("version",)),
+        (RollbackRequest, {"version": 2**31}, ("version",)),
+    ],
+)
+def test_integers_and_lists_are_bounded(cls, body, loc):
+    assert refusal(cls, body)[0] == loc
+
+
+def test_the_largest_values_in_bounds_are_accepted():
+    req = ChatCompletionRequest.model_validate(
+        {"messages": USER, "top_k": 2**31 - 1, "turn": 2**31 - 1, "seed": 2**63 - 1, "top_logprobs": 20}
+    )
+    assert (req.top_k, req.turn, req.seed) == (2**31 - 1, 2**31 - 1, 2**63 - 1)
+
+
+def test_episode_token_needs_an_episode():
+    assert refusal(ChatCompletionRequest, {"messages": USER, "episode_token": "t"}) == ((), "value_error")
+
+
+# --- the app's edge, without an engine -------------------------------------------------------
+
+
+def edge_app(tmp_path):
+    """The real app with a fake state (settings and metrics only): bodies the edge refuses never
+    reach the engine, the log or the database, so nothing else is needed."""
+    from server.app import create_app
+
+    settings = make_settings(tmp_path)
+    app = create_app(settings, engine=SimpleNamespace(), watch_policy=False)
+    app.state.s = SimpleNamespace(settings=settings, metrics=ServerMetrics())
+    return app
+
+
+async def post_raw(app, path: str, body: bytes, headers: dict | None = None) -> httpx.Response:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+        return await http.post(
+            path, content=body, headers={"content-type": "application/json", **(headers or {})}
+        )
+
+
+def chat_json(**extra) -> bytes:
+    # ensure_ascii escapes a lone surrogate as \ud83d, exactly what a JSON client sends.
+    return json.dumps({"messages": USER, **extra}).encode()
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (chat_json(stop=["\ud83d"]), "stop"),
+        (chat_json(messages=[{"role": "user", "content": "\ud83d"}]), "messages.0.content"),
+        (chat_json(prompt_id="p\x00"), "prompt_id"),
+        (chat_json(episode_id="e\x00"), "episode_id"),
+        (chat_json(top_k=10**30), "top_k"),
+        (chat_json(turn=2**63), "turn"),
+        (chat_json(**{"stream_options": {"\ud800": 1}}), "stream_options"),
+        (chat_json(logit_bias={"\ud800": 1}), "logit_bias"),
+    ],
+)
+async def test_chat_edge_answers_400_invalid_value_naming_the_field(tmp_path, body, param):
+    app = edge_app(tmp_path)
+    r = await post_raw(app, "/v1/chat/completions", body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["param"], err["code"], err["type"]) == (param, "invalid_value", "invalid_request_error")
+    assert (
+        app.state.s.metrics.registry.get_sample_value(
+            "saoserve_requests_failed_before_generation_total", {"reason": "invalid_request"}
+        )
+        == 1.0
+    )
+
+
+async def test_a_field_name_with_a_surrogate_is_a_clear_422(tmp_path):
+    """A field name that is not UTF-8 is refused as such (pydantic checks the keys), not a 500."""
+    r = await post_raw(
+        edge_app(tmp_path),
+        "/v1/feedback",
+        json.dumps({"id": "c", "feedback_token": "t", "reward": 1, "\ud800": 1}).encode(),
+    )
+    err = r.json()["error"]
+    assert (r.status_code, err["code"]) == (422, "invalid_value") and "unicode" in err["message"]
+
+
+async def test_admin_bodies_and_parameters_are_bounded(tmp_path):
+    app = edge_app(tmp_path)
+    r = await post_raw(
+        app,
+        "/admin/load_policy",
+        json.dumps({"version": 2**63, "path": "/v", "sha256": "0" * 64}).encode(),
+        ADMIN,
+    )
+    assert (r.status_code, r.json()["error"]["param"]) == (400, "version")
+    r = await post_raw(
+        app,
+        "/admin/load_policy",
+        json.dumps({"version": 1, "path": "/v\x00", "sha256": "0" * 64}).encode(),
+        ADMIN,
+    )
+    assert (r.status_code, r.json()["error"]["param"]) == (400, "path")
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+        r = await http.get("/admin/learner", params={"limit": 10**30}, headers=ADMIN)
+        assert (r.status_code, r.json()["error"]["param"]) == (400, "query.limit")
+        r = await http.get("/admin/evidence", params={"top": 0}, headers=ADMIN)
+        assert (r.status_code, r.json()["error"]["param"]) == (400, "query.top")
+        r = await http.get("/admin/trajectories/a%00b", headers=ADMIN)
+        assert (r.status_code, r.json()["error"]["param"]) == (400, "path.trajectory_id")
+
+
+def test_body_limit_is_the_context_bound():
+    # 2048 tokens × 128 bytes a token × 6 JSON bytes a byte + 64 KiB = 1,572,864 + 65,536.
+    assert max_body_bytes(2048) == 1_638_400
+    assert max_message_chars(2048) == 262_144
+
+
+async def test_a_10_mb_message_is_413_before_the_route(tmp_path):
+    app = edge_app(tmp_path)
+    body = chat_json(messages=[{"role": "user", "content": "x" * 10_000_000}])
+    r = await post_raw(app, "/v1/chat/completions", body)
+    assert r.status_code == 413
+    assert r.json()["error"]["code"] == "request_too_large"
+    # The route never ran: not even the validation counter moved.
+    assert (
+        app.state.s.metrics.registry.get_sample_value(
+            "saoserve_requests_failed_before_generation_total", {"reason": "invalid_request"}
+        )
+        is None
+    )
+
+
+async def test_a_chunked_body_is_cut_at_the_limit():
+    """Without Content-Length, the middleware stops reading once the body passes the limit."""
+    reached, reads, sent = [], [], []
+
+    async def inner(scope, receive, send):
+        reached.append(await receive())
+
+    async def receive():
+        reads.append(1)
+        return {"type": "http.request", "body": b"x" * 400, "more_body": True}
+
+    async def send(msg):
+        sent.append(msg)
+
+    scope = {"type": "http", "method": "POST", "headers": []}
+    await BodySizeLimit(inner, max_bytes=1000)(scope, receive, send)
+    # 400 + 400 = 800 <= 1000; the third chunk makes 1200 > 1000: three reads, then 413.
+    assert (len(reads), reached, sent[0]["status"]) == (3, [], 413)
+    small = []
+
+    async def one_chunk():
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    async def keep(scope, receive, send):
+        small.append(await receive())
+
+    await BodySizeLimit(keep, max_bytes=1000)(scope, one_chunk, send)
+    assert small == [{"type": "http.request", "body": b"{}", "more_body": False}]
+
+
+def test_openapi_says_what_the_server_answers(tmp_path):
+    spec = edge_app(tmp_path).openapi()
+    err_ref = {"$ref": "#/components/schemas/ErrorResponse"}
+
+    def schema(path, method, status):
+        return spec["paths"][path][method]["responses"][status]["content"]["application/json"]["schema"]
+
+    chat = spec["paths"]["/v1/chat/completions"]["post"]["responses"]
+    assert "422" not in chat and {"400", "403", "404", "409", "413", "503"} <= set(chat)
+    assert schema("/v1/chat/completions", "post", "400") == err_ref
+    assert schema("/v1/feedback", "post", "422") == err_ref
+    assert {"403", "404", "409"} <= set(spec["paths"]["/v1/feedback"]["post"]["responses"])
+    assert schema("/admin/load_policy", "post", "401") == err_ref
+    assert "text/plain" in spec["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+    fb = spec["components"]["schemas"]["FeedbackRequest"]
+    assert [[b["required"] for b in rule["oneOf"]] for rule in fb["allOf"]] == [
+        [["id"], ["episode_id"]],
+        [["reward"], ["thumbs"]],
+    ]
+    chat_schema = spec["components"]["schemas"]["ChatCompletionRequest"]
+    assert chat_schema["properties"]["messages"]["contains"]["properties"]["role"] == {"const": "user"}
+    assert "episode_token" in chat_schema["properties"]
+
+
+# --- the store: episode starts and turns in flight ------------------------------------------
+
+
+def record(rid: str, episode_id: str | None, finish: str) -> TrajectoryRecord:
+    return TrajectoryRecord(
+        id=rid,
+        prompt_id="p-1",
+        episode_id=episode_id,
+        turn=0,
+        created_at=utcnow(),
+        model="m",
+        prompt_token_ids=[1, 2],
+        response_token_ids=[3],
+        rollout_logprobs=[-0.5],
+        token_versions=[(0, 1)],
+        dispatch_version=0,
+        sampling=SamplingRecord(temperature=1.0, top_p=1.0, top_k=0, max_tokens=8, seed=None),
+        finish_reason=finish,
+    )
+
+
+def sqlite_store(tmp_path) -> ServerStore:
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    migrate(url)
+    return ServerStore(make_engine(url))
+
+
+def test_episode_starts_once_and_later_turns_need_its_token(tmp_path):
+    store = sqlite_store(tmp_path)
+    assert store.start_episode_turn("ep", "c-0", token_ok=False) == "ok"
+    assert store.start_episode_turn("ep", "c-x", token_ok=False) == "not_yours"
+    assert store.start_episode_turn("ep", "c-1", token_ok=True) == "ok"
+    # Two turns dispatched, none indexed: both in flight (the refused one left no row).
+    assert store.episode_state("ep").turns_in_flight == 2
+    store.index_trajectory(record("c-0", "ep", "stop"), 0, 0)
+    store.index_trajectory(record("c-1", "ep", "abort"), 0, 1)
+    st = store.episode_state("ep")
+    assert (st.prompt_id, st.not_whole_turns, st.turns_in_flight) == ("p-1", 1, 0)
+    assert store.find_trajectory("c-1").finish_reason == "abort"
+    # Once the episode's feedback is claimed, it takes no more turns.
+    assert store.claim("e:ep")
+    assert store.start_episode_turn("ep", "c-2", token_ok=True) == "rated"
+    assert store.episode_state("ep").turns_in_flight == 0
+
+
+@pytest.mark.postgres
+def test_two_racing_first_turns_one_wins_postgres(pg_url):
+    migrate(pg_url)
+    store = ServerStore(make_engine(pg_url))
+    for round_ in range(5):
+        barrier, results = threading.Barrier(8), []
+
+        def first_turn(ep: str, cid: str, barrier: threading.Barrier, results: list) -> None:
+            barrier.wait()
+            results.append(store.start_episode_turn(ep, cid, token_ok=False))
+
+        threads = [
+            threading.Thread(target=first_turn, args=(f"race-{round_}", f"c-{round_}-{i}", barrier, results))
+            for i in range(8)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sorted(results) == ["not_yours"] * 7 + ["ok"]
+    store.engine.dispose()
+
+
+# --- through the real server ----------------------------------------------------------------
+
+engine_tier = pytest.mark.engine
+
+
+@pytest.fixture
+async def server(policy_engine, tmp_path):
+    settings = make_settings(tmp_path)
+    async with running_server(settings, policy_engine) as url:
+        yield url, settings
+
+
+def logged(settings) -> list[TrajectoryRecord]:
+    log = open_log(settings.resolved_log_url)
+    try:
+        return [TrajectoryRecord.model_validate_json(e.value) for e in read_topic(log, "trajectories")]
+    finally:
+        log.close()
+
+
+async def raw_chat(http: httpx.AsyncClient, **extra) -> httpx.Response:
+    return await http.post(
+        "/v1/chat/completions", content=chat_json(**extra), headers={"content-type": "application/json"}
+    )
+
+
+@engine_tier
+async def test_unencodable_and_unbounded_inputs_are_400_and_nothing_is_logged(server):
+    url, settings = server
+    async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+        for extra, param in [
+            ({"stop": ["\ud83d"]}, "stop"),
+            ({"stop": ["\ud83d"], "stream": True}, "stop"),
+            ({"messages": [{"role": "user", "content": "\ud83d"}]}, "messages.0.content"),
+            ({"top_k": 10**30}, "top_k"),
+            ({"turn": 2**63, "episode_id": "ep-big"}, "turn"),
+        ]:
+            r = await raw_chat(http, max_tokens=4, **extra)
+            assert (r.status_code, r.json()["error"]["param"], r.json()["error"]["code"]) == (
+                400,
+                param,
+                "invalid_value",
+            ), extra
+        # Over the character bound (2048 × 128 = 262,144), under the body limit: refused by its
+        # length, before tokenising (the message counts characters, not tokens).
+        r = await raw_chat(http, messages=[{"role": "user", "content": "x" * 262_145}])
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+        assert "262145 characters" in r.json()["error"]["message"]
+        r = await raw_chat(http, messages=[{"role": "user", "content": "x" * 10_000_000}])
+        assert r.status_code == 413
+        # A top_k over the vocabulary (49,152 tokens) leaves top-k off: served, recorded as 0.
+        r = await raw_chat(http, max_tokens=2, top_k=100_000)
+        assert r.status_code == 200, r.text
+        r = await http.post(
+            "/admin/load_policy", json={"version": 2**63, "path": "/v", "sha256": "0" * 64}, headers=ADMIN
+        )
+        assert (r.status_code, r.json()["error"]["param"]) == (400, "version")
+        r = await raw_chat(http, max_tokens=2)
+        assert r.status_code == 200 and r.json()["policy_version"] == 0
+    recs = logged(settings)
+    assert [rec.sampling.top_k for rec in recs] == [0, 0]
+
+
+@engine_tier
+@pytest.mark.postgres
+async def test_nul_in_ids_on_postgres_is_400_and_leaves_nothing(policy_engine, tmp_path, pg_url):
+    settings = make_settings(tmp_path, database_url=pg_url)
+    async with running_server(settings, policy_engine) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+            for field in ("prompt_id", "episode_id"):
+                r = await raw_chat(http, max_tokens=2, **{field: "a\x00b"})
+                assert (r.status_code, r.json()["error"]["param"]) == (400, field)
+            r = await http.post("/v1/feedback", json={"id": "c\x00", "feedback_token": "t", "reward": 1})
+            assert (r.status_code, r.json()["error"]["param"]) == (422, "id")
+    assert logged(settings) == []
+    from sqlalchemy import func, select
+
+    from core.db import Episode, TrajectoryIndex
+
+    eng = make_engine(pg_url)
+    with eng.connect() as conn:
+        counts = [
+            conn.execute(select(func.count()).select_from(t)).scalar_one() for t in (TrajectoryIndex, Episode)
+        ]
+    eng.dispose()
+    assert counts == [0, 0]
+
+
+@engine_tier
+async def test_an_episode_is_extended_and_rated_only_by_who_started_it(server):
+    url, settings = server
+    async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+        r0 = await raw_chat(http, max_tokens=3, episode_id="ep-h", turn=0)
+        assert r0.status_code == 200
+        owner = r0.json()["episode_feedback_token"]
+        assert owner == feedback_token(settings.feedback_secret, episode_token_subject("ep-h"))
+        # Someone else's chat on that episode: 403 before anything is generated, no token leaked.
+        r = await raw_chat(http, max_tokens=3, episode_id="ep-h", turn=1)
+        assert r.status_code == 403 and r.json()["error"]["code"] == "episode_not_yours"
+        other = await raw_chat(http, max_tokens=3, episode_id="ep-mine", turn=0)
+        wrong = other.json()["episode_feedback_token"]
+        r = await raw_chat(http, max_tokens=3, episode_id="ep-h", turn=1, episode_token=wrong)
+        assert (r.status_code, r.json()["error"]["param"]) == (403, "episode_token")
+        # ... nor rate it with any token of theirs.
+        for tok in (wrong, other.json()["feedback_token"]):
+            r = await http.post(
+                "/v1/feedback", json={"episode_id": "ep-h", "feedback_token": tok, "reward": 1}
+            )
+            assert r.status_code == 403
+        # The owner extends it with its token, and rates it; a rated episode takes no more turns.
+        r = await raw_chat(http, max_tokens=3, episode_id="ep-h", turn=1, episode_token=owner)
+        assert r.status_code == 200
+        r = await http.post("/v1/feedback", json={"episode_id": "ep-h", "feedback_token": owner, "reward": 1})
+        assert r.status_code == 202
+        r = await raw_chat(http, max_tokens=3, episode_id="ep-h", turn=2, episode_token=owner)
+        assert (r.status_code, r.json()["error"]["code"]) == (409, "episode_rated")
+    # Logged: ep-h turns 0 and 1, ep-mine turn 0; nothing of the refused requests.
+    assert sorted((rec.episode_id, rec.turn) for rec in logged(settings)) == [
+        ("ep-h", 0),
+        ("ep-h", 1),
+        ("ep-mine", 0),
+    ]
+
+
+async def stream_and_drop(http: httpx.AsyncClient, **extra) -> str:
+    """Stream a long answer and close the connection after three content chunks; its id."""
+    body = {"messages": USER, "max_tokens": 200, "stream": True, **extra}
+    n, cid = 0, None
+    async with http.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                cid = chunk["id"]
+                n += bool(chunk["choices"] and chunk["choices"][0]["delta"].get("content"))
+                if n >= 3:
+                    break
+    return cid
+
+
+async def until_not_404(post) -> httpx.Response:
+    """The aborted record is indexed by a background task: until then, feedback is 404."""
+    for _ in range(300):
+        r = await post()
+        if r.status_code != 404:
+            return r
+        await asyncio.sleep(0.1)
+    raise AssertionError("the aborted record was never indexed")
+
+
+@engine_tier
+async def test_feedback_on_an_aborted_answer_is_409(server):
+    url, settings = server
+    async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+        cid = await stream_and_drop(http)
+        tok = feedback_token(settings.feedback_secret, cid)
+        r = await until_not_404(
+            lambda: http.post("/v1/feedback", json={"id": cid, "feedback_token": tok, "reward": 1})
+        )
+        assert (r.status_code, r.json()["error"]["code"]) == (409, "not_a_whole_answer")
+        text = (await http.get("/metrics")).text
+    assert 'saoserve_feedback_total{result="not_whole"} 1.0' in text
+    [rec] = logged(settings)
+    assert rec.id == cid and rec.finish_reason == "abort"
+    # Nothing reached the feedback topic.
+    log = open_log(settings.resolved_log_url)
+    assert read_topic(log, "feedback") == []
+    log.close()
+
+
+@engine_tier
+async def test_episode_with_an_aborted_turn_is_409(server):
+    url, settings = server
+    async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+        r0 = await raw_chat(http, max_tokens=3, episode_id="ep-a", turn=0)
+        tok = r0.json()["episode_feedback_token"]
+        await stream_and_drop(http, episode_id="ep-a", turn=1, episode_token=tok)
+        fb = {"episode_id": "ep-a", "feedback_token": tok, "reward": 1}
+        # While the aborted turn is being recorded the episode is in progress; after, it holds a
+        # turn that is not a whole answer. Either way: 409, and never accepted.
+        codes = set()
+        for _ in range(300):
+            r = await http.post("/v1/feedback", json=fb)
+            assert r.status_code == 409, r.text
+            codes.add(r.json()["error"]["code"])
+            if r.json()["error"]["code"] == "not_a_whole_answer":
+                break
+            await asyncio.sleep(0.1)
+        assert "not_a_whole_answer" in codes and codes <= {"episode_in_progress", "not_a_whole_answer"}
+    log = open_log(settings.resolved_log_url)
+    assert read_topic(log, "feedback") == []
+    log.close()

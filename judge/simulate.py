@@ -386,9 +386,18 @@ class Simulation:
             self._feedback_posted += 1
 
     async def _admit(self) -> None:
-        """Hold a new request while the backlog cap is reached (time counted in ``held_s``)."""
+        """Hold a new request while the backlog cap is reached (time counted in ``held_s``).
+
+        Not once the schedule's last version is served: the learner trains no further, and the
+        run still needs a batch of that version's answers to end.
+        """
         cap = self.config.max_backlog
-        while cap is not None and self._backlog() >= cap:
+        last = (self.config.steps or self.config.schedule.total_steps) - 1
+        while (
+            cap is not None
+            and self._backlog() >= cap
+            and self._version_now - self.result.start_version < last
+        ):
             t = self._now()
             await asyncio.sleep(0.2)
             self.result.held_s += self._now() - t

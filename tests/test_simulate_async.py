@@ -1,0 +1,205 @@
+"""The asynchronous simulation (issue 10): staleness and latency arithmetic on hand-made
+records, traffic options, and a few versions end to end against the real server and learner."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import httpx
+import pytest
+
+from judge.runstats import (
+    feedback_to_served,
+    latency_summary,
+    quantile,
+    requests_per_second,
+    staleness_distribution,
+    step_series,
+)
+from judge.simulate import Simulation, SimulationConfig
+from judge.styles import schedule_from_spec
+
+SCHEDULE = schedule_from_spec("cute:2,pirate:1")
+
+
+def test_quantile_by_hand() -> None:
+    # Sorted 1, 2, 3, 4: p50 at position 0.5·3 = 1.5 -> 2 + 0.5·(3 − 2) = 2.5;
+    # p95 at 0.95·3 = 2.85 -> 3 + 0.85·(4 − 3) = 3.85.
+    assert quantile([4, 1, 3, 2], 0.5) == pytest.approx(2.5)
+    assert quantile([4, 1, 3, 2], 0.95) == pytest.approx(3.85)
+    assert quantile([7.0], 0.95) == 7.0
+    with pytest.raises(ValueError):
+        quantile([], 0.5)
+    with pytest.raises(ValueError):
+        quantile([1.0], 1.5)
+
+
+def test_staleness_distribution_by_hand() -> None:
+    steps = [
+        {"version": 1, "staleness_hist": {"0": 30}},
+        {"version": 2, "staleness_hist": {"0": 10, "1": 50}},
+        {"version": 3, "staleness_hist": {"1": 6, "2": 4}},
+        {"version": 4},  # a step without the histogram (an older learner) adds nothing
+    ]
+    got = staleness_distribution(steps)
+    # Tokens: staleness 0: 30 + 10 = 40, 1: 50 + 6 = 56, 2: 4; total 100.
+    assert got["histogram"] == {"0": 40, "1": 56, "2": 4} and got["tokens"] == 100
+    # Mean (0·40 + 1·56 + 2·4) / 100 = 0.64.
+    assert got["mean"] == pytest.approx(0.64)
+    # Cumulative 40, 96, 100: 96 >= 95 first at staleness 1.
+    assert got["p95"] == 1
+    assert staleness_distribution([{"staleness_hist": {"0": 95, "3": 5}}])["p95"] == 0
+    assert staleness_distribution([]) == {"mean": None, "p95": None, "histogram": {}, "tokens": 0}
+    with pytest.raises(ValueError):
+        staleness_distribution([{"staleness_hist": {"-1": 3}}])
+
+
+def test_feedback_to_served_by_hand() -> None:
+    records = [
+        {"id": "a", "first_version": 0, "t_answer": 1.0, "t_feedback": 2.0},
+        {"id": "b", "first_version": 0, "t_answer": 3.0, "t_feedback": 4.5},
+        {"id": "c", "first_version": 0, "t_answer": 5.0, "t_feedback": 6.0},
+        {"id": "d", "first_version": 1, "t_answer": 13.0, "t_feedback": 14.0},
+        {"id": "e", "first_version": 0, "t_answer": 13.5, "t_feedback": None},  # began before the swap
+        {"id": "f", "first_version": 2, "t_answer": 21.0, "t_feedback": 21.5},
+        {"id": "g", "first_version": 1, "t_answer": 12.0, "t_feedback": 12.5},
+    ]
+    steps = [
+        {"version": 1, "completing_sample": "b"},
+        {"version": 2, "completing_sample": "d"},
+        {"version": 3, "completing_sample": "f"},  # version 3 served nothing in the run
+        {"version": 4, "completing_sample": "x"},  # another client's sample
+        {"version": 5},
+    ]
+    got = feedback_to_served(steps, records)
+    # v1: batch completed by b's feedback at 4.5; the first answer begun by v1 or later came
+    # back at 12.0 (g) -> 7.5 s. v2: completed at 14.0 (d); first answer of v2+ at 21.0 (f) -> 7.0 s.
+    assert got == [
+        {"version": 1, "completed": 4.5, "served": 12.0, "latency_s": 7.5},
+        {"version": 2, "completed": 14.0, "served": 21.0, "latency_s": 7.0},
+    ]
+    # p50 of [7.5, 7.0] = 7.25; p95 = 7.0 + 0.95·0.5 = 7.475.
+    summary = latency_summary([x["latency_s"] for x in got])
+    assert summary == {"p50": pytest.approx(7.25), "p95": pytest.approx(7.475), "n": 2}
+    assert latency_summary([]) == {"p50": None, "p95": None, "n": 0}
+
+
+def test_requests_per_second_and_step_series() -> None:
+    # Bins of 10 s: [0, 10) holds 0.5, 9.9 -> 0.2/s; [10, 20) none; [20, 30) holds 25 -> 0.1/s.
+    assert requests_per_second([0.5, 9.9, 25.0], 10) == pytest.approx([0.2, 0.0, 0.1])
+    assert requests_per_second([], 10) == []
+    with pytest.raises(ValueError):
+        requests_per_second([1.0], 0)
+    with pytest.raises(ValueError):
+        requests_per_second([-1.0], 5)
+    steps = [{"kept_fraction": 1.0}, {"kept_fraction": float("nan")}, {}, {"kept_fraction": 0.75}]
+    assert step_series(steps, "kept_fraction") == [1.0, None, None, 0.75]
+
+
+@pytest.mark.parametrize(
+    ("fields", "needle"),
+    [
+        ({"mode": "lockstep"}, "unknown mode"),
+        ({"rate": 0.0}, "rate must be > 0"),
+        ({"feedback_delay_s": -1.0}, "feedback_delay_s"),
+        ({"prompt_pool": 0}, "prompt_pool"),
+    ],
+)
+def test_config_errors(fields, needle) -> None:
+    with pytest.raises(ValueError, match=needle):
+        SimulationConfig(base_url="http://127.0.0.1:9", schedule=SCHEDULE, **fields)
+
+
+class _NoJudge:
+    def judge_many(self, items):
+        raise AssertionError("not called")
+
+
+async def test_prompt_pool_cycles_in_order() -> None:
+    cfg = SimulationConfig(base_url="http://127.0.0.1:9", schedule=SCHEDULE, prompt_pool=3)
+    sim = Simulation(cfg, _NoJudge())
+    assert len(sim.requests) == 3
+    # Round robin 0, 1, 2, 0, ...; a prompt in flight is skipped and the cycle goes on after it.
+    assert [(await sim._pick(None, 1))[0] for _ in range(4)] == [0, 1, 2, 0]
+    sim.in_flight.add(1)
+    assert await sim._pick(None, 2) == [2, 0]
+    assert await sim._pick(None, 1) == [2]
+
+
+@pytest.fixture(scope="module")
+def offline_judge():
+    from judge.offline import OfflineJudge
+
+    return OfflineJudge()
+
+
+@pytest.mark.engine
+async def test_async_run_against_server_and_learner(policy_engine, model_dir, tmp_path, offline_judge):
+    """Open-loop traffic over three versions: the learner swaps while requests are in flight,
+    each answer counts toward its first token's version, and the report's new fields are filled."""
+    from judge.report import write_report
+    from learner.process import Learner, LearnerConfig
+    from saoserve.model import weights_sha256
+    from tests.conftest import ADMIN, make_settings, running_server
+
+    settings = make_settings(tmp_path, model_dir=model_dir, policy_dir=tmp_path / "policies")
+    stop = threading.Event()
+    thread = threading.Thread()
+    try:
+        async with running_server(settings, policy_engine) as url:
+            learner = Learner(
+                settings, LearnerConfig(batch_size=2, poll_s=0.2, checkpoint_every=100, max_steps=2)
+            )
+            await asyncio.to_thread(learner.load)
+            thread = threading.Thread(target=learner.run, args=(stop,), daemon=True)
+            thread.start()
+            cfg = SimulationConfig(
+                base_url=url,
+                schedule=SCHEDULE,
+                batch_size=2,
+                max_tokens=24,
+                concurrency=4,
+                seed=3,
+                n_prompts=8,
+                admin_key=settings.admin_key,
+                mode="async",
+                max_seconds=400,
+            )
+            result = await Simulation(cfg, offline_judge).run()
+            recs = result.records
+            assert result.request_failures == 0 and result.judge_failures == 0 and not result.interrupted
+            # The run ended because the schedule's last step (version 2) holds a batch of answers.
+            assert result.start_version == 0 and sum(r["step"] == 2 for r in recs) >= 2
+            # Each answer counts toward the version of its first token, and its target is that step's.
+            assert all(r["step"] == r["first_version"] for r in recs)
+            assert all(r["target_style"] == SCHEDULE.target_at(r["step"]) for r in recs)
+            async with httpx.AsyncClient(base_url=url) as http:
+                one = recs[-1]
+                spans = (await http.get(f"/admin/trajectories/{one['id']}", headers=ADMIN)).json()
+            assert spans["token_versions"][0][0] == one["first_version"]
+            assert spans["token_versions"][-1][0] == one["last_version"]
+            # Requests were in flight while the server swapped: some answer was dispatched
+            # under an older version than the one that finished it (or started it).
+            overlapped = [r for r in recs if r["policy_version"] < r["last_version"]]
+            assert overlapped, [(r["policy_version"], r["first_version"], r["last_version"]) for r in recs]
+            # The learner's two steps with their token staleness (from the spans) and the sample
+            # that completed each batch, which is one of this run's answers.
+            assert [s["version"] for s in result.learner_steps] == [1, 2]
+            ids = {r["id"] for r in recs}
+            assert all(s["completing_sample"] in ids for s in result.learner_steps)
+            assert max(x["version"] for x in result.timeline) == 2
+    finally:
+        stop.set()
+        await asyncio.to_thread(thread.join, 120)
+        await policy_engine.swap(0, model_dir, weights_sha256(model_dir))
+    metrics = write_report(tmp_path / "report", SCHEDULE, {"sao": recs}, details={"sao": result.details()})[
+        "methods"
+    ]["sao"]
+    hist = metrics["staleness"]["histogram"]
+    assert metrics["staleness"]["tokens"] == sum(hist.values()) > 0
+    assert len(metrics["dis_kept_fraction"]) == 2 and metrics["mode"] == "async"
+    assert metrics["feedback_to_served_s"]["n"] >= 1 and metrics["feedback_to_served_s"]["p50"] > 0
+    assert (tmp_path / "report" / "staleness.png").is_file() and (
+        tmp_path / "report" / "wallclock.png"
+    ).is_file()

@@ -203,3 +203,65 @@ async def test_async_run_against_server_and_learner(policy_engine, model_dir, tm
     assert (tmp_path / "report" / "staleness.png").is_file() and (
         tmp_path / "report" / "wallclock.png"
     ).is_file()
+
+
+def test_compare_seeds_and_traffic_reach_the_runs(monkeypatch, tmp_path) -> None:
+    """compare --seeds 2 runs each method per seed, interleaved, with the async traffic options;
+    the async defaults fill what is not given (8 in flight, a backlog cap of 2 batches)."""
+    from typer.testing import CliRunner
+
+    import saoserve.demo
+    import saoserve.model
+    from judge.simulate import SimulationResult
+    from saoserve.cli import app
+
+    seen: list[tuple[str, str, int, dict]] = []
+
+    def fake_run_method(method, schedule, judge, out, **kw):
+        seen.append((method, kw["name"], kw["seed"], kw["traffic"]))
+        return SimulationResult()
+
+    monkeypatch.setattr(saoserve.demo, "run_method", fake_run_method)
+    monkeypatch.setattr(saoserve.model, "prepare_model", lambda path: path)
+    args = ["compare", "--out", str(tmp_path / "r"), "--schedule", "cute:1", "--batch-size", "4"]
+    result = CliRunner().invoke(
+        app, [*args, "--seeds", "2", "--seed", "5", "--feedback-delay-s", "1.5", "--prompt-pool", "12"]
+    )
+    assert result.exit_code == 2 and "no step completed" in result.output
+    traffic = {
+        "mode": "async",
+        "concurrency": 8,
+        "feedback_delay_s": 1.5,
+        "max_backlog": 8,
+        "prompt_pool": 12,
+    }
+    assert seen == [
+        ("sao", "sao-s5", 5, traffic),
+        ("running_mean", "running_mean-s5", 5, traffic),
+        ("sao", "sao-s6", 6, traffic),
+        ("running_mean", "running_mean-s6", 6, traffic),
+    ]
+    seen.clear()
+    result = CliRunner().invoke(
+        app, ["demo", "--out", str(tmp_path / "d"), "--schedule", "cute:1", "--mode", "sync"]
+    )
+    # Lockstep: a step's 16 requests in one batch, as before.
+    assert seen == [("sao", "sao", 0, {"mode": "sync", "concurrency": 16, "feedback_delay_s": 0.0})]
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--mode", "lockstep"], "unknown mode 'lockstep'"),
+        (["--mode", "sync", "--rate", "2"], "apply to --mode async"),
+        (["--mode", "sync", "--feedback-delay-s", "3"], "apply to --mode async"),
+        (["--mode", "async", "--rate", "0"], "--rate must be > 0"),
+    ],
+)
+def test_traffic_option_errors(args, needle) -> None:
+    from typer.testing import CliRunner
+
+    from saoserve.cli import app
+
+    result = CliRunner().invoke(app, ["simulate", "--schedule", "cute:1", *args])
+    assert result.exit_code == 2 and needle in result.output, result.output

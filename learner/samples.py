@@ -5,6 +5,15 @@ positions are actions (tokens it generated) and which are observations (prompt, 
 turns), the logged rollout logprob of each action token, the policy version that produced each
 action token, the sampling temperature and the reward. Multi-turn episodes become one sequence
 of actions and observations (SAO §2.4, skip-observation GAE).
+
+Only whole answers are trained (DESIGN §8). A trajectory is a whole answer when its
+``finish_reason`` is ``stop`` (the model ended it) or ``length`` (``max_tokens`` or the
+context cut it). A ``length`` answer is trained under the same rule as a ``stop`` one: the
+reward sits on its last token and that token is terminal (no bootstrap from the value at the
+cut), so the critic learns the value of answers truncated at that budget. ``abort`` (the client
+disconnected mid-stream), ``error`` (the engine failed) and any other reason are not whole
+answers: neither the trajectory nor an episode containing such a turn is trained, and its
+reward is not evidence (:class:`NotWholeAnswer`).
 """
 
 from __future__ import annotations
@@ -18,9 +27,21 @@ from learner.batch import Batch
 
 GREEDY_BELOW = 1e-5
 
+WHOLE_ANSWER_FINISHES = frozenset({"stop", "length"})
+"""Finish reasons of a whole answer; any other reason excludes the trajectory."""
+
+_UNFINISHED_REASONS = {"abort": "excluded_aborted", "error": "excluded_error"}
+
 
 class NotLearnable(ValueError):
     """A joined trajectory that is not trained on (the reason is the counter's name)."""
+
+
+class NotWholeAnswer(NotLearnable):
+    """A trajectory (or an episode turn) that is not a whole answer: aborted, errored, or
+    finished for a reason outside :data:`WHOLE_ANSWER_FINISHES`. Its reward is neither
+    trained nor added to the prompt's evidence. The reason is ``excluded_aborted``,
+    ``excluded_error`` or ``excluded_unfinished``."""
 
 
 @dataclass
@@ -30,7 +51,9 @@ class Sample:
     ``actions``: spans ``[start, end)`` of action positions in ``input_ids``;
     ``rollout_logprobs`` and ``token_versions`` have one entry per action token in order.
     ``baseline_value``: the prompt value frozen at dispatch (SPO++), or None.
-    ``result_version``: the policy version credited with the result (dispatch version).
+    ``result_version``: the policy version credited with the result in the prompt's evidence:
+    the version that generated the answer's first token (:func:`answer_version`; for an
+    episode, its first turn's answer). The baseline stays the one frozen at dispatch.
     """
 
     id: str
@@ -61,13 +84,32 @@ def expand_versions(token_versions: list[tuple[int, int]]) -> list[int]:
     return [v for v, c in token_versions for _ in range(c)]
 
 
+def answer_version(rec: TrajectoryRecord) -> int:
+    """The policy version that generated the first response token (SPO++ write-up §2.2: a
+    result's event coordinate is that of the version that generated it); a hot swap between
+    dispatch and the first token makes it later than ``dispatch_version``. An empty response
+    falls back to ``dispatch_version``."""
+    for version, count in rec.token_versions:
+        if count > 0:
+            return version
+    return rec.dispatch_version
+
+
+def check_whole_answer(rec: TrajectoryRecord) -> None:
+    """Raise NotWholeAnswer unless ``rec`` finished with ``stop`` or ``length`` (module docstring)."""
+    if rec.finish_reason not in WHOLE_ANSWER_FINISHES:
+        raise NotWholeAnswer(_UNFINISHED_REASONS.get(rec.finish_reason, "excluded_unfinished"))
+
+
 def check_learnable(rec: TrajectoryRecord) -> None:
     """Raise NotLearnable when the learner cannot evaluate π_θ on the sampled distribution.
 
+    First NotWholeAnswer for a trajectory that is not a whole answer (:func:`check_whole_answer`).
     Top-p/top-k truncation and greedy decoding change the distribution the logged logprobs
     come from; the learner does not reproduce them (DESIGN §5.1), so such rollouts are served
     but not trained on.
     """
+    check_whole_answer(rec)
     if rec.sampling.truncated:
         raise NotLearnable("excluded_truncated_sampling")
     if rec.sampling.temperature < GREEDY_BELOW:
@@ -77,7 +119,10 @@ def check_learnable(rec: TrajectoryRecord) -> None:
 
 
 def single_turn_sample(rec: TrajectoryRecord, reward: float) -> Sample:
-    """The sample of a one-request trajectory: prompt as observation, response as actions."""
+    """The sample of a one-request trajectory: prompt as observation, response as actions.
+
+    Raises NotLearnable (NotWholeAnswer first) for a trajectory that is not trained on.
+    """
     check_learnable(rec)
     n_p, n_r = len(rec.prompt_token_ids), len(rec.response_token_ids)
     return Sample(
@@ -90,7 +135,7 @@ def single_turn_sample(rec: TrajectoryRecord, reward: float) -> Sample:
         temperature=rec.sampling.temperature,
         reward=reward,
         baseline_value=rec.baseline.value if rec.baseline else None,
-        result_version=rec.dispatch_version,
+        result_version=answer_version(rec),
     )
 
 
@@ -99,10 +144,16 @@ def episode_sample(episode_id: str, turns: list[TrajectoryRecord], reward: float
 
     The last turn's prompt + response is the sequence. An earlier turn's response is an action
     span where its prompt + response tokens are a prefix of that sequence (the chat template
-    re-rendered the same tokens); otherwise its tokens stay observations and it is counted as
-    not aligned. All turns must share one temperature (else NotLearnable).
+    re-rendered the same tokens) and it was sampled at the last turn's temperature without
+    truncation; otherwise its tokens stay observations and it is counted as not aligned.
+    Raises NotWholeAnswer if any turn, aligned or not, is not a whole answer (the first such
+    turn in turn order names the reason), then NotLearnable if the last turn is not learnable.
+    ``result_version`` is the first turn's :func:`answer_version`; the baseline is the one
+    frozen at the first turn's dispatch.
     """
     turns = sorted(turns, key=lambda r: (r.turn if r.turn is not None else 0, r.created_at))
+    for rec in turns:
+        check_whole_answer(rec)
     last = turns[-1]
     check_learnable(last)
     seq = last.prompt_token_ids + last.response_token_ids
@@ -141,7 +192,7 @@ def episode_sample(episode_id: str, turns: list[TrajectoryRecord], reward: float
         temperature=last.sampling.temperature,
         reward=reward,
         baseline_value=first.baseline.value if first.baseline else None,
-        result_version=first.dispatch_version,
+        result_version=answer_version(first),
     )
     return sample, misaligned
 

@@ -1,0 +1,300 @@
+"""The joiner's pure step: records read + the join state held in the database → what to commit.
+
+``learner.joiner.Joiner.poll_once`` is read → :func:`plan_join` → commit. Reading (the log and
+the ``pending_joins`` rows) and committing (one transaction, DESIGN §8) stay in the Joiner; this
+module does no I/O, so every joining rule is tested here without a database or an engine.
+
+Rules (DESIGN §4, §8):
+
+* A trajectory waits (pending) for its feedback and a feedback for its trajectory; whichever
+  comes second makes the sample. A joined trajectory id leaves a tombstone (kind ``joined``),
+  so a re-sent copy is a ``duplicate_trajectories`` and a second feedback a
+  ``duplicate_feedback``: the first feedback wins.
+* Episode feedback joins the episode's turns present by then (in this read or pending) into one
+  sample (``learner.samples.episode_sample``); its tombstone key is ``e:<episode_id>``.
+* A joined result enters the prompt's evidence at the version that generated the answer's
+  first token (``learner.samples.answer_version``), also when the sample itself is excluded
+  for its sampling (greedy, truncated, empty), except when it is not a whole answer
+  (aborted, errored, or an episode with such a turn): then neither sample nor evidence, and
+  the reason is counted (``learner.samples.NotWholeAnswer``).
+* A pending trajectory older than ``expire_s`` (by its ``created_at``) is dropped and counted
+  ``expired``; tombstones are forgotten after :data:`TOMBSTONE_TTL`.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+
+from core.logbus import LogEntry
+from core.records import TOPIC_FEEDBACK, TOPIC_TRAJECTORIES, FeedbackRecord, TrajectoryRecord
+from learner.samples import (
+    NotLearnable,
+    NotWholeAnswer,
+    Sample,
+    answer_version,
+    episode_sample,
+    single_turn_sample,
+)
+
+TOMBSTONE_TTL = timedelta(days=2)
+"""How long a ``joined`` tombstone is kept: it only guards against re-sent copies, which
+arrive within minutes."""
+
+Result = tuple[str, float, int]
+"""An evidence result: (prompt id, reward in [0, 1], policy version credited)."""
+
+
+def episode_key(episode_id: str) -> str:
+    """The ``pending_joins`` key of an episode's tombstone."""
+    return f"e:{episode_id}"
+
+
+def expiry_cutoff(now: datetime, expire_s: float) -> datetime:
+    """Pending trajectories created before this time are expired."""
+    return now - timedelta(seconds=expire_s)
+
+
+@dataclass(frozen=True)
+class Records:
+    """One read of the log, parsed.
+
+    ``trajectories``/``feedback``: the valid records in log order within each partition;
+    ``malformed``: counter name (``malformed_<topic>``) → records that did not parse;
+    ``offsets``: (topic, partition) → the next offset to read, for every partition that
+    returned at least one record (parsed or not).
+    """
+
+    trajectories: list[TrajectoryRecord] = field(default_factory=list)
+    feedback: list[FeedbackRecord] = field(default_factory=list)
+    malformed: dict[str, int] = field(default_factory=dict)
+    offsets: dict[tuple[str, int], int] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, entries: Iterable[LogEntry]) -> Records:
+        """Parse entries of the ``trajectories`` and ``feedback`` topics (in read order).
+
+        Raises ValueError for an entry of another topic.
+        """
+        models = {TOPIC_TRAJECTORIES: TrajectoryRecord, TOPIC_FEEDBACK: FeedbackRecord}
+        parsed: dict[str, list] = {TOPIC_TRAJECTORIES: [], TOPIC_FEEDBACK: []}
+        malformed: Counter[str] = Counter()
+        offsets: dict[tuple[str, int], int] = {}
+        for e in entries:
+            if e.topic not in models:
+                raise ValueError(f"the joiner reads {sorted(models)}, not {e.topic!r}")
+            try:
+                parsed[e.topic].append(models[e.topic].model_validate_json(e.value))
+            except ValueError:
+                malformed[f"malformed_{e.topic}"] += 1
+            offsets[(e.topic, e.partition)] = max(offsets.get((e.topic, e.partition), 0), e.offset + 1)
+        return cls(parsed[TOPIC_TRAJECTORIES], parsed[TOPIC_FEEDBACK], dict(malformed), offsets)
+
+    def ids(self) -> set[str]:
+        """Trajectory ids whose join state the plan needs (records and single-turn feedback)."""
+        return {t.id for t in self.trajectories} | {
+            f.trajectory_id for f in self.feedback if f.trajectory_id is not None
+        }
+
+    def episode_keys(self) -> set[str]:
+        """Tombstone keys of the episodes this read's feedback rates."""
+        return {episode_key(f.episode_id) for f in self.feedback if f.episode_id is not None}
+
+    def episode_prompt_ids(self) -> set[str]:
+        """Prompt ids whose pending trajectories may be turns of a rated episode."""
+        return {f.prompt_id for f in self.feedback if f.episode_id is not None}
+
+
+@dataclass(frozen=True)
+class JoinState:
+    """The ``pending_joins`` rows a read touches, as committed before the plan.
+
+    ``joined``: keys among :meth:`Records.ids` and :meth:`Records.episode_keys` that have a
+    tombstone. ``trajectories``: pending trajectories whose id is in :meth:`Records.ids` or
+    whose prompt id is in :meth:`Records.episode_prompt_ids`, by id. ``feedback``: pending
+    feedback by trajectory id, for :meth:`Records.ids`. ``expired``: ids of all pending
+    trajectories received before :func:`expiry_cutoff`.
+    """
+
+    joined: frozenset[str] = frozenset()
+    trajectories: Mapping[str, TrajectoryRecord] = field(default_factory=dict)
+    feedback: Mapping[str, FeedbackRecord] = field(default_factory=dict)
+    expired: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class PendingRow:
+    """A ``pending_joins`` row to insert (``kind``: trajectory, feedback or joined)."""
+
+    key: str
+    kind: str
+    prompt_id: str
+    payload: str
+    received_at: datetime
+
+
+@dataclass(frozen=True)
+class JoinPlan:
+    """What one poll commits, in one transaction.
+
+    ``deletes``: (key, kind) of pending rows consumed by a join; ``expired``: pending
+    trajectory ids dropped as expired; ``inserts``: new pending rows and tombstones;
+    ``samples``: the learner samples; ``results``: the evidence results; ``counters``: learner
+    counter increments (none zero); ``offsets``: next offsets;
+    ``forget_joined_before``: tombstones received before this time are deleted.
+    """
+
+    deletes: list[tuple[str, str]]
+    expired: list[str]
+    inserts: list[PendingRow]
+    samples: list[Sample]
+    results: list[Result]
+    counters: dict[str, int]
+    offsets: dict[tuple[str, int], int]
+    forget_joined_before: datetime
+
+
+def _aware(t: datetime) -> datetime:
+    return t if t.tzinfo is not None else t.replace(tzinfo=UTC)
+
+
+def _join_single(rec: TrajectoryRecord, reward: float) -> tuple[Sample | None, Result | None, dict[str, int]]:
+    """A trajectory and its reward → (sample or None, evidence result or None, counters)."""
+    result = (rec.prompt_id, reward, answer_version(rec))
+    try:
+        return single_turn_sample(rec, reward), result, {}
+    except NotWholeAnswer as exc:
+        return None, None, {str(exc): 1}
+    except NotLearnable as exc:
+        return None, result, {str(exc): 1}
+
+
+def _join_episode(
+    episode_id: str, turns: list[TrajectoryRecord], reward: float
+) -> tuple[Sample | None, Result | None, dict[str, int]]:
+    """An episode's turns and its reward → (sample or None, evidence result or None, counters)."""
+    try:
+        sample, misaligned = episode_sample(episode_id, turns, reward)
+    except NotLearnable as exc:
+        return None, None, {str(exc): 1}
+    return (
+        sample,
+        (sample.prompt_id, reward, sample.result_version),
+        {"episode_turns_not_aligned": misaligned},
+    )
+
+
+def plan_join(records: Records, state: JoinState, now: datetime, expire_s: float) -> JoinPlan:
+    """Join one read against the committed state (module docstring for the rules).
+
+    Args:
+        records: what the read returned.
+        state: the pending rows and tombstones it touches (:class:`JoinState`).
+        now: the commit time (tz-aware): tombstones' ``received_at`` and the expiry clock.
+        expire_s: seconds a trajectory waits for its feedback.
+
+    Returns:
+        The :class:`JoinPlan`. Pure: no I/O, ``records`` and ``state`` are not modified.
+    """
+    counters: Counter[str] = Counter(records.malformed)
+    deletes: list[tuple[str, str]] = []
+    inserts: list[PendingRow] = []
+    samples: list[Sample] = []
+    results: list[Result] = []
+    joined_now: set[str] = set()
+    feedback_pending_now: set[str] = set()
+    waiting: dict[str, TrajectoryRecord] = {}
+    joins: list[tuple[Sample | None, Result | None, dict[str, int]]] = []
+
+    def tombstone(key: str, prompt_id: str) -> None:
+        joined_now.add(key)
+        inserts.append(PendingRow(key, "joined", prompt_id, "", now))
+
+    # Trajectories first: a prompt's trajectory precedes its feedback in the log.
+    for rec in records.trajectories:
+        if (
+            rec.id in state.joined
+            or rec.id in joined_now
+            or rec.id in state.trajectories
+            or rec.id in waiting
+        ):
+            counters["duplicate_trajectories"] += 1
+            continue
+        fb = state.feedback.get(rec.id)
+        if fb is not None and rec.episode_id is None:
+            joins.append(_join_single(rec, fb.reward))
+            deletes.append((rec.id, "feedback"))
+            tombstone(rec.id, rec.prompt_id)
+            continue
+        waiting[rec.id] = rec
+
+    for fb in records.feedback:
+        if fb.episode_id is not None:
+            key = episode_key(fb.episode_id)
+            if key in state.joined or key in joined_now:
+                counters["duplicate_feedback"] += 1
+                continue
+            turns = [r for r in waiting.values() if r.episode_id == fb.episode_id]
+            for r in turns:
+                del waiting[r.id]
+            for r in state.trajectories.values():
+                if r.prompt_id == fb.prompt_id and r.episode_id == fb.episode_id and r.id not in joined_now:
+                    turns.append(r)
+                    deletes.append((r.id, "trajectory"))
+            if not turns:
+                counters["episode_feedback_without_turns"] += 1
+                continue
+            for r in turns:
+                tombstone(r.id, r.prompt_id)
+            tombstone(key, fb.prompt_id)
+            joins.append(_join_episode(fb.episode_id, turns, fb.reward))
+            continue
+        tid = fb.trajectory_id
+        if tid in state.joined or tid in joined_now:
+            counters["duplicate_feedback"] += 1
+            continue
+        rec = waiting.pop(tid, None)
+        if rec is None and tid in state.trajectories:
+            rec = state.trajectories[tid]
+            deletes.append((tid, "trajectory"))
+        if rec is None:
+            if tid in state.feedback or tid in feedback_pending_now:
+                # The first feedback already waits for this trajectory: first wins.
+                counters["duplicate_feedback"] += 1
+                continue
+            feedback_pending_now.add(tid)
+            inserts.append(PendingRow(tid, "feedback", fb.prompt_id, fb.to_json().decode(), now))
+            continue
+        joins.append(_join_single(rec, fb.reward))
+        tombstone(tid, rec.prompt_id)
+
+    cutoff = expiry_cutoff(now, expire_s)
+    consumed = {key for key, kind in deletes if kind == "trajectory"}
+    expired = sorted(state.expired - consumed)
+    for rec in waiting.values():
+        if _aware(rec.created_at) < cutoff:
+            counters["expired"] += 1
+        else:
+            inserts.append(
+                PendingRow(rec.id, "trajectory", rec.prompt_id, rec.to_json().decode(), rec.created_at)
+            )
+    counters["expired"] += len(expired)
+
+    for sample, result, reasons in joins:
+        if sample is not None:
+            samples.append(sample)
+        if result is not None:
+            results.append(result)
+        counters.update(reasons)
+    return JoinPlan(
+        deletes=deletes,
+        expired=expired,
+        inserts=inserts,
+        samples=samples,
+        results=results,
+        counters={name: n for name, n in counters.items() if n},
+        offsets=dict(records.offsets),
+        forget_joined_before=now - TOMBSTONE_TTL,
+    )

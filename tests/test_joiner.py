@@ -1,0 +1,103 @@
+"""The Joiner's read and commit around the pure plan, on a real SQLite database and SQL log
+(no engine): what one poll leaves in the tables."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+
+import pytest
+from sqlalchemy import select
+
+from core.db import LearnerCounter, LearnerSample, PendingJoin, make_engine, migrate
+from core.evidence_store import EvidenceStore
+from core.logbus import SqlLog
+from core.records import TOPIC_FEEDBACK, TOPIC_TRAJECTORIES, utcnow
+from learner.joiner import Joiner
+from learner.pretrain import logged_samples
+from tests.test_join_plan import episode_turns, fb, traj
+
+
+@pytest.fixture
+def db(tmp_path):
+    url = f"sqlite:///{tmp_path / 'learner.db'}"
+    migrate(url)
+    engine = make_engine(url)
+    log = SqlLog(url)
+    yield log, engine
+    log.close()
+    engine.dispose()
+
+
+def append(log, *recs):
+    for r in recs:
+        topic = TOPIC_FEEDBACK if hasattr(r, "reward") else TOPIC_TRAJECTORIES
+        log.append(topic, r.prompt_id, r.to_json())
+
+
+def tables(engine):
+    with engine.connect() as conn:
+        return (
+            dict(conn.execute(select(LearnerCounter.name, LearnerCounter.value)).all()),
+            sorted(conn.execute(select(LearnerSample.id)).scalars()),
+            sorted(conn.execute(select(PendingJoin.key, PendingJoin.kind)).all()),
+        )
+
+
+def test_aborted_answers_leave_no_sample_and_no_evidence_but_a_counted_reason(db):
+    log, engine = db
+    now = utcnow()
+    t0, t1 = episode_turns()
+    aborted = traj("a", created_at=now, finish_reason="abort")
+    errored = traj("b", created_at=now, finish_reason="error")
+    whole = traj("c", "w", created_at=now, token_versions=[(3, 2)])
+    t0, t1 = (t.model_copy(update={"created_at": now}) for t in (t0, t1))
+    t1 = t1.model_copy(update={"finish_reason": "abort"})
+    append(log, aborted, errored, whole, t0, t1, fb("a"), fb("b"), fb("c", 1.0, "w"))
+    append(log, fb(episode="E", prompt_id="q"))
+    stats = Joiner(log, engine, 3600).poll_once()
+    assert stats.samples == 1
+    assert stats.counters == {"excluded_aborted": 2, "excluded_error": 1}
+    counters, samples, pending = tables(engine)
+    assert counters == {"excluded_aborted": 2, "excluded_error": 1} and samples == ["c"]
+    assert pending == [(k, "joined") for k in ("E0", "E1", "a", "b", "c", "e:E")]
+    ev = EvidenceStore(engine)
+    assert ev.get("p") is None and ev.get("q") is None
+    # The whole answer is credited to the version of its first token (3), not its dispatch (2).
+    stored = ev.get("w")
+    assert stored is not None and stored.n_results == 1
+    assert (stored.online.ref_version, stored.prior.ref_version) == (3, 3)
+
+
+def test_pending_rows_cross_polls_and_expire(db):
+    log, engine = db
+    now = utcnow()
+    append(log, fb("late", 0.5), traj("old", created_at=now - timedelta(hours=2)))
+    stats = Joiner(log, engine, 3 * 3600).poll_once()
+    assert stats.samples == 0 and stats.counters == {}
+    assert tables(engine)[2] == [("late", "feedback"), ("old", "trajectory")]
+    # A shorter expiry: "old" (2 h) expires in the next poll that reads anything.
+    append(log, traj("late", created_at=now))
+    stats = Joiner(log, engine, 3600).poll_once()
+    assert stats.samples == 1 and stats.counters == {"expired": 1}
+    counters, samples, pending = tables(engine)
+    assert counters == {"expired": 1} and samples == ["late"] and pending == [("late", "joined")]
+    with engine.connect() as conn:
+        payload = json.loads(conn.execute(select(LearnerSample.payload)).scalar_one())
+    assert payload["reward"] == 0.5 and payload["result_version"] == 2
+    assert Joiner(log, engine, 3600).poll_once().samples == 0  # offsets moved
+
+
+def test_critic_pretraining_reads_only_whole_answers(db):
+    log, engine = db
+    now = utcnow()
+    append(
+        log,
+        traj("a", created_at=now, finish_reason="abort"),
+        traj("b", created_at=now, finish_reason="error"),
+        traj("c", created_at=now, finish_reason="length"),
+        fb("a"),
+        fb("b"),
+        fb("c", 0.0),
+    )
+    assert [(s.id, s.reward) for s in logged_samples(log)] == [("c", 0.0)]

@@ -1,0 +1,53 @@
+"""First-wins feedback claims (server/store.py): a stuck claim is taken over, a given one never."""
+
+from __future__ import annotations
+
+from sqlalchemy import update
+
+from core.db import FeedbackClaim, make_engine, migrate
+from core.records import utcnow
+from server.store import CLAIM_TIMEOUT, ServerStore
+
+
+def store_at(tmp_path) -> ServerStore:
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    migrate(url)
+    return ServerStore(make_engine(url))
+
+
+def age_claim(store: ServerStore, target: str, by) -> None:
+    with store.engine.begin() as conn:
+        conn.execute(
+            update(FeedbackClaim).where(FeedbackClaim.target == target).values(claimed_at=utcnow() - by)
+        )
+
+
+def test_a_fresh_claim_is_not_taken_over(tmp_path):
+    store = store_at(tmp_path)
+    assert store.claim("t:a") is True
+    assert store.claim("t:a") is False
+
+
+def test_a_claim_older_than_the_timeout_is_taken_over_once(tmp_path):
+    # The first holder crashed mid-append (no 202 was sent): after CLAIM_TIMEOUT another request
+    # may take the claim, and only one of two competitors wins it.
+    store = store_at(tmp_path)
+    assert store.claim("t:a")
+    age_claim(store, "t:a", CLAIM_TIMEOUT * 2)
+    assert store.claim("t:a") is True
+    assert store.claim("t:a") is False
+
+
+def test_a_received_claim_is_never_taken_over(tmp_path):
+    store = store_at(tmp_path)
+    assert store.claim("t:a")
+    store.mark_received("t:a", 1.0)
+    age_claim(store, "t:a", CLAIM_TIMEOUT * 10)
+    assert store.claim("t:a") is False
+
+
+def test_a_released_claim_can_be_claimed_again(tmp_path):
+    store = store_at(tmp_path)
+    assert store.claim("t:a")
+    store.release("t:a")
+    assert store.claim("t:a") is True

@@ -7,11 +7,13 @@ module does no I/O, so every joining rule is tested here without a database or a
 Rules (DESIGN §4, §8):
 
 * A trajectory waits (pending) for its feedback and a feedback for its trajectory; whichever
-  comes second makes the sample. A joined trajectory id leaves a tombstone (kind ``joined``),
+  comes second makes the sample, the same either way (also for feedback on one turn of an
+  episode, which trains that turn alone). A joined trajectory id leaves a tombstone (kind ``joined``),
   so a re-sent copy is a ``duplicate_trajectories`` and a second feedback a
   ``duplicate_feedback``: the first feedback wins.
 * Episode feedback joins the episode's turns present by then (in this read or pending) into one
-  sample (``learner.samples.episode_sample``); its tombstone key is ``e:<episode_id>``.
+  sample (``learner.samples.episode_sample``); its tombstone key is ``e:<episode_id>``. The
+  Joiner's read order makes "by then" mean every turn (``learner.joiner.Joiner``).
 * A joined result enters the prompt's evidence at the version that generated the answer's
   first token (``learner.samples.answer_version``), also when the sample itself is excluded
   for its sampling (greedy, truncated, empty), except when it is not a whole answer
@@ -223,7 +225,7 @@ def plan_join(records: Records, state: JoinState, now: datetime, expire_s: float
             counters["duplicate_trajectories"] += 1
             continue
         fb = state.feedback.get(rec.id)
-        if fb is not None and rec.episode_id is None:
+        if fb is not None:
             joins.append(_join_single(rec, fb.reward))
             deletes.append((rec.id, "feedback"))
             tombstone(rec.id, rec.prompt_id)

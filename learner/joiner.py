@@ -57,6 +57,15 @@ class Joiner:
         return JoinStats(samples=len(plan.samples), counters=plan.counters)
 
     def _read(self, max_records: int) -> list[LogEntry]:
+        """Feedback, then trajectories; the feedback only if no trajectory partition is behind.
+
+        The server accepts feedback only for a trajectory (or an episode's turns) already in the
+        log, so a trajectory read that starts after the feedback read and reaches the end of
+        every partition holds the trajectory of each feedback read, and every turn of each
+        episode rated: an episode is never joined without a turn that was still unread (one
+        aborted, say). When a partition returns ``max_records`` (maybe more behind), this
+        poll takes only trajectories and the feedback is read again by a later poll.
+        """
         with self.db.connect() as conn:
             offsets = {
                 (t, p): o
@@ -66,12 +75,18 @@ class Joiner:
                     )
                 )
             }
-        entries: list[LogEntry] = []
-        # Trajectories first: a prompt's trajectory precedes its feedback in the log.
-        for topic in (TOPIC_TRAJECTORIES, TOPIC_FEEDBACK):
-            for p in self.log.partitions(topic):
-                entries.extend(self.log.read(topic, p, offsets.get((topic, p), 0), max_records, 0.05))
-        return entries
+        batches = {
+            (topic, p): self.log.read(topic, p, offsets.get((topic, p), 0), max_records, 0.05)
+            for topic in (TOPIC_FEEDBACK, TOPIC_TRAJECTORIES)
+            for p in self.log.partitions(topic)
+        }
+        behind = any(len(b) >= max_records for (t, _), b in batches.items() if t == TOPIC_TRAJECTORIES)
+        return [
+            e
+            for (topic, _), batch in batches.items()
+            if topic == TOPIC_TRAJECTORIES or not behind
+            for e in batch
+        ]
 
     def _state(self, records: Records, now: datetime) -> JoinState:
         """The pending rows and tombstones ``records`` touch (see ``JoinState``)."""

@@ -213,6 +213,23 @@ def test_episode_joined_in_turn_order():
     assert p.counters == {}
 
 
+@pytest.mark.parametrize("feedback_first", [False, True])
+def test_feedback_on_one_episode_turn_trains_that_turn_whichever_comes_first(feedback_first):
+    t0, _ = episode_turns()
+    rating = fb("E0", 0.5, "q")
+    if feedback_first:
+        p1 = plan(read(rating))
+        p = plan(read(t0), JoinState(feedback={"E0": rating}))
+        assert [r.kind for r in p1.inserts] == ["feedback"] and p.deletes == [("E0", "feedback")]
+    else:
+        p1 = plan(read(t0))
+        p = plan(read(rating), JoinState(trajectories={"E0": t0}))
+        assert [r.kind for r in p1.inserts] == ["trajectory"] and p.deletes == [("E0", "trajectory")]
+    [s] = p.samples
+    assert (s.id, s.input_ids, s.actions, s.reward) == ("E0", [1, 2, 3, 4], [(2, 4)], 0.5)
+    assert p.results == [("q", 0.5, 5)] and p.inserts == [tomb("E0", "q")]
+
+
 def test_episode_feedback_twice_and_without_turns():
     t0, t1 = episode_turns()
     p = plan(read(t0, t1, fb(episode="E", prompt_id="q"), fb(episode="E", prompt_id="q", reward=0.0)))

@@ -101,3 +101,21 @@ def test_critic_pretraining_reads_only_whole_answers(db):
         fb("c", 0.0),
     )
     assert [(s.id, s.reward) for s in logged_samples(log)] == [("c", 0.0)]
+
+
+def test_feedback_waits_while_trajectories_are_behind(db):
+    log, engine = db
+    now = utcnow()
+    t0, t1 = (t.model_copy(update={"created_at": now}) for t in episode_turns())
+    t1 = t1.model_copy(update={"finish_reason": "abort"})
+    append(log, traj("x", created_at=now), t0, t1, fb(episode="E", prompt_id="q"))
+    joiner = Joiner(log, engine, 3600)
+    # Two of three trajectories fill the batch (max_records = 2): more may be behind, so the
+    # episode's rating is not read yet; joined now it would miss the aborted turn 1.
+    stats = joiner.poll_once(max_records=2)
+    assert stats.samples == 0 and stats.counters == {}
+    assert tables(engine)[2] == [("E0", "trajectory"), ("x", "trajectory")]
+    stats = joiner.poll_once(max_records=2)
+    assert stats.samples == 0 and stats.counters == {"excluded_aborted": 1}
+    assert tables(engine)[2] == [("E0", "joined"), ("E1", "joined"), ("e:E", "joined"), ("x", "trajectory")]
+    assert joiner.poll_once(max_records=2).counters == {}

@@ -13,7 +13,8 @@ Rules (DESIGN §4, §8):
   ``duplicate_feedback``: the first feedback wins.
 * Episode feedback joins the episode's turns present by then (in this read or pending) into one
   sample (``learner.samples.episode_sample``); its tombstone key is ``e:<episode_id>``. The
-  Joiner's read order makes "by then" mean every turn (``learner.joiner.Joiner``).
+  Joiner's read order makes "by then" mean every turn (``learner.joiner.Joiner``); a turn
+  logged after its episode was joined is dropped and counted ``late_episode_turns``.
 * A joined result enters the prompt's evidence at the version that generated the answer's
   first token (``learner.samples.answer_version``), also when the sample itself is excluded
   for its sampling (greedy, truncated, empty), except when it is not a whole answer
@@ -101,8 +102,8 @@ class Records:
         }
 
     def episode_keys(self) -> set[str]:
-        """Tombstone keys of the episodes this read's feedback rates."""
-        return {episode_key(f.episode_id) for f in self.feedback if f.episode_id is not None}
+        """Tombstone keys of the episodes this read's feedback rates or its trajectories extend."""
+        return {episode_key(r.episode_id) for r in [*self.feedback, *self.trajectories] if r.episode_id}
 
     def episode_prompt_ids(self) -> set[str]:
         """Prompt ids whose pending trajectories may be turns of a rated episode."""
@@ -229,6 +230,10 @@ def plan_join(records: Records, state: JoinState, now: datetime, expire_s: float
             joins.append(_join_single(rec, fb.reward))
             deletes.append((rec.id, "feedback"))
             tombstone(rec.id, rec.prompt_id)
+            continue
+        if rec.episode_id is not None and episode_key(rec.episode_id) in state.joined:
+            # The server takes no turn once an episode is rated; one logged anyway cannot join.
+            counters["late_episode_turns"] += 1
             continue
         waiting[rec.id] = rec
 

@@ -230,6 +230,12 @@ def test_feedback_on_one_episode_turn_trains_that_turn_whichever_comes_first(fee
     assert p.results == [("q", 0.5, 5)] and p.inserts == [tomb("E0", "q")]
 
 
+def test_a_turn_logged_after_its_episode_was_joined_is_counted_not_kept():
+    _, t1 = episode_turns()
+    p = plan(read(t1), JoinState(joined=frozenset({"e:E"})))
+    assert p.inserts == [] and p.samples == [] and p.counters == {"late_episode_turns": 1}
+
+
 def test_episode_feedback_twice_and_without_turns():
     t0, t1 = episode_turns()
     p = plan(read(t0, t1, fb(episode="E", prompt_id="q"), fb(episode="E", prompt_id="q", reward=0.0)))

@@ -152,7 +152,8 @@ def create_app(
         what = "the log" if isinstance(exc, LogUnavailable) else "the database"
         err = ApiError(
             503,
-            f"storage unavailable ({what}), nothing was recorded; retry later: {exc.__class__.__name__}",
+            f"storage unavailable ({what}): the request was not recorded and will not be; retry later "
+            f"({exc.__class__.__name__})",
             "server_error",
             code="storage_unavailable",
         )

@@ -404,8 +404,10 @@ async def test_log_down_fails_clearly_and_logs_nothing(policy_engine, tmp_path):
         async with httpx.AsyncClient(base_url=url, timeout=120) as http:
             r = await http.post("/v1/chat/completions", json={"messages": PROMPT, "max_tokens": 3})
             assert r.status_code == 503 and "not recorded" in r.json()["error"]["message"]
+            assert r.headers["retry-after"] == "2"
             text = (await http.get("/metrics")).text
-    assert 'saoserve_log_failures_total{topic="trajectories"} 1.0' in text
+    # Refused before generating (the broker did not answer the probe): nothing was appended.
+    assert 'saoserve_requests_failed_before_generation_total{reason="storage_unavailable"} 1.0' in text
 
 
 async def test_log_down_with_spool_answers_and_resends(policy_engine, tmp_path):

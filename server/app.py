@@ -37,7 +37,7 @@ from core.records import (
     utcnow,
 )
 from core.settings import Settings, get_settings
-from server.chat import complete_chat, prepare_rollout, stream_chat
+from server.chat import complete_chat, extension_headers, prepare_rollout, stream_chat
 from server.engine import PolicyEngine, SwapRefused
 from server.health import RETRY_AFTER_S, STORAGE_ERROR_TYPES, Health, is_storage_error
 from server.limits import BodySizeLimit, max_body_bytes
@@ -251,7 +251,7 @@ def create_app(
             return StreamingResponse(
                 stream_chat(s, req, rollout, sampling),
                 media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache"},
+                headers={"Cache-Control": "no-cache", **extension_headers(s, rollout)},
             )
         return await complete_chat(s, req, rollout, sampling)
 

@@ -209,6 +209,8 @@ class ChatCompletionRequest(EdgeModel):
             raise ValueError("messages need at least one non-empty user message")
         if self.episode_token is not None and self.episode_id is None:
             raise ValueError("episode_token needs episode_id")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
         return self
 
     @property

@@ -95,12 +95,14 @@ async def test_openai_client_streaming_last_chunk_has_extension(sqlite_server):
     )
     chunks = [c async for c in stream]
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    last = chunks[-1]
-    assert text and last.choices[0].finish_reason in ("stop", "length")
-    assert last.model_extra["policy_version"] == 0
-    assert last.model_extra["feedback_token"] == feedback_token(settings.feedback_secret, last.id)
-    assert last.usage.completion_tokens >= 1
-    assert all("feedback_token" not in (c.model_extra or {}) for c in chunks[:-1])
+    finish, last = chunks[-2], chunks[-1]
+    assert text and finish.choices[0].finish_reason in ("stop", "length")
+    assert finish.model_extra["policy_version"] == 0
+    assert finish.model_extra["feedback_token"] == feedback_token(settings.feedback_secret, finish.id)
+    assert all("feedback_token" not in (c.model_extra or {}) for c in chunks[:-2])
+    # The usage rides on a chunk of its own after the finish chunk (OpenAI's include_usage).
+    assert last.choices == [] and last.usage.completion_tokens >= 1
+    assert all(c.usage is None for c in chunks[:-1])
 
 
 async def test_seeded_requests_whose_prompts_exceed_one_step_keep_the_engine_alive(sqlite_server):

@@ -18,6 +18,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 MAX_TOKEN_BYTES = 128
 JSON_BYTES_PER_BYTE = 6
 BODY_SLACK_BYTES = 64 * 1024
+# A refused body is read and dropped up to this size before the 413, so that a client still
+# writing it receives the answer instead of a reset connection; a larger one is cut off.
+DRAIN_MAX_BYTES = 64 * 1024 * 1024
 
 
 def max_message_chars(max_model_len: int) -> int:
@@ -32,7 +35,7 @@ def max_body_bytes(max_model_len: int) -> int:
 
 class BodySizeLimit:
     """ASGI middleware: a body over ``max_bytes`` is answered 413 (OpenAI error shape) before
-    the route reads it, by its Content-Length or, when chunked, as soon as it grows past it."""
+    any route parses it; only bodies within the bound are kept in memory and passed on."""
 
     def __init__(self, app: ASGIApp, max_bytes: int):
         self.app, self.max_bytes = app, max_bytes
@@ -42,7 +45,7 @@ class BodySizeLimit:
             await self.app(scope, receive, send)
             return
         length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+        if length is not None and length.isdigit() and int(length) > DRAIN_MAX_BYTES:
             await self._refuse(send)
             return
         chunks, size = [], 0
@@ -50,13 +53,14 @@ class BodySizeLimit:
             msg = await receive()
             if msg["type"] != "http.request":
                 return  # the client left before sending its body
-            chunks.append(msg.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.max_bytes:
-                await self._refuse(send)
-                return
-            if not msg.get("more_body", False):
+            size += len(msg.get("body", b""))
+            if size <= self.max_bytes:
+                chunks.append(msg.get("body", b""))
+            if not msg.get("more_body", False) or size > DRAIN_MAX_BYTES:
                 break
+        if size > self.max_bytes:
+            await self._refuse(send)
+            return
         body, replayed = b"".join(chunks), False
 
         async def replay() -> Message:

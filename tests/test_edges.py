@@ -116,7 +116,14 @@ def test_integers_and_lists_are_bounded(cls, body, loc):
 
 def test_the_largest_values_in_bounds_are_accepted():
     req = ChatCompletionRequest.model_validate(
-        {"messages": USER, "top_k": 2**31 - 1, "turn": 2**31 - 1, "seed": 2**63 - 1, "top_logprobs": 20}
+        {
+            "messages": USER,
+            "top_k": 2**31 - 1,
+            "turn": 2**31 - 1,
+            "seed": 2**63 - 1,
+            "logprobs": True,
+            "top_logprobs": 20,
+        }
     )
     assert (req.top_k, req.turn, req.seed) == (2**31 - 1, 2**31 - 1, 2**63 - 1)
 
@@ -235,24 +242,26 @@ async def test_a_10_mb_message_is_413_before_the_route(tmp_path):
     )
 
 
-async def test_a_chunked_body_is_cut_at_the_limit():
-    """Without Content-Length, the middleware stops reading once the body passes the limit."""
-    reached, reads, sent = [], [], []
+async def test_a_chunked_body_over_the_limit_never_reaches_the_app():
+    """Without Content-Length: the body is read (and dropped past the limit) to its end, then
+    413; the app is never called."""
+    reached, sent = [], []
+    chunks = [b"x" * 400] * 5
 
     async def inner(scope, receive, send):
         reached.append(await receive())
 
     async def receive():
-        reads.append(1)
-        return {"type": "http.request", "body": b"x" * 400, "more_body": True}
+        body = chunks.pop()
+        return {"type": "http.request", "body": body, "more_body": bool(chunks)}
 
     async def send(msg):
         sent.append(msg)
 
     scope = {"type": "http", "method": "POST", "headers": []}
     await BodySizeLimit(inner, max_bytes=1000)(scope, receive, send)
-    # 400 + 400 = 800 <= 1000; the third chunk makes 1200 > 1000: three reads, then 413.
-    assert (len(reads), reached, sent[0]["status"]) == (3, [], 413)
+    # 5 × 400 = 2000 bytes > 1000: all five chunks read, then 413.
+    assert (chunks, reached, sent[0]["status"]) == ([], [], 413)
     small = []
 
     async def one_chunk():

@@ -282,7 +282,13 @@ async def test_episode_feedback(sqlite_server):
         r2 = (
             await http.post(
                 "/v1/chat/completions",
-                json={"messages": msgs2, "max_tokens": 4, "episode_id": "ep-1", "turn": 1},
+                json={
+                    "messages": msgs2,
+                    "max_tokens": 4,
+                    "episode_id": "ep-1",
+                    "turn": 1,
+                    "episode_token": r1["episode_feedback_token"],  # a later turn proves it started ep-1
+                },
             )
         ).json()
         assert r1["prompt_id"] == r2["prompt_id"]  # every turn of an episode shares one prompt id

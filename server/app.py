@@ -81,6 +81,12 @@ def errors(*statuses: int) -> dict:
 
 
 ADMIN_ERRORS = errors(400, 401, 403, 503)
+CHAT_200 = {
+    200: {
+        "description": "A chat.completion; with stream: true, chat.completion.chunk server-sent events",
+        "content": {"text/event-stream": {"schema": {"type": "string"}}},
+    }
+}
 
 
 def create_app(
@@ -239,7 +245,7 @@ def create_app(
             ],
         }
 
-    @app.post("/v1/chat/completions", responses=errors(400, 403, 404, 409, 413, 500, 503))
+    @app.post("/v1/chat/completions", responses=CHAT_200 | errors(400, 403, 404, 409, 413, 500, 503))
     async def chat(req: ChatCompletionRequest, request: Request):
         s = state_of(request)
         try:

@@ -10,8 +10,9 @@ learn`` as processes, the offline judge; the engine machine-wide lock is taken b
     flock /tmp/saoserve-engine.lock .venv/bin/python bench/bench_feedback_latency.py \\
         [--schedule cute:6] [--batch-size 8] [--concurrency 8] [--feedback-delay-s 0] [--out DIR]
 
-Prints one row per run: versions measured, p50 and p95 latency (s), the learner's median step
-time (s), the target (step time + 2 s) and p50 / target.
+Prints one row per run: versions measured, p50 and p95 latency (s), the p50 of feedback→swap
+(the server first seen serving the version, before the new answer is generated), the learner's
+median step time (s), the target (step time + 2 s) and p50 / target.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from judge.report import load_records  # noqa: E402
-from judge.runstats import feedback_to_served, latency_summary  # noqa: E402
+from judge.runstats import feedback_to_served, feedback_to_swap, latency_summary  # noqa: E402
 
 TARGET_MARGIN_S = 2.0
 
@@ -34,11 +35,14 @@ TARGET_MARGIN_S = 2.0
 def row(name: str, records: list[dict], details: dict) -> dict:
     steps = details.get("learner_steps") or []
     lat = latency_summary([x["latency_s"] for x in feedback_to_served(steps, records)])
+    swap = latency_summary(
+        [x["latency_s"] for x in feedback_to_swap(steps, records, details.get("timeline") or [])]
+    )
     times = [float(s["step_time_s"]) for s in steps if isinstance(s.get("step_time_s"), int | float)]
     step_s = statistics.median(times) if times else None
     target = step_s + TARGET_MARGIN_S if step_s is not None else None
     ratio = lat["p50"] / target if lat["p50"] is not None and target else None
-    return {"run": name, **lat, "step_s": step_s, "target_s": target, "ratio": ratio}
+    return {"run": name, **lat, "swap_p50": swap["p50"], "step_s": step_s, "target_s": target, "ratio": ratio}
 
 
 def from_folder(folder: Path) -> list[dict]:
@@ -97,10 +101,14 @@ def main() -> None:
     rows = from_folder(args.folder) if args.folder else run_once(args)
     if not rows:
         sys.exit("no runs found (details-<run>.json)")
-    print(f"{'run':<20}{'n':>4}{'p50 s':>9}{'p95 s':>9}{'step s':>9}{'target s':>10}{'p50/target':>12}")
+    print(
+        f"{'run':<20}{'n':>4}{'p50 s':>9}{'p95 s':>9}{'swap p50':>10}{'step s':>9}{'target s':>10}"
+        f"{'p50/target':>12}"
+    )
     for r in rows:
         print(
-            f"{r['run']:<20}{r['n']:>4}{fmt(r['p50']):>9}{fmt(r['p95']):>9}{fmt(r['step_s']):>9}"
+            f"{r['run']:<20}{r['n']:>4}{fmt(r['p50']):>9}{fmt(r['p95']):>9}{fmt(r['swap_p50']):>10}"
+            f"{fmt(r['step_s']):>9}"
             f"{fmt(r['target_s']):>10}{fmt(r['ratio']):>12}"
         )
 

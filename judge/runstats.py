@@ -104,6 +104,35 @@ def feedback_to_served(
     return out
 
 
+def feedback_to_swap(
+    steps: Sequence[Mapping[str, Any]],
+    records: Sequence[Mapping[str, Any]],
+    timeline: Sequence[Mapping[str, Any]],
+) -> list[dict[str, Any]]:
+    """Per learner step: seconds from the feedback that completed its batch to the first
+    timeline sample (``{"t", "version"}``, about one a second) at which the server served its
+    version or a later one. The part of ``feedback_to_served`` before the first new answer
+    begins: queueing behind the previous step, the step itself, publishing and the swap.
+    Same omissions as ``feedback_to_served``; returns ``[{"version", "completed", "swapped",
+    "latency_s"}]``.
+    """
+    by_id = {r["id"]: r for r in records if "id" in r}
+    out = []
+    for step in steps:
+        rec = by_id.get(step.get("completing_sample"))
+        if rec is None or rec.get("t_feedback") is None:
+            continue
+        v = int(step["version"])
+        seen = [float(x["t"]) for x in timeline if int(x["version"]) >= v]
+        if not seen:
+            continue
+        completed, swapped = float(rec["t_feedback"]), min(seen)
+        out.append(
+            {"version": v, "completed": completed, "swapped": swapped, "latency_s": swapped - completed}
+        )
+    return out
+
+
 def latency_summary(latencies: Sequence[float]) -> dict[str, float | None]:
     """``{"p50", "p95", "n"}`` of latencies in seconds (None without any)."""
     if not latencies:

@@ -260,7 +260,7 @@ DETAILS = {
     "learner_steps": LEARNER_STEPS,
     "timeline": [
         {"t": 1.0, "version": 0, "backlog": 2, "in_flight": 4},
-        {"t": 2.0, "version": 1, "backlog": 6, "in_flight": 4},
+        {"t": 11.0, "version": 1, "backlog": 6, "in_flight": 4},
     ],
 }
 
@@ -287,6 +287,8 @@ def test_report_async_fields(tmp_path: Path) -> None:
     # v3: e's feedback at 34.5, first answer of v3+ at 61.0 -> 26.5 s. p50 = 20.5;
     # p95 at position 1.9: 20.5 + 0.9·(26.5 − 20.5) = 25.9.
     assert m["feedback_to_served_s"] == {"p50": pytest.approx(20.5), "p95": pytest.approx(25.9), "n": 3}
+    # The server was first seen serving v1 at 11.0: 11.0 − 2.5 = 8.5 s; v2 and v3 never seen.
+    assert m["feedback_to_swap_s"] == {"p50": 8.5, "p95": 8.5, "n": 1}
     assert m["dis_kept_fraction"] == [1.0, 0.9, 0.8] and m["learner_versions"] == [1, 2, 3]
     assert m["kl_ref"] == [0.0, 0.01, 0.02] and m["step_time_s"] == [8.0, 10.0, 12.0]
     # 7 answers in 70 s; in 30 s bins: a, b, c in [0, 30), d, e in [30, 60), f, g in [60, 90).

@@ -11,6 +11,7 @@ import pytest
 
 from judge.runstats import (
     feedback_to_served,
+    feedback_to_swap,
     latency_summary,
     quantile,
     requests_per_second,
@@ -78,6 +79,12 @@ def test_feedback_to_served_by_hand() -> None:
     assert got == [
         {"version": 1, "completed": 4.5, "served": 12.0, "latency_s": 7.5},
         {"version": 2, "completed": 14.0, "served": 21.0, "latency_s": 7.0},
+    ]
+    # The server was first seen serving v1 at 9.0 (9.0 − 4.5 = 4.5 s) and v2 at 19.0 (19.0 − 14.0 = 5.0 s).
+    timeline = [{"t": 8.0, "version": 0}, {"t": 9.0, "version": 1}, {"t": 19.0, "version": 2}]
+    assert [(x["version"], x["latency_s"]) for x in feedback_to_swap(steps, records, timeline)] == [
+        (1, 4.5),
+        (2, 5.0),
     ]
     # p50 of [7.5, 7.0] = 7.25; p95 = 7.0 + 0.95·0.5 = 7.475.
     summary = latency_summary([x["latency_s"] for x in got])

@@ -5,12 +5,13 @@ The harness runs the learner against a tiny random Llama (2 layers, hidden 32) s
 the database and the SQL-table log, fed with hand-made trajectory and feedback records (no
 vLLM). Each learner life is a child forked from a fork server that has imported torch,
 transformers and the learner but touched no database and run no torch op: a fresh process in
-all but the import time (~6 s here), so a kill costs about a second. The child arms one fault
+all but the import time, which would otherwise dominate each life. The child arms one fault
 point (``learner.faults``) and dies there with ``os._exit(137)``; the next child restarts from
-whatever the dead one left on disk and in the database.
+whatever the dead one left on disk and in the database. After the point kills, one life in
+seven more is sent SIGKILL at a random moment.
 
-``SAOSERVE_FAULT_KILLS`` sets the kills per database (default 70: 10 per point); figures for
-larger counts are in docs/reliability.md.
+``SAOSERVE_FAULT_KILLS`` sets the point kills per database (default 70: 10 per point); figures
+for larger counts are in docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
+import signal
 import subprocess
 import sys
 import threading
@@ -167,7 +170,8 @@ def _child(job: dict) -> None:
 def fork_server() -> None:
     """Import the learner's dependencies once, then fork one child per job line on stdin.
 
-    Each child's exit status is written back as one JSON line ``{"rc": status}``.
+    Each child's exit status is written back as one JSON line ``{"rc": status}``. A job with
+    ``kill_after_s`` is also sent SIGKILL after that many seconds if it still runs (status −9).
     """
     import transformers
 
@@ -190,7 +194,14 @@ def fork_server() -> None:
                 code = 1
             sys.stderr.flush()
             os._exit(code)
+        timer = None
+        if job.get("kill_after_s") is not None:
+            timer = threading.Timer(job["kill_after_s"], os.kill, (pid, signal.SIGKILL))
+            timer.start()
         _, status = os.waitpid(pid, 0)
+        if timer is not None:
+            timer.cancel()
+            timer.join()
         print(json.dumps({"rc": os.waitstatus_to_exitcode(status)}), flush=True)
 
 
@@ -208,8 +219,8 @@ class Lives:
             env=os.environ | {"SAOSERVE_FAULT_POINT": ""},
         )
 
-    def run(self, fault: str | None) -> int:
-        self.proc.stdin.write(json.dumps(self.job | {"fault": fault}) + "\n")
+    def run(self, fault: str | None, kill_after_s: float | None = None) -> int:
+        self.proc.stdin.write(json.dumps(self.job | {"fault": fault, "kill_after_s": kill_after_s}) + "\n")
         self.proc.stdin.flush()
         return json.loads(self.proc.stdout.readline())["rc"]
 
@@ -291,6 +302,13 @@ def run_harness(tmp_path: Path, db_url: str, estimator: str, kills: int) -> dict
             rc = lives.run(f"{point}:{n}")
             assert rc == EXIT_CODE, f"life {i} ({point}:{n}) ended with {rc}, not at its fault point"
             outcomes[point] += 1
+        # kill -9 at random moments too: one life in seven, after 0.2-2 s (fixed seed).
+        rng = random.Random(13)
+        for _ in range(kills // len(POINTS)):
+            fed += feed(log, 4, len(fed))
+            rc = lives.run(None, kill_after_s=rng.uniform(0.2, 2.0))
+            assert rc in (-signal.SIGKILL, 0)
+            outcomes["random_sigkill" if rc else "random_finished"] += 1
         assert lives.run(None) == 0
     finally:
         lives.close()
@@ -306,14 +324,14 @@ KILLS = int(os.environ.get("SAOSERVE_FAULT_KILLS", "70"))
 @pytest.mark.slow
 def test_kill_at_every_point_sqlite_sao(tmp_path):
     figures = run_harness(tmp_path, f"sqlite:///{tmp_path / 'db.sqlite'}", "sao", KILLS)
-    assert sum(figures["kills"].values()) == KILLS and set(figures["kills"]) == set(POINTS)
+    assert sum(figures["kills"][p] for p in POINTS) == KILLS and all(figures["kills"][p] for p in POINTS)
     print(figures)
 
 
 @pytest.mark.slow
 def test_kill_at_every_point_postgres_spo(tmp_path, pg_url):
     figures = run_harness(tmp_path, pg_url, "spo", KILLS)
-    assert sum(figures["kills"].values()) == KILLS and set(figures["kills"]) == set(POINTS)
+    assert sum(figures["kills"][p] for p in POINTS) == KILLS and all(figures["kills"][p] for p in POINTS)
     print(figures)
 
 

@@ -1,4 +1,6 @@
-"""Hot-swap on the real engine: a perturbed copy of every weight (embeddings included)."""
+"""Hot-swap on the real engine: a perturbed copy of every weight (embeddings included);
+weights that do not match the model are refused before pausing; a fault during a swap leaves
+the old version serving."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from core.records import TrajectoryRecord
-from saoserve.model import weights_sha256
+from core.weights import weights_sha256
 from tests.conftest import ADMIN, make_settings, running_server
 from tests.test_server import hf_logprobs
 
@@ -110,3 +112,102 @@ async def test_swap_keeps_in_flight_requests_and_serves_new_weights(
                     json={"version": 0, "path": str(model_dir), "sha256": base_sha},
                 )
                 assert r.status_code == 200
+
+
+def write_variant(model_dir, out, change) -> str:
+    """A version directory whose weights are ``change(weights of model_dir)``; its sha256."""
+    out.mkdir()
+    for f in model_dir.iterdir():
+        if f.is_file() and f.suffix != ".safetensors":
+            shutil.copy2(f, out / f.name)
+    save_file(change(load_file(model_dir / "model.safetensors")), out / "model.safetensors")
+    return weights_sha256(out)
+
+
+def _drop(w):
+    return {k: v for k, v in w.items() if k != "model.norm.weight"}
+
+
+def _extra(w):
+    return {**w, "model.layers.30.mlp.extra.weight": torch.zeros(4, 4, dtype=torch.bfloat16)}
+
+
+def _reshape(w):
+    return {**w, "model.norm.weight": torch.ones(575, dtype=w["model.norm.weight"].dtype)}
+
+
+def _retype(w):
+    return {**w, "model.norm.weight": w["model.norm.weight"].to(torch.float16)}
+
+
+MISMATCHED = [
+    (_drop, "missing tensor 'model.norm.weight'"),
+    (_extra, "unexpected tensor 'model.layers.30.mlp.extra.weight'"),
+    (_reshape, "tensor 'model.norm.weight' has shape [575], the model [576]"),
+    (_retype, "tensor 'model.norm.weight' has dtype F16, expected one of ['BF16', 'F32']"),
+]
+
+
+async def served_matches(http, model_dir) -> None:
+    """A request is answered at version 0 with the logprobs of the weights in ``model_dir``."""
+    r = await http.post(
+        "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "Name a bird."}], "max_tokens": 12, "seed": 2},
+    )
+    assert r.status_code == 200 and r.json()["policy_version"] == 0
+    rec = TrajectoryRecord.model_validate_json(
+        (await http.get(f"/admin/trajectories/{r.json()['id']}", headers=ADMIN)).content
+    )
+    assert rec.token_versions == [(0, len(rec.response_token_ids))]
+    ref = hf_logprobs(model_dir, rec.prompt_token_ids, rec.response_token_ids, 1.0)
+    diff = max(abs(a - b) for a, b in zip(ref, rec.rollout_logprobs, strict=True))
+    # Measured ≈ 3e-5 nats for the same weights; perturbed weights differ by far more.
+    assert diff < 0.02, diff
+
+
+async def test_weights_that_do_not_match_the_model_are_refused(policy_engine, model_dir, tmp_path):
+    """Each directory has the right checksum for its file; the tensor layout refuses it
+    before the engine pauses, and version 0 keeps serving its own weights."""
+    settings = make_settings(tmp_path)
+    async with running_server(settings, policy_engine, watch_policy=False) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=300) as http:
+            for i, (change, message) in enumerate(MISMATCHED):
+                out = tmp_path / f"v{i + 1}"
+                sha = write_variant(model_dir, out, change)
+                r = await http.post(
+                    "/admin/load_policy", headers=ADMIN, json={"version": 77, "path": str(out), "sha256": sha}
+                )
+                assert r.status_code == 422, r.text
+                assert r.json()["error"]["code"] == "swap_refused" and message in r.json()["error"]["message"]
+                shutil.rmtree(out)
+            assert (await http.get("/v1/models")).json()["data"][0]["policy_version"] == 0
+            await served_matches(http, model_dir)
+
+
+async def test_a_fault_during_the_swap_restores_the_old_version(
+    policy_engine, model_dir, perturbed_model, tmp_path, monkeypatch
+):
+    """The new weights are loaded, then stamping the version fails (an injected fault): the
+    swap reloads version 0's weights, resumes the engine and answers 422; requests are then
+    served at version 0 with version 0's logprobs (the LM head restored too)."""
+    stamp = policy_engine.engine.update_weight_version
+
+    async def failing_stamp(version: str) -> None:
+        if version == "1":
+            raise RuntimeError("injected fault")
+        await stamp(version)
+
+    monkeypatch.setattr(policy_engine.engine, "update_weight_version", failing_stamp)
+    settings = make_settings(tmp_path)
+    async with running_server(settings, policy_engine, watch_policy=False) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=300) as http:
+            r = await http.post(
+                "/admin/load_policy",
+                headers=ADMIN,
+                json={"version": 1, "path": str(perturbed_model), "sha256": weights_sha256(perturbed_model)},
+            )
+            assert r.status_code == 422, r.text
+            assert "injected fault" in r.json()["error"]["message"]
+            assert "version 0 serves on" in r.json()["error"]["message"]
+            assert policy_engine.version == 0 and policy_engine.path == model_dir
+            await served_matches(http, model_dir)

@@ -16,8 +16,9 @@ from types import SimpleNamespace
 import httpx
 import pytest
 from pydantic import ValidationError
+from sqlalchemy import func, select
 
-from core.db import make_engine, migrate
+from core.db import Episode, TrajectoryIndex, make_engine, migrate
 from core.logbus import open_log
 from core.records import SamplingRecord, TrajectoryRecord, feedback_token, utcnow
 from server.limits import BodySizeLimit, max_body_bytes, max_message_chars
@@ -441,10 +442,6 @@ async def test_nul_in_ids_on_postgres_is_400_and_leaves_nothing(policy_engine, t
             r = await http.post("/v1/feedback", json={"id": "c\x00", "feedback_token": "t", "reward": 1})
             assert (r.status_code, r.json()["error"]["param"]) == (422, "id")
     assert logged(settings) == []
-    from sqlalchemy import func, select
-
-    from core.db import Episode, TrajectoryIndex
-
     eng = make_engine(pg_url)
     with eng.connect() as conn:
         counts = [

@@ -58,8 +58,9 @@ async def fuzz(url: str, report: Path, headers: dict[str, str]) -> tuple[list[di
     ]
     for k, v in headers.items():
         args += ["-H", f"{k}: {v}"]
+    # In the report's folder: schemathesis keeps a cache folder in its working directory.
     proc = await asyncio.create_subprocess_exec(
-        *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
+        *args, cwd=report.parent, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
     )
     out, _ = await proc.communicate()
     text = out.decode(errors="replace")

@@ -224,8 +224,8 @@ def logprobs_body(
     (the one logged for the learner) and, when asked, the most likely tokens by rank.
 
     One entry per sampled token, the end-of-sequence token included (its text is empty: the
-    engine skips special tokens in the answer). With a stop string the last entries spell the
-    stop string, which the content omits.
+    engine skips special tokens in the answer). With a stop string the entries still hold every
+    sampled token (the ones that spelled it too), while the content ends before it.
     """
     top_logprobs = top_logprobs or [[] for _ in token_ids]
     alt_ids = sorted({t for alts in top_logprobs for t, _ in alts})

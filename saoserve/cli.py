@@ -417,12 +417,13 @@ DEMO_POLICY_LR = 1e-4
 DEMO_CRITIC_LR = 2e-4
 DEMO_ADAM_BETA1 = 0.5
 DEMO_KL_COEF = 0.1
-# Async traffic of demo/compare: 8 requests in flight, and new requests held while two batches
-# of samples wait for the learner or are on their way (one batch training, the next filling), so
-# the learner keeps up and staleness stays about one version (a judgement; docs/demo.md has the
-# runs). Unheld, a short run served 0.8 answers/s against the learner's 0.3 samples/s at batch 8.
+# Async traffic of demo/compare: 8 requests in flight, and new requests held while three batches
+# of samples wait for the learner or are on their way, so the learner keeps up. On 2 cores the
+# traffic slows the learner: at batch 8 a step took 13.6-13.9 s with the cap holding traffic and
+# 41 s under 0.5 requests/s uncapped, whose backlog grew without bound. A cap of two batches gave
+# mean staleness 0.74, three gave 1.24 (docs/demo.md, runs B-D).
 DEMO_CONCURRENCY = 8
-DEMO_BACKLOG_BATCHES = 2
+DEMO_BACKLOG_BATCHES = 3
 
 
 @app.command()

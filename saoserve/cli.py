@@ -264,6 +264,7 @@ def simulate(
 ) -> None:
     """Run the style-shift simulation against a running server and write the report."""
     import asyncio
+    import json
 
     from judge.report import write_report
     from judge.simulate import Simulation, SimulationConfig, save_records
@@ -294,6 +295,7 @@ def simulate(
     except KeyboardInterrupt:
         result = sim.result
     save_records(out / "records-sao.jsonl", result.records)
+    (out / "details-sao.json").write_text(json.dumps(result.details(), default=str), encoding="utf-8")
     if result.records:
         write_report(
             out,

@@ -69,7 +69,10 @@ class LogTransport(ABC):
         """Records of (topic, partition) from ``offset`` on, in order; [] if none yet."""
 
     def check(self) -> None:  # noqa: B027 - optional hook
-        """Raise LogUnavailable if the log is known to be down or does not answer a probe now."""
+        """Raise LogUnavailable if the log is known to be down or does not answer a probe now.
+
+        ``append`` itself does not probe: a caller that must not leave a record behind when
+        it refuses checks first, then appends."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections."""
@@ -148,13 +151,13 @@ class KafkaLog(LogTransport):
 
     A refused append must never appear later (DESIGN §8), but a produce request already
     written to a paused broker's socket is appended when the broker resumes, whatever the
-    client does. So the broker is probed before a record is sent unless it answered less than
-    ``probe_after_s`` ago (a paused or dead broker is refused with nothing sent), and a record
-    once sent is waited for up to ``ack_timeout_s``, long enough to outlast short pauses, so
-    its answer is the broker's. After any failure the producer is closed without delivering
-    its buffer and rebuilt on the next append (a producer whose broker restarted is in a fatal
-    state for good: its producer id is unknown there), and missing topics are recreated (a
-    tansu broker with memory storage restarts empty).
+    client does. So callers that can refuse call ``check`` first: it probes the broker unless
+    it answered less than ``probe_after_s`` ago, and a paused or dead broker is refused with
+    nothing sent. A record once sent is waited for up to ``ack_timeout_s``, long enough to
+    outlast short pauses, so its answer is the broker's. After any failure the producer is
+    closed without delivering its buffer and rebuilt on the next append (a producer whose
+    broker restarted is in a fatal state for good: its producer id is unknown there), and
+    missing topics are recreated (a tansu broker with memory storage restarts empty).
     """
 
     def __init__(
@@ -239,6 +242,7 @@ class KafkaLog(LogTransport):
                 from kafka import KafkaProducer
 
                 try:
+                    self.ensure_topics()  # a broker that restarted empty would auto-create them
                     self._producer = KafkaProducer(
                         bootstrap_servers=self.bootstrap,
                         acks="all",
@@ -276,7 +280,6 @@ class KafkaLog(LogTransport):
     def append(self, topic: str, key: str, value: bytes) -> tuple[int, int]:
         if topic not in TOPICS:
             raise ValueError(f"unknown topic {topic!r}")
-        self.breaker.check()
         producer = self._get_producer()
         try:
             future = producer.send(topic, key=key.encode(), value=value)

@@ -77,10 +77,16 @@ class ServerState:
         self.background.add(task)
         task.add_done_callback(self.background.discard)
 
+    def _check_and_append(self, topic: str, key: str, payload: bytes) -> tuple[int, int]:
+        self.log.check()
+        return self.log.append(topic, key, payload)
+
     async def append(self, topic: str, key: str, payload: bytes) -> tuple[int, int]:
+        """Append a record the caller can still refuse (feedback): a log known to be down, or
+        not answering a probe, raises LogUnavailable with nothing sent."""
         t0 = time.perf_counter()
         try:
-            return await asyncio.to_thread(self.log.append, topic, key, payload)
+            return await asyncio.to_thread(self._check_and_append, topic, key, payload)
         finally:
             self.metrics.log_append.labels(topic).observe(time.perf_counter() - t0)
 

@@ -135,7 +135,7 @@ def _values(log, topic: str) -> list[bytes]:
 
 @pytest.mark.kafka
 def test_kafka_log_paused_broker_refuses_with_nothing_sent():
-    """Issue 13 item 3: a refused append (the broker paused, idle before) never appears later."""
+    """Issue 13 item 3: a refused record (the broker paused, idle before) never appears later."""
     broker = TansuBroker()
     broker.start()
     log = KafkaLog(broker.url, ack_timeout_s=20.0)
@@ -144,9 +144,9 @@ def test_kafka_log_paused_broker_refuses_with_nothing_sent():
         time.sleep(log.breaker.fresh_s + 0.1)  # idle: the next append probes first
         broker.pause()
         with pytest.raises(LogUnavailable):
-            log.append("feedback", "k", b"refused")
-        with pytest.raises(LogUnavailable):
-            log.check()
+            log.check()  # a caller that may refuse checks first; nothing is sent
+        with pytest.raises(LogUnavailable, match="the Kafka log is unavailable"):
+            log.check()  # open: refused without a probe
         broker.resume()
         time.sleep(log.breaker.cooldown_s + 0.1)
         log.append("feedback", "k", b"retried")
@@ -188,13 +188,23 @@ def test_kafka_log_rebuilds_producer_and_topics_after_broker_restart():
         broker.kill()
         time.sleep(log.breaker.fresh_s + 0.1)
         with pytest.raises(LogUnavailable):
-            log.append("trajectories", "p", b"while-down")
+            log.check()
         broker.start()
         time.sleep(log.breaker.cooldown_s + 0.1)
+        log.check()  # finds the topics gone: recreates them and drops the old producer
         placed = [log.append("trajectories", "p", f"after-{i}".encode()) for i in range(3)]
         assert [off for _, off in placed] == [0, 1, 2]
         assert _values(log, "trajectories") == [b"after-0", b"after-1", b"after-2"]
         assert sorted(log.partitions("feedback")) == list(range(log.num_partitions))
+        # Restarted again, with no check in between: the old producer's id is unknown to the
+        # new broker (a fatal state); that append fails, and the next one has a new producer.
+        broker.kill()
+        broker.start()
+        with pytest.raises(LogUnavailable, match="UnknownProducerId"):
+            log.append("trajectories", "p", b"refused")
+        assert log.append("trajectories", "p", b"rebuilt")[1] == 0  # the first record there
+        assert _values(log, "trajectories") == [b"rebuilt"]
+        assert sorted(log.partitions("policy")) == list(range(log.num_partitions))
     finally:
         broker.kill()
         log.close()

@@ -9,4 +9,7 @@ database, no HTTP):
   its tokens (shared by the SAO and SPO++ steps).
 - ``learner.kl``: the optional KL anchor to the base policy (not in SAO; k3 estimator).
 - ``learner.sao``: one SAO step on in-memory models, value pretraining, running-mean baseline.
+- ``learner.spo``: the SPO++ update.
+- ``learner.config``: the typed config of a learner run (algorithm, correction, presets).
+- ``learner.algorithm``: the contract every algorithm implements, the shared optimiser step.
 """

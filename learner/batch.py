@@ -33,6 +33,7 @@ class Batch:
         temperatures: [B] float > 0, the sampling temperature of each trajectory.
         token_staleness: optional [B, T] long, policy versions between sampling and this step.
         prompt_ids: optional list of B prompt keys, needed by the running-mean baseline.
+        baseline_values: optional [B] float, the prompt value v̂ frozen at dispatch (SPO++).
     """
 
     input_ids: torch.Tensor
@@ -43,6 +44,7 @@ class Batch:
     temperatures: torch.Tensor
     token_staleness: torch.Tensor | None = None
     prompt_ids: list[str] | None = field(default=None)
+    baseline_values: torch.Tensor | None = None
 
     def validate(self) -> None:
         """Check shapes and masks.
@@ -58,9 +60,9 @@ class Batch:
             t = getattr(self, name)
             if t is not None and t.shape != shape:
                 raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
-        for name in ("rewards", "temperatures"):
+        for name in ("rewards", "temperatures", "baseline_values"):
             t = getattr(self, name)
-            if t.shape != shape[:1]:
+            if t is not None and t.shape != shape[:1]:
                 raise ValueError(f"{name} has shape {tuple(t.shape)}, expected ({shape[0]},)")
         act = self.action_mask.bool()
         if bool(act[:, 0].any()):

@@ -30,12 +30,12 @@ import math
 import shutil
 import threading
 import uuid
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from sqlalchemy import delete, func, insert, select, update
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 
 from core.control import PAUSED, ROLLBACK_TO, get_flag
 from core.db import (
@@ -55,9 +55,10 @@ from core.records import (
 )
 from core.settings import Settings
 from core.weights import weights_sha256
+from learner.algorithm import Algorithm, build_algorithm
+from learner.config import LearnerConfig
 from learner.faults import ReadFaultLog, armed, fault_point
 from learner.joiner import Joiner, JoinStats
-from learner.pretrain import PRETRAINED_CRITIC
 from learner.samples import Sample, collate
 
 log = logging.getLogger(__name__)
@@ -83,42 +84,12 @@ def storable(value):
     return value
 
 
-@dataclass
-class LearnerConfig:
-    """Settings of one learner run.
-
-    ``estimator``: ``sao`` (critic + token GAE + DIS), ``running_mean`` (per-prompt mean of
-    the last 8 rewards, DIS loss) or ``spo`` (A = R − v̂ frozen at dispatch, action-token-measure
-    normalisation, SPO++ PPO objective). Learning rates: the paper's 1e-6 / 5e-6 are for a 30B
-    model with batch 128 over thousands of steps. ``saoserve learn`` defaults to the CPU preset
-    5e-5 / 1e-4 for the 135M model; ``saoserve demo``/``compare`` run at 1e-4 / 2e-4 with
-    batch 16, AdamW β1 0.5 and the KL anchor at 0.1 (measured runs in docs/demo.md).
-    ``kl_coef``: weight of the KL anchor to the base model (``learner.kl``; 0 = off, the paper;
-    sao and running_mean only); with it the learner also holds the base model (+540 MB, one
-    more forward pass per step).
-    """
-
-    batch_size: int = 8
-    estimator: str = "sao"
-    policy_lr: float = 5e-5
-    critic_lr: float = 1e-4
-    critic_updates: int = 2
-    adam_beta1: float = 0.9
-    critic_trainable: str = "mlp"
-    eps_low: float = 0.3
-    eps_high: float = 5.0
-    gae_mode: str = "token"
-    expire_s: float = 900.0
-    poll_s: float = 0.5
-    checkpoint_every: int = 10
-    keep_versions: int = 4
-    max_steps: int | None = None
-    autocast_bf16: bool = False
-    kl_coef: float = 0.0
-
-
 class Learner:
-    """One learner per policy. Not thread-safe: one loop drives it."""
+    """One learner per policy. Not thread-safe: one loop drives it.
+
+    ``algorithm`` is the ``learner.algorithm.Algorithm`` the config names, None until ``load``
+    (and after a step failed before its commit).
+    """
 
     def __init__(
         self,
@@ -136,7 +107,7 @@ class Learner:
         self.policy_dir = Path(settings.resolved_policy_dir)
         self.base_dir = Path(settings.resolved_model_dir)
         self.run_id = uuid.uuid4().hex[:12]
-        self.sao = None
+        self.algorithm: Algorithm | None = None
         self.version = 0
         self._unannounced = False
 
@@ -158,56 +129,23 @@ class Learner:
         The policy takes the weights of the database's latest version; the critic, optimizer
         states and step count come from ``checkpoint.pt`` when its version is not newer than
         that (else from the pretrained critic, or fresh). Version directories the database
-        does not know are deleted. On any error ``self.sao`` stays None.
+        does not know are deleted. On any error ``self.algorithm`` stays None.
         """
-        self.sao = None
+        self.algorithm = None
         try:
             self._load()
         except BaseException:
-            self.sao = None
+            self.algorithm = None
             raise
 
     def _load(self) -> None:
         from transformers import AutoModelForCausalLM
 
-        from learner.critic import ValueModel
-        from learner.sao import SAOConfig, SAOLearner
+        def load_policy():
+            return AutoModelForCausalLM.from_pretrained(self.base_dir, dtype=torch.float32)
 
-        cfg = self.config
         latest = self._latest_version()
-        policy = AutoModelForCausalLM.from_pretrained(self.base_dir, dtype=torch.float32)
-        critic = None
-        if cfg.estimator == "sao":
-            critic = ValueModel.from_policy(policy, trainable=cfg.critic_trainable)
-        if cfg.estimator == "spo":
-            from learner.spo import SPOConfig, SPOLearner
-
-            if cfg.kl_coef > 0:
-                raise ValueError("kl_coef applies to the sao and running_mean estimators, not spo")
-
-            self.sao = SPOLearner(policy, SPOConfig(policy_lr=cfg.policy_lr, adam_beta1=cfg.adam_beta1))
-        elif cfg.estimator in ("sao", "running_mean"):
-            sao_cfg = SAOConfig(
-                critic_updates=cfg.critic_updates,
-                policy_lr=cfg.policy_lr,
-                critic_lr=cfg.critic_lr,
-                adam_beta1=cfg.adam_beta1,
-                eps_low=cfg.eps_low,
-                eps_high=cfg.eps_high,
-                gae_mode=cfg.gae_mode,
-                baseline="critic" if cfg.estimator == "sao" else "running_mean",
-                autocast_bf16=cfg.autocast_bf16,
-                kl_coef=cfg.kl_coef,
-            )
-            # The KL anchor's reference is the base model (version 0), also after a resume.
-            reference = (
-                AutoModelForCausalLM.from_pretrained(self.base_dir, dtype=torch.float32)
-                if cfg.kl_coef > 0
-                else None
-            )
-            self.sao = SAOLearner(policy, critic, sao_cfg, reference=reference)
-        else:
-            raise ValueError(f"unknown estimator {cfg.estimator!r} (sao, running_mean, spo)")
+        algorithm = build_algorithm(self.config, load_policy)
         committed = latest.version if latest is not None else 0
         self._discard_uncommitted(committed)
         ckpt = self.policy_dir / CHECKPOINT_FILE
@@ -217,14 +155,13 @@ class Learner:
             # code, or a database restored from a backup): it claims updates that never were.
             log.warning("ignoring %s at version %d: the database is at %d", ckpt, state["version"], committed)
             state = None
-        pretrained = self.policy_dir / PRETRAINED_CRITIC
-        if critic is not None and state is None and pretrained.is_file():
-            critic.load_state_dict(torch.load(pretrained, map_location="cpu"))
-            log.info("critic initialised from %s", pretrained)
         self.version = 0
-        if state is not None:
-            self.sao.load_state_dict(state["learner"])
+        if state is None:
+            algorithm.warm_start(self.policy_dir)
+        else:
+            algorithm.load_state_dict(state["learner"])
             self.version = state["version"]
+        self.algorithm = algorithm
         if latest is not None and latest.version > self.version:
             # Versions trained after the last checkpoint: take their published policy weights
             # (the critic and optimizer state come from the checkpoint).
@@ -254,7 +191,7 @@ class Learner:
         from safetensors.torch import load_file
 
         weights = {k: v.float() for k, v in load_file(path / WEIGHTS_FILE).items()}
-        missing, unexpected = self.sao.policy.load_state_dict(weights, strict=False)
+        missing, unexpected = self.algorithm.policy.load_state_dict(weights, strict=False)
         if unexpected or [k for k in missing if k != "lm_head.weight"]:
             raise RuntimeError(f"policy weights at {path} do not match the model: {missing} {unexpected}")
 
@@ -315,8 +252,8 @@ class Learner:
         tmp = out.with_name(out.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        weights = self.sao.policy_weights(getattr(torch, self.settings.dtype))
-        if getattr(self.sao.policy.config, "tie_word_embeddings", False):
+        weights = self.algorithm.policy_weights(getattr(torch, self.settings.dtype))
+        if getattr(self.algorithm.policy.config, "tie_word_embeddings", False):
             weights.pop("lm_head.weight", None)
         save_file(
             {k: v.contiguous() for k, v in weights.items()}, tmp / WEIGHTS_FILE, metadata={"format": "pt"}
@@ -346,8 +283,8 @@ class Learner:
         """One step on the oldest ``batch_size`` samples, then publish the new version.
 
         The step counts as applied only once its version is committed: on any error before
-        that, the in-memory models are dropped (``self.sao = None``) and the error re-raised;
-        ``run`` reloads the committed state before anything else.
+        that, the in-memory models are dropped (``self.algorithm = None``) and the error
+        re-raised; ``run`` reloads the committed state before anything else.
         """
         with self.db.connect() as conn:
             rows = conn.execute(
@@ -359,22 +296,34 @@ class Learner:
             return None
         samples = [Sample.from_json(json.loads(p)) for _, p in rows]
         batch = collate(samples, self.version)
-        new_version = self.version + 1
+        sample_ids = [r[0] for r in rows]
         try:
             metrics = self._step(samples, batch)
             # The newest sample of the batch, whose feedback completed it (judge.runstats).
             metrics["completing_sample"] = rows[-1][0]
             fault_point("during_step")
-            path, sha = self._write_version(new_version)
-            fault_point("after_weights")
-            self._commit_version(new_version, path, sha, metrics, [r[0] for r in rows])
         except BaseException:
-            self.sao = None
+            self.algorithm = None
             raise
-        self.version = new_version
-        self._unannounced = True
-        fault_point("after_commit")
-        if self.sao.steps % self.config.checkpoint_every == 0:
+        clean = storable(metrics)
+        flat = {k: v for k, v in clean.items() if v is None or isinstance(v, int | float)}
+        step = self.algorithm.steps
+
+        def record_step(conn: Connection, version: int, now) -> None:
+            # The step (with the ids of the samples it trained) and the samples' deletion.
+            conn.execute(delete(LearnerSample).where(LearnerSample.id.in_(sample_ids)))
+            conn.execute(
+                insert(LearnerStep).values(
+                    run_id=self.run_id,
+                    step=step,
+                    version=version,
+                    metrics=json.loads(json.dumps(clean | {"sample_ids": sample_ids}, default=str)),
+                    created_at=now,
+                )
+            )
+
+        new_version = self._publish(self.version, flat, record_step)
+        if step % self.config.checkpoint_every == 0:
             self._checkpoint(new_version)
             fault_point("after_checkpoint")
         self._announce_latest()
@@ -391,15 +340,7 @@ class Learner:
         return metrics
 
     def _step(self, samples: list[Sample], batch) -> dict:
-        if self.config.estimator == "spo":
-            # The value frozen at dispatch; 0.5 (the default prior) for records logged before
-            # evidence existed.
-            frozen = torch.tensor(
-                [s.baseline_value if s.baseline_value is not None else 0.5 for s in samples]
-            )
-            metrics = self.sao.step(batch, frozen)
-        else:
-            metrics = self.sao.step(batch)
+        metrics = self.algorithm.step(batch, samples)
         stale = batch.token_staleness[batch.action_mask.bool()]
         metrics["staleness_mean"] = stale.float().mean().item()
         metrics["staleness_max"] = int(stale.max().item())
@@ -408,36 +349,44 @@ class Learner:
         }
         return metrics
 
+    def _publish(self, parent: int, metrics: dict, also: Callable[[Connection, int, object], None]) -> int:
+        """Write the next version's weights, then commit its row together with ``also(conn,
+        version, now)`` in one transaction; returns the new version (still to be announced).
+
+        Metrics must be storable (``storable``). On any error before the commit the in-memory
+        models are dropped (``self.algorithm = None``) and the error re-raised.
+        """
+        new_version = self.version + 1
+        try:
+            path, sha = self._write_version(new_version)
+            fault_point("after_weights")
+            self._commit_version(new_version, path, sha, parent, metrics, also)
+        except BaseException:
+            self.algorithm = None
+            raise
+        self.version = new_version
+        self._unannounced = True
+        fault_point("after_commit")
+        return new_version
+
     def _commit_version(
-        self, version: int, path: Path, sha: str, metrics: dict, sample_ids: list[str]
+        self, version: int, path: Path, sha: str, parent: int, metrics: dict, also: Callable
     ) -> None:
-        """Record the version, its step (with the ids of the samples it trained) and delete
-        those samples, in one transaction. Metrics are stored finite or null (``storable``)."""
-        clean = storable(metrics)
-        flat = {k: v for k, v in clean.items() if v is None or isinstance(v, int | float)}
+        """Record the version (status committed) and ``also(conn, version, now)`` in one transaction."""
         now = utcnow()
         with self.db.begin() as conn:
-            conn.execute(delete(LearnerSample).where(LearnerSample.id.in_(sample_ids)))
             conn.execute(
                 insert(PolicyVersion).values(
                     version=version,
                     path=str(path.resolve()),
                     sha256=sha,
                     status="committed",
-                    parent_version=self.version,
-                    metrics=flat,
+                    parent_version=parent,
+                    metrics=metrics,
                     created_at=now,
                 )
             )
-            conn.execute(
-                insert(LearnerStep).values(
-                    run_id=self.run_id,
-                    step=self.sao.steps,
-                    version=version,
-                    metrics=json.loads(json.dumps(clean | {"sample_ids": sample_ids}, default=str)),
-                    created_at=now,
-                )
-            )
+            also(conn, version, now)
 
     def _announce_latest(self) -> None:
         self._announce(self._latest_version())
@@ -446,7 +395,12 @@ class Learner:
     def _checkpoint(self, version: int) -> None:
         """Replace ``checkpoint.pt`` with the state of ``version``; call only once it is committed."""
         tmp = self.policy_dir / (CHECKPOINT_FILE + ".tmp")
-        torch.save({"version": version, "learner": self.sao.state_dict(), "config": asdict(self.config)}, tmp)
+        state = {
+            "version": version,
+            "learner": self.algorithm.state_dict(),
+            "config": self.config.model_dump(mode="json"),
+        }
+        torch.save(state, tmp)
         tmp.replace(self.policy_dir / CHECKPOINT_FILE)
 
     def rollback(self, version: int) -> int | None:
@@ -473,29 +427,17 @@ class Learner:
                 if res.rowcount == 0:
                     conn.execute(insert(LearnerCounter).values(name="rollback_refused", value=1))
             return None
-        new_version = self.version + 1
         try:
             self._load_policy_weights(Path(row.path))
-            self.sao.policy_opt.state.clear()
-            path, sha = self._write_version(new_version)
-            with self.db.begin() as conn:
-                conn.execute(
-                    insert(PolicyVersion).values(
-                        version=new_version,
-                        path=str(path.resolve()),
-                        sha256=sha,
-                        status="committed",
-                        parent_version=version,
-                        metrics={"rollback_to": version},
-                        created_at=utcnow(),
-                    )
-                )
-                conn.execute(delete(ControlFlag).where(ControlFlag.name == ROLLBACK_TO))
+            self.algorithm.reset_policy_optimizer()
         except BaseException:
-            self.sao = None
+            self.algorithm = None
             raise
-        self.version = new_version
-        self._unannounced = True
+
+        def clear_flag(conn: Connection, new_version: int, now) -> None:
+            conn.execute(delete(ControlFlag).where(ControlFlag.name == ROLLBACK_TO))
+
+        new_version = self._publish(version, {"rollback_to": version}, clear_flag)
         self._announce_latest()
         return new_version
 
@@ -504,7 +446,7 @@ class Learner:
         stop = stop or threading.Event()
         while not stop.is_set():
             try:
-                if self.sao is None:
+                if self.algorithm is None:
                     # First start, or a step failed before its commit: the committed state.
                     self.load()
                 elif self._unannounced:
@@ -519,7 +461,7 @@ class Learner:
                     continue
                 if self.train_step() is None:
                     stop.wait(self.config.poll_s)
-                elif self.config.max_steps is not None and self.sao.steps >= self.config.max_steps:
+                elif self.config.max_steps is not None and self.algorithm.steps >= self.config.max_steps:
                     return
             except Exception:
                 # Log or database outage: wait and resume from the committed state.
@@ -530,7 +472,7 @@ class Learner:
 def run_learner(settings: Settings, config: LearnerConfig, stop: threading.Event | None = None) -> Learner:
     """Migrate, build, and run a learner in this thread (``saoserve learn``)."""
     migrate(settings.resolved_database_url)
-    log.info("learner config: %s", config)
+    log.info("learner config: %s", config.model_dump_json())
     learner = Learner(settings, config)
     learner.load()
     learner.run(stop)

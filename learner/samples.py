@@ -201,7 +201,8 @@ def collate(samples: list[Sample], current_version: int, pad_id: int = 0) -> Bat
     """Right-pad samples into a ``learner.batch.Batch`` ([B, T] tensors, T = longest sample).
 
     ``token_staleness[b, t]`` = ``current_version`` − the version that produced the token
-    (0 outside actions). Raises ValueError on an empty list.
+    (0 outside actions). ``baseline_values``: each sample's value frozen at dispatch, 0.5 (the
+    default prior) for records logged before evidence existed. Raises ValueError on an empty list.
     """
     if not samples:
         raise ValueError("no samples to collate")
@@ -230,4 +231,7 @@ def collate(samples: list[Sample], current_version: int, pad_id: int = 0) -> Bat
         temperatures=torch.tensor([s.temperature for s in samples], dtype=torch.float32),
         token_staleness=stale,
         prompt_ids=[s.prompt_id for s in samples],
+        baseline_values=torch.tensor(
+            [s.baseline_value if s.baseline_value is not None else 0.5 for s in samples], dtype=torch.float32
+        ),
     )

@@ -14,22 +14,27 @@ Conventions:
 
 from __future__ import annotations
 
-import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
-from typing import Literal
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from transformers import PreTrainedModel
 
+from learner.algorithm import Algorithm, make_adamw, optimizer_step, throughput
 from learner.baselines import RunningMeanBaseline
 from learner.batch import Batch, policy_logprobs
 from learner.critic import ValueModel
 from learner.dis import dis_loss
 from learner.gae import length_adaptive_lambda, step_gae, token_gae
 from learner.kl import k3_kl
+
+if TYPE_CHECKING:
+    from learner.config import LearnerConfig
+    from learner.samples import Sample
 
 
 @dataclass
@@ -122,18 +127,6 @@ def _autocast(enabled: bool, device: torch.device):
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16) if enabled else nullcontext()
 
 
-def make_adamw(
-    params: list[torch.nn.Parameter], lr: float, weight_decay: float, beta1: float = 0.9
-) -> torch.optim.AdamW:
-    """AdamW with betas ``(beta1, 0.999)`` for the learners' models (no I/O; raises nothing).
-
-    Fused AdamW exists for CPU and CUDA float32 parameters and is several times faster than the
-    per-tensor loop on 135M parameters.
-    """
-    fused = all(p.device.type in ("cpu", "cuda") for p in params)
-    return torch.optim.AdamW(params, lr=lr, betas=(beta1, 0.999), weight_decay=weight_decay, fused=fused)
-
-
 def pretrain_critic(
     critic: ValueModel,
     batches: Sequence[Batch],
@@ -182,15 +175,12 @@ def pretrain_critic(
             with _autocast(autocast_bf16, device):
                 v = critic(batch.input_ids, batch.attention_mask)
             loss = masked_mse(v, returns, mask)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, grad_clip)
-            opt.step()
+            optimizer_step(opt, loss, params, grad_clip)
             losses.append(loss.item())
     return losses
 
 
-class SAOLearner:
+class SAOLearner(Algorithm):
     """The SAO update on an in-memory policy and critic (SAO §2, DESIGN §5.1-5.3).
 
     ``step(batch)``:
@@ -265,6 +255,40 @@ class SAOLearner:
         )
         self.steps = 0
 
+    @classmethod
+    def build(cls, config: LearnerConfig, load_policy: Callable[[], PreTrainedModel]) -> SAOLearner:
+        """SAO (``algorithm.name == "sao"``: a critic from the policy's body) or the running-mean
+        baseline (no critic); with ``kl_coef > 0`` a second base policy is the KL reference (the
+        base model, version 0, also after a resume)."""
+        from learner.critic import ValueModel
+
+        algo = config.algorithm
+        policy = load_policy()
+        shared = dict(
+            policy_lr=config.policy_lr,
+            adam_beta1=config.adam_beta1,
+            weight_decay=config.weight_decay,
+            grad_clip=config.grad_clip,
+            autocast_bf16=config.autocast_bf16,
+            chunk_tokens=config.chunk_tokens,
+        )
+        if algo.name == "sao":
+            critic = ValueModel.from_policy(policy, trainable=algo.critic_trainable)
+            own = algo.model_dump(exclude={"name", "critic_trainable"}) | {"baseline": "critic"}
+        else:
+            critic = None
+            own = algo.model_dump(exclude={"name"}) | {"baseline": "running_mean"}
+        reference = load_policy() if algo.kl_coef > 0 else None
+        return cls(policy, critic, SAOConfig(**shared, **own), reference=reference)
+
+    def warm_start(self, policy_dir: Path) -> None:
+        """Load the pretrained critic (``saoserve pretrain-critic``) when there is one."""
+        from learner.pretrain import PRETRAINED_CRITIC
+
+        pretrained = policy_dir / PRETRAINED_CRITIC
+        if self.critic is not None and pretrained.is_file():
+            self.critic.load_state_dict(torch.load(pretrained, map_location="cpu"))
+
     def _critic_lr(self) -> float:
         warm = self.config.critic_warmup_steps
         return self.config.critic_lr * (min(1.0, (self.steps + 1) / warm) if warm > 0 else 1.0)
@@ -299,10 +323,7 @@ class SAOLearner:
             if k == 0:
                 # Before any update on this batch: an out-of-sample measure of the critic.
                 ev_before = explained_variance(returns, v.detach(), mask)
-            self.critic_opt.zero_grad(set_to_none=True)
-            loss.backward()
-            norms.append(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip).item())
-            self.critic_opt.step()
+            norms.append(optimizer_step(self.critic_opt, loss, params, cfg.grad_clip))
             losses.append(loss.item())
         with torch.no_grad(), self._autocast():
             values = self.critic(batch.input_ids, batch.attention_mask).float()
@@ -331,8 +352,8 @@ class SAOLearner:
             adv, _ = step_gae(rewards, values, mask, cfg.gamma, lam, cfg.gae_mode.removeprefix("step_"))
         return adv
 
-    def step(self, batch: Batch) -> dict[str, float]:
-        """One SAO step on ``batch``; returns metrics (python floats).
+    def step(self, batch: Batch, samples: Sequence[Sample] | None = None) -> dict[str, float]:
+        """One SAO step on ``batch``; returns metrics (python floats). ``samples`` is not read.
 
         Metrics: policy_loss (the DIS loss, plus ``kl_coef · kl_ref`` when the anchor is on),
         kept_fraction, mean_abs_log_ratio, approx_kl (k3), nonfinite_tokens (action tokens
@@ -379,14 +400,9 @@ class SAOLearner:
             kl = k3_kl(lp, ref_lp, mask)
             loss = loss + cfg.kl_coef * kl
             metrics["kl_ref"] = kl.item()
-        self.policy_opt.zero_grad(set_to_none=True)
-        loss.backward()
-        policy_norm = torch.nn.utils.clip_grad_norm_(self.policy_params, cfg.grad_clip).item()
-        self.policy_opt.step()
+        policy_norm = optimizer_step(self.policy_opt, loss, self.policy_params, cfg.grad_clip)
         self.steps += 1
 
-        elapsed = time.perf_counter() - t0
-        tokens = int(batch.attention_mask.bool().sum().item())
         metrics.update(stats)
         metrics.update(
             policy_loss=loss.item(),
@@ -394,16 +410,10 @@ class SAOLearner:
             policy_lr=cfg.policy_lr,
             advantage_mean=advantages[mask].mean().item(),
             reward_mean=batch.rewards.float().mean().item(),
-            tokens=tokens,
-            step_time_s=elapsed,
-            tokens_per_s=tokens / elapsed if elapsed > 0 else math.inf,
+            **throughput(batch, t0),
             step=self.steps,
         )
         return metrics
-
-    def policy_weights(self, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
-        """A detached copy of the policy's state dict cast to ``dtype`` (for publishing to a server)."""
-        return {k: v.detach().to(dtype=dtype, copy=True) for k, v in self.policy.state_dict().items()}
 
     def state_dict(self) -> dict:
         """Checkpoint: policy, critic, both optimizers, step count, running-mean history, config."""

@@ -11,11 +11,11 @@ weight π_old/π_rollout carries the off-policy correction.
 
 from __future__ import annotations
 
-import math
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
 from transformers import PreTrainedModel
 
 from learner.advantages import (
@@ -25,9 +25,13 @@ from learner.advantages import (
     token_measure_normalize,
     trajectory_whiten,
 )
+from learner.algorithm import Algorithm, make_adamw, optimizer_step, throughput
 from learner.batch import Batch, policy_logprobs
 from learner.finite import usable_tokens
-from learner.sao import make_adamw
+
+if TYPE_CHECKING:
+    from learner.config import LearnerConfig
+    from learner.samples import Sample
 
 
 @dataclass
@@ -45,12 +49,8 @@ class SPOConfig:
     chunk_tokens: int = 512
 
 
-class SPOLearner:
-    """One SPO++ policy update per ``step(batch, baseline_values)``; no critic.
-
-    Same checkpoint interface as ``SAOLearner`` (``policy``, ``policy_opt``, ``steps``,
-    ``policy_weights``, ``state_dict``, ``load_state_dict``).
-    """
+class SPOLearner(Algorithm):
+    """One SPO++ policy update per ``step(batch)`` (``batch.baseline_values`` required); no critic."""
 
     critic = None
 
@@ -63,18 +63,36 @@ class SPOLearner:
         self.policy_opt = make_adamw(self.params, config.policy_lr, 0.0, config.adam_beta1)
         self.steps = 0
 
-    def step(self, batch: Batch, baseline_values: torch.Tensor) -> dict:
-        """``baseline_values``: [B] float, v̂ frozen at dispatch per trajectory.
+    @classmethod
+    def build(cls, config: LearnerConfig, load_policy: Callable[[], PreTrainedModel]) -> SPOLearner:
+        """SPO++ on a fresh base policy with ``config``'s learning rate, β1 and clip settings."""
+        return cls(
+            load_policy(),
+            SPOConfig(
+                policy_lr=config.policy_lr,
+                adam_beta1=config.adam_beta1,
+                grad_clip=config.grad_clip,
+                chunk_tokens=config.chunk_tokens,
+                **config.algorithm.model_dump(exclude={"name"}),
+            ),
+        )
+
+    def step(self, batch: Batch, samples: Sequence[Sample] | None = None) -> dict:
+        """One update; ``batch.baseline_values`` ([B] float) is v̂ frozen at dispatch per
+        trajectory. ``samples`` is not read.
 
         Action tokens with a non-finite or impossibly small logprob are masked and counted
         (``nonfinite_tokens``, ``learner.finite``). Returns metrics: policy_loss, the loss
         stats, Cov_n(L, A) and the token-weighted centre before/after normalisation,
         reward_mean, step_time_s, tokens_per_s.
-        Raises ValueError on an invalid batch.
+        Raises ValueError on an invalid batch or one without ``baseline_values``.
         """
         t0 = time.perf_counter()
         cfg = self.config
         batch.validate()
+        if batch.baseline_values is None:
+            raise ValueError("the spo algorithm needs batch.baseline_values")
+        baseline_values = batch.baseline_values
         mask = batch.action_mask.bool()
         lengths = mask.sum(dim=1).float()
         raw = spo_advantages(batch.rewards.float(), baseline_values.float())
@@ -99,17 +117,12 @@ class SPOLearner:
             cfg.rollout_is_cap,
             cfg.dual_clip,
         )
-        self.policy_opt.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip).item()
-        self.policy_opt.step()
+        grad_norm = optimizer_step(self.policy_opt, loss, self.params, cfg.grad_clip)
         self.steps += 1
         # DIS-style diagnostics so the dashboard's kept fraction means the same thing; over the
         # tokens the loss used, so the metric stays finite.
         usable, _ = usable_tokens(mask, lp, batch.rollout_logprobs)
         log_ratio = (lp.detach() - batch.rollout_logprobs)[usable].double()
-        elapsed = time.perf_counter() - t0
-        tokens = int(batch.attention_mask.bool().sum().item())
         return {
             **stats,
             **loss_stats,
@@ -120,14 +133,9 @@ class SPOLearner:
             "mean_abs_log_ratio": log_ratio.abs().mean().item() if log_ratio.numel() else 0.0,
             "reward_mean": batch.rewards.float().mean().item(),
             "baseline_mean": baseline_values.float().mean().item(),
-            "tokens": tokens,
-            "step_time_s": elapsed,
-            "tokens_per_s": tokens / elapsed if elapsed > 0 else math.inf,
+            **throughput(batch, t0),
             "step": self.steps,
         }
-
-    def policy_weights(self, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
-        return {k: v.detach().to(dtype=dtype, copy=True) for k, v in self.policy.state_dict().items()}
 
     def state_dict(self) -> dict:
         return {

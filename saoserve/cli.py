@@ -62,63 +62,66 @@ def serve(
     uvicorn.run(create_app(settings), host=host, port=port, log_level="info")
 
 
+LEARN_HELP = "Default: the preset's (see learner.config)."
+
+
 @app.command()
 def learn(
-    batch_size: int = typer.Option(8, min=1, help="Samples (one rollout per prompt) per SAO step."),
-    estimator: str = typer.Option("sao", help="sao | running_mean | spo"),
-    policy_lr: float = typer.Option(5e-5, min=0.0, help="Policy learning rate (CPU preset; paper: 1e-6)."),
-    critic_lr: float = typer.Option(1e-4, min=0.0, help="Critic learning rate (CPU preset; paper: 5e-6)."),
-    critic_updates: int = typer.Option(2, min=1, help="K critic steps per policy step."),
-    adam_beta1: float = typer.Option(
-        0.9, min=0.0, max=0.999, help="AdamW first-moment decay (momentum memory ≈ 1/(1-β1) steps)."
+    preset: str = typer.Option("cpu", help="Named learner config: paper | cpu | demo."),
+    config: Path = typer.Option(
+        None, help="A learner config as JSON (LearnerConfig); replaces --preset, options override it."
     ),
+    algorithm: str = typer.Option(None, "--algorithm", "--estimator", help="sao | running_mean | spo"),
+    batch_size: int = typer.Option(None, help=f"Samples (one rollout per prompt) per step. {LEARN_HELP}"),
+    policy_lr: float = typer.Option(None, help=f"Policy learning rate. {LEARN_HELP}"),
+    critic_lr: float = typer.Option(None, help=f"Critic learning rate (sao). {LEARN_HELP}"),
+    critic_updates: int = typer.Option(None, help=f"K critic steps per policy step (sao). {LEARN_HELP}"),
+    adam_beta1: float = typer.Option(None, help=f"AdamW first-moment decay. {LEARN_HELP}"),
     kl_coef: float = typer.Option(
-        0.0,
-        min=0.0,
-        help="Weight of the KL anchor to the base policy (0 = off, the paper; sao/running_mean).",
+        None, help=f"Weight of the KL anchor to the base policy (sao, running_mean). {LEARN_HELP}"
     ),
-    critic_trainable: str = typer.Option("mlp", help="mlp (frozen attention, SAO) | all (ablation)"),
-    gae_mode: str = typer.Option("token", help="token | step_mean | step_last"),
-    eps_low: float = typer.Option(0.3, min=0.0, max=1.0, help="DIS lower bound ε_l."),
-    eps_high: float = typer.Option(5.0, min=0.0, help="DIS upper bound ε_h."),
-    expire_s: float = typer.Option(900.0, min=1.0, help="Seconds a trajectory waits for feedback."),
-    max_steps: int = typer.Option(None, min=1, help="Stop after this many steps."),
+    critic_trainable: str = typer.Option(None, help="mlp (frozen attention, SAO) | all (ablation)"),
+    gae_mode: str = typer.Option(None, help="token | step_mean | step_last"),
+    eps_low: float = typer.Option(None, help=f"DIS lower bound ε_l. {LEARN_HELP}"),
+    eps_high: float = typer.Option(None, help=f"DIS upper bound ε_h. {LEARN_HELP}"),
+    expire_s: float = typer.Option(None, help=f"Seconds a trajectory waits for feedback. {LEARN_HELP}"),
+    max_steps: int = typer.Option(None, help="Stop after this many steps."),
 ) -> None:
-    """Join trajectories with feedback, train the policy with SAO, publish versions."""
+    """Join trajectories with feedback, train the policy, publish versions.
+
+    The run's settings are one ``learner.config.LearnerConfig``: a preset (or a JSON file), with
+    each option given here overriding its field.
+    """
     import logging
 
-    from learner.process import LearnerConfig, run_learner
+    from learner.config import ConfigError, build_config, load_config
 
-    if estimator not in ("sao", "running_mean", "spo"):
-        fail(f"unknown estimator {estimator!r}: choose sao, running_mean or spo")
-    if kl_coef > 0 and estimator == "spo":
-        fail("--kl-coef applies to the sao and running_mean estimators, not spo")
-    if critic_trainable not in ("mlp", "all"):
-        fail(f"unknown critic_trainable {critic_trainable!r}: choose mlp or all")
-    if gae_mode not in ("token", "step_mean", "step_last"):
-        fail(f"unknown gae_mode {gae_mode!r}: choose token, step_mean or step_last")
+    top = {"batch_size": batch_size, "policy_lr": policy_lr, "adam_beta1": adam_beta1}
+    top |= {"expire_s": expire_s, "max_steps": max_steps}
+    algo = {"critic_lr": critic_lr, "critic_updates": critic_updates, "kl_coef": kl_coef}
+    algo |= {
+        "critic_trainable": critic_trainable,
+        "gae_mode": gae_mode,
+        "eps_low": eps_low,
+        "eps_high": eps_high,
+    }
+    overrides = {k: v for k, v in top.items() if v is not None}
+    overrides["algorithm"] = {k: v for k, v in algo.items() if v is not None}
+    try:
+        if config is not None:
+            cfg = load_config(config, algorithm, overrides)
+        else:
+            cfg = build_config(preset, algorithm, overrides)
+    except ConfigError as exc:
+        fail(str(exc))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     settings = get_settings()
+    from learner.process import run_learner
     from saoserve.model import prepare_model
 
     prepare_model(settings.resolved_model_dir)
-    config = LearnerConfig(
-        batch_size=batch_size,
-        estimator=estimator,
-        policy_lr=policy_lr,
-        critic_lr=critic_lr,
-        critic_updates=critic_updates,
-        adam_beta1=adam_beta1,
-        kl_coef=kl_coef,
-        critic_trainable=critic_trainable,
-        gae_mode=gae_mode,
-        eps_low=eps_low,
-        eps_high=eps_high,
-        expire_s=expire_s,
-        max_steps=max_steps,
-    )
     try:
-        run_learner(settings, config)
+        run_learner(settings, cfg)
     except KeyboardInterrupt:
         typer.echo("learner stopped")
 

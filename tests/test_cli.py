@@ -23,10 +23,22 @@ def home(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
-        (["learn", "--estimator", "ppo"], "unknown estimator 'ppo'"),
-        (["learn", "--critic-trainable", "attn"], "unknown critic_trainable"),
-        (["learn", "--gae-mode", "steps"], "unknown gae_mode"),
-        (["learn", "--estimator", "spo", "--kl-coef", "0.1"], "--kl-coef applies to the sao"),
+        (["learn", "--estimator", "ppo"], "unknown algorithm 'ppo': choose sao, running_mean, spo"),
+        (["learn", "--algorithm", "ppo"], "unknown algorithm 'ppo'"),
+        (
+            ["learn", "--critic-trainable", "attn"],
+            "algorithm.sao.critic_trainable: Input should be 'mlp' or 'all'",
+        ),
+        (["learn", "--gae-mode", "steps"], "algorithm.sao.gae_mode: Input should be 'token'"),
+        (["learn", "--estimator", "spo", "--kl-coef", "0.1"], "kl_coef does not apply to the spo algorithm"),
+        (
+            ["learn", "--algorithm", "running_mean", "--critic-lr", "0.1"],
+            "critic_lr does not apply to the running_mean",
+        ),
+        (["learn", "--preset", "fast"], "unknown preset 'fast': choose paper, cpu, demo"),
+        (["learn", "--batch-size", "0"], "batch_size: Input should be greater than or equal to 1"),
+        (["learn", "--eps-low", "2"], "algorithm.sao.eps_low: Input should be less than or equal to 1"),
+        (["learn", "--config", "/no/such/learner.json"], "cannot read the config /no/such/learner.json"),
         (["evidence-init", "/no/such/file.jsonl"], "does not exist"),
         (["simulate", "--schedule", "cute:0"], "need >= 1"),
         (["simulate", "--schedule", "sparkly:3"], "unknown style 'sparkly'"),

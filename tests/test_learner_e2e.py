@@ -110,10 +110,10 @@ async def test_learner_publishes_a_version_the_server_serves(policy_engine, mode
 
             # Restart: the learner resumes at version 1 from its checkpoint and the database.
             # Free the first learner's models first (policy, critic and Adam states: ~6 GB).
-            learner.sao = None
+            learner.algorithm = None
             gc.collect()
             resumed = Learner(settings, config)
             await asyncio.to_thread(resumed.load)
-            assert resumed.version == 1 and resumed.sao.steps == 1
+            assert resumed.version == 1 and resumed.algorithm.steps == 1
     finally:
         await policy_engine.swap(0, model_dir, weights_sha256(model_dir))

@@ -152,7 +152,11 @@ def _child(job: dict) -> None:
         policy_dir=Path(job["policy_dir"]),
     )
     config = LearnerConfig(
-        batch_size=BATCH, estimator=job["estimator"], checkpoint_every=2, poll_s=0.02, keep_versions=3
+        batch_size=BATCH,
+        algorithm={"name": job["estimator"]},
+        checkpoint_every=2,
+        poll_s=0.02,
+        keep_versions=3,
     )
     learner = Learner(settings, config)
     stop = threading.Event()
@@ -160,7 +164,7 @@ def _child(job: dict) -> None:
     def watch() -> None:
         engine = make_engine(job["db"])
         while not stop.wait(0.05):
-            if learner.sao is not None and caught_up(engine):
+            if learner.algorithm is not None and caught_up(engine):
                 stop.set()
 
     threading.Thread(target=watch, daemon=True).start()
@@ -358,7 +362,7 @@ def committed_weights(learner: Learner, version: int) -> dict[str, torch.Tensor]
 
 
 def assert_policy_is(learner: Learner, weights: dict[str, torch.Tensor]) -> None:
-    state = learner.sao.policy.state_dict()
+    state = learner.algorithm.policy.state_dict()
     assert all(torch.equal(state[k], v) for k, v in weights.items())
 
 
@@ -415,7 +419,7 @@ def test_failed_commit_reloads_the_committed_state(tmp_path, monkeypatch):
         learner.train_step()
     # The step was applied in memory and v000002 written, but nothing committed: the models are
     # dropped, the samples still wait.
-    assert learner.sao is None and learner.waiting_samples() == 2
+    assert learner.algorithm is None and learner.waiting_samples() == 2
     assert (tmp_path / "policies" / "v000002").is_dir()
     learner.load()
     assert learner.version == 1 and not (tmp_path / "policies" / "v000002").exists()
@@ -430,12 +434,12 @@ def test_checkpoint_and_directory_ahead_of_the_database_are_ignored(tmp_path):
     learner.poll_once()
     learner.train_step()
     # What the old order left after a kill before the commit: checkpoint and directory of v2.
-    ahead = {"version": 2, "learner": learner.sao.state_dict() | {"step": 99}, "config": {}}
+    ahead = {"version": 2, "learner": learner.algorithm.state_dict() | {"step": 99}, "config": {}}
     torch.save(ahead, tmp_path / "policies" / CHECKPOINT_FILE)
     (tmp_path / "policies" / "v000002").mkdir()
     restarted = Learner(learner.settings, learner.config)
     restarted.load()
-    assert restarted.version == 1 and restarted.sao.steps == 0
+    assert restarted.version == 1 and restarted.algorithm.steps == 0
     assert not (tmp_path / "policies" / "v000002").exists()
     assert_policy_is(restarted, committed_weights(restarted, 1))
 
@@ -480,7 +484,7 @@ def test_rollback_publishes_the_old_weights_as_a_new_version(tmp_path):
     with learner.db.connect() as conn:
         row = conn.execute(select(*PolicyVersion.__table__.columns).where(PolicyVersion.version == 3)).one()
     assert row.parent_version == 1 and row.metrics == {"rollback_to": 1} and row.status == "published"
-    assert get_flag(learner.db, ROLLBACK_TO) is None and learner.sao.policy_opt.state == {}
+    assert get_flag(learner.db, ROLLBACK_TO) is None and learner.algorithm.policy_opt.state == {}
     v1 = committed_weights(learner, 1)
     assert all(torch.equal(committed_weights(learner, 3)[k], v) for k, v in v1.items())
     assert_policy_is(learner, v1)
@@ -502,12 +506,12 @@ def test_non_finite_metrics_are_stored_as_null_on_postgres(tmp_path, pg_url, mon
     learner = in_process(tmp_path, pg_url)
     feed(open_log(pg_url), 2, 0)
     learner.poll_once()
-    step = learner.sao.step
+    step = learner.algorithm.step
 
     def poisoned(*args):
         return step(*args) | {"approx_kl": math.nan, "tokens_per_s": math.inf, "by": {"1": -math.inf}}
 
-    monkeypatch.setattr(learner.sao, "step", poisoned)
+    monkeypatch.setattr(learner.algorithm, "step", poisoned)
     assert learner.train_step() is not None
     with learner.db.connect() as conn:
         version = conn.execute(select(PolicyVersion.metrics).where(PolicyVersion.version == 1)).scalar_one()

@@ -67,7 +67,10 @@ async def test_simulation_steps_learner_and_dashboard(policy_engine, model_dir, 
         async with running_server(settings, policy_engine) as url:
             # kl_coef > 0: the learner also loads the base model as the KL anchor's reference.
             learner = Learner(
-                settings, LearnerConfig(batch_size=2, poll_s=0.2, checkpoint_every=100, kl_coef=0.1)
+                settings,
+                LearnerConfig(
+                    batch_size=2, poll_s=0.2, checkpoint_every=100, algorithm={"name": "sao", "kl_coef": 0.1}
+                ),
             )
             await asyncio.to_thread(learner.load)
             thread = threading.Thread(target=learner.run, args=(stop,), daemon=True)

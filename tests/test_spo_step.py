@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -30,7 +31,7 @@ def test_spo_step_uses_frozen_values_and_token_measure():
     policy = tiny_policy()
     before = {k: v.clone() for k, v in policy.state_dict().items()}
     learner = SPOLearner(policy, SPOConfig(policy_lr=1e-2))
-    m = learner.step(two_rows(policy), torch.tensor([0.5, 0.5]))
+    m = learner.step(replace(two_rows(policy), baseline_values=torch.tensor([0.5, 0.5])))
     # A = R − v̂ = (1 − 0.5, 0 − 0.5) = (0.5, −0.5); lengths (3, 1):
     # token-weighted centre μ = (3·0.5 + 1·(−0.5)) / 4 = 0.25; after normalisation 0.
     assert m["token_centre_before"] == pytest.approx(0.25)
@@ -185,7 +186,7 @@ def test_spo_step_keeps_weights_finite_with_a_non_finite_rollout_logprob(bad):
     batch = two_rows(policy)
     batch.rollout_logprobs[0, 3] = bad
     learner = SPOLearner(policy, SPOConfig(policy_lr=1e-2))
-    m = learner.step(batch, torch.tensor([0.5, 0.5]))
+    m = learner.step(replace(batch, baseline_values=torch.tensor([0.5, 0.5])))
     assert all(torch.isfinite(v).all() for v in policy.state_dict().values())
     assert m["nonfinite_tokens"] == 1 and m["n_action_tokens"] == 3.0
     assert all(math.isfinite(v) for v in m.values() if isinstance(v, float))

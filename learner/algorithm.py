@@ -97,6 +97,11 @@ class Algorithm(ABC):
         """Initialise from files in ``policy_dir`` when there is no checkpoint (default: none)."""
         return
 
+    def on_version(self, version: int) -> None:
+        """The policy now is ``version`` (loaded at start, after a step, or a rollback's);
+        default: nothing to do."""
+        return
+
     def reset_policy_optimizer(self) -> None:
         """Forget the policy optimizer's moments (a rollback abandons their updates)."""
         self.policy_opt.state.clear()

@@ -76,6 +76,16 @@ class Batch:
         if self.prompt_ids is not None and len(self.prompt_ids) != shape[0]:
             raise ValueError(f"prompt_ids has {len(self.prompt_ids)} entries, expected {shape[0]}")
 
+    def select(self, rows: torch.Tensor) -> Batch:
+        """A batch of the given rows (``rows``: [B] bool, or a 1-D long tensor of indices)."""
+        index = rows.nonzero().flatten() if rows.dtype == torch.bool else rows
+        picked = {
+            k: (v[index.to(v.device)] if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()
+        }
+        if self.prompt_ids is not None:
+            picked["prompt_ids"] = [self.prompt_ids[i] for i in index.tolist()]
+        return replace(self, **picked)
+
     def to(self, device: torch.device | str) -> Batch:
         """A copy with every tensor moved to ``device``."""
         moved = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}

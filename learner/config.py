@@ -104,18 +104,62 @@ class SPOAlgorithm(BaseModel):
 
 
 Algorithm = Annotated[SAOAlgorithm | RunningMeanAlgorithm | SPOAlgorithm, Field(discriminator="name")]
-ALGORITHM_NAMES: tuple[str, ...] = ("sao", "running_mean", "spo")
 
 
 class DISCorrection(BaseModel):
-    """SAO's DIS: one ratio πθ/μ against the logged behaviour logprobs, no old policy."""
+    """SAO's DIS: one ratio πθ/μ against the logged behaviour logprobs, no old policy, one
+    policy update per batch (``learner.dis``)."""
 
     model_config = _MODEL
     kind: Literal["dis"] = "dis"
     """Discriminator."""
 
 
-Correction = Annotated[DISCorrection, Field(discriminator="kind")]
+class _MISCorrection(BaseModel):
+    """The MIS loss with an old policy π_old (papers/004 §4; ``learner.mis``)."""
+
+    model_config = _MODEL
+    window: int = Field(3, ge=1)
+    """W, the staleness window (versions): the paper's maximum version gap (3, §6.1)."""
+    c: float = Field(2.0, ge=1.0)
+    """Discrepancy bound: a token is masked unless 1/c ≤ r_d = π_old/μ ≤ c. Not given in the
+    write-up; 2 is a choice of this project."""
+    clip_low: float = Field(0.2, ge=0.0, le=1.0)
+    """Drift bound for A < 0: masked unless r_s = πθ/π_old ≥ 1 − clip_low (PPO's ε, 0.2)."""
+    clip_high: float = Field(0.28, ge=0.0)
+    """Drift bound for A ≥ 0: masked unless r_s ≤ 1 + clip_high (0.28, as SPO++'s clip)."""
+    epochs: int = Field(1, ge=1)
+    """Passes over each batch (PPO epochs); more than one update per batch makes r_s ≠ 1."""
+    minibatches: int = Field(1, ge=1)
+    """Policy updates per epoch, each on a contiguous 1/minibatches of the batch's rows."""
+
+
+class MISSnapshotCorrection(_MISCorrection):
+    """Exact π_old per token from CPU snapshots of the last W + 1 versions (papers/004 §5.1);
+    samples with a token more than W versions old are dropped and counted."""
+
+    kind: Literal["mis_snapshot"] = "mis_snapshot"
+    """Discriminator."""
+
+
+class MISEWMACorrection(_MISCorrection):
+    """π_old replaced by the revised PPO-EWMA proxy θ_prox ← (β θ_prox + θ)/(β + 1), β = W/(W+2),
+    with the hard reset θ_prox ← θ when ρ_t < τ (papers/004 §5.2)."""
+
+    kind: Literal["mis_ewma"] = "mis_ewma"
+    """Discriminator."""
+    reset: bool = True
+    """Apply the reset rule (off: the vanilla EWMA whose mask ratio collapses late, Figure 4)."""
+    tau: float = Field(0.9, ge=0.0, le=1.0)
+    """Reset threshold τ on the active-token fraction ρ_t (0.9, Appendix F)."""
+
+
+Correction = Annotated[DISCorrection | MISSnapshotCorrection | MISEWMACorrection, Field(discriminator="kind")]
+CORRECTION_MODELS = {
+    "dis": DISCorrection,
+    "mis_snapshot": MISSnapshotCorrection,
+    "mis_ewma": MISEWMACorrection,
+}
 
 
 class LearnerConfig(BaseModel):
@@ -157,14 +201,35 @@ class LearnerConfig(BaseModel):
     max_steps: int | None = Field(None, ge=1)
     """Stop after this many steps (None: run until stopped)."""
 
+    @model_validator(mode="after")
+    def _correction_fits(self) -> LearnerConfig:
+        if self.correction.kind != "dis" and not isinstance(self.algorithm, _DISLoss):
+            raise ValueError(
+                f"the {self.correction.kind} correction applies to the sao and running_mean "
+                f"algorithms, not {self.algorithm.name}"
+            )
+        return self
+
     def to_json(self) -> str:
         """The config as JSON (what a spawned ``saoserve learn --config`` reads)."""
         return self.model_dump_json(indent=1)
 
 
-def _algorithm_fields(name: str) -> set[str]:
-    model = {"sao": SAOAlgorithm, "running_mean": RunningMeanAlgorithm, "spo": SPOAlgorithm}[name]
-    return set(model.model_fields)
+ALGORITHM_MODELS = {"sao": SAOAlgorithm, "running_mean": RunningMeanAlgorithm, "spo": SPOAlgorithm}
+
+
+def _merge(kind: str, key: str, models: dict, base: dict, choice: str | None, extra: dict) -> dict:
+    """The ``kind`` section (algorithm or correction): ``base``'s fields the chosen model has
+    (its discriminator ``key`` set to ``choice`` or kept), then ``extra``, each of which must
+    be a field of that model."""
+    name = choice or base.get(key, next(iter(models)))
+    if name not in models:
+        raise ConfigError(f"unknown {kind} {name!r}: choose {', '.join(models)}")
+    fields = set(models[name].model_fields)
+    alien = sorted(set(extra) - fields)
+    if alien:
+        raise ConfigError(f"{', '.join(alien)} does not apply to the {name} {kind}")
+    return {k: v for k, v in base.items() if k in fields} | {key: name} | extra
 
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -190,12 +255,13 @@ def _explain(exc: ValidationError) -> str:
     parts = []
     for err in exc.errors():
         loc = ".".join(str(p) for p in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "union_tag_invalid":
             tag = err["ctx"]["tag"]
             field = "algorithm" if loc.startswith("algorithm") else "correction"
             parts.append(f"unknown {field} {tag!r}: choose {err['ctx']['expected_tags']}")
         else:
-            parts.append(f"{loc}: {err['msg']}")
+            parts.append(f"{loc}: {msg}" if loc else msg)
     return "; ".join(parts)
 
 
@@ -204,40 +270,45 @@ def build_config(
     algorithm: str | None = None,
     overrides: dict[str, Any] | None = None,
     base: dict[str, Any] | None = None,
+    correction: str | None = None,
 ) -> LearnerConfig:
-    """A validated ``LearnerConfig``: ``base`` (e.g. a JSON file) or the named preset, then
-    ``algorithm`` and ``overrides``.
+    """A validated ``LearnerConfig``: ``base`` (e.g. a JSON file) or the named preset, then the
+    ``algorithm`` and ``correction`` choices and ``overrides``.
 
     Args:
         preset: a key of ``PRESETS`` (ignored when ``base`` is given).
         algorithm: the algorithm's name; None keeps the base's (``sao`` by default).
         overrides: top-level fields, and ``algorithm``/``correction`` as dicts of their fields.
-            An override naming a field the chosen algorithm does not have is an error (the
-            preset's, silently skipped).
+            An override naming a field the chosen algorithm (correction) does not have is an
+            error; the base's such fields are dropped.
+        correction: the correction's kind; None keeps the base's (``dis`` by default).
 
     Raises:
-        ConfigError: unknown preset or algorithm, a field the algorithm lacks, a value out of
-            bounds; the message names the field.
+        ConfigError: unknown preset, algorithm or correction, a field the algorithm or
+            correction lacks, a value out of bounds; the message names the field.
     """
     if base is None:
         if preset not in PRESETS:
             raise ConfigError(f"unknown preset {preset!r}: choose {', '.join(PRESETS)}")
         base = json.loads(json.dumps(PRESETS[preset]))
-    data = {k: v for k, v in base.items()}
-    algo = dict(data.get("algorithm") or {})
-    name = algorithm or algo.get("name", "sao")
-    if name not in ALGORITHM_NAMES:
-        raise ConfigError(f"unknown algorithm {name!r}: choose {', '.join(ALGORITHM_NAMES)}")
-    fields = _algorithm_fields(name)
-    algo = {k: v for k, v in algo.items() if k in fields} | {"name": name}
+    data = dict(base)
     overrides = dict(overrides or {})
-    extra = overrides.pop("algorithm", {}) or {}
-    alien = sorted(set(extra) - fields)
-    if alien:
-        raise ConfigError(f"{', '.join(alien)} does not apply to the {name} algorithm")
-    data["algorithm"] = algo | extra
-    if "correction" in overrides:
-        data["correction"] = dict(data.get("correction") or {}) | overrides.pop("correction")
+    data["algorithm"] = _merge(
+        "algorithm",
+        "name",
+        ALGORITHM_MODELS,
+        dict(data.get("algorithm") or {}),
+        algorithm,
+        overrides.pop("algorithm", None) or {},
+    )
+    data["correction"] = _merge(
+        "correction",
+        "kind",
+        CORRECTION_MODELS,
+        dict(data.get("correction") or {}),
+        correction,
+        overrides.pop("correction", None) or {},
+    )
     data |= overrides
     try:
         return LearnerConfig.model_validate(data)
@@ -245,7 +316,12 @@ def build_config(
         raise ConfigError(_explain(exc)) from None
 
 
-def load_config(path: Path, algorithm: str | None = None, overrides: dict[str, Any] | None = None):
+def load_config(
+    path: Path,
+    algorithm: str | None = None,
+    overrides: dict[str, Any] | None = None,
+    correction: str | None = None,
+) -> LearnerConfig:
     """``build_config`` on a JSON file (e.g. written by ``LearnerConfig.to_json``).
 
     Raises ConfigError: unreadable or invalid JSON, or an invalid config.
@@ -256,4 +332,4 @@ def load_config(path: Path, algorithm: str | None = None, overrides: dict[str, A
         raise ConfigError(f"cannot read the config {path}: {exc}") from None
     if not isinstance(base, dict):
         raise ConfigError(f"{path}: a config is a JSON object")
-    return build_config(algorithm=algorithm, overrides=overrides, base=base)
+    return build_config(algorithm=algorithm, overrides=overrides, base=base, correction=correction)

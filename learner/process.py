@@ -167,6 +167,7 @@ class Learner:
             # (the critic and optimizer state come from the checkpoint).
             self._load_policy_weights(Path(latest.path))
             self.version = latest.version
+        algorithm.on_version(self.version)
         if latest is None:
             self._record_base_version()
         elif latest.status != "published":
@@ -366,6 +367,7 @@ class Learner:
             raise
         self.version = new_version
         self._unannounced = True
+        self.algorithm.on_version(new_version)
         fault_point("after_commit")
         return new_version
 

@@ -15,6 +15,7 @@ Conventions:
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
@@ -27,10 +28,13 @@ from transformers import PreTrainedModel
 from learner.algorithm import Algorithm, make_adamw, optimizer_step, throughput
 from learner.baselines import RunningMeanBaseline
 from learner.batch import Batch, policy_logprobs
+from learner.config import Correction, DISCorrection
 from learner.critic import ValueModel
 from learner.dis import dis_loss
 from learner.gae import length_adaptive_lambda, step_gae, token_gae
 from learner.kl import k3_kl
+from learner.mis import mis_loss
+from learner.old_logits import EWMAOldPolicy, SnapshotOldPolicy
 
 if TYPE_CHECKING:
     from learner.config import LearnerConfig
@@ -215,6 +219,7 @@ class SAOLearner(Algorithm):
         critic: ValueModel | None,
         config: SAOConfig,
         reference: PreTrainedModel | None = None,
+        correction: Correction | None = None,
     ) -> None:
         if config.baseline not in ("critic", "running_mean"):
             raise ValueError(f"unknown baseline {config.baseline!r}")
@@ -254,6 +259,15 @@ class SAOLearner(Algorithm):
             else None
         )
         self.steps = 0
+        self.correction = correction or DISCorrection()
+        if self.correction.kind == "mis_snapshot":
+            self.old_policy = SnapshotOldPolicy(self.policy, self.correction.window)
+        elif self.correction.kind == "mis_ewma":
+            c = self.correction
+            self.old_policy = EWMAOldPolicy(self.policy, c.window, c.reset, c.tau)
+        else:
+            self.old_policy = None
+        self.version = 0
 
     @classmethod
     def build(cls, config: LearnerConfig, load_policy: Callable[[], PreTrainedModel]) -> SAOLearner:
@@ -279,7 +293,16 @@ class SAOLearner(Algorithm):
             critic = None
             own = algo.model_dump(exclude={"name"}) | {"baseline": "running_mean"}
         reference = load_policy() if algo.kl_coef > 0 else None
-        return cls(policy, critic, SAOConfig(**shared, **own), reference=reference)
+        return cls(
+            policy, critic, SAOConfig(**shared, **own), reference=reference, correction=config.correction
+        )
+
+    def on_version(self, version: int) -> None:
+        """Record the policy's version (token versions are ``version − token_staleness``) and
+        give it to the old-policy source (a snapshot, or the proxy's restart)."""
+        self.version = version
+        if self.old_policy is not None:
+            self.old_policy.on_version(version, self.policy)
 
     def warm_start(self, policy_dir: Path) -> None:
         """Load the pretrained critic (``saoserve pretrain-critic``) when there is one."""
@@ -367,6 +390,17 @@ class SAOLearner(Algorithm):
         ``token_staleness`` also mean_abs_log_ratio_by_staleness ({int: float}); with ``kl_coef >
         0`` also kl_ref (k3 estimate of KL(πθ ‖ π_ref), nats per action token).
 
+        With an old-policy correction (``mis_snapshot``, ``mis_ewma``; ``learner.mis``): the
+        rows with a token more than W versions old are dropped first (``dropped_stale_samples``;
+        if none is left, no update: policy_loss 0, kept_fraction 0); the loss stats are summed
+        over the ``epochs × minibatches`` updates (``policy_updates``): kept_fraction =
+        active_fraction (ρ_t), masked_by_rd_fraction, masked_by_rs_fraction, mean_abs_log_ratio
+        (|log πθ/μ|), mean_abs_log_rd (|log π_old/μ|, the train–inference discrepancy), approx_kl;
+        policy_loss and policy_grad_norm are means over the updates; ewma_reset (0/1),
+        ewma_resets (total), old_policy_bytes (snapshots, or the proxy), correction_time_s
+        (seconds: π_old forward passes and snapshot loads, the last snapshot copy, the proxy
+        update), with snapshots also snapshot_switches and snapshot_switch_s.
+
         Raises:
             ValueError: invalid batch (``Batch.validate``), or running-mean baseline without
                 ``prompt_ids``.
@@ -375,9 +409,21 @@ class SAOLearner(Algorithm):
         cfg = self.config
         batch = batch.to(self.device)
         batch.validate()
+        metrics: dict = {}
+        if self.old_policy is not None:
+            fresh = self._drop_too_stale(batch, metrics)
+            if fresh is None:
+                self.steps += 1
+                return metrics | {
+                    "policy_loss": 0.0,
+                    "kept_fraction": 0.0,
+                    "reward_mean": batch.rewards.float().mean().item(),
+                    **throughput(batch, t0),
+                    "step": self.steps,
+                }
+            batch = fresh
         mask = batch.action_mask.bool()
         rewards = batch.token_rewards()
-        metrics: dict = {}
         if self.critic is not None:
             values, critic_metrics = self._critic_phase(batch, mask, rewards)
             metrics.update(critic_metrics)
@@ -390,6 +436,27 @@ class SAOLearner(Algorithm):
             advantages = torch.where(mask, (batch.rewards.float() - base)[:, None], 0.0)
             metrics["baseline_mean"] = base.mean().item()
 
+        if self.old_policy is None:
+            loss, policy_norm = self._dis_update(batch, mask, advantages, metrics)
+        else:
+            loss, policy_norm = self._mis_update(batch, mask, advantages, metrics)
+        self.steps += 1
+
+        metrics.update(
+            policy_loss=loss,
+            policy_grad_norm=policy_norm,
+            policy_lr=cfg.policy_lr,
+            advantage_mean=advantages[mask].mean().item(),
+            reward_mean=batch.rewards.float().mean().item(),
+            **throughput(batch, t0),
+            step=self.steps,
+        )
+        return metrics
+
+    def _dis_update(self, batch: Batch, mask: torch.Tensor, advantages: torch.Tensor, metrics: dict):
+        """One policy step on the DIS loss (+ KL anchor); adds the loss stats to ``metrics``;
+        returns (loss, gradient norm before clipping)."""
+        cfg = self.config
         lp = self._logprobs(self.policy, batch, mask)
         loss, stats = dis_loss(
             lp, batch.rollout_logprobs, advantages, mask, cfg.eps_low, cfg.eps_high, batch.token_staleness
@@ -400,20 +467,87 @@ class SAOLearner(Algorithm):
             kl = k3_kl(lp, ref_lp, mask)
             loss = loss + cfg.kl_coef * kl
             metrics["kl_ref"] = kl.item()
-        policy_norm = optimizer_step(self.policy_opt, loss, self.policy_params, cfg.grad_clip)
-        self.steps += 1
-
+        norm = optimizer_step(self.policy_opt, loss, self.policy_params, cfg.grad_clip)
         metrics.update(stats)
-        metrics.update(
-            policy_loss=loss.item(),
-            policy_grad_norm=policy_norm,
-            policy_lr=cfg.policy_lr,
-            advantage_mean=advantages[mask].mean().item(),
-            reward_mean=batch.rewards.float().mean().item(),
-            **throughput(batch, t0),
-            step=self.steps,
+        return loss.item(), norm
+
+    def _drop_too_stale(self, batch: Batch, metrics: dict) -> Batch | None:
+        """``batch`` without the rows that have a token older than the old-policy window
+        (counted in ``dropped_stale_samples``); None when no row is left."""
+        if batch.token_staleness is None:
+            raise ValueError(f"the {self.correction.kind} correction needs batch.token_staleness")
+        versions = self.version - batch.token_staleness
+        missing = self.old_policy.missing_rows(versions, batch.action_mask.bool())
+        metrics["dropped_stale_samples"] = int(missing.sum().item())
+        if bool(missing.all()):
+            return None
+        return batch.select(~missing) if bool(missing.any()) else batch
+
+    def _mis_update(self, batch: Batch, mask: torch.Tensor, advantages: torch.Tensor, metrics: dict):
+        """``epochs`` × ``minibatches`` policy steps on the MIS loss (``learner.mis``) with π_old
+        from the old-policy source, computed once before the first step; then the proxy update.
+
+        Adds the loss stats and the correction's metrics to ``metrics``; returns (mean loss,
+        mean gradient norm before clipping).
+        """
+        cfg, corr = self.config, self.correction
+        t0 = time.perf_counter()
+        old, old_stats = self.old_policy.logprobs(
+            batch, mask, self.version - batch.token_staleness, self._logprobs
         )
-        return metrics
+        extra = time.perf_counter() - t0 + self.old_policy.put_s
+        ref_lp = None
+        if self.reference is not None:
+            with torch.no_grad():
+                ref_lp = self._logprobs(self.reference, batch, mask)
+        parts = torch.arange(mask.shape[0], device=self.device).chunk(corr.minibatches)
+        totals: Counter = Counter()
+        losses, norms, kls = [], [], []
+        for _ in range(corr.epochs):
+            for idx in parts:
+                sub, m = batch.select(idx), mask[idx]
+                lp = self._logprobs(self.policy, sub, m)
+                loss, stats = mis_loss(
+                    lp,
+                    old[idx],
+                    sub.rollout_logprobs,
+                    advantages[idx],
+                    m,
+                    eps_low=corr.clip_low,
+                    eps_high=corr.clip_high,
+                    c=corr.c,
+                )
+                if ref_lp is not None:
+                    kl = k3_kl(lp, ref_lp[idx], m)
+                    loss = loss + cfg.kl_coef * kl
+                    kls.append(kl.item())
+                norms.append(optimizer_step(self.policy_opt, loss, self.policy_params, cfg.grad_clip))
+                losses.append(loss.item())
+                totals.update(stats)
+        n = totals["action_tokens"]
+        active = totals["kept"] / n if n else 0.0
+        reset = self.old_policy.after_step(self.policy, active)
+        extra += self.old_policy.update_s
+        if kls:
+            metrics["kl_ref"] = sum(kls) / len(kls)
+        metrics.update(
+            old_stats,
+            action_tokens=n // corr.epochs,
+            nonfinite_tokens=totals["nonfinite_tokens"] // corr.epochs,
+            kept_fraction=active,
+            active_fraction=active,
+            masked_by_rd_fraction=totals["masked_by_rd"] / n if n else 0.0,
+            masked_by_rs_fraction=totals["masked_by_rs"] / n if n else 0.0,
+            mean_abs_log_ratio=totals["sum_abs_log_ratio"] / n if n else 0.0,
+            mean_abs_log_rd=totals["sum_abs_log_rd"] / n if n else 0.0,
+            approx_kl=totals["sum_k3"] / n if n else 0.0,
+            policy_updates=len(losses),
+            ewma_reset=int(reset),
+            ewma_resets=self.old_policy.resets,
+            old_policy_bytes=self.old_policy.nbytes(),
+            correction_time_s=extra,
+        )
+        return sum(losses) / len(losses), sum(norms) / len(norms)
 
     def state_dict(self) -> dict:
         """Checkpoint: policy, critic, both optimizers, step count, running-mean history, config."""

@@ -86,6 +86,16 @@ def learn(
     eps_high: float = typer.Option(None, help=f"DIS upper bound ε_h. {LEARN_HELP}"),
     expire_s: float = typer.Option(None, help=f"Seconds a trajectory waits for feedback. {LEARN_HELP}"),
     max_steps: int = typer.Option(None, help="Stop after this many steps."),
+    correction: str = typer.Option(
+        None, help="Off-policy correction: dis (SAO, default) | mis_snapshot | mis_ewma (sao, running_mean)."
+    ),
+    window: int = typer.Option(None, help="mis_*: staleness window W in versions (3)."),
+    mis_c: float = typer.Option(None, help="mis_*: discrepancy bound c on r_d = π_old/μ (2)."),
+    epochs: int = typer.Option(None, help="mis_*: passes over each batch (1)."),
+    minibatches: int = typer.Option(None, help="mis_*: policy updates per pass (1)."),
+    ewma_reset: bool = typer.Option(
+        None, "--ewma-reset/--no-ewma-reset", help="mis_ewma: the ρ_t < τ reset (on)."
+    ),
 ) -> None:
     """Join trajectories with feedback, train the policy, publish versions.
 
@@ -107,11 +117,13 @@ def learn(
     }
     overrides = {k: v for k, v in top.items() if v is not None}
     overrides["algorithm"] = {k: v for k, v in algo.items() if v is not None}
+    corr = {"window": window, "c": mis_c, "epochs": epochs, "minibatches": minibatches, "reset": ewma_reset}
+    overrides["correction"] = {k: v for k, v in corr.items() if v is not None}
     try:
         if config is not None:
-            cfg = load_config(config, algorithm, overrides)
+            cfg = load_config(config, algorithm, overrides, correction)
         else:
-            cfg = build_config(preset, algorithm, overrides)
+            cfg = build_config(preset, algorithm, overrides, correction=correction)
     except ConfigError as exc:
         fail(str(exc))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")

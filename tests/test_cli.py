@@ -39,6 +39,16 @@ def home(tmp_path, monkeypatch):
         (["learn", "--batch-size", "0"], "batch_size: Input should be greater than or equal to 1"),
         (["learn", "--eps-low", "2"], "algorithm.sao.eps_low: Input should be less than or equal to 1"),
         (["learn", "--config", "/no/such/learner.json"], "cannot read the config /no/such/learner.json"),
+        (
+            ["learn", "--correction", "vtrace"],
+            "unknown correction 'vtrace': choose dis, mis_snapshot, mis_ewma",
+        ),
+        (
+            ["learn", "--estimator", "spo", "--correction", "mis_ewma"],
+            "the mis_ewma correction applies to the sao",
+        ),
+        (["learn", "--epochs", "2"], "epochs does not apply to the dis correction"),
+        (["learn", "--correction", "mis_snapshot", "--window", "0"], "correction.mis_snapshot.window"),
         (["evidence-init", "/no/such/file.jsonl"], "does not exist"),
         (["simulate", "--schedule", "cute:0"], "need >= 1"),
         (["simulate", "--schedule", "sparkly:3"], "unknown style 'sparkly'"),
@@ -101,6 +111,38 @@ def test_evidence_init_and_pretrain_on_empty_log(home):
     assert base.alpha == pytest.approx(8 * 3.5 / 9) and base.beta == pytest.approx(8 - 8 * 3.5 / 9)
     result = runner.invoke(app, ["pretrain-critic"])
     assert result.exit_code == 2 and "no trajectory with feedback" in result.output
+
+
+def test_learn_maps_its_options_onto_one_config(monkeypatch, tmp_path):
+    """Preset, then a JSON file, each overridden by the options given; the learner gets the result."""
+    import learner.process
+    import saoserve.model
+    from learner.config import build_config
+
+    seen = []
+    monkeypatch.setattr(learner.process, "run_learner", lambda settings, config: seen.append(config))
+    monkeypatch.setattr(saoserve.model, "prepare_model", lambda path: path)
+    args = ["learn", "--preset", "demo", "--correction", "mis_ewma", "--no-ewma-reset", "--window", "2"]
+    result = runner.invoke(app, [*args, "--minibatches", "4", "--kl-coef", "0.2", "--max-steps", "3"])
+    assert result.exit_code == 0, result.output
+    want = build_config(
+        "demo",
+        correction="mis_ewma",
+        overrides={
+            "max_steps": 3,
+            "algorithm": {"kl_coef": 0.2},
+            "correction": {"reset": False, "window": 2, "minibatches": 4},
+        },
+    )
+    assert seen == [want] and want.batch_size == 16 and want.correction.reset is False
+    path = tmp_path / "learner.json"
+    path.write_text(want.to_json())
+    result = runner.invoke(
+        app, ["learn", "--config", str(path), "--estimator", "running_mean", "--batch-size", "4"]
+    )
+    assert result.exit_code == 0, result.output
+    assert seen[1].algorithm.name == "running_mean" and seen[1].algorithm.kl_coef == 0.2
+    assert seen[1].batch_size == 4 and seen[1].correction == want.correction
 
 
 @pytest.mark.parametrize("command", ["demo", "compare"])

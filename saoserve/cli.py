@@ -345,16 +345,26 @@ def _run_methods(
     keep_weights: bool,
     traffic: dict | None = None,
     seeds: int = 1,
+    correction: str = "dis",
 ) -> None:
     """Run each method ``seeds`` times (seeds ``seed .. seed + seeds - 1``, methods interleaved
-    so an interrupted comparison stays balanced) and write one report."""
+    so an interrupted comparison stays balanced) and write one report. Each method's learner
+    gets one ``LearnerConfig`` (the options on the demo preset; a field a method lacks, such as
+    the critic's learning rate for running_mean, is left out)."""
     import shutil
 
     from judge.report import write_report
+    from learner.config import ConfigError, build_config
     from saoserve.demo import run_method
     from saoserve.model import prepare_model
 
     sched = _schedule(schedule, steps_per_style)
+    learner = {"batch_size": batch_size, "policy_lr": policy_lr, "adam_beta1": adam_beta1}
+    learner["algorithm"] = {"critic_lr": critic_lr, "kl_coef": kl_coef}
+    try:
+        configs = {m: build_config(algorithm=m, base=learner, correction=correction) for m in methods}
+    except ConfigError as exc:
+        fail(str(exc))
     settings = get_settings()
     prepare_model(settings.resolved_model_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -376,10 +386,7 @@ def _run_methods(
                 batch_size=batch_size,
                 max_tokens=max_tokens,
                 seed=s,
-                learn_extra=[
-                    *("--policy-lr", repr(policy_lr), "--critic-lr", repr(critic_lr)),
-                    *("--adam-beta1", repr(adam_beta1), "--kl-coef", repr(kl_coef)),
-                ],
+                learner_config=configs[method],
                 keep_weights=keep_weights,
                 traffic=traffic,
                 name=name,
@@ -470,6 +477,9 @@ def demo(
         None, min=0, help=f"{MAX_BACKLOG_HELP} Default: {DEMO_BACKLOG_BATCHES} batches in async mode."
     ),
     prompt_pool: int = typer.Option(None, min=1, help=PROMPT_POOL_HELP),
+    correction: str = typer.Option(
+        "dis", help="Learner off-policy correction: dis | mis_snapshot | mis_ewma (learner.config)."
+    ),
 ) -> None:
     """Start server + learner (SAO) on embedded defaults, run the simulation, write the report."""
     traffic = _demo_traffic(
@@ -490,6 +500,7 @@ def demo(
         kl_coef,
         keep_weights,
         traffic,
+        correction=correction,
     )
 
 
@@ -523,6 +534,9 @@ def compare(
     seeds: int = typer.Option(
         1, min=1, help="Runs per method (seeds --seed, --seed + 1, …); the report gives mean and spread."
     ),
+    correction: str = typer.Option(
+        "dis", help="Learner off-policy correction: dis | mis_snapshot | mis_ewma (learner.config)."
+    ),
 ) -> None:
     """SAO vs the running-mean baseline on the same schedule, prompts and judge, side by side."""
     traffic = _demo_traffic(
@@ -544,6 +558,7 @@ def compare(
         keep_weights,
         traffic,
         seeds,
+        correction=correction,
     )
 
 

@@ -27,6 +27,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from judge.base import Judge
 from judge.simulate import Simulation, SimulationConfig, SimulationResult, save_records
 from judge.styles import Schedule
+from learner.config import LearnerConfig, build_config
 
 console = Console(stderr=True)
 
@@ -129,7 +130,7 @@ def run_method(
     batch_size: int = 8,
     max_tokens: int = 64,
     seed: int = 0,
-    learn_extra: list[str] | None = None,
+    learner_config: LearnerConfig | None = None,
     keep_weights: bool = False,
     traffic: dict | None = None,
     name: str | None = None,
@@ -140,16 +141,20 @@ def run_method(
     ``feedback_delay_s``, ``max_seconds``, ``max_backlog``, ``prompt_pool``); by default the
     lockstep mode with a step's requests in one batch. ``name`` labels the run's folders
     (default: the method). Unless ``keep_weights``, the run's policy versions and checkpoint
-    are deleted at the end (``drop_weights``).
+    are deleted at the end (``drop_weights``). ``learner_config`` (default: the ``demo`` preset
+    with ``method``) is written to ``<home>/learner.json`` with ``batch_size`` and the step
+    limit, and the learner started as ``saoserve learn --config`` that file.
     """
     name = name or method
     home = out / f"run-{name}"
     # The schedule's last step is served by version total - 1 (in both modes), so the learner
     # stops there instead of training (about 25 s) on a batch no one sees.
-    learn_args = [
-        *("--batch-size", str(batch_size), "--estimator", method),
-        *("--max-steps", str(max(1, schedule.total_steps - 1)), *(learn_extra or [])),
-    ]
+    config = learner_config or build_config("demo", algorithm=method)
+    limits = {"batch_size": batch_size, "max_steps": max(1, schedule.total_steps - 1)}
+    config = LearnerConfig.model_validate(config.model_dump() | limits)
+    home.mkdir(parents=True, exist_ok=True)
+    (home / "learner.json").write_text(config.to_json(), encoding="utf-8")
+    learn_args = ["--config", str(home / "learner.json")]
     services = Services(home, learn_args, out / "logs" / name)
     console.print(f"[bold]{name}[/]: starting server and learner in {home} …")
     services.start()

@@ -147,15 +147,16 @@ def test_learn_maps_its_options_onto_one_config(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("command", ["demo", "compare"])
 def test_learning_rates_reach_the_learner(monkeypatch, tmp_path, command):
-    """--policy-lr/--critic-lr/--adam-beta1/--kl-coef become arguments of the spawned `saoserve learn`."""
+    """--policy-lr/--critic-lr/--adam-beta1/--kl-coef/--correction become each method's learner
+    config (the critic's learning rate only where the method has a critic)."""
     import saoserve.demo
     import saoserve.model
     from judge.simulate import SimulationResult
 
-    seen: list[tuple[str, list[str]]] = []
+    seen: list = []
 
     def fake_run_method(method, schedule, judge, out, **kw):
-        seen.append((method, kw["learn_extra"]))
+        seen.append((method, kw["learner_config"]))
         assert kw["keep_weights"] is False
         return SimulationResult()
 
@@ -177,13 +178,55 @@ def test_learning_rates_reach_the_learner(monkeypatch, tmp_path, command):
             "0.5",
             "--kl-coef",
             "0.05",
+            "--correction",
+            "mis_ewma",
         ],
     )
     # No step ran, so there is nothing to report: a CLI error, after the runs were started.
     assert result.exit_code == 2 and "no step completed" in result.output
-    want = ["--policy-lr", "0.0003", "--critic-lr", "0.0007", "--adam-beta1", "0.5", "--kl-coef", "0.05"]
-    assert seen and all(extra == want for _, extra in seen)
     assert [m for m, _ in seen] == (["sao"] if command == "demo" else ["sao", "running_mean"])
+    for method, config in seen:
+        assert config.algorithm.name == method and config.correction.kind == "mis_ewma"
+        assert (config.batch_size, config.policy_lr, config.adam_beta1) == (16, 0.0003, 0.5)
+        assert config.algorithm.kl_coef == 0.05
+        assert getattr(config.algorithm, "critic_lr", None) == (0.0007 if method == "sao" else None)
+
+
+def test_demo_run_starts_the_learner_with_its_config_file(monkeypatch, tmp_path):
+    """run_method writes <home>/learner.json (with the batch size and the step limit: the
+    schedule's 4 steps are served by versions 0..3, so 3 steps) and spawns `learn --config` it."""
+    import saoserve.demo
+    from judge.styles import schedule_from_spec
+    from learner.config import build_config, load_config
+
+    started = []
+
+    class FakeServices:
+        def __init__(self, home, learn_args, log_dir):
+            started.append(learn_args)
+
+        def start(self):
+            raise RuntimeError("no server in this test")
+
+    monkeypatch.setattr(saoserve.demo, "Services", FakeServices)
+    config = build_config("demo", algorithm="running_mean", correction="mis_snapshot")
+    with pytest.raises(RuntimeError, match="no server"):
+        saoserve.demo.run_method(
+            "running_mean",
+            schedule_from_spec("cute:4", 1),
+            None,
+            tmp_path,
+            batch_size=4,
+            learner_config=config,
+        )
+    path = tmp_path / "run-running_mean" / "learner.json"
+    assert started == [["--config", str(path)]]
+    assert load_config(path) == build_config(
+        "demo",
+        algorithm="running_mean",
+        correction="mis_snapshot",
+        overrides={"batch_size": 4, "max_steps": 3},
+    )
 
 
 def test_drop_weights_keeps_the_report_data(tmp_path):

@@ -182,3 +182,15 @@ def test_unreadable_config_file(tmp_path):
     (tmp_path / "list.json").write_text(json.dumps([1]))
     with pytest.raises(ConfigError, match="a config is a JSON object"):
         load_config(tmp_path / "list.json")
+
+
+def test_demo_preset_is_what_demo_and_compare_run():
+    from saoserve import cli
+
+    demo = build_config("demo")
+    assert (demo.batch_size, demo.policy_lr, demo.adam_beta1) == (
+        cli.DEMO_BATCH_SIZE,
+        cli.DEMO_POLICY_LR,
+        cli.DEMO_ADAM_BETA1,
+    )
+    assert (demo.algorithm.critic_lr, demo.algorithm.kl_coef) == (cli.DEMO_CRITIC_LR, cli.DEMO_KL_COEF)

@@ -176,6 +176,7 @@ class KafkaLog(LogTransport):
         self.ack_timeout_s = ack_timeout_s
         self.probe_timeout_s = probe_timeout_s
         self._producer = None
+        self._producer_topic_ids: dict[str, str] = {}
         self._admin = None
         self._consumers: dict = {}
         self._lock = threading.Lock()
@@ -190,8 +191,11 @@ class KafkaLog(LogTransport):
             bootstrap_servers=self.bootstrap, request_timeout_ms=timeout_ms, bootstrap_timeout_ms=timeout_ms
         )
 
-    def _create_missing(self, admin) -> bool:
-        """Create the topics ``admin``'s broker lacks; True if any was missing."""
+    def _ensure(self, admin) -> dict[str, str]:
+        """Create the topics ``admin``'s broker lacks; returns each topic's id.
+
+        Topic ids tell a restarted broker apart: tansu with memory storage restarts empty, and
+        whoever comes first (this log, a reader) creates the topics again with new ids."""
         from kafka.admin import NewTopic
         from kafka.errors import TopicAlreadyExistsError
 
@@ -206,13 +210,13 @@ class KafkaLog(LogTransport):
                 admin.create_topics(new)
             except TopicAlreadyExistsError:
                 pass
-        return bool(new)
+        return {t["name"]: t.get("topic_id") for t in admin.describe_topics(list(TOPICS))}
 
-    def ensure_topics(self) -> None:
-        """Create the three topics if missing (idempotent)."""
+    def ensure_topics(self) -> dict[str, str]:
+        """Create the three topics if missing (idempotent); returns their ids."""
         admin = self._new_admin(self.send_timeout_s)
         try:
-            self._create_missing(admin)
+            return self._ensure(admin)
         finally:
             admin.close()
 
@@ -222,16 +226,18 @@ class KafkaLog(LogTransport):
         try:
             if self._admin is None:
                 self._admin = self._new_admin(self.probe_timeout_s)
-            restarted = self._create_missing(self._admin)
+            topic_ids = self._ensure(self._admin)
         except Exception:
             admin, self._admin = self._admin, None
             if admin is not None:
                 with contextlib.suppress(Exception):
                     admin.close()
             raise
-        if restarted and self._producer is not None:
-            # Topics we used are gone: the broker restarted empty and forgot our producer id.
-            self._discard_producer(self._producer, None)
+        producer = self._producer
+        if producer is not None and topic_ids != self._producer_topic_ids:
+            # Not the topics the producer was made for: the broker restarted and has
+            # forgotten the producer's id, so the producer would fail its next send.
+            self._discard_producer(producer, None)
 
     def check(self) -> None:
         self.breaker.check()
@@ -242,7 +248,9 @@ class KafkaLog(LogTransport):
                 from kafka import KafkaProducer
 
                 try:
-                    self.ensure_topics()  # a broker that restarted empty would auto-create them
+                    # First the topics: a broker that restarted empty would auto-create them
+                    # with its own partition count.
+                    self._producer_topic_ids = self.ensure_topics()
                     self._producer = KafkaProducer(
                         bootstrap_servers=self.bootstrap,
                         acks="all",

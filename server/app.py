@@ -130,9 +130,9 @@ def create_app(
                     await t
             if state.background:
                 await asyncio.gather(*state.background, return_exceptions=True)
-            if state.index_retries:
-                log.warning("%d deferred index rows not written at shutdown", len(state.index_retries))
-                for t in list(state.index_retries):
+            if state.deferred_writes:
+                log.warning("%d deferred database writes not done at shutdown", len(state.deferred_writes))
+                for t in list(state.deferred_writes):
                     t.cancel()
             if log_transport is None:
                 lt.close()
@@ -330,7 +330,7 @@ def create_app(
             await asyncio.to_thread(s.store.release, target)
             s.metrics.log_failures.labels(TOPIC_FEEDBACK).inc()
             raise ApiError(503, f"feedback log unavailable, retry later: {exc}", "server_error") from exc
-        await asyncio.to_thread(s.store.mark_received, target, rec.reward)
+        await s.mark_received(target, rec.reward)
         s.metrics.feedback.labels("accepted").inc()
         return JSONResponse({"status": "accepted", "target": target, "reward": rec.reward}, status_code=202)
 

@@ -21,8 +21,8 @@ from server.store import ServerStore
 
 log = logging.getLogger(__name__)
 
-# Seconds between attempts to write a deferred index row.
-INDEX_RETRY_S = 1.0
+# Seconds between attempts of a deferred database write (index row, feedback claim).
+DEFERRED_RETRY_S = 1.0
 
 BaselineReader = Callable[[str, int], Awaitable[FrozenBaseline | None]]
 
@@ -63,7 +63,7 @@ class ServerState:
     read_baseline: BaselineReader | None = None
     health: Health | None = None
     background: set[asyncio.Task] = field(default_factory=set)
-    index_retries: set[asyncio.Task] = field(default_factory=set)
+    deferred_writes: set[asyncio.Task] = field(default_factory=set)
 
     async def require_storage(self) -> None:
         """Refuse (DatabaseUnavailable / LogUnavailable, answered 503) before any work while
@@ -127,23 +127,38 @@ class ServerState:
                     log.exception("trajectory %s logged but not indexed", rec.id)
                     raise
                 log.warning("trajectory %s logged, index row deferred: %s", rec.id, exc)
-                task = asyncio.ensure_future(self._index_later(rec, part, off))
-                self.index_retries.add(task)
-                task.add_done_callback(self.index_retries.discard)
+                self._retry(self.store.index_trajectory, rec, part, off)
         self.metrics.trajectories.labels(rec.finish_reason).inc()
         self.metrics.tokens.inc(len(rec.response_token_ids))
 
-    async def _index_later(self, rec: TrajectoryRecord, partition: int, offset: int) -> None:
-        """Retry the index row of a logged record until the database takes it (cancelled at
-        shutdown: the record stays in the log, only feedback by its id is lost)."""
+    async def mark_received(self, target: str, reward: float) -> None:
+        """Record in the database that ``target``'s feedback is in the log. The log already
+        holds it, so the answer is 202 whatever the database says: a refused write is retried
+        by a task until the database takes it."""
+        try:
+            await asyncio.to_thread(self.store.mark_received, target, reward)
+        except Exception as exc:
+            if not is_storage_error(exc):
+                raise
+            log.warning("feedback %s logged, claim update deferred: %s", target, exc)
+            self._retry(self.store.mark_received, target, reward)
+
+    def _retry(self, write, *args) -> None:
+        task = asyncio.ensure_future(self._write_later(write, *args))
+        self.deferred_writes.add(task)
+        task.add_done_callback(self.deferred_writes.discard)
+
+    async def _write_later(self, write, *args) -> None:
+        """Retry a database write that follows a record already in the log until the database
+        takes it (cancelled at shutdown: the record stays in the log)."""
         while True:
-            await asyncio.sleep(INDEX_RETRY_S)
+            await asyncio.sleep(DEFERRED_RETRY_S)
             try:
-                await asyncio.to_thread(self.store.index_trajectory, rec, partition, offset)
+                await asyncio.to_thread(write, *args)
             except IntegrityError:
                 return
             except Exception as exc:
-                log.debug("index row of %s still deferred: %s", rec.id, exc)
+                log.debug("deferred write %s%r still refused: %s", write.__name__, args[:1], exc)
                 continue
-            log.info("deferred index row of %s written", rec.id)
+            log.info("deferred write %s%r done", write.__name__, args[:1])
             return

@@ -103,7 +103,7 @@ class SPOAlgorithm(BaseModel):
     """Advantage normalisation: action-token measure (SPO++) or trajectory whitening (ablation)."""
 
 
-Algorithm = Annotated[SAOAlgorithm | RunningMeanAlgorithm | SPOAlgorithm, Field(discriminator="name")]
+AlgorithmConfig = Annotated[SAOAlgorithm | RunningMeanAlgorithm | SPOAlgorithm, Field(discriminator="name")]
 
 
 class DISCorrection(BaseModel):
@@ -172,7 +172,7 @@ class LearnerConfig(BaseModel):
 
     model_config = _MODEL
 
-    algorithm: Algorithm = Field(default_factory=SAOAlgorithm)
+    algorithm: AlgorithmConfig = Field(default_factory=SAOAlgorithm)
     """The estimator and loss, discriminated by ``name`` (sao, running_mean, spo)."""
     correction: Correction = Field(default_factory=DISCorrection)
     """The off-policy correction of the policy loss (papers/004; ``dis``: SAO's, the default)."""

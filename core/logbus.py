@@ -25,6 +25,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 from sqlalchemy import insert, select, text
+from sqlalchemy.exc import InterfaceError, OperationalError
 
 from core.breaker import Breaker, Unavailable
 from core.db import LogRecord, make_engine
@@ -86,10 +87,14 @@ class SqlLog(LogTransport):
     so ids commit in order. SQLite has one writer at a time, so order holds by itself.
     """
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, wait_s: float = 30.0):
         self.url = url
         self.engine = make_engine(url)
         self._serialize = self.engine.dialect.name == "postgresql"
+        # A database server that is down refuses the connection before anything is written,
+        # so an append waits up to ``wait_s`` for it (an answer already generated is kept if
+        # the outage is short); SQLite's errors are not outages and fail at once.
+        self.wait_s = wait_s if self.engine.dialect.name != "sqlite" else 0.0
         self.breaker = Breaker("the SQL log", self._probe, LogUnavailable)
 
     def _probe(self) -> None:
@@ -102,6 +107,18 @@ class SqlLog(LogTransport):
     def append(self, topic: str, key: str, value: bytes) -> tuple[int, int]:
         if topic not in TOPICS:
             raise ValueError(f"unknown topic {topic!r}")
+        deadline = time.monotonic() + self.wait_s
+        while True:
+            try:
+                return self._append_once(topic, key, value)
+            except LogUnavailable as exc:
+                if not isinstance(exc.__cause__, OperationalError | InterfaceError):
+                    raise
+                if time.monotonic() >= deadline:
+                    raise
+            time.sleep(0.5)
+
+    def _append_once(self, topic: str, key: str, value: bytes) -> tuple[int, int]:
         try:
             with self.engine.begin() as conn:
                 if self._serialize:

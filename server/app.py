@@ -130,6 +130,7 @@ def create_app(
                     await t
             if state.background:
                 await asyncio.gather(*state.background, return_exceptions=True)
+            state.log_pool.shutdown(wait=False)
             if state.deferred_writes:
                 log.warning("%d deferred database writes not done at shutdown", len(state.deferred_writes))
                 for t in list(state.deferred_writes):

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from sqlalchemy.exc import IntegrityError
@@ -64,6 +65,15 @@ class ServerState:
     health: Health | None = None
     background: set[asyncio.Task] = field(default_factory=set)
     deferred_writes: set[asyncio.Task] = field(default_factory=set)
+    # Appends wait for the log through short outages (up to 30 s each): they get threads of
+    # their own, so waiting appends cannot take every thread of the loop's default executor
+    # (rendering, database reads, health probes).
+    log_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(max_workers=64, thread_name_prefix="log-append")
+    )
+
+    async def _in_log_pool(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.log_pool, fn, *args)
 
     async def require_storage(self) -> None:
         """Refuse (DatabaseUnavailable / LogUnavailable, answered 503) before any work while
@@ -86,7 +96,7 @@ class ServerState:
         not answering a probe, raises LogUnavailable with nothing sent."""
         t0 = time.perf_counter()
         try:
-            return await asyncio.to_thread(self._check_and_append, topic, key, payload)
+            return await self._in_log_pool(self._check_and_append, topic, key, payload)
         finally:
             self.metrics.log_append.labels(topic).observe(time.perf_counter() - t0)
 
@@ -111,7 +121,7 @@ class ServerState:
 
     async def _persist(self, rec: TrajectoryRecord) -> None:
         try:
-            part, off = await asyncio.to_thread(self._append, rec)
+            part, off = await self._in_log_pool(self._append, rec)
         except Exception as exc:
             self.metrics.log_failures.labels(TOPIC_TRAJECTORIES).inc()
             if self.spool is None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import httpx
@@ -29,6 +30,15 @@ pytestmark = [pytest.mark.engine, pytest.mark.slow]
 # after stopping one makes the next check probe it.
 FRESH_S = 0.6
 RECOVERY_LIMIT_S = 30.0  # a guard against hanging, not a speed check (figures: docs/reliability.md)
+
+
+# Stopping and starting dependencies runs on threads of the test's own, never queued behind
+# the server's blocked calls in the loop's default executor.
+_OPS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="outage-ops")
+
+
+async def in_thread(fn) -> None:
+    await asyncio.get_running_loop().run_in_executor(_OPS, fn)
 
 
 @dataclass
@@ -129,7 +139,7 @@ async def test_database_stopped_and_started(policy_engine, tmp_path):
                 ids = list(ledger.completions)
                 assert await ledger.feedback(http, ids[0], 1.0) == 202
 
-                cluster.stop()
+                await in_thread(cluster.stop)
                 await asyncio.sleep(FRESH_S)  # past the last probe's answer, which is trusted
                 body = await expect_unready(http, "database")
                 assert body["log"] != "ok"  # the SQL log lives in the same cluster
@@ -139,20 +149,39 @@ async def test_database_stopped_and_started(policy_engine, tmp_path):
                 assert await ledger.feedback(http, ids[1], 0.0) == 503
                 assert await ledger.feedback(http, ids[2], 0.5) == 503
 
-                cluster.start()
+                await in_thread(cluster.start)
                 await ledger.wait_ready(http, time.monotonic())
                 assert [await ledger.chat(http, 20 + i, stream=i % 2 == 1) for i in range(4)] == [200] * 4
                 # The client's retry of the refused feedback with another value is accepted.
                 assert await ledger.feedback(http, ids[1], 1.0) == 202
                 assert await ledger.feedback(http, list(ledger.completions)[-1], 0.25) == 202
+
+                # Stopped under load: answers already generating wait for the database (200,
+                # streams included); requests arriving once the outage is seen are refused.
+                async def stop_for(seconds: float) -> None:
+                    await asyncio.sleep(0.3)
+                    await in_thread(cluster.stop)
+                    await asyncio.sleep(seconds)
+                    await in_thread(cluster.start)
+
+                statuses = await asyncio.gather(
+                    *(ledger.chat(http, 40 + i, stream=i % 2 == 1) for i in range(12)), stop_for(2.0)
+                )
+                under_load = (statuses[:-1].count(200), statuses[:-1].count(503))
+                await ledger.wait_ready(http, time.monotonic())
         log = open_log(cluster.url)
         n_traj, n_fb = ledger.audit(log)
         log.close()
-        # 8 chats answered 200 (4 before, 4 after) and 3 feedback answered 202; the refused
-        # 4 chats and 2 feedback are nowhere (ids[1] carries only the 1.0 of its retry).
-        assert (n_traj, n_fb, ledger.chats_503, len(ledger.feedback_503)) == (8, 3, 4, 2)
+        # 8 chats answered 200 (4 before, 4 after) plus those under load, and 3 feedback
+        # answered 202; the refused chats and 2 feedback are nowhere (ids[1] carries only the
+        # 1.0 of its retry).
+        assert (n_traj, n_fb) == (8 + under_load[0], 3)
+        assert (ledger.chats_503, len(ledger.feedback_503)) == (4 + under_load[1], 2)
         assert ledger.feedback_2xx[ids[1]] == 1.0
-        print(f"database outage: recovery {ledger.recovery_s[0]:.2f} s after start returned")
+        print(
+            f"database outage: recovery {ledger.recovery_s[0]:.2f} s after start returned; "
+            f"under load {under_load[0]} x 200, {under_load[1]} x 503, recovery {ledger.recovery_s[1]:.2f} s"
+        )
     finally:
         cluster.remove()
 
@@ -210,7 +239,7 @@ async def test_broker_paused_then_killed_and_restarted(policy_engine, tmp_path):
                     assert await ledger.chat(http, 50) == 503
                     await expect_unready(http, "log")
                     before_restart = set(ledger.completions)
-                    broker.start()
+                    await in_thread(broker.start)
                     await ledger.wait_ready(http, time.monotonic())
                     statuses = [await ledger.chat(http, 60 + i, stream=i % 2 == 1) for i in range(4)]
                     assert statuses == [200] * 4, ledger.errors[-4:]

@@ -8,6 +8,7 @@ back and deletes each file only after the log and the index accepted it.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 from pathlib import Path
@@ -41,17 +42,27 @@ class Spool:
         return sorted(self.folder.glob("*.json"))
 
     def flush_once(self) -> int:
-        """Send spooled records; returns how many were sent. Stops at the first failure."""
+        """Send spooled records; returns how many were sent. Stops at the first failure.
+
+        Where a record was appended but its index row was refused (the database down), the
+        placement is kept beside it (``.placed``), so the next flush writes the index row
+        without appending the record a second time."""
         sent = 0
         for path in self.pending():
             rec = TrajectoryRecord.model_validate_json(path.read_bytes())
+            placed = path.with_suffix(".placed")
             if self.store.find_trajectory(rec.id) is None:
-                part, off = self.log.append(TOPIC_TRAJECTORIES, rec.prompt_id, rec.to_json())
+                if placed.exists():
+                    part, off = json.loads(placed.read_text())
+                else:
+                    part, off = self.log.append(TOPIC_TRAJECTORIES, rec.prompt_id, rec.to_json())
+                    placed.write_text(json.dumps([part, off]))
                 try:
                     self.store.index_trajectory(rec, part, off)
                 except IntegrityError:
                     pass
             path.unlink()
+            placed.unlink(missing_ok=True)
             sent += 1
         return sent
 

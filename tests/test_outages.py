@@ -29,7 +29,10 @@ pytestmark = [pytest.mark.engine, pytest.mark.slow]
 # A breaker trusts a dependency's answer for 0.5 s (core/breaker.py): waiting longer than that
 # after stopping one makes the next check probe it.
 FRESH_S = 0.6
-RECOVERY_LIMIT_S = 30.0  # a guard against hanging, not a speed check (figures: docs/reliability.md)
+RECOVERY_LIMIT_S = 30.0
+# Under load, half the chats are sent at once (before the outage, which starts 0.3 s in) and
+# half this many seconds later (during it).
+LATE_S = 1.2  # a guard against hanging, not a speed check (figures: docs/reliability.md)
 
 
 # Stopping and starting dependencies runs on threads of the test's own, never queued behind
@@ -52,8 +55,10 @@ class Ledger:
     recovery_s: list[float] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)  # messages of the 503s, for failure reports
 
-    async def chat(self, http: httpx.AsyncClient, i: int, stream: bool = False) -> int:
-        """One chat; returns its status. A 200 stream must end with [DONE] and no error event."""
+    async def chat(self, http: httpx.AsyncClient, i: int, stream: bool = False, delay_s: float = 0.0) -> int:
+        """One chat, sent after ``delay_s``; returns its status. A 200 stream must end with
+        [DONE] and no error event."""
+        await asyncio.sleep(delay_s)
         body = {"messages": [{"role": "user", "content": f"Say the number {i}."}], "max_tokens": 4}
         if not stream:
             r = await http.post("/v1/chat/completions", json=body)
@@ -165,7 +170,11 @@ async def test_database_stopped_and_started(policy_engine, tmp_path):
                     await in_thread(cluster.start)
 
                 statuses = await asyncio.gather(
-                    *(ledger.chat(http, 40 + i, stream=i % 2 == 1) for i in range(12)), stop_for(2.0)
+                    *(
+                        ledger.chat(http, 40 + i, stream=i % 2 == 1, delay_s=LATE_S * (i >= 6))
+                        for i in range(12)
+                    ),
+                    stop_for(2.0),
                 )
                 under_load = (statuses[:-1].count(200), statuses[:-1].count(503))
                 await ledger.wait_ready(http, time.monotonic())
@@ -225,7 +234,11 @@ async def test_broker_paused_then_killed_and_restarted(policy_engine, tmp_path):
                         broker.resume()
 
                     statuses = await asyncio.gather(
-                        *(ledger.chat(http, 30 + i, stream=i % 2 == 1) for i in range(12)), pause_for(3.0)
+                        *(
+                            ledger.chat(http, 30 + i, stream=i % 2 == 1, delay_s=LATE_S * (i >= 6))
+                            for i in range(12)
+                        ),
+                        pause_for(3.0),
                     )
                     assert set(statuses[:-1]) <= {200, 503}
                     await ledger.wait_ready(http, time.monotonic())

@@ -21,10 +21,11 @@ from core.records import (
     prompt_id_for,
     utcnow,
 )
+from server.errors import ApiError
 from server.limits import max_message_chars
 from server.rollout import Rollout
 from server.schemas import ChatCompletionRequest
-from server.state import ApiError, ServerState, episode_token_subject
+from server.state import ServerState, episode_token_subject
 
 log = logging.getLogger(__name__)
 

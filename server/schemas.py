@@ -19,11 +19,13 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    GetJsonSchemaHandler,
     ValidationInfo,
     field_validator,
     model_validator,
 )
-from pydantic_core import PydanticCustomError
+from pydantic.json_schema import JsonSchemaValue
+from pydantic_core import CoreSchema, PydanticCustomError
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -33,6 +35,9 @@ MAX_NAME_CHARS = 256
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024
 MAX_MESSAGES = 4096
+# vLLM takes any int64 seed; 2^63 - 1 is not a float64, and a client (or a fuzzer) that reads the
+# bound as one gets 2^63, which is refused. 2^63 - 1024 is the largest int64 a float64 holds.
+MAX_SEED = 2**63 - 1024
 
 
 def check_strings(value: Any, nul_allowed: bool, where: str = "") -> None:
@@ -62,6 +67,23 @@ def check_strings(value: Any, nul_allowed: bool, where: str = "") -> None:
     elif isinstance(value, BaseModel) and not isinstance(value, EdgeModel):
         for name in type(value).model_fields:
             check_strings(getattr(value, name), nul_allowed, f"{where}{name}: ")
+
+
+class _StoredText:
+    """JSON Schema of a string refused when it holds a NUL (``EdgeModel``'s check): the pattern
+    says so in the OpenAPI document; the check itself stays ``check_strings``'s, with its message."""
+
+    def __get_pydantic_json_schema__(
+        self, core: CoreSchema, handler: GetJsonSchemaHandler
+    ) -> JsonSchemaValue:
+        schema = handler(core)
+        schema["pattern"] = NO_NUL
+        return schema
+
+
+NO_NUL = "^[^\\u0000]*$"
+# Every string field except free text for the model (message content, stop strings).
+StoredStr = Annotated[str, _StoredText()]
 
 
 class EdgeModel(BaseModel):
@@ -102,8 +124,8 @@ class ChatMessage(EdgeModel):
     text_fields: ClassVar[frozenset[str]] = frozenset({"content"})
     role: Literal["system", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
-    name: str | None = Field(None, max_length=MAX_NAME_CHARS)
-    tool_call_id: str | None = Field(None, max_length=MAX_NAME_CHARS)
+    name: StoredStr | None = Field(None, max_length=MAX_NAME_CHARS)
+    tool_call_id: StoredStr | None = Field(None, max_length=MAX_NAME_CHARS)
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -130,8 +152,38 @@ AT_LEAST_ONE_USER_MESSAGE = {
 }
 
 
-def _exactly_one(*names: str, types: tuple[dict, ...]) -> dict:
-    return {"oneOf": [{"required": [n], "properties": {n: t}} for n, t in zip(names, types, strict=True)]}
+NULL = {"type": "null"}
+
+
+def _exactly_one(a: str, b: str, types: tuple[dict, dict]) -> dict:
+    """``a`` given (not null) and ``b`` absent or null, or the other way round."""
+    return {
+        "oneOf": [
+            {"required": [a], "properties": {a: types[0], b: NULL}},
+            {"required": [b], "properties": {b: types[1], a: NULL}},
+        ]
+    }
+
+
+# The cross-field rules of ChatCompletionRequest._checks: each holds when the field it
+# constrains is absent (or null, or 0), or when the field it needs is given.
+CHAT_RULES = {
+    "allOf": [
+        {
+            "anyOf": [
+                {"properties": {"episode_token": NULL}},
+                {"required": ["episode_id"], "properties": {"episode_id": {"type": "string"}}},
+            ]
+        },
+        {
+            "anyOf": [
+                {"properties": {"top_logprobs": {"enum": [None, 0]}}},
+                {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
+            ]
+        },
+    ]
+}
+STOP_STRING = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}
 
 
 class ChatCompletionRequest(EdgeModel):
@@ -142,10 +194,10 @@ class ChatCompletionRequest(EdgeModel):
     being logged (penalties, logit bias, several choices) are refused rather than ignored.
     """
 
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, json_schema_extra=CHAT_RULES)
     text_fields: ClassVar[frozenset[str]] = frozenset({"stop"})
 
-    model: str | None = Field(None, max_length=MAX_NAME_CHARS)
+    model: StoredStr | None = Field(None, max_length=MAX_NAME_CHARS)
     messages: list[ChatMessage] = Field(
         min_length=1,
         max_length=MAX_MESSAGES,
@@ -159,22 +211,32 @@ class ChatCompletionRequest(EdgeModel):
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
     n: int = Field(1, json_schema_extra={"minimum": 1, "maximum": 1})
     stream: bool = False
-    stream_options: dict[str, Any] | None = None
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    stream_options: dict[str, Any] | None = Field(
+        None, json_schema_extra={"propertyNames": {"pattern": NO_NUL}}
+    )
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stop: str | list[str] | None = Field(
         None,
         description=f"At most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_CHARS} characters.",
+        json_schema_extra={
+            "anyOf": [
+                STOP_STRING,
+                {"type": "array", "items": STOP_STRING, "maxItems": MAX_STOP_STRINGS},
+                NULL,
+            ]
+        },
     )
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20, description="0..20 (vLLM's max_logprobs).")
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
-    user: str | None = Field(None, max_length=MAX_NAME_CHARS)
-    prompt_id: str | None = Field(None, min_length=1, max_length=128)
-    episode_id: str | None = Field(None, min_length=1, max_length=128)
+    # Accepted only at their neutral values (refused otherwise by ``_checks``, with its message).
+    presence_penalty: float = Field(0.0, json_schema_extra={"const": 0})
+    frequency_penalty: float = Field(0.0, json_schema_extra={"const": 0})
+    logit_bias: dict[str, float] | None = Field(None, json_schema_extra={"maxProperties": 0})
+    user: StoredStr | None = Field(None, max_length=MAX_NAME_CHARS)
+    prompt_id: StoredStr | None = Field(None, min_length=1, max_length=128)
+    episode_id: StoredStr | None = Field(None, min_length=1, max_length=128)
     turn: int | None = Field(None, ge=0, le=MAX_INT32)
-    episode_token: str | None = Field(
+    episode_token: StoredStr | None = Field(
         None,
         min_length=1,
         max_length=128,
@@ -236,9 +298,9 @@ class FeedbackRequest(EdgeModel):
         },
     )
 
-    id: str | None = Field(None, min_length=1, max_length=64)
-    episode_id: str | None = Field(None, min_length=1, max_length=128)
-    feedback_token: str = Field(min_length=1, max_length=128)
+    id: StoredStr | None = Field(None, min_length=1, max_length=64)
+    episode_id: StoredStr | None = Field(None, min_length=1, max_length=128)
+    feedback_token: StoredStr = Field(min_length=1, max_length=128)
     reward: float | None = Field(None, strict=True)
     thumbs: Literal["up", "down"] | None = None
     source: Literal["user", "judge"] = "user"
@@ -265,7 +327,7 @@ class LoadPolicyRequest(EdgeModel):
 
     model_config = ConfigDict(extra="forbid")
     version: int = Field(ge=0, le=MAX_INT32)
-    path: str = Field(min_length=1, max_length=4096)
+    path: StoredStr = Field(min_length=1, max_length=4096)
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
 
 
@@ -284,7 +346,7 @@ class ErrorBody(BaseModel):
 
 
 class ErrorResponse(BaseModel):
-    """Every error the server answers, in OpenAI's shape (``server.state.ApiError``)."""
+    """Every error the server answers, in OpenAI's shape (``server.errors.ApiError``)."""
 
     error: ErrorBody
 
@@ -295,4 +357,4 @@ def _edge_string(v: str) -> str:
 
 
 # A path or query string parameter, checked like the fields of a body.
-EdgeStr = Annotated[str, AfterValidator(_edge_string)]
+EdgeStr = Annotated[str, AfterValidator(_edge_string), _StoredText()]

@@ -1,4 +1,4 @@
-"""Shared state of one server app and its OpenAI-style error type."""
+"""Shared state of one server app."""
 
 from __future__ import annotations
 
@@ -26,24 +26,6 @@ log = logging.getLogger(__name__)
 DEFERRED_RETRY_S = 1.0
 
 BaselineReader = Callable[[str, int], Awaitable[FrozenBaseline | None]]
-
-
-class ApiError(Exception):
-    """An OpenAI-style error: HTTP status, message, type, and the offending parameter."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type_: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-    ):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 def episode_token_subject(episode_id: str) -> str:

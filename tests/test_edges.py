@@ -106,6 +106,8 @@ def test_nul_in_feedback_and_admin_bodies(cls, body, loc):
         ),
         (ChatCompletionRequest, {"messages": USER, "top_logprobs": 21}, ("top_logprobs",)),
         (ChatCompletionRequest, {"messages": USER, "seed": 2**63}, ("seed",)),
+        # 2^63 - 1024 is the largest seed (the largest int64 a float64 holds): 2^63 - 1023 is over.
+        (ChatCompletionRequest, {"messages": USER, "seed": 2**63 - 1023}, ("seed",)),
         (ChatCompletionRequest, {"messages": USER, "stop": ["s"] * 17}, ("stop",)),
         (LoadPolicyRequest, {"version": 2**63, "path": "/v", "sha256": "0" * 64}, ("version",)),
         (RollbackRequest, {"version": 2**31}, ("version",)),
@@ -121,12 +123,12 @@ def test_the_largest_values_in_bounds_are_accepted():
             "messages": USER,
             "top_k": 2**31 - 1,
             "turn": 2**31 - 1,
-            "seed": 2**63 - 1,
+            "seed": 2**63 - 1024,
             "logprobs": True,
             "top_logprobs": 20,
         }
     )
-    assert (req.top_k, req.turn, req.seed) == (2**31 - 1, 2**31 - 1, 2**63 - 1)
+    assert (req.top_k, req.turn, req.seed) == (2**31 - 1, 2**31 - 1, 2**63 - 1024)
 
 
 def test_episode_token_needs_an_episode():

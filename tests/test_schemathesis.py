@@ -1,11 +1,10 @@
 """schemathesis against the running server's own OpenAPI spec: every operation, with and
-without the admin key, answers no 5xx.
+without the admin key, answers no 5xx, and the spec says what the server does (no schema
+mismatch: valid requests accepted, invalid ones refused, answers and statuses as declared).
 
 The fuzzer runs as its CLI in a subprocess (it is synchronous; the server and the shared
 vLLM engine run in this test's event loop). The server caps ``max_tokens`` at 8 so that
-accepted chat requests stay cheap; a larger one is a 400 like any other bad value. Other
-findings (a response that does not match the declared schema, a status not declared) are
-reported in the test's output, not failed on: the zero-5xx contract is what this test holds.
+accepted chat requests stay cheap; the spec it serves states that bound.
 """
 
 from __future__ import annotations
@@ -101,8 +100,28 @@ def findings_of(report: Path) -> tuple[list[dict], Counter]:
     return failures, statuses
 
 
+# Findings the spec cannot express, each (check, operation, status):
+KNOWN = {
+    # A weights directory must exist and hold the serving model's tensors with the given
+    # checksum: a well-formed body naming anything else is refused (422, swap_refused).
+    ("positive_data_acceptance", "POST /admin/load_policy", 422),
+}
+# Not about the spec: a response slower than schemathesis's default limit (speed belongs in
+# bench/, and this machine's cores are shared with the engine).
+NOT_SPEC_CHECKS = {"max_response_time"}
+
+
+def spec_mismatches(failures: list[dict]) -> list[dict]:
+    """The findings that say the spec and the server disagree, less the known ones above."""
+    return [
+        f
+        for f in failures
+        if f["check"] not in NOT_SPEC_CHECKS and (f["check"], f["operation"], f["status"]) not in KNOWN
+    ]
+
+
 @pytest.mark.parametrize("admin", [True, False], ids=["admin-key", "no-key"])
-async def test_no_operation_answers_5xx(policy_engine, tmp_path, admin):
+async def test_no_operation_answers_5xx_or_disagrees_with_the_spec(policy_engine, tmp_path, admin):
     settings = make_settings(tmp_path, max_tokens_limit=8, default_max_tokens=4)
     async with running_server(settings, policy_engine, watch_policy=False) as url:
         failures, statuses = await fuzz(url, tmp_path / "events.ndjson", ADMIN if admin else {})
@@ -112,3 +131,4 @@ async def test_no_operation_answers_5xx(policy_engine, tmp_path, admin):
     assert sum(statuses.values()) > 0
     server_errors = [f for f in failures if f["check"] == "not_a_server_error" or (f["status"] or 0) >= 500]
     assert server_errors == [] and not any(s >= 500 for s in statuses), (server_errors, statuses)
+    assert spec_mismatches(failures) == []

@@ -1,0 +1,94 @@
+"""Feedback for a completion or an episode: check it, take its first-wins claim, append it to
+the log, mark the claim received (DESIGN §4). Routing is ``server.routes.feedback``'s; this is
+what happens to the database and the log, in this order."""
+
+from __future__ import annotations
+
+import asyncio
+
+from core.logbus import LogUnavailable
+from core.records import TOPIC_FEEDBACK, FeedbackRecord, check_feedback_token, utcnow
+from server.errors import ApiError
+from server.responses import FeedbackAccepted
+from server.schemas import FeedbackRequest
+from server.state import ServerState, episode_token_subject
+from server.store import NOT_WHOLE
+
+
+def not_whole(what: str) -> ApiError:
+    """Feedback on an answer that is not whole: refused, never trained as an answer (DESIGN §8)."""
+    return ApiError(409, f"{what}: not a whole answer, feedback refused", code="not_a_whole_answer")
+
+
+async def accept_feedback(s: ServerState, body: FeedbackRequest) -> FeedbackAccepted:
+    """Log ``body``'s reward once for its completion or episode.
+
+    Raises ApiError: 404 unknown completion or episode, 403 a token that does not match,
+    409 already rated (first wins), not a whole answer, or an episode turn still in flight,
+    503 when the log refused (the claim is released, nothing was logged). Once the log holds
+    the record the answer is accepted, whatever the database then says (``mark_received``).
+    """
+    if body.id is not None:
+        traj = await asyncio.to_thread(s.store.find_trajectory, body.id)
+        if traj is None:
+            s.metrics.feedback.labels("unknown").inc()
+            raise ApiError(404, f"no completion with id {body.id!r}", code="not_found", param="id")
+        subject, prompt_id, target = body.id, traj.prompt_id, f"t:{body.id}"
+        finish_reason = traj.finish_reason
+    else:
+        prompt_id = await asyncio.to_thread(s.store.episode_prompt_id, body.episode_id)
+        if prompt_id is None:
+            s.metrics.feedback.labels("unknown").inc()
+            raise ApiError(
+                404, f"no episode with id {body.episode_id!r}", code="not_found", param="episode_id"
+            )
+        subject, target = episode_token_subject(body.episode_id), f"e:{body.episode_id}"
+        finish_reason = None
+    if not check_feedback_token(s.settings.feedback_secret, subject, body.feedback_token):
+        s.metrics.feedback.labels("bad_token").inc()
+        raise ApiError(
+            403,
+            "feedback_token does not match this completion",
+            "permission_error",
+            param="feedback_token",
+        )
+    if finish_reason in NOT_WHOLE:
+        s.metrics.feedback.labels("not_whole").inc()
+        raise not_whole(f"completion {body.id!r} ended with finish_reason {finish_reason!r}")
+    if not await asyncio.to_thread(s.store.claim, target):
+        s.metrics.feedback.labels("duplicate").inc()
+        raise ApiError(409, "feedback was already given for this completion (first wins)", code="conflict")
+    if body.episode_id is not None:
+        # Read after the claim is taken: a turn dispatched from now on sees the claim and is
+        # refused, so no turn can join the episode unseen (ServerStore.start_episode_turn).
+        ep = await asyncio.to_thread(s.store.episode_state, body.episode_id)
+        if ep.turns_in_flight or ep.not_whole_turns:
+            await asyncio.to_thread(s.store.release, target)
+        if ep.turns_in_flight:
+            s.metrics.feedback.labels("episode_in_progress").inc()
+            raise ApiError(
+                409,
+                f"episode {body.episode_id!r} has a turn in progress; rate it once its last answer is whole",
+                param="episode_id",
+                code="episode_in_progress",
+            )
+        if ep.not_whole_turns:
+            s.metrics.feedback.labels("not_whole").inc()
+            raise not_whole(f"episode {body.episode_id!r} has {ep.not_whole_turns} aborted or failed turn(s)")
+    rec = FeedbackRecord(
+        trajectory_id=body.id,
+        episode_id=body.episode_id if body.id is None else None,
+        prompt_id=prompt_id,
+        reward=body.value,
+        source=body.source,
+        received_at=utcnow(),
+    )
+    try:
+        await s.append(TOPIC_FEEDBACK, prompt_id, rec.to_json())
+    except LogUnavailable as exc:
+        await asyncio.to_thread(s.store.release, target)
+        s.metrics.log_failures.labels(TOPIC_FEEDBACK).inc()
+        raise ApiError(503, f"feedback log unavailable, retry later: {exc}", "server_error") from exc
+    await s.mark_received(target, rec.reward)
+    s.metrics.feedback.labels("accepted").inc()
+    return FeedbackAccepted(target=target, reward=rec.reward)

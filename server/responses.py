@@ -1,0 +1,104 @@
+"""JSON bodies the server answers outside the chat path (the chat shapes are OpenAI's, built
+in ``server.chat``): one pydantic model per answer, so the OpenAPI document states them."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel
+
+
+class Liveness(BaseModel):
+    """``GET /healthz``: the process answers."""
+
+    status: Literal["ok"] = "ok"
+
+
+class Readiness(BaseModel):
+    """``GET /readyz`` (200 ready, 503 not): each dependency "ok" or why it is down."""
+
+    ready: bool
+    policy_version: int
+    database: str
+    log: str
+    engine: str
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = 0
+    owned_by: str = "saoserve"
+    policy_version: int
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    """``GET /v1/models``: the one served model, with the policy version it serves."""
+
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class FeedbackAccepted(BaseModel):
+    """``POST /v1/feedback`` (202): the feedback is in the log; ``target`` is ``t:<completion
+    id>`` or ``e:<episode id>``, ``reward`` the value in [0, 1] that will be trained."""
+
+    status: Literal["accepted"] = "accepted"
+    target: str
+    reward: float
+
+
+class PolicyLoaded(BaseModel):
+    """``POST /admin/load_policy``: the version now served; seconds the swap took, of which
+    generation was paused."""
+
+    policy_version: int
+    seconds: float
+    paused_seconds: float
+
+
+class LearningState(BaseModel):
+    """``POST /admin/pause`` and ``/admin/resume``."""
+
+    learning: Literal["paused", "running"]
+
+
+class RollbackRequested(BaseModel):
+    """``POST /admin/rollback``: the learner will publish a new version with these weights."""
+
+    rollback_to: int
+    status: Literal["requested"] = "requested"
+
+
+class PolicyVersions(BaseModel):
+    """``GET /admin/policy_versions``: the version served and every published one."""
+
+    serving: int
+    versions: list[dict[str, Any]]
+
+
+class PromptEvidence(BaseModel):
+    """``GET /admin/evidence/{prompt_id}``: the prompt's evidence as read at the served version."""
+
+    prompt_id: str
+    known: bool
+    at_version: dict[str, Any]
+    n_results: int
+    reward_sum: float
+
+
+class UncertainPrompts(BaseModel):
+    """``GET /admin/evidence``: the prompts whose baseline is least certain at ``version``."""
+
+    version: int
+    prompts: list[dict[str, Any]]
+
+
+class DashboardData(BaseModel):
+    """``GET /dashboard/data``: aggregates only (no prompts or texts)."""
+
+    policy_version: int
+    steps: list[dict[str, Any]]
+    requests_per_s: list[float]
+    counters: dict[str, Any]

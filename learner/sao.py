@@ -209,6 +209,11 @@ class SAOLearner(Algorithm):
     ``reference``: the frozen policy of the KL anchor (the base model), needed when
     ``config.kl_coef > 0``; it is cast to float32, put in eval mode and never updated.
 
+    ``correction`` (``learner.config``; default ``dis``): with ``mis_snapshot`` or ``mis_ewma``
+    step 3 becomes ``epochs × minibatches`` updates on the MIS loss (``learner.mis``) with π_old
+    from ``learner.old_logits``; ``on_version`` must then be called with the policy's version
+    at start and after every published version (``learner.process`` does).
+
     Raises (constructor): ValueError if ``baseline="critic"`` without a critic, a critic given with
     ``baseline="running_mean"``, ``kl_coef > 0`` without a reference, or an invalid config value.
     """

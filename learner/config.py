@@ -128,6 +128,9 @@ class _MISCorrection(BaseModel):
     """Drift bound for A < 0: masked unless r_s = πθ/π_old ≥ 1 − clip_low (PPO's ε, 0.2)."""
     clip_high: float = Field(0.28, ge=0.0)
     """Drift bound for A ≥ 0: masked unless r_s ≤ 1 + clip_high (0.28, as SPO++'s clip)."""
+    dual_clip: float = Field(3.0, gt=1.0)
+    """Dual clip for A < 0: masked when r_s > dual_clip (not in papers/004; verl's clip_ratio_c
+    = 3), which bounds every kept weight πθ/μ by c · dual_clip (``learner.mis``)."""
     epochs: int = Field(1, ge=1)
     """Passes over each batch (PPO epochs); more than one update per batch makes r_s ≠ 1."""
     minibatches: int = Field(1, ge=1)

@@ -9,9 +9,13 @@ this is the ordinary importance-weighted policy gradient against the behaviour p
 generated the token (the same weight SAO's DIS applies), and π_old enters only through the
 mask: §4 shows that PPO's clip is a mask on r_s, and that the decoupled variants add a mask on
 r_d; a token whose r_d leaves ``[1/c, c]`` (the train–inference discrepancy is too large) or
-whose r_s moved past the clip in the direction of its advantage contributes nothing. As in
-PPO, the weight of a kept token with ``A < 0`` is not bounded above (no dual clip). The loss is
-the token mean over the usable action tokens, like ``learner.dis.dis_loss``.
+whose r_s moved past the clip in the direction of its advantage contributes nothing. The mask
+alone leaves the weight of a kept token with ``A < 0`` unbounded above (r_s ≥ 1 − ε is its only
+drift bound; with logprobs down to the −100 floor, πθ/μ can overflow float32). A dual clip, not in
+papers/004, closes that: a token with ``A < 0`` and ``r_s > dual_clip`` is masked as well (dual-clip
+PPO, Ye et al. 2020; verl's ``clip_ratio_c`` = 3), so every kept weight is at most
+``c · dual_clip``. The loss is the token mean over the usable action tokens, like
+``learner.dis.dis_loss``.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ def mis_loss(
     eps_low: float,
     eps_high: float,
     c: float,
+    dual_clip: float | None = 3.0,
 ) -> tuple[torch.Tensor, dict]:
     """``L = −Σ_t keep_t · sg(πθ/μ)_t · A_t · log πθ_t / Σ_t usable_t`` (papers/004 §4).
 
@@ -43,6 +48,8 @@ def mis_loss(
         action_mask: [B, T] 0/1; 1 on action tokens.
         eps_low, eps_high: drift bounds on r_s (``mis_token_mask``).
         c: discrepancy bound on r_d, ``c >= 1``.
+        dual_clip: a token with ``A < 0`` and ``r_s > dual_clip`` is masked (counted in
+            ``masked_by_rs``); ``> 1``, or None for no dual clip (the paper's mask alone).
 
     Returns:
         ``(loss, stats)``: loss a 0-dim float32 tensor (0 with a graph when no token is usable);
@@ -54,8 +61,11 @@ def mis_loss(
         caller average over several updates.
 
     Raises:
-        ValueError: shapes differ or a bound is out of range (``mis_token_mask``).
+        ValueError: shapes differ or a bound is out of range (``mis_token_mask``), or
+            ``dual_clip <= 1``.
     """
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
     keep = mis_token_mask(
         logp_new,
         logp_old,
@@ -67,6 +77,9 @@ def mis_loss(
         action_mask=action_mask,
     )
     usable, dropped = usable_tokens(action_mask, logp_new, logp_old, logp_behaviour)
+    if dual_clip is not None:
+        log_rs = torch.where(usable, logp_new.detach().double() - logp_old.detach().double(), 0.0)
+        keep = keep & ~((advantages.detach() < 0) & (log_rs > torch.log(torch.tensor(dual_clip)).double()))
     log_w = torch.where(usable, logp_new.detach().double() - logp_behaviour.double(), 0.0)
     log_rd = torch.where(usable, logp_old.detach().double() - logp_behaviour.double(), 0.0)
     rd_out = usable & ((torch.exp(log_rd) < 1.0 / c) | (torch.exp(log_rd) > c))

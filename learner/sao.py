@@ -521,6 +521,7 @@ class SAOLearner(Algorithm):
                     eps_low=corr.clip_low,
                     eps_high=corr.clip_high,
                     c=corr.c,
+                    dual_clip=corr.dual_clip,
                 )
                 if ref_lp is not None:
                     kl = k3_kl(lp, ref_lp[idx], m)

@@ -42,6 +42,23 @@ def test_mis_loss_by_hand():
     assert new.grad.tolist()[0] == pytest.approx([-0.25, 0.0, 0.0, 0.375], abs=1e-6)
 
 
+def test_dual_clip_bounds_negative_advantage_weights():
+    # One token with A = −1, r_d = 1 and r_s = πθ/π_old = 0.8/0.2 = 4: the MIS mask keeps it
+    # (A < 0 only needs r_s ≥ 0.8), with weight 4 · (−1); the dual clip at 3 masks it (4 > 3).
+    mu = old = torch.log(torch.tensor([[0.2]]))
+    new = torch.log(torch.tensor([[0.8]]))
+    adv, ones = torch.tensor([[-1.0]]), torch.ones(1, 1)
+    loss, stats = mis_loss(new, old, mu, adv, ones, eps_low=0.2, eps_high=0.28, c=2.0, dual_clip=None)
+    # L = −(−4 · log 0.8) / 1 = 4 · (−0.223144) = −0.892574
+    assert loss.item() == pytest.approx(4 * math.log(0.8), rel=1e-5) and stats["kept"] == 1
+    loss, stats = mis_loss(new, old, mu, adv, ones, eps_low=0.2, eps_high=0.28, c=2.0, dual_clip=3.0)
+    assert loss.item() == 0.0 and (stats["kept"], stats["masked_by_rs"]) == (0, 1)
+    # r_s = 4 < 5: kept again under a looser dual clip.
+    assert mis_loss(new, old, mu, adv, ones, eps_low=0.2, eps_high=0.28, c=2.0, dual_clip=5.0)[1]["kept"] == 1
+    with pytest.raises(ValueError, match="dual_clip"):
+        mis_loss(new, old, mu, adv, ones, eps_low=0.2, eps_high=0.28, c=2.0, dual_clip=1.0)
+
+
 def test_mis_loss_drops_a_non_finite_old_logprob():
     mu = torch.zeros(1, 3) - 0.5
     old = torch.tensor([[-0.5, math.nan, -0.5]])

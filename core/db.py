@@ -64,8 +64,10 @@ class FeedbackClaim(Base):
     """First-wins feedback per target (``t:<trajectory id>`` or ``e:<episode id>``).
 
     ``state``: ``claimed`` while the feedback record is being appended to the log, then
-    ``received``. The primary key makes the claim atomic on every database; a claim older than
-    the claim timeout (a server that crashed mid-append, no 202 sent) may be taken over.
+    ``received``. ``feedback_id``: the record (request) holding the claim; once ``received``,
+    the one record of the target the joiner may train. The primary key makes the claim atomic
+    on every database; a claim older than the claim timeout (a server that crashed mid-append,
+    no 202 sent) may be taken over.
     """
 
     __tablename__ = "feedback_claims"
@@ -74,6 +76,7 @@ class FeedbackClaim(Base):
     reward: Mapped[float | None] = mapped_column(Float)
     claimed_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     received_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    feedback_id: Mapped[str | None] = mapped_column(String(64))
 
 
 class LogRecord(Base):

@@ -116,6 +116,9 @@ class FeedbackRecord(BaseModel):
     reward: float
     source: Literal["user", "judge"] = "user"
     received_at: datetime
+    # Made by the server per request and held by the target's feedback claim; the joiner trains
+    # only the record whose id a ``received`` claim holds. None: logged before ids.
+    feedback_id: str | None = Field(None, max_length=64)
 
     @field_validator("reward")
     @classmethod

@@ -22,6 +22,14 @@ Rules (DESIGN §4, §8):
   the reason is counted (``learner.samples.NotWholeAnswer``).
 * A pending trajectory older than ``expire_s`` (by its ``created_at``) is dropped and counted
   ``expired``; tombstones are forgotten after :data:`TOMBSTONE_TTL`.
+* Only the feedback record the server confirmed is joined: the one whose ``feedback_id`` its
+  target's claim holds (``JoinState.claims``). A record whose claim is not yet marked waits
+  (kind ``unconfirmed``, keyed by its id) until it is, or is dropped and counted
+  ``expired_feedback`` after ``expire_s`` (by its ``received_at``); a record whose claim holds
+  another id, or is gone, was answered 503 (or lost to a crash, no 202 sent) and is void:
+  dropped and counted ``void_feedback``, whichever of the records is read first. So "the first
+  feedback wins" means the confirmed one wins; records without an id (logged before ids) join
+  as before.
 """
 
 from __future__ import annotations
@@ -53,6 +61,11 @@ Result = tuple[str, float, int]
 def episode_key(episode_id: str) -> str:
     """The ``pending_joins`` key of an episode's tombstone."""
     return f"e:{episode_id}"
+
+
+def feedback_target(fb: FeedbackRecord) -> str:
+    """The feedback claim's target: ``t:<trajectory id>`` or ``e:<episode id>``."""
+    return f"t:{fb.trajectory_id}" if fb.trajectory_id is not None else episode_key(fb.episode_id)
 
 
 def expiry_cutoff(now: datetime, expire_s: float) -> datetime:
@@ -95,19 +108,29 @@ class Records:
             offsets[(e.topic, e.partition)] = max(offsets.get((e.topic, e.partition), 0), e.offset + 1)
         return cls(parsed[TOPIC_TRAJECTORIES], parsed[TOPIC_FEEDBACK], dict(malformed), offsets)
 
-    def ids(self) -> set[str]:
-        """Trajectory ids whose join state the plan needs (records and single-turn feedback)."""
+    def ids(self, unconfirmed: Iterable[FeedbackRecord] = ()) -> set[str]:
+        """Trajectory ids whose join state the plan needs (records and single-turn feedback,
+        also the feedback ``unconfirmed`` that may be confirmed now)."""
         return {t.id for t in self.trajectories} | {
-            f.trajectory_id for f in self.feedback if f.trajectory_id is not None
+            f.trajectory_id for f in [*self.feedback, *unconfirmed] if f.trajectory_id is not None
         }
 
-    def episode_keys(self) -> set[str]:
-        """Tombstone keys of the episodes this read's feedback rates or its trajectories extend."""
-        return {episode_key(r.episode_id) for r in [*self.feedback, *self.trajectories] if r.episode_id}
+    def episode_keys(self, unconfirmed: Iterable[FeedbackRecord] = ()) -> set[str]:
+        """Tombstone keys of the episodes this read's feedback (or ``unconfirmed``) rates or its
+        trajectories extend."""
+        return {
+            episode_key(r.episode_id)
+            for r in [*self.feedback, *unconfirmed, *self.trajectories]
+            if r.episode_id
+        }
 
-    def episode_prompt_ids(self) -> set[str]:
+    def episode_prompt_ids(self, unconfirmed: Iterable[FeedbackRecord] = ()) -> set[str]:
         """Prompt ids whose pending trajectories may be turns of a rated episode."""
-        return {f.prompt_id for f in self.feedback if f.episode_id is not None}
+        return {f.prompt_id for f in [*self.feedback, *unconfirmed] if f.episode_id is not None}
+
+    def targets(self, unconfirmed: Iterable[FeedbackRecord] = ()) -> set[str]:
+        """Claim targets of this read's feedback and of ``unconfirmed`` (``JoinState.claims``)."""
+        return {feedback_target(f) for f in [*self.feedback, *unconfirmed]}
 
 
 @dataclass(frozen=True)
@@ -118,18 +141,23 @@ class JoinState:
     tombstone. ``trajectories``: pending trajectories whose id is in :meth:`Records.ids` or
     whose prompt id is in :meth:`Records.episode_prompt_ids`, by id. ``feedback``: pending
     feedback by trajectory id, for :meth:`Records.ids`. ``expired``: ids of all pending
-    trajectories received before :func:`expiry_cutoff`.
+    trajectories received before :func:`expiry_cutoff`. ``unconfirmed``: every pending feedback
+    record waiting for its claim to be marked, by feedback id (the ids above include theirs).
+    ``claims``: claim target (:meth:`Records.targets`) → the feedback id its claim holds, None
+    while claimed and not yet marked; a target without a claim row is absent.
     """
 
     joined: frozenset[str] = frozenset()
     trajectories: Mapping[str, TrajectoryRecord] = field(default_factory=dict)
     feedback: Mapping[str, FeedbackRecord] = field(default_factory=dict)
     expired: frozenset[str] = frozenset()
+    unconfirmed: Mapping[str, FeedbackRecord] = field(default_factory=dict)
+    claims: Mapping[str, str | None] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class PendingRow:
-    """A ``pending_joins`` row to insert (``kind``: trajectory, feedback or joined)."""
+    """A ``pending_joins`` row to insert (``kind``: trajectory, feedback, unconfirmed or joined)."""
 
     key: str
     kind: str
@@ -142,7 +170,8 @@ class PendingRow:
 class JoinPlan:
     """What one poll commits, in one transaction.
 
-    ``deletes``: (key, kind) of pending rows consumed by a join; ``expired``: pending
+    ``deletes``: (key, kind) of pending rows consumed by a join, or unconfirmed feedback
+    resolved or expired; ``expired``: pending
     trajectory ids dropped as expired; ``inserts``: new pending rows and tombstones;
     ``samples``: the learner samples; ``results``: the evidence results; ``counters``: learner
     counter increments (none zero); ``offsets``: next offsets;
@@ -189,6 +218,20 @@ def _join_episode(
     )
 
 
+def _confirmation(fb: FeedbackRecord, claims: Mapping[str, str | None]) -> str:
+    """``confirmed``, ``unconfirmed`` (claim not yet marked) or ``void_feedback`` (module
+    docstring)."""
+    if fb.feedback_id is None:
+        return "confirmed"
+    target = feedback_target(fb)
+    if target not in claims:
+        return "void_feedback"
+    held = claims[target]
+    if held is None:
+        return "unconfirmed"
+    return "confirmed" if held == fb.feedback_id else "void_feedback"
+
+
 def plan_join(records: Records, state: JoinState, now: datetime, expire_s: float) -> JoinPlan:
     """Join one read against the committed state (module docstring for the rules).
 
@@ -215,6 +258,36 @@ def plan_join(records: Records, state: JoinState, now: datetime, expire_s: float
         joined_now.add(key)
         inserts.append(PendingRow(key, "joined", prompt_id, "", now))
 
+    cutoff = expiry_cutoff(now, expire_s)
+    confirmed: list[FeedbackRecord] = []
+    seen: set[str] = set()
+    for fb, held in [
+        *((f, True) for f in state.unconfirmed.values()),
+        *((f, False) for f in records.feedback),
+    ]:
+        if fb.feedback_id is not None:
+            if fb.feedback_id in seen:
+                # A re-sent copy of a record this poll has already decided (or that waits).
+                counters["duplicate_feedback"] += 1
+                continue
+            seen.add(fb.feedback_id)
+        verdict = _confirmation(fb, state.claims)
+        if verdict == "unconfirmed" and _aware(fb.received_at) < cutoff:
+            verdict = "expired_feedback"
+        if held and verdict != "unconfirmed":
+            deletes.append((fb.feedback_id, "unconfirmed"))
+        if verdict == "confirmed":
+            confirmed.append(fb)
+        elif verdict == "unconfirmed":
+            if not held:
+                inserts.append(
+                    PendingRow(
+                        fb.feedback_id, "unconfirmed", fb.prompt_id, fb.to_json().decode(), fb.received_at
+                    )
+                )
+        else:
+            counters[verdict] += 1
+
     # Trajectories first: a prompt's trajectory precedes its feedback in the log.
     for rec in records.trajectories:
         if (
@@ -237,7 +310,7 @@ def plan_join(records: Records, state: JoinState, now: datetime, expire_s: float
             continue
         waiting[rec.id] = rec
 
-    for fb in records.feedback:
+    for fb in confirmed:
         if fb.episode_id is not None:
             key = episode_key(fb.episode_id)
             if key in state.joined or key in joined_now:
@@ -277,7 +350,6 @@ def plan_join(records: Records, state: JoinState, now: datetime, expire_s: float
         joins.append(_join_single(rec, fb.reward))
         tombstone(tid, rec.prompt_id)
 
-    cutoff = expiry_cutoff(now, expire_s)
     consumed = {key for key, kind in deletes if kind == "trajectory"}
     expired = sorted(state.expired - consumed)
     for rec in waiting.values():

@@ -4,8 +4,10 @@
 the ``pending_joins`` rows they touch, asks the pure :func:`learner.join_plan.plan_join` what
 to do, and commits in ONE database transaction the new offsets, the pending joins, the produced
 samples, the prompt evidence of the joined results (credited to the version that generated
-each answer's first token) and the counters. A crash before the commit re-reads the same
-records; after it, nothing is read twice. The joining rules are in ``learner/join_plan.py``.
+each answer's first token) and the counters. The read also takes the feedback claims of the
+feedback it joins (the server's confirmation of which record counts) and the feedback still
+waiting for one. A crash before the commit re-reads the same records; after it, nothing is
+read twice. The joining rules are in ``learner/join_plan.py``.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from datetime import datetime
 from sqlalchemy import delete, insert, or_, select, update
 from sqlalchemy.engine import Connection, Engine
 
-from core.db import ConsumerOffset, LearnerCounter, LearnerSample, PendingJoin
+from core.db import ConsumerOffset, FeedbackClaim, LearnerCounter, LearnerSample, PendingJoin
 from core.evidence_store import EvidenceStore
 from core.logbus import LogEntry, LogTransport
 from core.records import TOPIC_FEEDBACK, TOPIC_TRAJECTORIES, FeedbackRecord, TrajectoryRecord, utcnow
@@ -49,10 +51,11 @@ class Joiner:
         ``max_records``: at most this many records per (topic, partition) in one poll.
         """
         records = Records.parse(self._read(max_records))
-        if not records.offsets:
-            return JoinStats()
         now = utcnow()
-        plan = plan_join(records, self._state(records, now), now, self.expire_s)
+        state = self._state(records, now)
+        if not records.offsets and not state.unconfirmed:
+            return JoinStats()
+        plan = plan_join(records, state, now, self.expire_s)
         self._commit(plan, now)
         return JoinStats(samples=len(plan.samples), counters=plan.counters)
 
@@ -89,14 +92,31 @@ class Joiner:
         ]
 
     def _state(self, records: Records, now: datetime) -> JoinState:
-        """The pending rows and tombstones ``records`` touch (see ``JoinState``)."""
-        ids = records.ids()
-        prompts = records.episode_prompt_ids()
+        """The pending rows, tombstones and feedback claims ``records`` touch (see ``JoinState``)."""
         with self.db.connect() as conn:
+            unconfirmed = {
+                k: FeedbackRecord.model_validate_json(v)
+                for k, v in conn.execute(
+                    select(PendingJoin.key, PendingJoin.payload).where(PendingJoin.kind == "unconfirmed")
+                )
+            }
+            if not records.offsets and not unconfirmed:
+                return JoinState()
+            held = list(unconfirmed.values())
+            ids = records.ids(held)
+            prompts = records.episode_prompt_ids(held)
+            claims = {
+                target: feedback_id if state == "received" else None
+                for target, state, feedback_id in conn.execute(
+                    select(FeedbackClaim.target, FeedbackClaim.state, FeedbackClaim.feedback_id).where(
+                        FeedbackClaim.target.in_(records.targets(held))
+                    )
+                )
+            }
             joined = (
                 conn.execute(
                     select(PendingJoin.key).where(
-                        PendingJoin.kind == "joined", PendingJoin.key.in_(ids | records.episode_keys())
+                        PendingJoin.kind == "joined", PendingJoin.key.in_(ids | records.episode_keys(held))
                     )
                 )
                 .scalars()
@@ -128,6 +148,8 @@ class Joiner:
                 trajectories={k: TrajectoryRecord.model_validate_json(v) for k, v in trajectories},
                 feedback={k: FeedbackRecord.model_validate_json(v) for k, v in feedback},
                 expired=frozenset(expired),
+                unconfirmed=unconfirmed,
+                claims=claims,
             )
 
     def _commit(self, plan: JoinPlan, now: datetime) -> None:

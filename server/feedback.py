@@ -5,6 +5,7 @@ what happens to the database and the log, in this order."""
 from __future__ import annotations
 
 import asyncio
+import uuid
 
 from core.logbus import LogUnavailable
 from core.records import TOPIC_FEEDBACK, FeedbackRecord, check_feedback_token, utcnow
@@ -25,8 +26,9 @@ async def accept_feedback(s: ServerState, body: FeedbackRequest) -> FeedbackAcce
 
     Raises ApiError: 404 unknown completion or episode, 403 a token that does not match,
     409 already rated (first wins), not a whole answer, or an episode turn still in flight,
-    503 when the log refused (the claim is released, nothing was logged). Once the log holds
-    the record the answer is accepted, whatever the database then says (``mark_received``).
+    503 when the log refused (the claim is released: a record the log appends anyway, late,
+    is void, since its claim is never marked received with its id). Once the log holds the
+    record the answer is accepted, whatever the database then says (``mark_received``).
     """
     if body.id is not None:
         traj = await asyncio.to_thread(s.store.find_trajectory, body.id)
@@ -55,7 +57,8 @@ async def accept_feedback(s: ServerState, body: FeedbackRequest) -> FeedbackAcce
     if finish_reason in NOT_WHOLE:
         s.metrics.feedback.labels("not_whole").inc()
         raise not_whole(f"completion {body.id!r} ended with finish_reason {finish_reason!r}")
-    if not await asyncio.to_thread(s.store.claim, target):
+    feedback_id = str(uuid.uuid4())
+    if not await asyncio.to_thread(s.store.claim, target, feedback_id):
         s.metrics.feedback.labels("duplicate").inc()
         raise ApiError(409, "feedback was already given for this completion (first wins)", code="conflict")
     if body.episode_id is not None:
@@ -63,7 +66,7 @@ async def accept_feedback(s: ServerState, body: FeedbackRequest) -> FeedbackAcce
         # refused, so no turn can join the episode unseen (ServerStore.start_episode_turn).
         ep = await asyncio.to_thread(s.store.episode_state, body.episode_id)
         if ep.turns_in_flight or ep.not_whole_turns:
-            await asyncio.to_thread(s.store.release, target)
+            await asyncio.to_thread(s.store.release, target, feedback_id)
         if ep.turns_in_flight:
             s.metrics.feedback.labels("episode_in_progress").inc()
             raise ApiError(
@@ -82,13 +85,14 @@ async def accept_feedback(s: ServerState, body: FeedbackRequest) -> FeedbackAcce
         reward=body.value,
         source=body.source,
         received_at=utcnow(),
+        feedback_id=feedback_id,
     )
     try:
         await s.append(TOPIC_FEEDBACK, prompt_id, rec.to_json())
     except LogUnavailable as exc:
-        await asyncio.to_thread(s.store.release, target)
+        await asyncio.to_thread(s.store.release, target, feedback_id)
         s.metrics.log_failures.labels(TOPIC_FEEDBACK).inc()
         raise ApiError(503, f"feedback log unavailable, retry later: {exc}", "server_error") from exc
-    await s.mark_received(target, rec.reward)
+    await s.mark_received(target, rec.reward, rec.feedback_id)
     s.metrics.feedback.labels("accepted").inc()
     return FeedbackAccepted(target=target, reward=rec.reward)

@@ -123,17 +123,17 @@ class ServerState:
         self.metrics.trajectories.labels(rec.finish_reason).inc()
         self.metrics.tokens.inc(len(rec.response_token_ids))
 
-    async def mark_received(self, target: str, reward: float) -> None:
+    async def mark_received(self, target: str, reward: float, feedback_id: str | None = None) -> None:
         """Record in the database that ``target``'s feedback is in the log. The log already
         holds it, so the answer is 202 whatever the database says: a refused write is retried
         by a task until the database takes it."""
         try:
-            await asyncio.to_thread(self.store.mark_received, target, reward)
+            await asyncio.to_thread(self.store.mark_received, target, reward, feedback_id)
         except Exception as exc:
             if not is_storage_error(exc):
                 raise
             log.warning("feedback %s logged, claim update deferred: %s", target, exc)
-            self._retry(self.store.mark_received, target, reward)
+            self._retry(self.store.mark_received, target, reward, feedback_id)
 
     def _retry(self, write, *args) -> None:
         task = asyncio.ensure_future(self._write_later(write, *args))

@@ -49,6 +49,11 @@ class EpisodeState:
     turns_in_flight: int
 
 
+def _held_by(feedback_id: str | None) -> list:
+    """The condition that a claim belongs to ``feedback_id`` (none for a caller without ids)."""
+    return [] if feedback_id is None else [FeedbackClaim.feedback_id == feedback_id]
+
+
 class ServerStore:
     """Rows the server writes; the log holds the records themselves."""
 
@@ -151,16 +156,22 @@ class ServerStore:
             ).scalar_one()
         return EpisodeState(prompt_id, not_whole, in_flight)
 
-    def claim(self, target: str) -> bool:
-        """Take the first-wins claim on ``target``; False if feedback was already given.
+    def claim(self, target: str, feedback_id: str | None = None) -> bool:
+        """Take the first-wins claim on ``target`` for the record ``feedback_id``; False if
+        feedback was already given.
 
         A claim stuck in ``claimed`` longer than CLAIM_TIMEOUT belongs to a request that never
-        answered 202 (crash mid-append) and is taken over with a compare-and-set.
+        answered 202 (crash mid-append) and is taken over with a compare-and-set; the claim then
+        holds the new record's id, so the old request can neither release nor mark it.
         """
         now = utcnow()
         try:
             with self.engine.begin() as conn:
-                conn.execute(insert(FeedbackClaim).values(target=target, state="claimed", claimed_at=now))
+                conn.execute(
+                    insert(FeedbackClaim).values(
+                        target=target, state="claimed", claimed_at=now, feedback_id=feedback_id
+                    )
+                )
             return True
         except IntegrityError:
             pass
@@ -172,22 +183,28 @@ class ServerStore:
                     FeedbackClaim.state == "claimed",
                     FeedbackClaim.claimed_at < now - CLAIM_TIMEOUT,
                 )
-                .values(claimed_at=now)
+                .values(claimed_at=now, feedback_id=feedback_id)
             )
             return res.rowcount == 1
 
-    def release(self, target: str) -> None:
-        """Drop a claim whose feedback could not be logged (the client got an error)."""
+    def release(self, target: str, feedback_id: str | None = None) -> None:
+        """Drop a claim whose feedback could not be logged (the client got an error); with
+        ``feedback_id``, only while the claim is still that record's."""
         with self.engine.begin() as conn:
             conn.execute(
-                delete(FeedbackClaim).where(FeedbackClaim.target == target, FeedbackClaim.state == "claimed")
+                delete(FeedbackClaim).where(
+                    FeedbackClaim.target == target, FeedbackClaim.state == "claimed", *_held_by(feedback_id)
+                )
             )
 
-    def mark_received(self, target: str, reward: float) -> None:
+    def mark_received(self, target: str, reward: float, feedback_id: str | None = None) -> None:
+        """Confirm ``target``'s claim once its record is in the log: the joiner trains only the
+        record whose ``feedback_id`` a ``received`` claim holds (``learner.join_plan``). With
+        ``feedback_id``, a claim taken over by another record is left as it is."""
         with self.engine.begin() as conn:
             conn.execute(
                 update(FeedbackClaim)
-                .where(FeedbackClaim.target == target)
+                .where(FeedbackClaim.target == target, *_held_by(feedback_id))
                 .values(state="received", reward=reward, received_at=utcnow())
             )
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sqlalchemy import update
+from sqlalchemy import select, update
 
 from core.db import FeedbackClaim, make_engine, migrate
 from core.records import utcnow
@@ -51,3 +51,30 @@ def test_a_released_claim_can_be_claimed_again(tmp_path):
     assert store.claim("t:a")
     store.release("t:a")
     assert store.claim("t:a") is True
+
+
+def test_a_taken_over_claim_is_neither_released_nor_marked_by_its_old_holder(tmp_path):
+    # A's append outlived the claim timeout; B took the claim over. A's 503 (release) must not
+    # drop B's claim, nor a late mark of A's confirm A: the claim stays B's.
+    store = store_at(tmp_path)
+    assert store.claim("t:a", "A")
+    age_claim(store, "t:a", CLAIM_TIMEOUT * 2)
+    assert store.claim("t:a", "B") is True
+    store.release("t:a", "A")
+    store.mark_received("t:a", 0.0, "A")
+    assert claim_row(store, "t:a") == ("claimed", None, "B")
+    store.mark_received("t:a", 1.0, "B")
+    assert claim_row(store, "t:a") == ("received", 1.0, "B")
+    store.release("t:a", "B")
+    assert claim_row(store, "t:a") == ("received", 1.0, "B")
+
+
+def claim_row(store: ServerStore, target: str):
+    with store.engine.connect() as conn:
+        return tuple(
+            conn.execute(
+                select(FeedbackClaim.state, FeedbackClaim.reward, FeedbackClaim.feedback_id).where(
+                    FeedbackClaim.target == target
+                )
+            ).one()
+        )

@@ -141,6 +141,96 @@ def test_second_feedback_while_the_first_waits():
     assert p.inserts == [] and p.counters == {"duplicate_feedback": 1}
 
 
+def sent(
+    fid: str, tid: str | None = "t1", reward: float = 1.0, prompt_id: str = "p", episode: str | None = None
+):
+    """A feedback record as the server logs it: with its id ``fid``."""
+    return fb(tid, reward, prompt_id, episode).model_copy(update={"feedback_id": fid})
+
+
+def unconfirmed(rec: FeedbackRecord) -> PendingRow:
+    return PendingRow(rec.feedback_id, "unconfirmed", rec.prompt_id, rec.to_json().decode(), rec.received_at)
+
+
+@pytest.mark.parametrize("a_first", [True, False])
+def test_the_confirmed_feedback_is_trained_not_the_one_answered_503(a_first):
+    # Issue 13 item 3: A (0.0) answered 503, its claim released, yet appended late; the retry
+    # B (1.0) answered 202, its claim marked with B's id. Trained: 1.0; A void.
+    a, b = sent("A", reward=0.0), sent("B", reward=1.0)
+    claims = {"t:t1": "B"}
+    p = plan(read(traj(), *((a, b) if a_first else (b, a))), JoinState(claims=claims))
+    assert [s.reward for s in p.samples] == [1.0] and p.results == [("p", 1.0, 2)]
+    assert p.counters == {"void_feedback": 1} and p.inserts == [tomb("t1")]
+    # Across polls: A read while B's claim is still unmarked waits; B marked joins, A void.
+    p1 = plan(read(traj(), a), JoinState(claims={"t:t1": None}))
+    assert p1.samples == [] and p1.counters == {}
+    assert p1.inserts == [unconfirmed(a), PendingRow("t1", "trajectory", "p", traj().to_json().decode(), NOW)]
+    p2 = plan(read(b), JoinState(trajectories={"t1": traj()}, unconfirmed={"A": a}, claims=claims))
+    assert [s.reward for s in p2.samples] == [1.0] and p2.counters == {"void_feedback": 1}
+    assert p2.deletes == [("A", "unconfirmed"), ("t1", "trajectory")] and p2.inserts == [tomb("t1")]
+    # B joined first: A, read later, is void (not a duplicate), and trains nothing.
+    p3 = plan(read(a), JoinState(joined=frozenset({"t1"}), claims=claims))
+    assert p3.samples == [] and p3.inserts == [] and p3.counters == {"void_feedback": 1}
+
+
+def test_feedback_waits_until_its_claim_is_marked():
+    b = sent("B", reward=0.5)
+    p1 = plan(read(traj(), b, b), JoinState(claims={"t:t1": None}))
+    # The re-sent copy of a waiting record is a duplicate, one row waits.
+    assert p1.samples == [] and p1.counters == {"duplicate_feedback": 1}
+    assert [(r.key, r.kind) for r in p1.inserts] == [("B", "unconfirmed"), ("t1", "trajectory")]
+    # Nothing new read: still unmarked, it keeps waiting; marked, it joins.
+    state = JoinState(trajectories={"t1": traj()}, unconfirmed={"B": b}, claims={"t:t1": None})
+    p2 = plan(read(), state)
+    assert p2.samples == [] and p2.inserts == [] and p2.deletes == [] and p2.counters == {}
+    p3 = plan(read(), JoinState(trajectories={"t1": traj()}, unconfirmed={"B": b}, claims={"t:t1": "B"}))
+    assert [s.reward for s in p3.samples] == [0.5] and p3.results == [("p", 0.5, 2)]
+    assert p3.deletes == [("B", "unconfirmed"), ("t1", "trajectory")] and p3.counters == {}
+    # A re-sent copy read while the record waits, or in the poll that confirms it: one sample.
+    p4 = plan(read(b), state)
+    assert p4.inserts == [] and p4.deletes == [] and p4.counters == {"duplicate_feedback": 1}
+    p5 = plan(read(b), JoinState(trajectories={"t1": traj()}, unconfirmed={"B": b}, claims={"t:t1": "B"}))
+    assert [s.reward for s in p5.samples] == [0.5] and p5.counters == {"duplicate_feedback": 1}
+
+
+def test_feedback_without_a_claim_is_void_and_unmarked_feedback_expires():
+    a = sent("A")
+    p = plan(read(traj(), a))
+    assert p.samples == [] and p.counters == {"void_feedback": 1}
+    assert [(r.key, r.kind) for r in p.inserts] == [("t1", "trajectory")]
+    # Received 2 h ago with expire_s = 1 h, its claim never marked (a server crash, no 202).
+    old = a.model_copy(update={"received_at": NOW - timedelta(hours=2)})
+    p = plan(read(), JoinState(unconfirmed={"A": old}, claims={"t:t1": None}))
+    assert p.deletes == [("A", "unconfirmed")] and p.counters == {"expired_feedback": 1}
+    p = plan(read(old), JoinState(claims={"t:t1": None}))
+    assert p.inserts == [] and p.counters == {"expired_feedback": 1}
+    # An id longer than a pending row's key (64) is not the server's: malformed.
+    too_long = a.model_copy(update={"feedback_id": "x" * 65}).to_json()
+    assert plan(read((TOPIC_FEEDBACK, too_long))).counters == {"malformed_feedback": 1}
+
+
+@pytest.mark.parametrize("a_first", [True, False])
+def test_episode_feedback_trains_the_confirmed_record(a_first):
+    t0, t1 = episode_turns()
+    a, b = (
+        sent("A", episode="E", prompt_id="q", reward=0.0),
+        sent("B", episode="E", prompt_id="q", reward=1.0),
+    )
+    p = plan(read(t0, t1, *((a, b) if a_first else (b, a))), JoinState(claims={"e:E": "B"}))
+    assert [(s.id, s.reward) for s in p.samples] == [("e:E", 1.0)] and p.results == [("q", 1.0, 5)]
+    assert p.counters == {"void_feedback": 1}
+    # Unmarked: it waits with the turns, then joins them once marked.
+    p1 = plan(read(t0, t1, b), JoinState(claims={"e:E": None}))
+    assert sorted((r.key, r.kind) for r in p1.inserts) == [
+        ("B", "unconfirmed"),
+        ("E0", "trajectory"),
+        ("E1", "trajectory"),
+    ]
+    p2 = plan(read(), JoinState(trajectories={"E0": t0, "E1": t1}, unconfirmed={"B": b}, claims={"e:E": "B"}))
+    assert [(s.id, s.reward) for s in p2.samples] == [("e:E", 1.0)]
+    assert sorted(p2.deletes) == [("B", "unconfirmed"), ("E0", "trajectory"), ("E1", "trajectory")]
+
+
 @pytest.mark.parametrize(
     ("finish_reason", "reason"),
     [("abort", "excluded_aborted"), ("error", "excluded_error"), ("cancelled", "excluded_unfinished")],

@@ -13,8 +13,9 @@ from core.db import LearnerCounter, LearnerSample, PendingJoin, make_engine, mig
 from core.evidence_store import EvidenceStore
 from core.logbus import SqlLog
 from core.records import TOPIC_FEEDBACK, TOPIC_TRAJECTORIES, utcnow
-from learner.joiner import Joiner
+from learner.joiner import Joiner, JoinStats
 from learner.pretrain import logged_samples
+from server.store import ServerStore
 from tests.test_join_plan import episode_turns, fb, traj
 
 
@@ -119,3 +120,31 @@ def test_feedback_waits_while_trajectories_are_behind(db):
     assert stats.samples == 0 and stats.counters == {"excluded_aborted": 1}
     assert tables(engine)[2] == [("E0", "joined"), ("E1", "joined"), ("e:E", "joined"), ("x", "trajectory")]
     assert joiner.poll_once(max_records=2).counters == {}
+
+
+def test_feedback_answered_503_and_logged_late_is_void_the_confirmed_retry_is_trained(db):
+    # Issue 13 item 3 through the server's claims: A (0.0) is released after its append timed
+    # out (503) but the log appends it later; the retry B (1.0) gets the claim, is logged, and is
+    # marked with B's id. Trained: 1.0, A counted void.
+    log, engine = db
+    store = ServerStore(engine)
+    t1 = traj("t1", created_at=utcnow())
+    a = fb("t1", 0.0).model_copy(update={"feedback_id": "A", "received_at": utcnow()})
+    b = fb("t1", 1.0).model_copy(update={"feedback_id": "B", "received_at": utcnow()})
+    append(log, t1)
+    assert store.claim("t:t1", "A")
+    store.release("t:t1", "A")
+    assert store.claim("t:t1", "B")
+    append(log, a, b)
+    joiner = Joiner(log, engine, 3600)
+    # B's claim is taken but not yet marked: both wait.
+    assert joiner.poll_once() == JoinStats()
+    assert tables(engine)[2] == [("A", "unconfirmed"), ("B", "unconfirmed"), ("t1", "trajectory")]
+    store.mark_received("t:t1", 1.0, "B")
+    # No new record: the waiting feedback is read again and resolved.
+    assert joiner.poll_once() == JoinStats(samples=1, counters={"void_feedback": 1})
+    counters, samples, pending = tables(engine)
+    assert counters == {"void_feedback": 1} and samples == ["t1"] and pending == [("t1", "joined")]
+    with engine.connect() as conn:
+        assert json.loads(conn.execute(select(LearnerSample.payload)).scalar_one())["reward"] == 1.0
+    assert joiner.poll_once() == JoinStats()

@@ -11,8 +11,9 @@ text (the log holds token ids), while a NUL is a character a prompt may legitima
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
 from pydantic import (
     AfterValidator,
@@ -86,9 +87,23 @@ NO_NUL = "^[^\\u0000]*$"
 StoredStr = Annotated[str, _StoredText()]
 
 
+@functools.cache
+def scalar_kinds(annotation: Any) -> frozenset[type]:
+    """The plain types a field's annotation admits at its top level (``int | None`` → {int, NoneType})."""
+    args = get_args(annotation)
+    if not args:
+        return frozenset({annotation}) if isinstance(annotation, type) else frozenset()
+    return frozenset().union(*(scalar_kinds(a) for a in args))
+
+
 class EdgeModel(BaseModel):
     """Base of every request body: one check on every string of every field
-    (``check_strings``); NUL is allowed only in the fields named in ``text_fields``."""
+    (``check_strings``); NUL is allowed only in the fields named in ``text_fields``.
+
+    Scalars keep their JSON type: ``true`` is not the number 1 and ``"1"`` is not a version
+    (pydantic's lax mode would coerce both), ``0`` is not ``false``. An integral number such as
+    ``1.0`` still fills an integer field, as JSON Schema's ``integer`` allows.
+    """
 
     text_fields: ClassVar[frozenset[str]] = frozenset()
 
@@ -99,6 +114,14 @@ class EdgeModel(BaseModel):
         # otherwise fail there with a less clear message.
         if isinstance(v, str):
             check_strings(v, nul_allowed=info.field_name in cls.text_fields)
+        kinds = scalar_kinds(cls.model_fields[info.field_name].annotation)
+        numeric = bool(kinds & {int, float})
+        if isinstance(v, bool) and numeric and bool not in kinds:
+            raise ValueError("must be a number, not true or false")
+        if isinstance(v, str) and numeric and str not in kinds:
+            raise ValueError("must be a number, not a string")
+        if bool in kinds and not numeric and not isinstance(v, bool) and v is not None:
+            raise ValueError("must be true or false")
         return v
 
     @field_validator("*", mode="after")

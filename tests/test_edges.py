@@ -117,6 +117,36 @@ def test_integers_and_lists_are_bounded(cls, body, loc):
     assert refusal(cls, body)[0] == loc
 
 
+@pytest.mark.parametrize(
+    ("cls", "body", "loc"),
+    [
+        (ChatCompletionRequest, {"messages": USER, "max_tokens": True}, ("max_tokens",)),
+        (ChatCompletionRequest, {"messages": USER, "temperature": True}, ("temperature",)),
+        (ChatCompletionRequest, {"messages": USER, "top_p": True}, ("top_p",)),
+        (ChatCompletionRequest, {"messages": USER, "top_k": True}, ("top_k",)),
+        (ChatCompletionRequest, {"messages": USER, "n": True}, ("n",)),
+        (ChatCompletionRequest, {"messages": USER, "seed": True}, ("seed",)),
+        (ChatCompletionRequest, {"messages": USER, "seed": "5"}, ("seed",)),
+        (ChatCompletionRequest, {"messages": USER, "turn": True}, ("turn",)),
+        (ChatCompletionRequest, {"messages": USER, "stream": 0}, ("stream",)),
+        (ChatCompletionRequest, {"messages": USER, "logprobs": 1}, ("logprobs",)),
+        (LoadPolicyRequest, {"version": "1", "path": "/p", "sha256": "0" * 64}, ("version",)),
+        (RollbackRequest, {"version": True}, ("version",)),
+        (FeedbackRequest, {"id": "c", "feedback_token": "t", "reward": True}, ("reward",)),
+    ],
+)
+def test_scalars_keep_their_json_type(cls, body, loc):
+    """``true`` is not 1, ``"1"`` is not a version, ``0`` is not ``false`` (found by a tester:
+    each of these was answered 200 or got past validation)."""
+    assert refusal(cls, body) == (loc, "value_error")
+
+
+def test_integral_numbers_still_fill_integer_and_number_fields():
+    # JSON Schema's integer admits 1.0; an integer fills a number field.
+    req = ChatCompletionRequest.model_validate({"messages": USER, "max_tokens": 16.0, "temperature": 1})
+    assert (req.max_tokens, req.temperature) == (16, 1.0)
+
+
 def test_the_largest_values_in_bounds_are_accepted():
     req = ChatCompletionRequest.model_validate(
         {

@@ -1,4 +1,5 @@
-"""Operators' pages: liveness, readiness, Prometheus metrics, the model list, the dashboard."""
+"""Operators' pages: liveness, readiness, Prometheus metrics, the model list, the dashboard;
+and the chat page, where a person tries the learning loop by hand."""
 
 from __future__ import annotations
 
@@ -18,6 +19,13 @@ from server.routes import state_of
 router = APIRouter()
 
 DASHBOARD_HTML = (Path(__file__).parent.parent / "dashboard.html").read_text()
+CHAT_HTML = (Path(__file__).parent.parent / "chat.html").read_text()
+# The chat page's scripts and styles are inline and it talks only to this server; the browser
+# enforces that (no script, style, image or connection from anywhere else).
+CHAT_CSP = (
+    "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
+    "connect-src 'self'; form-action 'none'; base-uri 'none'; frame-ancestors 'none'"
+)
 # The learner step metrics the dashboard plots.
 DASHBOARD_KEYS = (
     "step",
@@ -71,6 +79,12 @@ async def models(request: Request) -> ModelList:
 @router.get("/dashboard", response_class=HTMLResponse)
 async def dashboard() -> HTMLResponse:
     return HTMLResponse(DASHBOARD_HTML)
+
+
+@router.get("/chat", response_class=HTMLResponse)
+async def chat_page() -> HTMLResponse:
+    """A chat that streams its answers with their policy version, and thumbs up/down for each."""
+    return HTMLResponse(CHAT_HTML, headers={"Content-Security-Policy": CHAT_CSP})
 
 
 @router.get("/dashboard/data", responses=errors(503))

@@ -1,0 +1,259 @@
+"""The chat page (``GET /chat``): two turns of one conversation clicked through in headless
+Chromium, the page's ratings found in the database and the log; and, without a browser, the
+page's promise to reach nothing beyond the server it came from."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import shutil
+from collections.abc import Iterator
+from types import SimpleNamespace
+
+import httpx
+import pytest
+from sqlalchemy import select
+from starlette.testclient import TestClient
+
+from core.db import FeedbackClaim, make_engine
+from core.logbus import open_log
+from core.records import FeedbackRecord, TrajectoryRecord, feedback_token
+from tests.conftest import IN_CI, make_settings, running_server
+from tests.logutil import read_topic
+
+# One answer's wait: the first request on a fresh engine warms it up.
+ANSWER_TIMEOUT_S = 180
+
+
+@pytest.fixture(scope="module")
+def pages(tmp_path_factory) -> TestClient:
+    """The app without its lifespan: the pages need no engine, database or log."""
+    from server.app import create_app
+
+    settings = make_settings(tmp_path_factory.mktemp("pages"))
+    return TestClient(create_app(settings, engine=SimpleNamespace(), watch_policy=False))
+
+
+# Where a page could name another origin: attributes that load or navigate, CSS imports and
+# url(), and the scripts' fetch() calls.
+URL_SPOTS = re.compile(
+    r"""\b(?:src|href|action|formaction)\s*=\s*["']?([^"'\s>]*)"""
+    r"""|@import\s+["']?([^"';\s]*)"""
+    r"""|url\(\s*["']?([^"')\s]*)"""
+    r"""|fetch\(\s*["'`]([^"'`]*)""",
+    re.IGNORECASE,
+)
+
+
+def foreign_urls(html: str) -> list[str]:
+    """Every absolute URL in ``html`` (a scheme, or ``//host``), and every URL a page would load
+    or call that is not a relative path of its own server."""
+    out = re.findall(r"\b[a-z][a-z0-9+.-]*://[^\s\"'`<>]*", html, re.IGNORECASE)
+    for groups in URL_SPOTS.findall(html):
+        url = "".join(groups)  # the one group that matched
+        if url.startswith("//") or re.match(r"[a-z][a-z0-9+.-]*:", url, re.IGNORECASE):
+            out.append(url)
+    return out
+
+
+def test_foreign_urls_finds_what_would_leave_the_server():
+    html = (
+        '<script src="https://cdn.example/x.js"></script><a href=//evil.example/>x</a>'
+        "<style>@import 'http://a/b.css'; p { background: url(data:image/png;base64,AA) }</style>"
+        '<script>fetch("v1/models"); fetch(`wss://x`); // a comment, not a URL</script>'
+        '<a href="dashboard">d</a><img src="img/p.png">'
+    )
+    assert foreign_urls(html) == [
+        "https://cdn.example/x.js",
+        "http://a/b.css",
+        "wss://x",
+        "https://cdn.example/x.js",
+        "//evil.example/",
+        "http://a/b.css",
+        "data:image/png;base64,AA",
+        "wss://x",
+    ]
+
+
+@pytest.mark.parametrize("path", ["/chat", "/dashboard"])
+def test_pages_reach_nothing_beyond_their_server(pages, path):
+    r = pages.get(path)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    assert foreign_urls(r.text) == []
+    # Scripts and styles inline: no file of any origin to fetch.
+    assert not re.search(r"<script[^>]*\bsrc\b|<link\b", r.text, re.IGNORECASE)
+
+
+def test_chat_page_and_dashboard_link_each_other(pages):
+    assert '<a href="dashboard">' in pages.get("/chat").text
+    assert '<a href="chat">' in pages.get("/dashboard").text
+
+
+def test_chat_page_tells_the_browser_to_connect_only_to_its_server(pages):
+    csp = dict(
+        part.strip().split(" ", 1)
+        for part in pages.get("/chat").headers["content-security-policy"].split(";")
+    )
+    assert csp["default-src"] == "'none'" and csp["connect-src"] == "'self'"
+    assert csp["script-src"] == csp["style-src"] == "'unsafe-inline'"
+
+
+@pytest.fixture
+def browser() -> Iterator[object]:
+    """Headless Chromium under Debian's chromedriver (same version); a failure under CI, a skip
+    elsewhere, when either or selenium is missing."""
+    chromium, driver_exe = shutil.which("chromium"), shutil.which("chromedriver")
+    try:
+        from selenium import webdriver
+        from selenium.webdriver.chrome.service import Service
+    except ImportError:
+        webdriver = None
+    if chromium is None or driver_exe is None or webdriver is None:
+        what = "selenium (the dev extra)" if webdriver is None else "chromium and chromium-driver"
+        if IN_CI:
+            pytest.fail(f"{what} not installed (apt-get install chromium chromium-driver)")
+        pytest.skip(f"{what} not installed")
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = chromium
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+    ):
+        opts.add_argument(arg)
+    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    # An explicit driver path: Selenium Manager never looks for (or downloads) one.
+    driver = webdriver.Chrome(options=opts, service=Service(driver_exe))
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def turn_done(driver, n: int):
+    """The ``n``-th assistant turn once its answer is whole (thumbs enabled) or has failed."""
+    from selenium.webdriver.common.by import By
+
+    turns = driver.find_elements(By.CSS_SELECTOR, ".turn.assistant")
+    if len(turns) <= n:
+        return None
+    turn = turns[n]
+    if turn.find_element(By.CSS_SELECTOR, ".up").is_enabled() or "failed" in turn.get_attribute("class"):
+        return turn
+    return None
+
+
+def feedback_shown(turn) -> str | None:
+    """The rating's result once the server has answered (not while it is being sent)."""
+    from selenium.webdriver.common.by import By
+
+    text = turn.find_element(By.CSS_SELECTOR, ".feedback-result").text
+    return text if text and text != "sending…" else None
+
+
+def click_through(driver, url: str, secret: str) -> dict:
+    """Two turns of one conversation as a person makes them; what the page showed."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    wait = WebDriverWait(driver, ANSWER_TIMEOUT_S)
+    driver.get(f"{url}/chat")
+    wait.until(lambda d: "policy version 0" in d.find_element(By.ID, "served").text)
+    seen: dict = {"dashboard_href": driver.find_element(By.LINK_TEXT, "dashboard").get_attribute("href")}
+    tokens = driver.find_element(By.ID, "max-tokens")
+    tokens.clear()
+    tokens.send_keys("12")
+
+    # Turn 1: typed, sent with the button, rated thumbs up in the page.
+    driver.find_element(By.ID, "message").send_keys("Name a colour.")
+    driver.find_element(By.ID, "send").click()
+    t1 = wait.until(lambda d: turn_done(d, 0))
+    t1.find_element(By.CSS_SELECTOR, ".up").click()
+    seen["feedback1"] = wait.until(lambda d: feedback_shown(t1))
+
+    # Turn 2: sent with Enter, so the page sends both turns; rated first by another client,
+    # then in the page, which shows the server's 409.
+    driver.find_element(By.ID, "message").send_keys("And another one?", Keys.ENTER)
+    t2 = wait.until(lambda d: turn_done(d, 1))
+    id2 = t2.get_attribute("data-completion-id")
+    r = httpx.post(
+        f"{url}/v1/feedback",
+        json={"id": id2, "feedback_token": feedback_token(secret, id2), "thumbs": "down"},
+        timeout=60,
+    )
+    seen["other_client"] = r.status_code
+    t2.find_element(By.CSS_SELECTOR, ".up").click()
+    seen["feedback2"] = wait.until(lambda d: feedback_shown(t2))
+
+    for name, turn in (("turn1", t1), ("turn2", t2)):
+        seen[name] = {
+            "class": turn.get_attribute("class"),
+            "id": turn.get_attribute("data-completion-id"),
+            "version_attr": turn.get_attribute("data-policy-version"),
+            "version_label": turn.find_element(By.CSS_SELECTOR, ".version").text,
+            "answer": turn.find_element(By.CSS_SELECTOR, ".content").text,
+            "enabled": [b.is_enabled() for b in turn.find_elements(By.CSS_SELECTOR, ".rate button")],
+            "chosen": turn.find_element(By.CSS_SELECTOR, ".up").get_attribute("class"),
+        }
+    seen["user_turns"] = [e.text for e in driver.find_elements(By.CSS_SELECTOR, ".turn.user .content")]
+    seen["console_errors"] = [e["message"] for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+    return seen
+
+
+async def test_a_person_chats_and_rates_in_chromium(policy_engine, tmp_path, pg_url, browser):
+    settings = make_settings(tmp_path, database_url=pg_url)
+    async with running_server(settings, policy_engine) as url:
+        # Selenium blocks; the server runs on this event loop, so the browser runs in a thread.
+        seen = await asyncio.to_thread(click_through, browser, url, settings.feedback_secret)
+
+    assert seen["dashboard_href"] == f"{url}/dashboard"
+    assert seen["user_turns"] == ["Name a colour.", "And another one?"]
+    id1, id2 = seen["turn1"]["id"], seen["turn2"]["id"]
+    for name in ("turn1", "turn2"):
+        turn = seen[name]
+        assert "failed" not in turn["class"], seen
+        assert (turn["version_label"], turn["version_attr"]) == ("policy version 0", "0")
+        assert turn["answer"].strip(), seen
+        assert turn["enabled"] == [False, False]  # no second rating from the page
+    assert seen["feedback1"] == "202 accepted: reward 1"
+    assert "chosen" in seen["turn1"]["chosen"] and "chosen" not in seen["turn2"]["chosen"]
+    assert seen["other_client"] == 202
+    assert seen["feedback2"] == "409 conflict: feedback was already given for this completion (first wins)"
+    # Nothing refused by the page's Content-Security-Policy, no script error: the one error the
+    # console shows is the browser's note on the 409 answer.
+    assert [m for m in seen["console_errors"] if "status of 409 (Conflict)" not in m] == []
+    assert len(seen["console_errors"]) == 1 and "/v1/feedback" in seen["console_errors"][0]
+
+    # The database: each completion's claim received with the first rating's reward.
+    db = make_engine(pg_url)
+    try:
+        with db.connect() as conn:
+            claims = conn.execute(
+                select(FeedbackClaim.target, FeedbackClaim.state, FeedbackClaim.reward)
+            ).all()
+    finally:
+        db.dispose()
+    assert sorted(claims) == sorted([(f"t:{id1}", "received", 1.0), (f"t:{id2}", "received", 0.0)])
+
+    # The log: one feedback record per completion (the 409 wrote none), and turn 2's prompt
+    # holds the whole conversation the page kept.
+    log = open_log(settings.resolved_log_url)
+    try:
+        fb = [FeedbackRecord.model_validate_json(e.value) for e in read_topic(log, "feedback")]
+        trajs = [TrajectoryRecord.model_validate_json(e.value) for e in read_topic(log, "trajectories")]
+    finally:
+        log.close()
+    assert sorted((r.trajectory_id, r.reward, r.source) for r in fb) == sorted(
+        [(id1, 1.0, "user"), (id2, 0.0, "user")]
+    )
+    assert [t.id for t in trajs] == [id1, id2]
+    prompt2 = policy_engine.tokenizer.decode(trajs[1].prompt_token_ids)
+    answer1 = seen["turn1"]["answer"].strip()
+    at = [prompt2.find(s) for s in ("Name a colour.", answer1, "And another one?")]
+    assert -1 not in at and at == sorted(at), (prompt2, answer1)

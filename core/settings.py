@@ -33,6 +33,9 @@ class Settings(BaseSettings):
     model_dir: Path = Field(Path(""), description="bf16 safetensors model (policy version 0).")
     policy_dir: Path = Field(Path(""), description="Where the learner writes policy versions.")
     admin_key: str = Field("", description="Bearer key of the admin routes; empty refuses all.")
+    server_url: str = Field(
+        "http://127.0.0.1:8000", description="Base URL of the server that `saoserve admin` talks to."
+    )
     feedback_secret: str = Field("", description="HMAC key of feedback tokens.")
     served_model_name: str = "smollm2-135m-instruct"
     enforce_eager: bool = True

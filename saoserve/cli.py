@@ -9,10 +9,12 @@ from pathlib import Path
 import typer
 
 from core.settings import get_settings
+from saoserve.admin import admin_app
 
 app = typer.Typer(
     help="saoserve: a chat server that learns online from its own traffic.", no_args_is_help=True
 )
+app.add_typer(admin_app, name="admin")
 
 
 def fail(message: str) -> None:

@@ -1,5 +1,5 @@
 """``/admin/*``: routes behind the admin key (``Authorization: Bearer <SAOSERVE_ADMIN_KEY>``;
-403 for all of them while no key is set)."""
+403 for all of them while no key is set). ``saoserve admin`` (saoserve/admin.py) is their client."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi import Path as PathParam
 from fastapi.responses import Response
 
-from core.control import PAUSED, ROLLBACK_TO, set_flag
+from core.control import PAUSED, ROLLBACK_TO, get_flag, set_flag
 from core.evidence_store import EvidenceStore
 from core.records import TOPIC_TRAJECTORIES
 from server.engine import SwapRefused
@@ -26,7 +26,17 @@ from server.responses import (
     UncertainPrompts,
 )
 from server.routes import state_of
-from server.schemas import EdgeStr, LoadPolicyRequest, RollbackRequest
+from server.schemas import EdgeStr, ErrorResponse, LoadPolicyRequest, RollbackRequest
+
+# The file the learner loads a version's weights from (learner.process.WEIGHTS_FILE, which the
+# server cannot import). The learner prunes whole version folders (keep_versions), so a version
+# whose folder lacks it can never be restored.
+WEIGHTS_FILE = "model.safetensors"
+
+
+def weights_present(path: str) -> bool:
+    """Whether the version folder ``path`` still holds the weights a rollback loads."""
+    return (Path(path) / WEIGHTS_FILE).is_file()
 
 
 def require_admin(request: Request) -> None:
@@ -86,26 +96,59 @@ async def admin_resume(request: Request) -> LearningState:
     return LearningState(learning="running")
 
 
-@router.post("/rollback", responses=ADMIN_ERRORS | errors(404, 413))
+VERSION_UNAVAILABLE = {
+    409: {"model": ErrorResponse, "description": "The version's weights were pruned from the policy folder"}
+}
+
+
+@router.post("/rollback", responses=ADMIN_ERRORS | errors(404, 413) | VERSION_UNAVAILABLE)
 async def admin_rollback(body: RollbackRequest, request: Request) -> RollbackRequested:
+    """Ask the learner to publish ``version``'s weights as a new version: 404 for a version the
+    database does not know, 409 ``version_unavailable`` for one whose folder was pruned (the
+    learner would refuse it). A prune between this check and the learner's turn is still
+    refused there, in its log and its ``rollback_refused`` counter."""
     s = state_of(request)
     versions = await asyncio.to_thread(s.store.policy_versions)
-    if body.version not in {v["version"] for v in versions}:
+    row = next((v for v in versions if v["version"] == body.version), None)
+    if row is None:
         raise ApiError(404, f"no policy version {body.version}", code="not_found", param="version")
+    if not await asyncio.to_thread(weights_present, row["path"]):
+        raise ApiError(
+            409,
+            f"policy version {body.version} cannot be restored: its weights are gone from {row['path']} "
+            "(the learner keeps only the newest keep_versions folders)",
+            code="version_unavailable",
+            param="version",
+        )
     await asyncio.to_thread(set_flag, s.store.engine, ROLLBACK_TO, str(body.version))
     return RollbackRequested(rollback_to=body.version)
 
 
 @router.get("/policy_versions", responses=ADMIN_ERRORS)
 async def admin_versions(request: Request) -> PolicyVersions:
+    """Every version, each with ``available``: whether its weights are still there to roll back to."""
     s = state_of(request)
-    return PolicyVersions(serving=s.engine.version, versions=await asyncio.to_thread(s.store.policy_versions))
+
+    def read() -> list[dict]:
+        return [v | {"available": weights_present(v["path"])} for v in s.store.policy_versions()]
+
+    return PolicyVersions(serving=s.engine.version, versions=await asyncio.to_thread(read))
 
 
 @router.get("/learner", responses=ADMIN_ERRORS)
 async def admin_learner(request: Request, limit: Annotated[int, Query(ge=1, le=1000)] = 50) -> dict:
-    """The last ``limit`` learner steps (their metrics as the learner stored them) and counters."""
-    return await asyncio.to_thread(state_of(request).store.learner_status, limit)
+    """The last ``limit`` learner steps (their metrics as the learner stored them), counters,
+    ``learning`` (``running`` | ``paused``) and ``rollback_to`` (a requested rollback the learner
+    has not carried out yet, or null)."""
+    s = state_of(request)
+
+    def read() -> dict:
+        flags = {"learning": "paused" if get_flag(s.store.engine, PAUSED) == "1" else "running"}
+        target = get_flag(s.store.engine, ROLLBACK_TO)
+        flags["rollback_to"] = None if target is None else int(target)
+        return s.store.learner_status(limit) | flags
+
+    return await asyncio.to_thread(read)
 
 
 @router.get("/evidence/{prompt_id}", responses=ADMIN_ERRORS)

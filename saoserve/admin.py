@@ -1,0 +1,442 @@
+"""``saoserve admin``: operators' commands over a running server's admin routes.
+
+Each command makes one to three blocking HTTP calls to the server at ``Settings.server_url``
+(``/readyz`` and ``/admin/*`` with ``Authorization: Bearer <Settings.admin_key>``; ``--url`` and
+``--key`` override both), prints rich tables, or with ``--json`` the JSON a script reads, and
+exits with a code naming the outcome (the ``EXIT_*`` constants). A failure is one line on
+stderr, ``error: ...``, and nothing on stdout.
+
+The server's answers (server/routes/admin.py, server/responses.py) are printed as given; this
+module only chooses columns and formats numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Annotated, Any
+from urllib.parse import quote
+
+import httpx
+import typer
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from core.evidence import uncertainty_weight
+from core.settings import Settings, get_settings
+
+EXIT_OK = 0
+EXIT_USAGE = 2  # click's code for a bad command line; also a request the server refused as invalid
+EXIT_UNREACHABLE = 3
+EXIT_AUTH = 4
+EXIT_NOT_FOUND = 5
+EXIT_SERVER = 6
+
+EXIT_CODES_HELP = (
+    "Exit codes: 0 ok; 2 bad usage (the command line, or a request the server refused as invalid: "
+    "400/413/422); 3 server unreachable (connection refused, no answer in time); 4 admin key "
+    "missing or refused (401), or admin routes disabled (403); 5 not found or not usable (unknown "
+    "version or prompt route 404, a version whose weights were pruned 409); 6 server error or not "
+    "ready (5xx, 503 storage unavailable, /readyz not ready)."
+)
+
+# Every admin route answers from the database within a second; /readyz cuts its probes at 2 s.
+TIMEOUT_S = 10.0
+
+admin_app = typer.Typer(
+    help="Operators' commands over a running server's admin routes (URL and key from "
+    f"SAOSERVE_SERVER_URL and SAOSERVE_ADMIN_KEY, or --url/--key). {EXIT_CODES_HELP}",
+    no_args_is_help=True,
+)
+
+
+class AdminError(Exception):
+    """A command's failure: the process exit code (``EXIT_*``) and a one-line message."""
+
+    def __init__(self, code: int, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def server_message(response: httpx.Response) -> str:
+    """The message of an error answer: ``error.message`` of the OpenAI error shape the server
+    answers, else the body's first line (cut to 200 characters), else the reason phrase."""
+    try:
+        return str(response.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        text = response.text.strip().splitlines()
+        return text[0][:200] if text else response.reason_phrase
+
+
+def error_for(response: httpx.Response) -> AdminError:
+    """The AdminError of a non-2xx answer: 401/403 auth, 404/409 not found or not usable,
+    400/413/422 usage, anything else a server error."""
+    status, message = response.status_code, server_message(response)
+    if status == 401:
+        return AdminError(EXIT_AUTH, "the admin key was refused (401): check SAOSERVE_ADMIN_KEY or --key")
+    if status == 403:
+        return AdminError(EXIT_AUTH, f"permission denied (403): {message}")
+    if status == 404:
+        return AdminError(EXIT_NOT_FOUND, f"not found (404): {message}")
+    if status == 409:
+        return AdminError(EXIT_NOT_FOUND, f"unavailable (409): {message}")
+    if status in (400, 413, 422):
+        return AdminError(EXIT_USAGE, f"the server refused the request ({status}): {message}")
+    if status == 503:
+        retry = response.headers.get("retry-after")
+        later = f"; retry after {retry} s" if retry else ""
+        return AdminError(EXIT_SERVER, f"the server is unavailable (503): {message}{later}")
+    return AdminError(EXIT_SERVER, f"the server answered {status}: {message}")
+
+
+def _reason(exc: Exception) -> str:
+    """``[Errno 111] Connection refused`` → ``connection refused``."""
+    text = re.sub(r"^\[Errno -?\d+\]\s*", "", str(exc)).strip() or exc.__class__.__name__
+    return text[0].lower() + text[1:]
+
+
+class AdminClient:
+    """Blocking calls to one server (``settings.server_url``, ``settings.admin_key``); every
+    failure is raised as an AdminError."""
+
+    def __init__(self, settings: Settings, timeout_s: float = TIMEOUT_S):
+        self.url = settings.server_url.rstrip("/")
+        self.key = settings.admin_key
+        self.timeout_s = timeout_s
+
+    def call(
+        self,
+        method: str,
+        path: str,
+        *,
+        params: dict | None = None,
+        body: dict | None = None,
+        admin: bool = True,
+        ok: tuple[int, ...] = (200,),
+    ) -> tuple[int, Any]:
+        """``(status, JSON body)`` of ``method path``; a status outside ``ok`` raises its
+        AdminError (``error_for``). ``admin``: send the key (refused locally when there is none)."""
+        if admin and not self.key:
+            raise AdminError(EXIT_AUTH, "no admin key: set SAOSERVE_ADMIN_KEY or pass --key")
+        headers = {"Authorization": f"Bearer {self.key}"} if admin else {}
+        try:
+            r = httpx.request(
+                method, self.url + path, params=params, json=body, headers=headers, timeout=self.timeout_s
+            )
+        except (httpx.UnsupportedProtocol, httpx.InvalidURL) as exc:
+            raise AdminError(
+                EXIT_USAGE, f"bad server URL {self.url!r} ({exc}): give http://host:port"
+            ) from None
+        except httpx.TimeoutException:
+            raise AdminError(
+                EXIT_UNREACHABLE, f"the server at {self.url} did not answer within {self.timeout_s:g} s"
+            ) from None
+        except httpx.TransportError as exc:
+            raise AdminError(
+                EXIT_UNREACHABLE, f"cannot reach the server at {self.url}: {_reason(exc)}"
+            ) from None
+        if r.status_code not in ok:
+            raise error_for(r)
+        try:
+            return r.status_code, r.json()
+        except ValueError:
+            raise AdminError(
+                EXIT_SERVER,
+                f"{method} {self.url}{path} answered {r.status_code} without JSON: is it saoserve?",
+            ) from None
+
+
+# ------------------------------------------------------------------ command plumbing
+UrlOption = Annotated[
+    str | None,
+    typer.Option(
+        "--url",
+        help="Server base URL (default: $SAOSERVE_SERVER_URL, else http://127.0.0.1:8000).",
+        show_default=False,
+    ),
+]
+KeyOption = Annotated[
+    str | None, typer.Option("--key", help="Admin key (default: $SAOSERVE_ADMIN_KEY).", show_default=False)
+]
+JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON for scripts instead of tables.")]
+
+
+def client(url: str | None, key: str | None) -> AdminClient:
+    """A client on the process settings with ``--url``/``--key`` applied over them."""
+    update = {k: v for k, v in (("server_url", url), ("admin_key", key)) if v is not None}
+    return AdminClient(get_settings().model_copy(update=update))
+
+
+@contextmanager
+def reported() -> Iterator[None]:
+    """Turn an AdminError into its one-line message on stderr and its exit code."""
+    try:
+        yield
+    except AdminError as exc:
+        typer.secho(f"error: {exc}", fg="red", err=True)
+        raise typer.Exit(exc.code) from None
+
+
+def emit_json(obj: Any) -> None:
+    typer.echo(json.dumps(obj, indent=2))
+
+
+def _num(x: Any, digits: int = 3) -> str:
+    if isinstance(x, bool) or x is None:
+        return "-" if x is None else str(x)
+    return f"{x:.{digits}f}" if isinstance(x, float) else str(x)
+
+
+def _when(iso: str | None) -> str:
+    """``2025-06-01T12:00:03.123+00:00`` → ``2025-06-01 12:00:03`` (the database's UTC time)."""
+    return "-" if not iso else iso[:19].replace("T", " ")
+
+
+# ------------------------------------------------------------------ commands
+@admin_app.command(epilog=EXIT_CODES_HELP)
+def status(
+    url: UrlOption = None,
+    key: KeyOption = None,
+    json_out: JsonOption = False,
+    steps: Annotated[int, typer.Option("--steps", min=1, max=1000, help="Learner steps to show.")] = 5,
+) -> None:
+    """Readiness, the version served, learning running or paused, the last learner steps.
+
+    Exit 6 when /readyz says the server is not ready (the report is printed first).
+    """
+    with reported():
+        c = client(url, key)
+        code, ready = c.call("GET", "/readyz", admin=False, ok=(200, 503))
+        not_ready = f"the server at {c.url} is not ready (503): {_down(ready)}"
+        try:
+            _, versions = c.call("GET", "/admin/policy_versions")
+            _, learner = c.call("GET", "/admin/learner", params={"limit": steps})
+        except AdminError as exc:
+            # A storage outage fails the admin routes too: name what /readyz found down.
+            if code == 200 or exc.code != EXIT_SERVER:
+                raise
+            raise AdminError(EXIT_SERVER, f"{not_ready}; {exc}") from None
+        rows = versions["versions"]
+        newest = rows[-1] if rows else None
+        report = {
+            "server_url": c.url,
+            "ready": code == 200,
+            "readiness": ready,
+            "serving": versions["serving"],
+            "newest_version": newest,
+            "learning": learner["learning"],
+            "rollback_to": learner["rollback_to"],
+            "counters": learner["counters"],
+            "steps": learner["steps"],
+        }
+        if json_out:
+            emit_json(report)
+        else:
+            _print_status(report)
+        if code != 200:
+            raise AdminError(EXIT_SERVER, not_ready)
+
+
+READINESS_PARTS = ("database", "log", "engine")
+
+
+def _down(readiness: dict) -> str:
+    """``log: <why>, engine: not running`` from a /readyz body: the parts not ``ok``."""
+    return ", ".join(f"{k}: {readiness.get(k)}" for k in READINESS_PARTS if readiness.get(k) != "ok")
+
+
+def _print_status(r: dict) -> None:
+    console = Console()
+    parts = ", ".join(
+        f"{k} ok" if r["readiness"].get(k) == "ok" else f"{k}: {r['readiness'].get(k)}"
+        for k in READINESS_PARTS
+    )
+    grid = Table.grid(padding=(0, 2))
+    grid.add_row("server", f"{r['server_url']}: {'ready' if r['ready'] else 'NOT READY'} ({parts})")
+    newest = r["newest_version"]
+    if newest is None:
+        published = "no versions recorded yet (no learner has started)"
+    else:
+        published = f"newest version {newest['version']} ({newest['status']})"
+    grid.add_row("serving", f"version {r['serving']}; {published}")
+    learning = r["learning"]
+    if r["rollback_to"] is not None:
+        learning += f"; rollback to version {r['rollback_to']} requested, not yet carried out"
+    grid.add_row("learning", learning)
+    counters = ", ".join(f"{k} {v}" for k, v in sorted(r["counters"].items())) or "none"
+    grid.add_row("counters", counters)
+    console.print(grid)
+    if not r["steps"]:
+        console.print("no learner steps yet")
+        return
+    table = Table(title=f"last {len(r['steps'])} learner steps", box=box.SIMPLE_HEAD)
+    for col in ("step", "version", "reward", "kept", "policy loss", "staleness", "step s", "at (UTC)"):
+        table.add_column(col, justify="left" if col == "at (UTC)" else "right")
+    for s in r["steps"]:
+        table.add_row(
+            str(s["step"]),
+            str(s["version"]),
+            _num(s.get("reward_mean")),
+            _num(s.get("kept_fraction")),
+            _num(s.get("policy_loss"), 4),
+            _num(s.get("staleness_mean"), 2),
+            _num(s.get("step_time_s"), 1),
+            _when(s.get("created_at"))[11:],
+        )
+    console.print(table)
+
+
+@admin_app.command(epilog=EXIT_CODES_HELP)
+def versions(
+    url: UrlOption = None,
+    key: KeyOption = None,
+    json_out: JsonOption = False,
+    last: Annotated[int, typer.Option("--last", min=0, help="Show the newest N versions; 0: all.")] = 20,
+) -> None:
+    """The policy versions, newest last; * marks the one this server serves.
+
+    A version whose weights are 'pruned' cannot be rolled back to.
+    """
+    with reported():
+        _, body = client(url, key).call("GET", "/admin/policy_versions")
+        rows = body["versions"][-last:] if last else body["versions"]
+        if json_out:
+            emit_json({"serving": body["serving"], "versions": rows})
+            return
+        table = Table(title=f"policy versions (serving {body['serving']})", box=box.SIMPLE_HEAD)
+        for col in ("", "version", "status", "parent", "weights", "created (UTC)"):
+            table.add_column(col, justify="right" if col in ("version", "parent") else "left")
+        for v in rows:
+            table.add_row(
+                "*" if v["version"] == body["serving"] else "",
+                str(v["version"]),
+                v["status"],
+                _num(v["parent_version"]),
+                "present" if v.get("available") else "pruned",
+                _when(v["created_at"]),
+            )
+        if len(rows) < len(body["versions"]):
+            table.caption = f"newest {len(rows)} of {len(body['versions'])}; --last 0 shows all"
+        console = Console()
+        console.print(table if rows else "no versions recorded yet (no learner has started)")
+
+
+@admin_app.command(epilog=EXIT_CODES_HELP)
+def pause(url: UrlOption = None, key: KeyOption = None, json_out: JsonOption = False) -> None:
+    """Pause learning (chats are still answered).
+
+    The learner finishes the step it is in and trains no more; it keeps joining feedback.
+    """
+    _set_learning("/admin/pause", url, key, json_out)
+
+
+@admin_app.command(epilog=EXIT_CODES_HELP)
+def resume(url: UrlOption = None, key: KeyOption = None, json_out: JsonOption = False) -> None:
+    """Resume learning after a pause."""
+    _set_learning("/admin/resume", url, key, json_out)
+
+
+def _set_learning(path: str, url: str | None, key: str | None, json_out: bool) -> None:
+    with reported():
+        _, body = client(url, key).call("POST", path)
+        if json_out:
+            emit_json(body)
+        else:
+            typer.echo(f"learning {body['learning']}")
+
+
+@admin_app.command(epilog=EXIT_CODES_HELP)
+def rollback(
+    version: Annotated[
+        int, typer.Argument(min=0, metavar="VERSION", help="The version whose weights to serve again.")
+    ],
+    url: UrlOption = None,
+    key: KeyOption = None,
+    json_out: JsonOption = False,
+) -> None:
+    """Ask the learner to serve VERSION's weights again.
+
+    The learner publishes them as a new version (versions stay monotone). Exit 5 if VERSION is unknown (404) or its weights were pruned (409).
+    """
+    with reported():
+        _, body = client(url, key).call("POST", "/admin/rollback", body={"version": version})
+        if json_out:
+            emit_json(body)
+        else:
+            typer.echo(
+                f"rollback to version {body['rollback_to']} requested: the learner publishes its "
+                "weights as a new version (see `saoserve admin versions`)"
+            )
+
+
+@admin_app.command(epilog=EXIT_CODES_HELP)
+def evidence(
+    prompt_id: Annotated[
+        str | None,
+        typer.Argument(
+            metavar="PROMPT_ID", help="A prompt id, as sent in chat requests.", show_default=False
+        ),
+    ] = None,
+    top: Annotated[
+        int | None, typer.Option("--top", min=1, max=1000, help="Instead: the N most uncertain prompts.")
+    ] = None,
+    url: UrlOption = None,
+    key: KeyOption = None,
+    json_out: JsonOption = False,
+) -> None:
+    """A prompt's success evidence, or the N most uncertain prompts (--top N).
+
+    Read at the served version. A prompt with no results yet is answered with the default prior ('known: no'), the baseline its next request would get. --top lists the prompts the uncertainty sampler favours most.
+    """
+    if (prompt_id is None) == (top is None):
+        raise typer.BadParameter(
+            "give a PROMPT_ID or --top N (exactly one)", param_hint="'PROMPT_ID' / '--top'"
+        )
+    with reported():
+        c = client(url, key)
+        if top is not None:
+            _, body = c.call("GET", "/admin/evidence", params={"top": top})
+        else:
+            _, body = c.call("GET", f"/admin/evidence/{quote(prompt_id, safe='')}")
+        if json_out:
+            emit_json(body)
+        elif top is not None:
+            _print_uncertain(body)
+        else:
+            _print_evidence(body)
+
+
+def _print_evidence(e: dict) -> None:
+    b = e["at_version"]
+    grid = Table.grid(padding=(0, 2))
+    grid.add_row("prompt", e["prompt_id"])
+    if e["known"]:
+        grid.add_row("known", f"yes: {e['n_results']} results, reward sum {_num(e['reward_sum'])}")
+    else:
+        grid.add_row("known", "no: no results yet, the default prior")
+    grid.add_row("at version", str(b["version"]))
+    grid.add_row("value", _num(b["value"]))
+    grid.add_row("alpha, beta", f"{_num(b['alpha'])}, {_num(b['beta'])}")
+    Console().print(grid)
+
+
+def _print_uncertain(body: dict) -> None:
+    console = Console()
+    if not body["prompts"]:
+        console.print(f"no prompt has evidence yet (version {body['version']})")
+        return
+    table = Table(title=f"most uncertain prompts at version {body['version']}", box=box.SIMPLE_HEAD)
+    for col in ("prompt", "value", "alpha", "beta", "weight"):
+        table.add_column(col, justify="left" if col == "prompt" else "right")
+    for p in body["prompts"]:
+        table.add_row(
+            p["prompt_id"],
+            _num(p["value"]),
+            _num(p["alpha"]),
+            _num(p["beta"]),
+            _num(uncertainty_weight(p["value"])),
+        )
+    console.print(table)

@@ -1,0 +1,379 @@
+"""``saoserve admin`` (saoserve/admin.py): each subcommand against the real server, and the exit
+codes a script reads: 0 ok, 2 usage, 3 unreachable, 4 key, 5 not found or pruned, 6 not ready.
+
+The server tests seed the rows a learner would write (policy versions, a step, a counter, prompt
+evidence) straight into the server's SQLite database; no learner runs, so a rollback stays a
+request (the ``rollback_to`` flag).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+from datetime import UTC, datetime
+
+import httpx
+import pytest
+from sqlalchemy import insert
+from typer.testing import CliRunner
+
+from core.control import PAUSED, ROLLBACK_TO, get_flag
+from core.db import LearnerCounter, LearnerStep, PolicyVersion, make_engine
+from core.evidence_store import EvidenceStore
+from core.settings import Settings
+from saoserve.admin import (
+    EXIT_AUTH,
+    EXIT_NOT_FOUND,
+    EXIT_SERVER,
+    EXIT_UNREACHABLE,
+    EXIT_USAGE,
+    AdminClient,
+    AdminError,
+    error_for,
+)
+from saoserve.cli import app
+from tests.conftest import ROOT, free_port, make_settings, running_server
+
+runner = CliRunner()
+KEY = "test-admin-key"
+
+
+def flat(text: str) -> str:
+    """The output with runs of whitespace (table padding, rich's wrapping) as one space and
+    without the borders of rich's error panel."""
+    return " ".join(text.replace("│", " ").split())
+
+
+@pytest.fixture
+def env(monkeypatch):
+    """The process settings re-read from a clean environment (no key, no URL)."""
+    from core.settings import get_settings
+
+    monkeypatch.delenv("SAOSERVE_ADMIN_KEY", raising=False)
+    monkeypatch.delenv("SAOSERVE_SERVER_URL", raising=False)
+    get_settings.cache_clear()
+    yield monkeypatch
+    get_settings.cache_clear()
+
+
+# ------------------------------------------------------------------ no server
+def test_server_down_is_exit_3_naming_the_url(env):
+    url = f"http://127.0.0.1:{free_port()}"
+    for args in (["status"], ["versions"], ["pause"], ["rollback", "1"], ["evidence", "p"]):
+        result = runner.invoke(app, ["admin", *args, "--url", url, "--key", KEY])
+        assert result.exit_code == EXIT_UNREACHABLE, (args, result.output)
+        assert result.stderr == f"error: cannot reach the server at {url}: connection refused\n"
+        assert result.stdout == ""
+
+
+def test_url_and_key_come_from_the_settings(env):
+    url = f"http://127.0.0.1:{free_port()}"
+    env.setenv("SAOSERVE_SERVER_URL", url + "/")
+    env.setenv("SAOSERVE_ADMIN_KEY", KEY)
+    result = runner.invoke(app, ["admin", "versions"])
+    assert result.exit_code == EXIT_UNREACHABLE
+    assert f"cannot reach the server at {url}: connection refused" in result.stderr
+    assert Settings().server_url == url + "/"
+
+
+def test_the_installed_command_exits_3_when_the_server_is_down():
+    url = f"http://127.0.0.1:{free_port()}"
+    proc = subprocess.run(
+        [sys.executable, "-m", "saoserve.cli", "admin", "status", "--url", url],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
+    assert proc.returncode == EXIT_UNREACHABLE, proc.stderr
+    assert proc.stderr.strip() == f"error: cannot reach the server at {url}: connection refused"
+
+
+def test_no_key_is_exit_4_before_any_request(env):
+    result = runner.invoke(app, ["admin", "pause", "--url", "http://127.0.0.1:1"])
+    assert result.exit_code == EXIT_AUTH
+    assert result.stderr == "error: no admin key: set SAOSERVE_ADMIN_KEY or pass --key\n"
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["evidence"], "give a PROMPT_ID or --top N (exactly one)"),
+        (["evidence", "p", "--top", "3"], "give a PROMPT_ID or --top N (exactly one)"),
+        (["evidence", "--top", "0"], "Invalid value for '--top': Input should be greater than or equal to 1"),
+        (["rollback"], "Missing argument 'VERSION'"),
+        (["rollback", "v1"], "Invalid value for 'VERSION': Input should be a valid integer"),
+        (
+            ["versions", "--last", "-1"],
+            "Invalid value for '--last': Input should be greater than or equal to 0",
+        ),
+        (["status", "--url", "localhost:8000"], "bad server URL 'localhost:8000'"),
+    ],
+)
+def test_bad_usage_is_exit_2(env, args, needle):
+    result = runner.invoke(app, ["admin", *args, "--key", KEY])
+    assert result.exit_code == EXIT_USAGE, result.output
+    assert needle in flat(result.output)
+
+
+def test_a_server_that_never_answers_is_exit_3_after_the_timeout():
+    # A listening socket nobody accepts on: the connection opens, no answer ever comes.
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(1)
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        client = AdminClient(Settings(server_url=url, admin_key=KEY), timeout_s=0.5)
+        with pytest.raises(AdminError) as info:
+            client.call("GET", "/admin/policy_versions")
+    assert info.value.code == EXIT_UNREACHABLE
+    assert str(info.value) == f"the server at {url} did not answer within 0.5 s"
+
+
+def _answer(status: int, message: str | None = None, **kw) -> httpx.Response:
+    body = {"error": {"message": message, "type": "x", "param": None, "code": None}}
+    return httpx.Response(status, json=body, **kw) if message is not None else httpx.Response(status, **kw)
+
+
+@pytest.mark.parametrize(
+    ("response", "code", "message"),
+    [
+        (
+            _answer(401, "admin routes need it"),
+            EXIT_AUTH,
+            "the admin key was refused (401): check SAOSERVE_ADMIN_KEY or --key",
+        ),
+        (
+            _answer(403, "admin routes are disabled"),
+            EXIT_AUTH,
+            "permission denied (403): admin routes are disabled",
+        ),
+        (_answer(404, "no policy version 9"), EXIT_NOT_FOUND, "not found (404): no policy version 9"),
+        (_answer(409, "weights are gone"), EXIT_NOT_FOUND, "unavailable (409): weights are gone"),
+        (
+            _answer(400, "version: too big"),
+            EXIT_USAGE,
+            "the server refused the request (400): version: too big",
+        ),
+        (
+            _answer(503, "storage unavailable (the database)", headers={"Retry-After": "2"}),
+            EXIT_SERVER,
+            "the server is unavailable (503): storage unavailable (the database); retry after 2 s",
+        ),
+        (_answer(500, "boom"), EXIT_SERVER, "the server answered 500: boom"),
+        (
+            httpx.Response(502, text="Bad gateway\n<html>"),
+            EXIT_SERVER,
+            "the server answered 502: Bad gateway",
+        ),
+        (_answer(502), EXIT_SERVER, "the server answered 502: Bad Gateway"),
+    ],
+)
+def test_error_answers_map_to_exit_codes(response, code, message):
+    err = error_for(response)
+    assert (err.code, str(err)) == (code, message)
+
+
+# ------------------------------------------------------------------ against the server
+async def cli(*args: str) -> object:
+    """``saoserve admin ARGS`` in a thread: the server runs on this test's event loop."""
+    return await asyncio.to_thread(runner.invoke, app, ["admin", *args])
+
+
+def seed(settings, model_dir, serving: int) -> dict:
+    """What a learner leaves behind: versions 0 (the base model), 1 (weights present) and 2
+    (folder pruned), one step, a counter, and evidence of two prompts read at ``serving``."""
+    db = make_engine(settings.resolved_database_url)
+    v1 = settings.home / "policies" / "v000001"
+    v1.mkdir(parents=True)
+    (v1 / "model.safetensors").symlink_to(model_dir / "model.safetensors")
+    pruned = settings.home / "policies" / "v000002"
+    now = datetime(2025, 6, 1, 12, 0, 3, tzinfo=UTC)
+    rows = [(0, model_dir, None), (1, v1, 0), (2, pruned, 1)]
+    metrics = {
+        "reward_mean": 0.625,
+        "kept_fraction": 0.9,
+        "policy_loss": -0.0123,
+        "staleness_mean": 1.5,
+        "step_time_s": 3.21,
+    }
+    with db.begin() as conn:
+        for version, path, parent in rows:
+            conn.execute(
+                insert(PolicyVersion).values(
+                    version=version,
+                    path=str(path),
+                    sha256="0" * 64,
+                    status="published",
+                    parent_version=parent,
+                    metrics={},
+                    created_at=now,
+                )
+            )
+        conn.execute(
+            insert(LearnerStep).values(run_id="r", step=2, version=2, metrics=metrics, created_at=now)
+        )
+        conn.execute(insert(LearnerCounter).values(name="rollback_refused", value=2))
+    store = EvidenceStore(db)
+    # p-init: 3 of 3 offline → α0 = 8·3.5/4 = 7, β0 = 1; p-known: prior (4, 4) + one reward 1 → (5, 4).
+    store.init_from_rollouts([("p-init", 3, 3)], version=serving)
+    with db.begin() as conn:
+        store.add_results(conn, [("p-known", 1.0, serving)])
+    return {"db": db, "pruned": pruned}
+
+
+@pytest.fixture
+async def admin_server(policy_engine, model_dir, tmp_path):
+    settings = make_settings(tmp_path)
+    async with running_server(settings, policy_engine, watch_policy=False) as url:
+        seeded = seed(settings, model_dir, policy_engine.version)
+        yield url, policy_engine.version, seeded
+        seeded["db"].dispose()
+
+
+async def test_status_and_versions(admin_server):
+    url, serving, _ = admin_server
+    result = await cli("status", "--url", url, "--key", KEY)
+    assert result.exit_code == 0, result.output
+    out = flat(result.stdout)
+    assert f"server {url}: ready (database ok, log ok, engine ok)" in out
+    assert f"serving version {serving}; newest version 2 (published)" in out
+    assert "learning running" in out and "counters rollback_refused 2" in out
+    assert "last 1 learner steps" in out
+    assert "2 2 0.625 0.900 -0.0123 1.50 3.2 12:00:03" in out and "…" not in result.stdout
+
+    result = await cli("status", "--url", url, "--key", KEY, "--json")
+    assert result.exit_code == 0
+    report = json.loads(result.stdout)
+    assert report["ready"] is True and report["serving"] == serving
+    assert report["readiness"]["database"] == "ok" and report["newest_version"]["version"] == 2
+    assert (report["learning"], report["rollback_to"], report["counters"]) == (
+        "running",
+        None,
+        {"rollback_refused": 2},
+    )
+    assert [(s["step"], s["reward_mean"]) for s in report["steps"]] == [(2, 0.625)]
+
+    result = await cli("versions", "--url", url, "--key", KEY)
+    assert result.exit_code == 0, result.output
+    out = flat(result.stdout)
+    assert f"policy versions (serving {serving})" in out
+    rows = [flat(line) for line in result.stdout.splitlines() if " published " in line]
+    expected = [(0, "-", "present"), (1, "0", "present"), (2, "1", "pruned")]
+    assert rows == [
+        f"{'* ' if v == serving else ''}{v} published {parent} {weights} 2025-06-01 12:00:03"
+        for v, parent, weights in expected
+    ]
+
+    result = await cli("versions", "--url", url, "--key", KEY, "--json", "--last", "2")
+    body = json.loads(result.stdout)
+    assert body["serving"] == serving
+    assert [(v["version"], v["available"]) for v in body["versions"]] == [(1, True), (2, False)]
+    result = await cli("versions", "--url", url, "--key", KEY, "--last", "1")
+    assert "newest 1 of 3; --last 0 shows all" in flat(result.stdout)
+
+
+async def test_pause_resume_and_rollback(admin_server):
+    url, _, seeded = admin_server
+    db = seeded["db"]
+    result = await cli("pause", "--url", url, "--key", KEY)
+    assert (result.exit_code, result.stdout) == (0, "learning paused\n")
+    assert get_flag(db, PAUSED) == "1"
+    report = json.loads((await cli("status", "--url", url, "--key", KEY, "--json")).stdout)
+    assert report["learning"] == "paused"
+    result = await cli("resume", "--url", url, "--key", KEY, "--json")
+    assert (result.exit_code, json.loads(result.stdout)) == (0, {"learning": "running"})
+    assert get_flag(db, PAUSED) is None
+
+    result = await cli("rollback", "9", "--url", url, "--key", KEY)
+    assert result.exit_code == EXIT_NOT_FOUND
+    assert result.stderr == "error: not found (404): no policy version 9\n"
+    result = await cli("rollback", "2", "--url", url, "--key", KEY)
+    assert result.exit_code == EXIT_NOT_FOUND
+    assert flat(result.stderr) == (
+        f"error: unavailable (409): policy version 2 cannot be restored: its weights are gone from "
+        f"{seeded['pruned']} (the learner keeps only the newest keep_versions folders)"
+    )
+    assert get_flag(db, ROLLBACK_TO) is None
+
+    result = await cli("rollback", "1", "--url", url, "--key", KEY)
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith("rollback to version 1 requested")
+    assert get_flag(db, ROLLBACK_TO) == "1"
+    result = await cli("status", "--url", url, "--key", KEY)
+    assert "learning running; rollback to version 1 requested, not yet carried out" in flat(result.stdout)
+    assert json.loads((await cli("status", "--url", url, "--key", KEY, "--json")).stdout)["rollback_to"] == 1
+
+
+async def test_rollback_route_answers_409_for_a_pruned_version(admin_server):
+    url, _, seeded = admin_server
+    async with httpx.AsyncClient(base_url=url) as http:
+        r = await http.post(
+            "/admin/rollback", json={"version": 2}, headers={"Authorization": f"Bearer {KEY}"}
+        )
+    assert r.status_code == 409
+    err = r.json()["error"]
+    assert (err["code"], err["param"]) == ("version_unavailable", "version")
+    assert str(seeded["pruned"]) in err["message"]
+
+
+async def test_evidence(admin_server):
+    url, serving, _ = admin_server
+    # An unknown prompt is a 200 with the default prior: the baseline its next request gets.
+    result = await cli("evidence", "never-seen", "--url", url, "--key", KEY, "--json")
+    assert result.exit_code == 0, result.output
+    body = json.loads(result.stdout)
+    assert (body["known"], body["n_results"], body["reward_sum"]) == (False, 0, 0.0)
+    b = body["at_version"]
+    assert (b["alpha"], b["beta"], b["value"], b["version"]) == (4.0, 4.0, 0.5, serving)
+    result = await cli("evidence", "never-seen", "--url", url, "--key", KEY)
+    assert "known no: no results yet, the default prior" in flat(result.stdout)
+
+    result = await cli("evidence", "p-known", "--url", url, "--key", KEY)
+    assert result.exit_code == 0, result.output
+    out = flat(result.stdout)
+    assert "known yes: 1 results, reward sum 1.000" in out
+    assert f"at version {serving} value 0.556 alpha, beta 5.000, 4.000" in out
+
+    result = await cli("evidence", "--top", "2", "--url", url, "--key", KEY)
+    assert result.exit_code == 0, result.output
+    # Weights sqrt(v(1-v) + 0.05): p-known sqrt(20/81 + 0.05) = 0.545, p-init sqrt(7/64 + 0.05) = 0.399.
+    out = flat(result.stdout)
+    assert f"most uncertain prompts at version {serving}" in out
+    assert "p-known 0.556 5.000 4.000 0.545 p-init 0.875 7.000 1.000 0.399" in out
+    top1 = json.loads((await cli("evidence", "--top", "1", "--url", url, "--key", KEY, "--json")).stdout)
+    assert [p["prompt_id"] for p in top1["prompts"]] == ["p-known"]
+
+
+async def test_wrong_key_is_exit_4(admin_server):
+    url, _, _ = admin_server
+    for args in (["status"], ["versions"], ["pause"], ["rollback", "1"], ["evidence", "p"]):
+        result = await cli(*args, "--url", url, "--key", "wrong")
+        assert result.exit_code == EXIT_AUTH, (args, result.output)
+        assert result.stderr == "error: the admin key was refused (401): check SAOSERVE_ADMIN_KEY or --key\n"
+
+
+async def test_admin_disabled_is_exit_4(policy_engine, tmp_path):
+    async with running_server(
+        make_settings(tmp_path, admin_key=""), policy_engine, watch_policy=False
+    ) as url:
+        result = await cli("versions", "--url", url, "--key", KEY)
+    assert result.exit_code == EXIT_AUTH
+    assert result.stderr == (
+        "error: permission denied (403): admin routes are disabled: SAOSERVE_ADMIN_KEY is not set\n"
+    )
+
+
+async def test_status_of_a_server_not_ready_prints_then_exits_6(policy_engine, tmp_path):
+    from core.logbus import KafkaLog
+
+    # The log is a broker nobody runs: /readyz is 503 naming it; the admin routes (SQLite) answer.
+    settings = make_settings(tmp_path, log_url="kafka://127.0.0.1:9")
+    log = KafkaLog("kafka://127.0.0.1:9", send_timeout_s=1)
+    async with running_server(settings, policy_engine, log_transport=log, watch_policy=False) as url:
+        result = await cli("status", "--url", url, "--key", KEY)
+    assert result.exit_code == EXIT_SERVER, result.output
+    assert f"server {url}: NOT READY (database ok, log: " in flat(result.stdout)
+    assert result.stderr.startswith(f"error: the server at {url} is not ready (503): log: ")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 
@@ -48,4 +50,21 @@ class ServerMetrics:
         self.policy_version = Gauge("saoserve_policy_version", "Policy version being served.", registry=r)
         self.swaps = Counter("saoserve_policy_swaps_total", "Policy loads by result.", ["result"], registry=r)
         self.swap_seconds = Histogram("saoserve_policy_swap_seconds", "Hot-swap duration (s).", registry=r)
+        self.policy_swapped_at = Gauge(
+            "saoserve_policy_swapped_at_seconds",
+            "Unix time at which the version being served started serving (swap done, or start).",
+            registry=r,
+        )
         self.in_flight = Gauge("saoserve_requests_in_flight", "Chat requests being served.", registry=r)
+
+    def serving(self, version: int) -> None:
+        """Record that ``version`` serves from now on (both gauges in one step, no await between,
+        so a scrape never pairs a version with another version's time)."""
+        self.policy_version.set(version)
+        self.policy_swapped_at.set(time.time())
+
+    def swapped(self, res) -> None:
+        """Record a successful swap (a ``server.engine.SwapResult``)."""
+        self.swaps.labels("ok").inc()
+        self.swap_seconds.observe(res.seconds)
+        self.serving(res.version)

@@ -4,6 +4,11 @@ Every server replica reads the whole topic itself (no consumer group), so N repl
 swap; the latest event in log order wins, which is also how a rollback (an event naming an
 older version) takes effect. Policy events share one key, so they share one partition and
 have one order.
+
+Each swap sets ``saoserve_policy_version`` and ``saoserve_policy_swapped_at_seconds`` (Unix
+time the version started serving) together, so the delay from a policy event's ``created_at``
+to each replica serving it can be read from the replicas' ``/metrics``
+(tests/test_replicas.py, bench/bench_replica_swap.py).
 """
 
 from __future__ import annotations
@@ -57,16 +62,18 @@ class PolicyWatcher:
             self.metrics.swaps.labels("refused").inc()
             log.error("policy version %d refused: %s", event.version, exc)
             return False
-        self.metrics.swaps.labels("ok").inc()
-        self.metrics.swap_seconds.observe(res.seconds)
-        self.metrics.policy_version.set(res.version)
+        self.metrics.swapped(res)
         return True
 
     async def catch_up(self) -> None:
-        """At start: read all published events and serve the latest one."""
+        """At start: read all published events and serve the latest one.
+
+        ``saoserve_policy_swapped_at_seconds`` then says since when this replica serves its
+        version: the swap's end, or now when it keeps the version it started with.
+        """
         events = await self._read_new()
-        if events:
-            await self.apply(events[-1])
+        if not (events and await self.apply(events[-1])):
+            self.metrics.serving(self.engine.version)
 
     async def run(self) -> None:
         while True:

@@ -78,9 +78,7 @@ async def admin_load_policy(body: LoadPolicyRequest, request: Request) -> Policy
     except SwapRefused as exc:
         s.metrics.swaps.labels("refused").inc()
         raise ApiError(422, str(exc), code="swap_refused") from exc
-    s.metrics.swaps.labels("ok").inc()
-    s.metrics.swap_seconds.observe(res.seconds)
-    s.metrics.policy_version.set(res.version)
+    s.metrics.swapped(res)
     return PolicyLoaded(policy_version=res.version, seconds=res.seconds, paused_seconds=res.paused_seconds)
 
 

@@ -19,6 +19,7 @@ from sqlalchemy import (
     MetaData,
     String,
     Text,
+    UniqueConstraint,
     create_engine,
     event,
     make_url,
@@ -255,10 +256,17 @@ class Episode(Base):
 
 
 class EpisodeTurn(Base):
-    """An episode turn dispatched whose record is not indexed yet (the row is deleted in the
-    transaction that indexes the record): the episode's feedback waits while one is in flight."""
+    """A turn of an episode: its number (``turn``, once per episode: the unique constraint makes
+    one of two racing requests for a number win) and the trajectory holding it. ``logged_at``
+    is NULL while the turn is in flight and set in the transaction that indexes its record; the
+    episode's feedback waits while one is in flight, and rates the logged ones. A turn that
+    failed before its record was logged (503, 500) is deleted, so its number can be sent again.
+    Rows of turns in flight before revision 0006 have no number."""
 
     __tablename__ = "episode_turns"
     trajectory_id: Mapped[str] = mapped_column(String(64), primary_key=True)
     episode_id: Mapped[str] = mapped_column(String(128), index=True)
     dispatched_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    turn: Mapped[int | None] = mapped_column(Integer)
+    logged_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    __table_args__ = (UniqueConstraint("episode_id", "turn"),)

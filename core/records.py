@@ -119,6 +119,10 @@ class FeedbackRecord(BaseModel):
     # Made by the server per request and held by the target's feedback claim; the joiner trains
     # only the record whose id a ``received`` claim holds. None: logged before ids.
     feedback_id: str | None = Field(None, max_length=64)
+    # Episode feedback: the ids of the episode's turns the server had logged when it accepted the
+    # feedback, in turn order; the joiner joins exactly these (a turn answered 503 and appended
+    # late by the log is not among them). None: logged before this field, or a completion's.
+    turn_ids: list[str] | None = Field(None, max_length=1024)
 
     @field_validator("reward")
     @classmethod
@@ -131,6 +135,8 @@ class FeedbackRecord(BaseModel):
     def _one_target(self) -> FeedbackRecord:
         if (self.trajectory_id is None) == (self.episode_id is None):
             raise ValueError("exactly one of trajectory_id and episode_id")
+        if self.turn_ids is not None and self.episode_id is None:
+            raise ValueError("turn_ids belong to episode feedback")
         return self
 
     def to_json(self) -> bytes:

@@ -53,6 +53,12 @@ class Settings(BaseSettings):
         description="If the log is down: True fails the request (503) so no trajectory is lost; "
         "False answers and keeps the record in a local spool to send later.",
     )
+    body_read_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="Seconds a client has, once its headers are in, to send its whole request body; "
+        "later is 408 and the connection is closed (a client trickling its body cannot hold one).",
+    )
 
     judge_url: str = Field("", description="OpenAI-compatible base URL of the LLM judge.")
     judge_model: str = Field("", description="Model name of the LLM judge.")

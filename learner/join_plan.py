@@ -11,10 +11,19 @@ Rules (DESIGN §4, §8):
   episode, which trains that turn alone). A joined trajectory id leaves a tombstone (kind ``joined``),
   so a re-sent copy is a ``duplicate_trajectories`` and a second feedback a
   ``duplicate_feedback``: the first feedback wins.
-* Episode feedback joins the episode's turns present by then (in this read or pending) into one
-  sample (``learner.samples.episode_sample``); its tombstone key is ``e:<episode_id>``. The
-  Joiner's read order makes "by then" mean every turn (``learner.joiner.Joiner``); a turn
-  logged after its episode was joined is dropped and counted ``late_episode_turns``.
+* Episode feedback joins the turns it lists (``FeedbackRecord.turn_ids``: the turns the server
+  had logged when it accepted the feedback, in turn order) into one sample
+  (``learner.samples.episode_sample``); its tombstone key is ``e:<episode_id>``. The Joiner's
+  read order makes every listed turn present by then, in this read or pending
+  (``learner.joiner.Joiner``). A turn of the episode it does not list was answered 503 (or
+  500) and appended late by the log: dropped, counted ``void_episode_turns``. A listed turn
+  that is absent (expired while pending) leaves the episode incomplete: no sample, counted
+  ``episode_turns_missing``. Episode feedback logged before ``turn_ids`` joins the turns
+  present, only if their numbers are 0..n-1, each once (else ``episode_turns_misnumbered``).
+  A turn logged after its episode was joined is dropped and counted ``late_episode_turns``.
+* A turn of an episode is rated only with its episode (the server answers 409
+  ``rate_the_episode`` otherwise): feedback naming one by its trajectory id (logged before that
+  rule) is dropped and counted ``episode_turn_feedback``, and the turn waits for its episode's.
 * A joined result enters the prompt's evidence at the version that generated the answer's
   first token (``learner.samples.answer_version``), also when the sample itself is excluded
   for its sampling (greedy, truncated, empty), except when it is not a whole answer
@@ -299,7 +308,10 @@ def plan_join(records: Records, state: JoinState, now: datetime, expire_s: float
             counters["duplicate_trajectories"] += 1
             continue
         fb = state.feedback.get(rec.id)
-        if fb is not None:
+        if fb is not None and rec.episode_id is not None:
+            deletes.append((rec.id, "feedback"))
+            counters["episode_turn_feedback"] += 1
+        elif fb is not None:
             joins.append(_join_single(rec, fb.reward))
             deletes.append((rec.id, "feedback"))
             tombstone(rec.id, rec.prompt_id)
@@ -316,24 +328,41 @@ def plan_join(records: Records, state: JoinState, now: datetime, expire_s: float
             if key in state.joined or key in joined_now:
                 counters["duplicate_feedback"] += 1
                 continue
-            turns = [r for r in waiting.values() if r.episode_id == fb.episode_id]
-            for r in turns:
+            present = [r for r in waiting.values() if r.episode_id == fb.episode_id]
+            for r in present:
                 del waiting[r.id]
             for r in state.trajectories.values():
                 if r.prompt_id == fb.prompt_id and r.episode_id == fb.episode_id and r.id not in joined_now:
-                    turns.append(r)
+                    present.append(r)
                     deletes.append((r.id, "trajectory"))
-            if not turns:
+            listed = fb.turn_ids if fb.turn_ids is not None else [r.id for r in present]
+            if not listed:
                 counters["episode_feedback_without_turns"] += 1
                 continue
-            for r in turns:
-                tombstone(r.id, r.prompt_id)
+            by_id = {r.id: r for r in present}
+            counters["void_episode_turns"] += len(by_id.keys() - set(listed))
+            for tid in listed:
+                if tid in by_id:
+                    tombstone(tid, by_id[tid].prompt_id)
             tombstone(key, fb.prompt_id)
-            joins.append(_join_episode(fb.episode_id, turns, fb.reward))
+            turns = [by_id[tid] for tid in listed if tid in by_id]
+            if len(turns) < len(listed):
+                counters["episode_turns_missing"] += 1
+            elif fb.turn_ids is None and sorted(r.turn for r in turns if r.turn is not None) != list(
+                range(len(turns))
+            ):
+                counters["episode_turns_misnumbered"] += 1
+            else:
+                joins.append(_join_episode(fb.episode_id, turns, fb.reward))
             continue
         tid = fb.trajectory_id
         if tid in state.joined or tid in joined_now:
             counters["duplicate_feedback"] += 1
+            continue
+        known = waiting.get(tid) or state.trajectories.get(tid)
+        if known is not None and known.episode_id is not None:
+            # Rated by its episode only; the turn stays where it is and waits for that feedback.
+            counters["episode_turn_feedback"] += 1
             continue
         rec = waiting.pop(tid, None)
         if rec is None and tid in state.trajectories:

@@ -89,7 +89,11 @@ def create_app(
                 eng.shutdown()
 
     app = FastAPI(title="saoserve", version="0.1.0", lifespan=lifespan)
-    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes(settings.max_model_len))
+    app.add_middleware(
+        BodySizeLimit,
+        max_bytes=max_body_bytes(settings.max_model_len),
+        read_timeout_s=settings.body_read_timeout_s,
+    )
     install_error_handlers(app)
     # Registration order is the OpenAPI document's order: the operators' pages, then the API.
     for family in (ops, chat, feedback, admin):

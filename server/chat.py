@@ -120,8 +120,7 @@ async def prepare_rollout(s: ServerState, req: ChatCompletionRequest):
     version = s.engine.version
     baseline = await s.read_baseline(prompt_id, version) if s.read_baseline else None
     rollout_id = f"chatcmpl-{uuid.uuid4().hex}"
-    if req.episode_id is not None:
-        await start_episode_turn(s, req, rollout_id)
+    turn = await start_episode_turn(s, req, rollout_id) if req.episode_id is not None else None
     rollout = Rollout(
         id=rollout_id,
         prompt_id=prompt_id,
@@ -134,39 +133,83 @@ async def prepare_rollout(s: ServerState, req: ChatCompletionRequest):
         created_at=utcnow(),
         baseline=baseline,
         episode_id=req.episode_id,
-        turn=req.turn,
+        turn=turn,
     )
     return rollout, sampling
 
 
-async def start_episode_turn(s: ServerState, req: ChatCompletionRequest, rollout_id: str) -> None:
-    """Only the party that started an episode extends it (DESIGN §8): a chat with a new
-    ``episode_id`` starts it; a later turn presents ``episode_token`` (the
-    ``episode_feedback_token`` its first turn returned). Raises ApiError 403 otherwise, 409 once
-    the episode is rated; nothing has been generated or logged then."""
-    subject = episode_token_subject(req.episode_id)
+async def start_episode_turn(s: ServerState, req: ChatCompletionRequest, rollout_id: str) -> int:
+    """Only the party that started an episode extends it (DESIGN §8), and its turns come in
+    order: 0, 1, 2..., each number once, each once the one before is answered.
+
+    A chat with a new ``episode_id`` starts it (at turn 0); a later turn presents
+    ``episode_token`` (the ``episode_feedback_token`` its first turn returned). Returns the
+    turn's number (``req.turn``, or the next one when the request gave none). Raises ApiError
+    403 for someone else's episode, 409 once the episode is rated, for a number already taken
+    (``duplicate_turn``), out of order (``turn_out_of_order``) or sent while the previous turn
+    is still being answered (``episode_in_progress``); nothing has been generated or logged then.
+    """
+    ep = req.episode_id
+    subject = episode_token_subject(ep)
     token_ok = req.episode_token is not None
     if token_ok and not check_feedback_token(s.settings.feedback_secret, subject, req.episode_token):
         raise ApiError(
             403, "episode_token does not match this episode", "permission_error", "episode_token", "bad_token"
         )
-    outcome = await asyncio.to_thread(s.store.start_episode_turn, req.episode_id, rollout_id, token_ok)
-    if outcome == "not_yours":
+    got = await asyncio.to_thread(s.store.start_episode_turn, ep, rollout_id, token_ok, req.turn)
+    if got.outcome == "ok":
+        return got.turn
+    if got.outcome == "not_yours":
         raise ApiError(
             403,
-            f"episode {req.episode_id!r} was started by another request; later turns must send its "
+            f"episode {ep!r} was started by another request; later turns must send its "
             "episode_feedback_token as episode_token (a new episode needs a new episode_id)",
             "permission_error",
             "episode_id",
             "episode_not_yours",
         )
-    if outcome == "rated":
+    if got.outcome == "rated":
+        raise ApiError(
+            409, f"episode {ep!r} is rated and takes no more turns", param="episode_id", code="episode_rated"
+        )
+    if got.outcome == "taken":
+        state = "in progress" if got.in_flight == got.turn else "answered"
         raise ApiError(
             409,
-            f"episode {req.episode_id!r} is rated and takes no more turns",
-            param="episode_id",
-            code="episode_rated",
+            f"turn {got.turn} of episode {ep!r} is already {state}: each turn number is used once "
+            f"(the next turn is {got.next_turn})",
+            param="turn",
+            code="duplicate_turn",
         )
+    if got.outcome == "in_progress":
+        raise ApiError(
+            409,
+            f"episode {ep!r} has turn {got.in_flight} in progress: send turn {got.turn} once its answer "
+            "is complete",
+            param="turn",
+            code="episode_in_progress",
+        )
+    if got.outcome == "out_of_order":
+        raise ApiError(
+            409,
+            f"turn {got.turn} of episode {ep!r} is out of order: turns are numbered 0, 1, 2... in "
+            f"order, and the next turn is {got.next_turn}",
+            param="turn",
+            code="turn_out_of_order",
+        )
+    raise ApiError(
+        409,
+        f"episode {ep!r} has {got.turn} turns, the most an episode may have",
+        param="episode_id",
+        code="episode_full",
+    )
+
+
+def release_turn(s: ServerState, rollout: Rollout) -> None:
+    """The request of an episode turn failed before its record was logged: free its number
+    (in a task of its own, so a client that left cannot cancel it)."""
+    if rollout.episode_id is not None:
+        s.spawn(s.release_turn(rollout.id))
 
 
 def extension_fields(s: ServerState, rollout: Rollout) -> dict:
@@ -271,6 +314,7 @@ async def complete_chat(
             s.spawn(persist_quietly(s, rollout.record("error")))
         else:
             s.metrics.failed_before_generation.labels("engine_error").inc()
+            release_turn(s, rollout)
         raise ApiError(500, f"generation failed: {exc}", "server_error") from exc
     finally:
         s.metrics.in_flight.dec()
@@ -279,6 +323,7 @@ async def complete_chat(
         await s.persist_trajectory(rec)
     except LogUnavailable as exc:
         s.metrics.requests.labels("false", "log_unavailable").inc()
+        release_turn(s, rollout)
         raise ApiError(
             503, f"trajectory log unavailable, the answer was not recorded: {exc}", "server_error"
         ) from exc
@@ -311,6 +356,10 @@ async def persist_quietly(s: ServerState, rec: TrajectoryRecord) -> None:
     counted, never raised into a task nobody awaits."""
     try:
         await s.persist_trajectory(rec)
+    except LogUnavailable:
+        log.exception("could not persist trajectory %s", rec.id)
+        if rec.episode_id is not None:
+            await s.release_turn(rec.id)
     except Exception:
         log.exception("could not persist trajectory %s", rec.id)
 
@@ -370,6 +419,7 @@ async def stream_chat(s: ServerState, req: ChatCompletionRequest, rollout: Rollo
             await s.persist_trajectory(rec)
         except LogUnavailable as exc:
             s.metrics.requests.labels("true", "log_unavailable").inc()
+            release_turn(s, rollout)
             yield sse(
                 {
                     "error": ApiError(
@@ -404,6 +454,7 @@ async def stream_chat(s: ServerState, req: ChatCompletionRequest, rollout: Rollo
                 s.spawn(persist_quietly(s, rollout.record("error")))
             else:
                 s.metrics.failed_before_generation.labels("engine_error").inc()
+                release_turn(s, rollout)
         yield sse({"error": ApiError(500, f"generation failed: {exc}", "server_error").body()["error"]})
     finally:
         s.metrics.in_flight.dec()

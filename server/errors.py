@@ -2,8 +2,9 @@
 exception handlers that turn every refusal into it.
 
 Handlers: ``ApiError`` as raised; a storage failure anywhere is 503 with ``Retry-After``
-(nothing was recorded); FastAPI's HTTP errors and validation errors in the same shape, a bad
-chat body 400 (OpenAI's status) and a bad feedback body 422 (the feedback contract).
+(nothing was recorded); FastAPI's HTTP errors and validation errors in the same shape: a body
+that is not a JSON object 400 on every route, a bad field 400 (OpenAI's status) except on
+feedback, 422 (the feedback contract).
 """
 
 from __future__ import annotations
@@ -95,24 +96,48 @@ async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
     return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)
 
 
+# Errors on the whole body (its location is just ``body``): absent, or not a JSON object.
+NOT_AN_OBJECT = frozenset({"missing", "model_type", "model_attributes_type", "dict_type"})
+
+
+def where(err: dict) -> str:
+    """A validation error's field as a dotted path without ``body`` ("" for the whole body); a
+    model-level check names its field in ``ctx.field`` (``server.schemas.unsupported``)."""
+    loc = [printable(p) for p in err.get("loc", []) if p != "body"]
+    field = (err.get("ctx") or {}).get("field")
+    if field is not None and (not loc or loc[-1] != printable(field)):
+        loc.append(printable(field))
+    return ".".join(loc)
+
+
 async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    """A body or parameter the route's model refuses.
+
+    One rule on every route: a body that is not JSON, or not a JSON object, is 400
+    ``invalid_json``. A refused field is named in ``param``: 400 ``invalid_value``, or
+    ``unsupported_parameter`` for a field this server does not do; on ``/v1/feedback`` a bad
+    field is 422 (its contract, DESIGN §4).
+    """
     errs = exc.errors()
     first = errs[0] if errs else {}
-    loc = [printable(p) for p in first.get("loc", []) if p != "body"]
-    if first.get("type") == "json_invalid":
-        msg, loc = "request body is not valid JSON", []
-    else:
-        msg = "; ".join(
-            f"{'.'.join(printable(p) for p in e.get('loc', []) if p != 'body') or 'body'}: "
-            f"{printable(e.get('msg'))}"
-            for e in errs
-        )
-    # OpenAI answers 400 for a bad chat request; the feedback contract says 422.
-    status = 422 if request.url.path == FEEDBACK_PATH else 400
+    param = where(first)
     if request.url.path == CHAT_PATH:
         request.app.state.s.metrics.failed_before_generation.labels("invalid_request").inc()
-    err = ApiError(status, msg, param=".".join(loc) or None, code="invalid_value")
-    return JSONResponse(err.body(), status_code=status)
+    if first.get("type") == "json_invalid":
+        err = ApiError(400, "request body is not valid JSON", code="invalid_json")
+    elif not param and first.get("type") in NOT_AN_OBJECT:
+        kind = request.headers.get("content-type", "")
+        sent_as = (
+            f" (sent as {printable(kind)!r}, not application/json)" if kind and "json" not in kind else ""
+        )
+        err = ApiError(400, f"request body is not a JSON object{sent_as}", code="invalid_json")
+    elif first.get("type") == "unsupported_parameter":
+        err = ApiError(400, printable(first.get("msg")), param=param, code="unsupported_parameter")
+    else:
+        msg = "; ".join(f"{where(e) or 'body'}: {printable(e.get('msg'))}" for e in errs)
+        status = 422 if request.url.path == FEEDBACK_PATH else 400
+        err = ApiError(status, msg, param=param or None, code="invalid_value")
+    return JSONResponse(err.body(), status_code=err.status)
 
 
 def install_error_handlers(app: FastAPI) -> None:

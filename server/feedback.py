@@ -25,10 +25,13 @@ async def accept_feedback(s: ServerState, body: FeedbackRequest) -> FeedbackAcce
     """Log ``body``'s reward once for its completion or episode.
 
     Raises ApiError: 404 unknown completion or episode, 403 a token that does not match,
-    409 already rated (first wins), not a whole answer, or an episode turn still in flight,
-    503 when the log refused (the claim is released: a record the log appends anyway, late,
-    is void, since its claim is never marked received with its id). Once the log holds the
-    record the answer is accepted, whatever the database then says (``mark_received``).
+    409 a completion that is a turn of an episode (``rate_the_episode``: an episode is rated as
+    a whole, so no turn's reward counts twice), already rated (first wins), not a whole answer,
+    or an episode turn still in flight, 503 when the log refused (the claim is released: a
+    record the log appends anyway, late, is void, since its claim is never marked received with
+    its id). Once the log holds the record the answer is accepted, whatever the database then
+    says (``mark_received``). Episode feedback lists the episode's logged turns
+    (``FeedbackRecord.turn_ids``), the only ones the learner joins with it.
     """
     if body.id is not None:
         traj = await asyncio.to_thread(s.store.find_trajectory, body.id)
@@ -36,7 +39,7 @@ async def accept_feedback(s: ServerState, body: FeedbackRequest) -> FeedbackAcce
             s.metrics.feedback.labels("unknown").inc()
             raise ApiError(404, f"no completion with id {body.id!r}", code="not_found", param="id")
         subject, prompt_id, target = body.id, traj.prompt_id, f"t:{body.id}"
-        finish_reason = traj.finish_reason
+        what = f"completion {body.id!r}"
     else:
         prompt_id = await asyncio.to_thread(s.store.episode_prompt_id, body.episode_id)
         if prompt_id is None:
@@ -45,22 +48,33 @@ async def accept_feedback(s: ServerState, body: FeedbackRequest) -> FeedbackAcce
                 404, f"no episode with id {body.episode_id!r}", code="not_found", param="episode_id"
             )
         subject, target = episode_token_subject(body.episode_id), f"e:{body.episode_id}"
-        finish_reason = None
+        what = f"episode {body.episode_id!r}"
     if not check_feedback_token(s.settings.feedback_secret, subject, body.feedback_token):
         s.metrics.feedback.labels("bad_token").inc()
         raise ApiError(
             403,
-            "feedback_token does not match this completion",
+            f"feedback_token does not match {what}"
+            + (" (an episode is rated with its episode_feedback_token)" if body.episode_id else ""),
             "permission_error",
             param="feedback_token",
         )
-    if finish_reason in NOT_WHOLE:
+    if body.id is not None and traj.episode_id is not None:
+        s.metrics.feedback.labels("episode_turn").inc()
+        raise ApiError(
+            409,
+            f"{what} is turn {traj.turn} of episode {traj.episode_id!r}: an episode is rated as a "
+            "whole, with episode_id and its episode_feedback_token, never turn by turn",
+            param="id",
+            code="rate_the_episode",
+        )
+    if body.id is not None and traj.finish_reason in NOT_WHOLE:
         s.metrics.feedback.labels("not_whole").inc()
-        raise not_whole(f"completion {body.id!r} ended with finish_reason {finish_reason!r}")
+        raise not_whole(f"{what} ended with finish_reason {traj.finish_reason!r}")
     feedback_id = str(uuid.uuid4())
     if not await asyncio.to_thread(s.store.claim, target, feedback_id):
         s.metrics.feedback.labels("duplicate").inc()
-        raise ApiError(409, "feedback was already given for this completion (first wins)", code="conflict")
+        raise ApiError(409, f"feedback was already given for {what} (first wins)", code="conflict")
+    turn_ids = None
     if body.episode_id is not None:
         # Read after the claim is taken: a turn dispatched from now on sees the claim and is
         # refused, so no turn can join the episode unseen (ServerStore.start_episode_turn).
@@ -71,13 +85,14 @@ async def accept_feedback(s: ServerState, body: FeedbackRequest) -> FeedbackAcce
             s.metrics.feedback.labels("episode_in_progress").inc()
             raise ApiError(
                 409,
-                f"episode {body.episode_id!r} has a turn in progress; rate it once its last answer is whole",
+                f"{what} has a turn in progress; rate it once its last answer is whole",
                 param="episode_id",
                 code="episode_in_progress",
             )
         if ep.not_whole_turns:
             s.metrics.feedback.labels("not_whole").inc()
-            raise not_whole(f"episode {body.episode_id!r} has {ep.not_whole_turns} aborted or failed turn(s)")
+            raise not_whole(f"{what} has {ep.not_whole_turns} aborted or failed turn(s)")
+        turn_ids = list(ep.turn_ids)
     rec = FeedbackRecord(
         trajectory_id=body.id,
         episode_id=body.episode_id if body.id is None else None,
@@ -86,6 +101,7 @@ async def accept_feedback(s: ServerState, body: FeedbackRequest) -> FeedbackAcce
         source=body.source,
         received_at=utcnow(),
         feedback_id=feedback_id,
+        turn_ids=turn_ids,
     )
     try:
         await s.append(TOPIC_FEEDBACK, prompt_id, rec.to_json())

@@ -1,5 +1,6 @@
-"""Size bounds at the edge: the request body (413 before parsing) and the message text (400
-before tokenising), both derived from the context length (DESIGN §8).
+"""The request body at the edge, before any route (DESIGN §8): its size (413 before parsing),
+the time it takes to arrive (408), and its syntax (400 unless a JSON object); and the message
+text's size (400 before tokenising). Both sizes derive from the context length.
 
 A prompt that fits the context is at most ``max_model_len`` tokens, and a token is at most
 ``MAX_TOKEN_BYTES`` bytes of UTF-8 (SmolLM2's longest token is 81 bytes; a test checks the
@@ -11,6 +12,7 @@ cannot be served, and is refused before any work.
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -21,6 +23,10 @@ BODY_SLACK_BYTES = 64 * 1024
 # A refused body is read and dropped up to this size before the 413, so that a client still
 # writing it receives the answer instead of a reset connection; a larger one is cut off.
 DRAIN_MAX_BYTES = 64 * 1024 * 1024
+# Seconds a client has, once its headers are in, to send its whole body (``Settings``'
+# ``body_read_timeout_s``): a client that trickles it (slowloris) is answered 408 and cut off
+# instead of holding a connection and a task for ever.
+DEFAULT_BODY_READ_TIMEOUT_S = 30.0
 
 
 def max_message_chars(max_model_len: int) -> int:
@@ -33,24 +39,60 @@ def max_body_bytes(max_model_len: int) -> int:
     return max_model_len * MAX_TOKEN_BYTES * JSON_BYTES_PER_BYTE + BODY_SLACK_BYTES
 
 
-class BodySizeLimit:
-    """ASGI middleware: a body over ``max_bytes`` is answered 413 (OpenAI error shape) before
-    any route parses it; only bodies within the bound are kept in memory and passed on."""
+def is_json(content_type: bytes | None) -> bool:
+    """Whether a body sent with this Content-Type is parsed as JSON by the routes (FastAPI's
+    rule: no Content-Type, ``application/json`` or ``application/*+json``)."""
+    if not content_type:
+        return True
+    mime = content_type.split(b";")[0].strip().lower()
+    return mime == b"application/json" or (mime.startswith(b"application/") and mime.endswith(b"+json"))
 
-    def __init__(self, app: ASGIApp, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
+
+def json_problem(body: bytes) -> str | None:
+    """Why ``body`` is not a JSON object (None if it is one)."""
+    try:
+        doc = json.loads(body)
+    except RecursionError:
+        return "request body is not valid JSON: nested too deeply"
+    except ValueError:  # JSONDecodeError, and UnicodeDecodeError for bytes that are not UTF-8/16/32
+        return "request body is not valid JSON"
+    return None if isinstance(doc, dict) else "request body is not a JSON object"
+
+
+class BodySizeLimit:
+    """ASGI middleware for POST, PUT and PATCH bodies, before any route: a body over
+    ``max_bytes`` is 413, one not received in full within ``read_timeout_s`` of the headers is
+    408 (the connection is then closed), and one sent as JSON that is not a JSON object is 400
+    ``invalid_json`` (the same rule for every route, including those that take no body); all
+    in the OpenAI error shape. Only bodies within the bound are kept in memory and passed on."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int, read_timeout_s: float = DEFAULT_BODY_READ_TIMEOUT_S):
+        self.app, self.max_bytes, self.read_timeout_s = app, max_bytes, read_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
             await self.app(scope, receive, send)
             return
-        length = dict(scope["headers"]).get(b"content-length")
+        headers = dict(scope["headers"])
+        length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > DRAIN_MAX_BYTES:
-            await self._refuse(send)
+            await self._refuse(send, 413, self._too_large(), "request_too_large")
             return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.read_timeout_s
         chunks, size = [], 0
         while True:
-            msg = await receive()
+            try:
+                msg = await asyncio.wait_for(receive(), max(deadline - loop.time(), 0.0))
+            except TimeoutError:
+                await self._refuse(
+                    send,
+                    408,
+                    f"request body not received within {self.read_timeout_s:g} s of the headers "
+                    f"({size} bytes came); send the whole body at once",
+                    "request_timeout",
+                )
+                return
             if msg["type"] != "http.request":
                 return  # the client left before sending its body
             size += len(msg.get("body", b""))
@@ -59,9 +101,13 @@ class BodySizeLimit:
             if not msg.get("more_body", False) or size > DRAIN_MAX_BYTES:
                 break
         if size > self.max_bytes:
-            await self._refuse(send)
+            await self._refuse(send, 413, self._too_large(), "request_too_large")
             return
         body, replayed = b"".join(chunks), False
+        problem = json_problem(body) if body and is_json(headers.get(b"content-type")) else None
+        if problem is not None:
+            await self._refuse(send, 400, problem, "invalid_json", close=False)
+            return
 
         async def replay() -> Message:
             nonlocal replayed
@@ -72,27 +118,20 @@ class BodySizeLimit:
 
         await self.app(scope, replay, send)
 
-    async def _refuse(self, send: Send) -> None:
-        body = json.dumps(
-            {
-                "error": {
-                    "message": f"request body is larger than {self.max_bytes} bytes, more than the "
-                    "model's context can hold",
-                    "type": "invalid_request_error",
-                    "param": None,
-                    "code": "request_too_large",
-                }
-            }
-        ).encode()
+    def _too_large(self) -> str:
+        return f"request body is larger than {self.max_bytes} bytes, more than the model's context can hold"
+
+    async def _refuse(self, send: Send, status: int, message: str, code: str, close: bool = True) -> None:
+        """Answer ``status`` in the OpenAI error shape; ``close``: the body was not read to its
+        end, so the connection cannot carry another request."""
+        err = {"message": message, "type": "invalid_request_error", "param": None, "code": code}
+        body = json.dumps({"error": err}).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
         await send(
             {
                 "type": "http.response.start",
-                "status": 413,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                    (b"connection", b"close"),
-                ],
+                "status": status,
+                "headers": headers + ([(b"connection", b"close")] if close else []),
             }
         )
         await send({"type": "http.response.body", "body": body})

@@ -30,8 +30,11 @@ from pydantic_core import CoreSchema, PydanticCustomError
 
 ROLES = ("system", "user", "assistant", "tool")
 
-# PostgreSQL INTEGER columns (turn, policy versions) and vLLM's int32 sampling tensors.
+# PostgreSQL INTEGER columns (policy versions) and vLLM's int32 sampling tensors.
 MAX_INT32 = 2**31 - 1
+# Turns of one episode, numbered 0 .. MAX_EPISODE_TURNS - 1: episode feedback lists its turns'
+# ids (``core.records.FeedbackRecord.turn_ids``), which bounds the record (about 40 KiB).
+MAX_EPISODE_TURNS = 1024
 MAX_NAME_CHARS = 256
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024
@@ -132,6 +135,41 @@ class EdgeModel(BaseModel):
         return v
 
 
+NULL = {"type": "null"}
+# An undeclared field is accepted only when it asks for nothing: null, [] or {}.
+EMPTY_VALUE = {"anyOf": [NULL, {"type": "array", "maxItems": 0}, {"type": "object", "maxProperties": 0}]}
+TOOLS_WHY = "the model would answer in plain text and call no tool (no tool calling here)"
+UNSUPPORTED_WHY = {
+    "response_format": "the answer would be plain text, not JSON (no JSON mode or structured output here)",
+    **dict.fromkeys(
+        ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "tool_calls"), TOOLS_WHY
+    ),
+    **dict.fromkeys(
+        ("presence_penalty", "frequency_penalty", "logit_bias"),
+        "it would change the distribution the learner reproduces (only its neutral value is accepted)",
+    ),
+}
+UNKNOWN_WHY = "a field that may change the answer is refused rather than ignored (null, [] or {} is accepted)"
+
+
+def unsupported(field: str) -> PydanticCustomError:
+    """``unsupported_parameter`` naming ``field`` (the error handler adds it to the location)."""
+    why = UNSUPPORTED_WHY.get(field, UNKNOWN_WHY)
+    name = field.encode("utf-8", "backslashreplace").decode()
+    return PydanticCustomError(
+        "unsupported_parameter", f"{name} is not supported by this server: {why}", {"field": field}
+    )
+
+
+def refuse_unknown_fields(extra: dict[str, Any] | None) -> None:
+    """Raise ``unsupported_parameter`` for the first undeclared field that asks for something
+    (a value other than null, [] or {}): ignoring it would answer another question than the
+    one asked (JSON mode answered in free text, tools never called)."""
+    for name, value in (extra or {}).items():
+        if not (value is None or (isinstance(value, list | dict) and not value)):
+            raise unsupported(name)
+
+
 class ContentPart(BaseModel):
     """A text part of a message (checked by the enclosing ``ChatMessage``)."""
 
@@ -141,14 +179,20 @@ class ContentPart(BaseModel):
 
 
 class ChatMessage(EdgeModel):
-    """One chat message; content is a string or a list of text parts (no images)."""
+    """One chat message; content is a string or a list of text parts (no images). Any other
+    field (``tool_calls``, ``audio``...) only when empty (``refuse_unknown_fields``)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow", json_schema_extra={"additionalProperties": EMPTY_VALUE})
     text_fields: ClassVar[frozenset[str]] = frozenset({"content"})
     role: Literal["system", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: StoredStr | None = Field(None, max_length=MAX_NAME_CHARS)
     tool_call_id: StoredStr | None = Field(None, max_length=MAX_NAME_CHARS)
+
+    @model_validator(mode="after")
+    def _no_unknown_fields(self) -> ChatMessage:
+        refuse_unknown_fields(self.model_extra)
+        return self
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -173,9 +217,6 @@ AT_LEAST_ONE_USER_MESSAGE = {
         },
     }
 }
-
-
-NULL = {"type": "null"}
 
 
 def _exactly_one(a: str, b: str, types: tuple[dict, dict]) -> dict:
@@ -204,7 +245,14 @@ CHAT_RULES = {
                 {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
             ]
         },
-    ]
+        {
+            "anyOf": [
+                {"properties": {"turn": NULL}},
+                {"required": ["episode_id"], "properties": {"episode_id": {"type": "string"}}},
+            ]
+        },
+    ],
+    "additionalProperties": EMPTY_VALUE,
 }
 STOP_STRING = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}
 
@@ -214,10 +262,17 @@ class ChatCompletionRequest(EdgeModel):
     ``episode_token``.
 
     Sampling options that would change the distribution the learner must reproduce without
-    being logged (penalties, logit bias, several choices) are refused rather than ignored.
+    being logged (penalties, logit bias, several choices) are refused rather than ignored, and
+    so is every field this model does not declare unless it asks for nothing (null, [] or {}):
+    ``response_format``, ``tools``, ``min_tokens``... are 400 ``unsupported_parameter`` naming
+    the field. ``store``, ``metadata`` and ``service_tier`` are accepted and change nothing:
+    every answer is stored here anyway, and neither of the others changes the answer.
+
+    ``turn`` numbers an episode's turns 0, 1, 2... (``server.store.ServerStore.start_episode_turn``
+    checks the order); without it the server gives the turn the next number.
     """
 
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, json_schema_extra=CHAT_RULES)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, json_schema_extra=CHAT_RULES)
     text_fields: ClassVar[frozenset[str]] = frozenset({"stop"})
 
     model: StoredStr | None = Field(None, max_length=MAX_NAME_CHARS)
@@ -256,9 +311,20 @@ class ChatCompletionRequest(EdgeModel):
     frequency_penalty: float = Field(0.0, json_schema_extra={"const": 0})
     logit_bias: dict[str, float] | None = Field(None, json_schema_extra={"maxProperties": 0})
     user: StoredStr | None = Field(None, max_length=MAX_NAME_CHARS)
+    store: bool | None = None
+    metadata: dict[str, StoredStr] | None = Field(
+        None, json_schema_extra={"propertyNames": {"pattern": NO_NUL}}
+    )
+    service_tier: StoredStr | None = Field(None, max_length=MAX_NAME_CHARS)
     prompt_id: StoredStr | None = Field(None, min_length=1, max_length=128)
     episode_id: StoredStr | None = Field(None, min_length=1, max_length=128)
-    turn: int | None = Field(None, ge=0, le=MAX_INT32)
+    turn: int | None = Field(
+        None,
+        ge=0,
+        lt=MAX_EPISODE_TURNS,
+        description="The turn's number in its episode (needs episode_id): 0 for the first, then each "
+        "in order once the previous one is answered; omitted, the next number.",
+    )
     episode_token: StoredStr | None = Field(
         None,
         min_length=1,
@@ -286,10 +352,22 @@ class ChatCompletionRequest(EdgeModel):
             raise ValueError(f"stop strings must be at most {MAX_STOP_CHARS} characters")
         return v
 
+    @field_validator("presence_penalty", "frequency_penalty", "logit_bias")
+    @classmethod
+    def _neutral(cls, v: Any, info: ValidationInfo) -> Any:
+        if v:
+            raise unsupported(info.field_name)
+        return v
+
     @model_validator(mode="after")
     def _checks(self) -> ChatCompletionRequest:
-        if self.presence_penalty or self.frequency_penalty or self.logit_bias:
-            raise ValueError("presence_penalty, frequency_penalty and logit_bias are not supported")
+        refuse_unknown_fields(self.model_extra)
+        if self.turn is not None and self.episode_id is None:
+            raise PydanticCustomError(
+                "invalid_value",
+                "turn needs episode_id: a turn number belongs to an episode",
+                {"field": "turn"},
+            )
         if not any(m.text().strip() for m in self.messages if m.role == "user"):
             raise ValueError("messages need at least one non-empty user message")
         if self.episode_token is not None and self.episode_id is None:

@@ -135,6 +135,20 @@ class ServerState:
             log.warning("feedback %s logged, claim update deferred: %s", target, exc)
             self._retry(self.store.mark_received, target, reward, feedback_id)
 
+    async def release_turn(self, trajectory_id: str) -> None:
+        """Free the number of an episode turn whose request failed before its record was logged
+        (``ServerStore.release_turn``): the client was told it failed, so it may send that turn
+        again. A refused write is retried by a task; meanwhile the turn counts as in flight
+        (until ``server.store.TURN_TIMEOUT``). Whatever the log appends late for it is not one
+        of the episode's turns: episode feedback lists the logged ones (``FeedbackRecord.turn_ids``)."""
+        try:
+            await asyncio.to_thread(self.store.release_turn, trajectory_id)
+        except Exception as exc:
+            if not is_storage_error(exc):
+                raise
+            log.warning("episode turn %s not released yet: %s", trajectory_id, exc)
+            self._retry(self.store.release_turn, trajectory_id)
+
     def _retry(self, write, *args) -> None:
         task = asyncio.ensure_future(self._write_later(write, *args))
         self.deferred_writes.add(task)

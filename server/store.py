@@ -4,7 +4,7 @@ run these in a thread)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import delete, func, insert, select, update
 from sqlalchemy.engine import Engine
@@ -22,9 +22,11 @@ from core.db import (
 from core.records import TrajectoryRecord, utcnow
 
 CLAIM_TIMEOUT = timedelta(seconds=30)
-# A dispatched episode turn not indexed after this long never will be (its request failed
-# before a record, or the server died): it no longer holds the episode's feedback back.
+# A dispatched episode turn not indexed after this long never will be (the server died while
+# answering it): it no longer holds the episode's feedback back, and its number may be sent again.
 TURN_TIMEOUT = timedelta(minutes=5)
+# Turns of one episode (numbered 0 .. MAX_EPISODE_TURNS - 1), as server.schemas states it.
+MAX_EPISODE_TURNS = 1024
 # Finish reasons of records that are not whole answers: never rated, never trained as answers.
 NOT_WHOLE = ("abort", "error")
 
@@ -37,16 +39,81 @@ class IndexedTrajectory:
     log_partition: int
     log_offset: int
     finish_reason: str
+    turn: int | None = None
 
 
 @dataclass(frozen=True)
 class EpisodeState:
-    """What episode feedback must know: its prompt id (None: unknown episode), its turns whose
-    records are not whole answers, and its turns dispatched but not yet indexed."""
+    """What episode feedback must know: its prompt id (None: unknown episode), its logged turns
+    whose records are not whole answers, its turns dispatched but not yet indexed, and the ids of
+    its logged turns in turn order (what the feedback rates: ``FeedbackRecord.turn_ids``)."""
 
     prompt_id: str | None
     not_whole_turns: int
     turns_in_flight: int
+    turn_ids: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Slot:
+    """An ``episode_turns`` row as :func:`plan_turn` reads it."""
+
+    turn: int
+    trajectory_id: str
+    dispatched_at: datetime
+    logged_at: datetime | None
+
+
+@dataclass(frozen=True)
+class TurnStart:
+    """What a chat on an episode may do (``ServerStore.start_episode_turn``).
+
+    ``outcome``: ``ok`` (the turn is recorded as in flight), ``not_yours`` (the episode was
+    started by another request), ``rated``, ``taken`` (the number is in flight or answered),
+    ``in_progress`` (another turn, ``in_flight``, is still being answered), ``out_of_order``
+    (not the next number), ``full`` (MAX_EPISODE_TURNS answered). ``turn``: the number asked
+    for, or given when the request had none; ``next_turn``: the number the episode expects.
+    ``takeover``: the trajectory of a turn in flight past TURN_TIMEOUT whose number this takes.
+    """
+
+    outcome: str
+    turn: int | None = None
+    next_turn: int | None = None
+    in_flight: int | None = None
+    takeover: str | None = None
+
+
+def plan_turn(slots: list[Slot], turn: int | None, now: datetime) -> TurnStart:
+    """Whether turn number ``turn`` (None: the next one) may start now, given the episode's
+    numbered turns (pure).
+
+    Turns are numbered 0, 1, 2... in order, each number once; a turn starts only once every
+    earlier one is answered (logged), so at most one is in flight and a turn that fails before
+    its record (its row deleted) leaves no gap. A turn in flight for longer than TURN_TIMEOUT
+    never will be logged: its number is free again.
+    """
+    stale_before = now - TURN_TIMEOUT
+    live = {s.turn: s for s in slots if s.logged_at is not None or _aware(s.dispatched_at) > stale_before}
+    nxt = 0
+    while nxt in live:
+        nxt += 1
+    k = nxt if turn is None else turn
+    in_flight = next((t for t, s in sorted(live.items()) if s.logged_at is None), None)
+    if k in live:
+        return TurnStart("taken", k, nxt, in_flight)
+    if in_flight is not None:
+        return TurnStart("in_progress", k, nxt, in_flight)
+    if k != nxt:
+        return TurnStart("out_of_order", k, nxt)
+    if k >= MAX_EPISODE_TURNS:
+        return TurnStart("full", k, nxt)
+    stale = next((s.trajectory_id for s in slots if s.turn == k), None)
+    return TurnStart("ok", k, nxt + 1, takeover=stale)
+
+
+def _aware(t: datetime) -> datetime:
+    """SQLite returns naive UTC datetimes."""
+    return t if t.tzinfo is not None else t.replace(tzinfo=UTC)
 
 
 def _held_by(feedback_id: str | None) -> list:
@@ -61,11 +128,15 @@ class ServerStore:
         self.engine = engine
 
     def index_trajectory(self, rec: TrajectoryRecord, partition: int, offset: int) -> None:
-        """Index a logged record; an episode turn stops being in flight in the same transaction."""
+        """Index a logged record; an episode turn is marked logged in the same transaction."""
         last_version = rec.token_versions[-1][0] if rec.token_versions else rec.dispatch_version
         with self.engine.begin() as conn:
             if rec.episode_id is not None:
-                conn.execute(delete(EpisodeTurn).where(EpisodeTurn.trajectory_id == rec.id))
+                conn.execute(
+                    update(EpisodeTurn)
+                    .where(EpisodeTurn.trajectory_id == rec.id, EpisodeTurn.logged_at.is_(None))
+                    .values(logged_at=utcnow())
+                )
             conn.execute(
                 insert(TrajectoryIndex).values(
                     id=rec.id,
@@ -92,6 +163,7 @@ class ServerStore:
                     TrajectoryIndex.log_partition,
                     TrajectoryIndex.log_offset,
                     TrajectoryIndex.finish_reason,
+                    TrajectoryIndex.turn,
                 ).where(TrajectoryIndex.id == trajectory_id)
             ).first()
         return IndexedTrajectory(*row) if row else None
@@ -103,58 +175,152 @@ class ServerStore:
                 select(TrajectoryIndex.prompt_id).where(TrajectoryIndex.episode_id == episode_id).limit(1)
             ).scalar_one_or_none()
 
-    def start_episode_turn(self, episode_id: str, trajectory_id: str, token_ok: bool) -> str:
-        """Record a dispatched turn of ``episode_id``; returns ``ok``, ``not_yours`` or ``rated``.
+    def start_episode_turn(
+        self, episode_id: str, trajectory_id: str, token_ok: bool, turn: int | None = None
+    ) -> TurnStart:
+        """Record turn ``turn`` (None: the next number) of ``episode_id`` as dispatched, held by
+        ``trajectory_id``, if it may start (:func:`plan_turn`); the outcome says why not.
 
-        Without a valid episode token (``token_ok`` False) only a new episode may start: the
-        primary key of ``episodes`` lets exactly one of two racing first turns win. A turn is
-        refused once the episode's feedback is claimed. The turn row is committed before the
-        claim is read, and feedback takes its claim before it reads the turn rows, so of a turn
-        and a feedback racing, at least one sees the other (``episode_state``).
+        Without a valid episode token (``token_ok`` False) only a new episode may start, at
+        turn 0: the primary key of ``episodes`` lets exactly one of two racing first turns win,
+        and the unique turn number one of two racing later turns. A turn is refused once the
+        episode's feedback is claimed. The turn row is committed before the claim is read
+        again, and feedback takes its claim before it reads the turn rows, so of a turn and a
+        feedback racing, at least one sees the other (``episode_state``).
         """
         now = utcnow()
+        if not token_ok and turn not in (None, 0):
+            with self.engine.connect() as conn:
+                known = conn.execute(
+                    select(Episode.episode_id).where(Episode.episode_id == episode_id)
+                ).first()
+            return TurnStart("not_yours") if known else TurnStart("out_of_order", turn, 0)
         try:
             with self.engine.begin() as conn:
                 conn.execute(insert(Episode).values(episode_id=episode_id, created_at=now))
         except IntegrityError:
             if not token_ok:
-                return "not_yours"
-        with self.engine.begin() as conn:
-            conn.execute(
-                insert(EpisodeTurn).values(
-                    trajectory_id=trajectory_id, episode_id=episode_id, dispatched_at=now
-                )
-            )
+                return TurnStart("not_yours")
+        if self._rated(episode_id):
+            return TurnStart("rated")
+        for _ in range(3):
+            decision = plan_turn(self._slots(episode_id), turn, now)
+            if decision.outcome != "ok":
+                return decision
+            if self._take(episode_id, trajectory_id, decision, now):
+                break
+        else:
+            return plan_turn(self._slots(episode_id), turn, now)
+        if not self._rated(episode_id):
+            return decision
+        self.release_turn(trajectory_id)
+        return TurnStart("rated")
+
+    def _rated(self, episode_id: str) -> bool:
         with self.engine.connect() as conn:
-            claimed = conn.execute(
-                select(FeedbackClaim.target).where(FeedbackClaim.target == f"e:{episode_id}")
-            ).first()
-        if claimed is None:
-            return "ok"
+            return (
+                conn.execute(
+                    select(FeedbackClaim.target).where(FeedbackClaim.target == f"e:{episode_id}")
+                ).first()
+                is not None
+            )
+
+    def _slots(self, episode_id: str) -> list[Slot]:
+        with self.engine.connect() as conn:
+            rows = conn.execute(
+                select(
+                    EpisodeTurn.turn,
+                    EpisodeTurn.trajectory_id,
+                    EpisodeTurn.dispatched_at,
+                    EpisodeTurn.logged_at,
+                ).where(EpisodeTurn.episode_id == episode_id, EpisodeTurn.turn.is_not(None))
+            ).all()
+        return [Slot(*r) for r in rows]
+
+    def _take(self, episode_id: str, trajectory_id: str, decision: TurnStart, now: datetime) -> bool:
+        """Hold ``decision.turn`` for ``trajectory_id``; False when another request took it first."""
+        try:
+            with self.engine.begin() as conn:
+                if decision.takeover is None:
+                    conn.execute(
+                        insert(EpisodeTurn).values(
+                            trajectory_id=trajectory_id,
+                            episode_id=episode_id,
+                            turn=decision.turn,
+                            dispatched_at=now,
+                        )
+                    )
+                    return True
+                # Compare-and-set: the stale turn is taken over only while it is still the same one.
+                res = conn.execute(
+                    update(EpisodeTurn)
+                    .where(
+                        EpisodeTurn.trajectory_id == decision.takeover,
+                        EpisodeTurn.logged_at.is_(None),
+                        EpisodeTurn.dispatched_at < now - TURN_TIMEOUT,
+                    )
+                    .values(trajectory_id=trajectory_id, dispatched_at=now)
+                )
+                return res.rowcount == 1
+        except IntegrityError:
+            return False
+
+    def release_turn(self, trajectory_id: str) -> None:
+        """Free the number of a turn that failed before its record was logged (the client was
+        answered 503 or 500): the number may be sent again, and the episode's feedback no longer
+        waits for it. An episode left with no turn at all is forgotten too, so its first turn
+        can be sent again without a token (the failure gave none). A logged turn is kept."""
         with self.engine.begin() as conn:
+            episode_id = conn.execute(
+                select(EpisodeTurn.episode_id).where(
+                    EpisodeTurn.trajectory_id == trajectory_id, EpisodeTurn.logged_at.is_(None)
+                )
+            ).scalar_one_or_none()
+            if episode_id is None:
+                return
             conn.execute(delete(EpisodeTurn).where(EpisodeTurn.trajectory_id == trajectory_id))
-        return "rated"
+            left = (
+                conn.execute(
+                    select(EpisodeTurn.trajectory_id).where(EpisodeTurn.episode_id == episode_id).limit(1)
+                ).first()
+                or conn.execute(
+                    select(TrajectoryIndex.id).where(TrajectoryIndex.episode_id == episode_id).limit(1)
+                ).first()
+            )
+            if left is None:
+                conn.execute(delete(Episode).where(Episode.episode_id == episode_id))
 
     def episode_state(self, episode_id: str) -> EpisodeState:
         """Read after taking the episode's feedback claim. Turns in flight are read before the
-        index: a turn indexed in between is then seen in the index (both change in one
-        transaction), so no turn escapes both reads."""
+        logged ones: a turn logged in between is then seen logged (both change in one
+        transaction), so no turn escapes both reads. The logged turns are the ones numbered (in
+        number order); the not-whole count is theirs."""
         since = utcnow() - TURN_TIMEOUT
         with self.engine.connect() as conn:
             in_flight = conn.execute(
                 select(func.count())
                 .select_from(EpisodeTurn)
-                .where(EpisodeTurn.episode_id == episode_id, EpisodeTurn.dispatched_at > since)
+                .where(
+                    EpisodeTurn.episode_id == episode_id,
+                    EpisodeTurn.logged_at.is_(None),
+                    EpisodeTurn.dispatched_at > since,
+                )
             ).scalar_one()
+            turns = conn.execute(
+                select(EpisodeTurn.trajectory_id, TrajectoryIndex.finish_reason)
+                .join(TrajectoryIndex, TrajectoryIndex.id == EpisodeTurn.trajectory_id)
+                .where(
+                    EpisodeTurn.episode_id == episode_id,
+                    EpisodeTurn.logged_at.is_not(None),
+                    EpisodeTurn.turn.is_not(None),
+                )
+                .order_by(EpisodeTurn.turn)
+            ).all()
             prompt_id = conn.execute(
                 select(TrajectoryIndex.prompt_id).where(TrajectoryIndex.episode_id == episode_id).limit(1)
             ).scalar_one_or_none()
-            not_whole = conn.execute(
-                select(func.count())
-                .select_from(TrajectoryIndex)
-                .where(TrajectoryIndex.episode_id == episode_id, TrajectoryIndex.finish_reason.in_(NOT_WHOLE))
-            ).scalar_one()
-        return EpisodeState(prompt_id, not_whole, in_flight)
+        not_whole = sum(finish in NOT_WHOLE for _, finish in turns)
+        return EpisodeState(prompt_id, not_whole, in_flight, tuple(tid for tid, _ in turns))
 
     def claim(self, target: str, feedback_id: str | None = None) -> bool:
         """Take the first-wins claim on ``target`` for the record ``feedback_id``; False if

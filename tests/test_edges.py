@@ -152,13 +152,14 @@ def test_the_largest_values_in_bounds_are_accepted():
         {
             "messages": USER,
             "top_k": 2**31 - 1,
-            "turn": 2**31 - 1,
+            "episode_id": "ep",
+            "turn": 1023,  # an episode has at most 1024 turns
             "seed": 2**63 - 1024,
             "logprobs": True,
             "top_logprobs": 20,
         }
     )
-    assert (req.top_k, req.turn, req.seed) == (2**31 - 1, 2**31 - 1, 2**63 - 1024)
+    assert (req.top_k, req.turn, req.seed) == (2**31 - 1, 1023, 2**63 - 1024)
 
 
 def test_episode_token_needs_an_episode():
@@ -360,19 +361,25 @@ def sqlite_store(tmp_path) -> ServerStore:
 
 def test_episode_starts_once_and_later_turns_need_its_token(tmp_path):
     store = sqlite_store(tmp_path)
-    assert store.start_episode_turn("ep", "c-0", token_ok=False) == "ok"
-    assert store.start_episode_turn("ep", "c-x", token_ok=False) == "not_yours"
-    assert store.start_episode_turn("ep", "c-1", token_ok=True) == "ok"
-    # Two turns dispatched, none indexed: both in flight (the refused one left no row).
-    assert store.episode_state("ep").turns_in_flight == 2
+    assert store.start_episode_turn("ep", "c-0", token_ok=False).outcome == "ok"
+    assert store.start_episode_turn("ep", "c-x", token_ok=False).outcome == "not_yours"
+    # Turn 0 in flight: its number is taken, and no other turn starts before it is answered.
+    assert store.start_episode_turn("ep", "c-1", token_ok=True).outcome == "in_progress"
+    assert store.episode_state("ep").turns_in_flight == 1
     store.index_trajectory(record("c-0", "ep", "stop"), 0, 0)
+    assert store.start_episode_turn("ep", "c-1", token_ok=True).turn == 1
     store.index_trajectory(record("c-1", "ep", "abort"), 0, 1)
     st = store.episode_state("ep")
-    assert (st.prompt_id, st.not_whole_turns, st.turns_in_flight) == ("p-1", 1, 0)
+    assert (st.prompt_id, st.not_whole_turns, st.turns_in_flight, st.turn_ids) == (
+        "p-1",
+        1,
+        0,
+        ("c-0", "c-1"),
+    )
     assert store.find_trajectory("c-1").finish_reason == "abort"
     # Once the episode's feedback is claimed, it takes no more turns.
     assert store.claim("e:ep")
-    assert store.start_episode_turn("ep", "c-2", token_ok=True) == "rated"
+    assert store.start_episode_turn("ep", "c-2", token_ok=True).outcome == "rated"
     assert store.episode_state("ep").turns_in_flight == 0
 
 
@@ -385,7 +392,7 @@ def test_two_racing_first_turns_one_wins_postgres(pg_url):
 
         def first_turn(ep: str, cid: str, barrier: threading.Barrier, results: list) -> None:
             barrier.wait()
-            results.append(store.start_episode_turn(ep, cid, token_ok=False))
+            results.append(store.start_episode_turn(ep, cid, token_ok=False).outcome)
 
         threads = [
             threading.Thread(target=first_turn, args=(f"race-{round_}", f"c-{round_}-{i}", barrier, results))

@@ -304,20 +304,21 @@ def test_episode_joined_in_turn_order():
 
 
 @pytest.mark.parametrize("feedback_first", [False, True])
-def test_feedback_on_one_episode_turn_trains_that_turn_whichever_comes_first(feedback_first):
+def test_feedback_naming_one_episode_turn_trains_nothing_whichever_comes_first(feedback_first):
+    """A turn is rated with its episode only (the server answers 409 rate_the_episode): a turn's
+    own feedback, logged before that rule, is dropped and the turn waits for its episode's."""
     t0, _ = episode_turns()
     rating = fb("E0", 0.5, "q")
     if feedback_first:
         p1 = plan(read(rating))
+        assert [r.kind for r in p1.inserts] == ["feedback"]
         p = plan(read(t0), JoinState(feedback={"E0": rating}))
-        assert [r.kind for r in p1.inserts] == ["feedback"] and p.deletes == [("E0", "feedback")]
+        assert p.deletes == [("E0", "feedback")]
+        assert [(r.key, r.kind) for r in p.inserts] == [("E0", "trajectory")]
     else:
-        p1 = plan(read(t0))
         p = plan(read(rating), JoinState(trajectories={"E0": t0}))
-        assert [r.kind for r in p1.inserts] == ["trajectory"] and p.deletes == [("E0", "trajectory")]
-    [s] = p.samples
-    assert (s.id, s.input_ids, s.actions, s.reward) == ("E0", [1, 2, 3, 4], [(2, 4)], 0.5)
-    assert p.results == [("q", 0.5, 5)] and p.inserts == [tomb("E0", "q")]
+        assert p.deletes == [] and p.inserts == []
+    assert p.samples == [] and p.results == [] and p.counters == {"episode_turn_feedback": 1}
 
 
 def test_a_turn_logged_after_its_episode_was_joined_is_counted_not_kept():

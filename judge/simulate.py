@@ -98,6 +98,7 @@ class SimulationResult:
     judge_failures: int = 0
     request_failures: int = 0
     interrupted: bool = False
+    stopped_by: str | None = None
     mode: str = "sync"
     start_version: int = 0
     wall_s: float = 0.0
@@ -116,6 +117,7 @@ class SimulationResult:
             "timeline": self.timeline,
             "request_failures": self.request_failures,
             "judge_failures": self.judge_failures,
+            "stopped_by": self.stopped_by,
         }
 
 

@@ -372,7 +372,7 @@ def _run_methods(
     out.mkdir(parents=True, exist_ok=True)
     judge_obj = _judge(judge)
     runs: dict[str, list[dict]] = {m: [] for m in methods}
-    interrupted = False
+    interrupted: str | None = None
     for s in range(seed, seed + seeds):
         for method in methods:
             name = method if seeds == 1 else f"{method}-s{s}"
@@ -396,10 +396,10 @@ def _run_methods(
             if result.records:
                 runs[method].append({"seed": s, "records": result.records, "details": result.details()})
             if result.interrupted:
-                interrupted = True
+                interrupted = result.stopped_by or "interrupted"
                 break
         if interrupted:
-            typer.secho("interrupted: writing a partial report", fg="yellow", err=True)
+            typer.secho(f"{interrupted}: writing a partial report", fg="yellow", err=True)
             break
     runs = {m: r for m, r in runs.items() if r}
     if not runs:

@@ -89,6 +89,16 @@ class Services:
             raise TimeoutError(f"the server did not start within {timeout_s:.0f}s")
         self._spawn("learner", ["learn", *self.learn_args])
 
+    def exited(self) -> str | None:
+        """A line naming the first child that has exited (and its log), or None while all run."""
+        for p in self.procs:
+            code = p.poll()
+            if code is not None:
+                cmd = p.args[1] if isinstance(p.args, list) and len(p.args) > 1 else "?"
+                why = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+                return f"saoserve {cmd} exited ({why}); see {self.log_dir}"
+        return None
+
     def stop(self) -> None:
         for p in reversed(self.procs):
             if p.poll() is None:
@@ -120,6 +130,27 @@ def drop_weights(home: Path) -> int:
         else:
             v.unlink()
     return freed
+
+
+async def _watched(sim: Simulation, services: Services, every_s: float = 2.0) -> SimulationResult:
+    """``sim.run()``, stopped (as interrupted, with what it measured) if the server or the
+    learner exits: a learner killed mid-run (e.g. by the kernel's OOM killer) would otherwise
+    leave the simulation waiting for versions that never come."""
+    task = asyncio.ensure_future(sim.run())
+    while not task.done():
+        await asyncio.wait({task}, timeout=every_s)
+        why = None if task.done() else services.exited()
+        if why:
+            console.print(f"[red]{why}: stopping the simulation[/]")
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+            sim.result.interrupted = True
+            sim.result.stopped_by = why
+            return sim.result
+    return task.result()
 
 
 def run_method(
@@ -190,7 +221,7 @@ def run_method(
 
             sim = Simulation(config, judge, on_step=on_step)
             try:
-                result = asyncio.run(sim.run())
+                result = asyncio.run(_watched(sim, services))
             except KeyboardInterrupt:
                 result = sim.result
                 result.interrupted = True

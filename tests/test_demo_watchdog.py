@@ -1,0 +1,54 @@
+"""The main job stops, keeping what it measured, when the server or the learner exits."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+
+from judge.simulate import SimulationResult
+from saoserve.demo import Services, _watched
+
+
+class WaitingSimulation:
+    """Like ``judge.simulate.Simulation.run``: waits for versions until cancelled, then returns
+    what it measured, marked interrupted."""
+
+    def __init__(self) -> None:
+        self.result = SimulationResult(records=[{"step": 0, "reward": 1.0}])
+
+    async def run(self) -> SimulationResult:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            self.result.interrupted = True
+        return self.result
+
+
+def services_with(tmp_path: Path, code: int) -> Services:
+    services = Services(tmp_path / "home", [], tmp_path / "logs")
+    proc = subprocess.Popen([sys.executable, "-c", f"import sys; sys.exit({code})"])
+    proc.args = ["saoserve", "learn"]
+    proc.wait()
+    services.procs.append(proc)
+    return services
+
+
+def test_a_learner_that_exits_stops_the_simulation_with_its_records(tmp_path):
+    services = services_with(tmp_path, 137)
+    result = asyncio.run(asyncio.wait_for(_watched(WaitingSimulation(), services, every_s=0.05), 10))
+    assert result.interrupted
+    assert result.records == [{"step": 0, "reward": 1.0}]
+    assert result.stopped_by == f"saoserve learn exited (exit code 137); see {tmp_path / 'logs'}"
+    assert result.details()["stopped_by"] == result.stopped_by
+
+
+def test_a_finished_simulation_is_returned_as_is(tmp_path):
+    class Done(WaitingSimulation):
+        async def run(self) -> SimulationResult:
+            return self.result
+
+    services = Services(tmp_path / "home", [], tmp_path / "logs")
+    result = asyncio.run(_watched(Done(), services, every_s=0.05))
+    assert not result.interrupted and result.stopped_by is None

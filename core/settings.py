@@ -59,6 +59,12 @@ class Settings(BaseSettings):
         description="Seconds a client has, once its headers are in, to send its whole request body; "
         "later is 408 and the connection is closed (a client trickling its body cannot hold one).",
     )
+    header_read_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="Seconds a client has to send a request's headers, from its connection or from the "
+        "previous response on a kept-alive one; later is 408 and the connection is closed.",
+    )
 
     judge_url: str = Field("", description="OpenAI-compatible base URL of the LLM judge.")
     judge_model: str = Field("", description="Model name of the LLM judge.")

@@ -57,11 +57,13 @@ def serve(
 
     from saoserve.model import prepare_model
     from server.app import create_app
+    from server.limits import header_timeout_protocol
 
     settings = get_settings()
     _check_secrets(settings)
     prepare_model(settings.resolved_model_dir)
-    uvicorn.run(create_app(settings), host=host, port=port, log_level="info")
+    http = header_timeout_protocol(settings.header_read_timeout_s)
+    uvicorn.run(create_app(settings), host=host, port=port, log_level="info", http=http)
 
 
 LEARN_HELP = "Default: the preset's (see learner.config)."

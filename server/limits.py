@@ -1,6 +1,7 @@
-"""The request body at the edge, before any route (DESIGN §8): its size (413 before parsing),
-the time it takes to arrive (408), and its syntax (400 unless a JSON object); and the message
-text's size (400 before tokenising). Both sizes derive from the context length.
+"""The request at the edge, before any route (DESIGN §8): the time its headers take to arrive
+(``header_timeout_protocol``, under uvicorn), and its body's size (413 before parsing), the time
+it takes to arrive (408) and its syntax (400 unless a JSON object); and the message text's size
+(400 before tokenising). Both sizes derive from the context length.
 
 A prompt that fits the context is at most ``max_model_len`` tokens, and a token is at most
 ``MAX_TOKEN_BYTES`` bytes of UTF-8 (SmolLM2's longest token is 81 bytes; a test checks the
@@ -37,6 +38,72 @@ def max_message_chars(max_model_len: int) -> int:
 def max_body_bytes(max_model_len: int) -> int:
     """The largest request body (bytes) the server reads; 2048 tokens → 1,638,400 bytes."""
     return max_model_len * MAX_TOKEN_BYTES * JSON_BYTES_PER_BYTE + BODY_SLACK_BYTES
+
+
+def header_timeout_protocol(timeout_s: float) -> type:
+    """uvicorn's HTTP protocol (``uvicorn.run(..., http=...)``) with a deadline for each request's
+    headers: ``timeout_s`` from the connection's start, or from the previous response's end on a
+    kept-alive connection. uvicorn has none, so a client that connects and sends nothing, or its
+    headers a byte at a time, would hold the connection for ever; past the deadline it is
+    answered 408 and closed. The body's deadline is ``BodySizeLimit``'s.
+    """
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    body = json.dumps(
+        {
+            "error": {
+                "message": f"request headers not received within {timeout_s:g} s",
+                "type": "invalid_request_error",
+                "param": None,
+                "code": "request_timeout",
+            }
+        }
+    ).encode()
+    late = (
+        b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+        + f"content-length: {len(body)}\r\nconnection: close\r\n\r\n".encode()
+        + body
+    )
+
+    class HeaderTimeout(AutoHTTPProtocol):
+        _header_timer: asyncio.TimerHandle | None = None
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._header_timer = asyncio.get_running_loop().call_later(timeout_s, self._headers_late)
+
+        def _disarm(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _headers_late(self) -> None:
+            self._header_timer = None
+            if not self.transport.is_closing():
+                self.transport.write(late)
+                self.transport.close()
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            cycle = self.cycle
+            super().data_received(data)
+            if self.cycle is not cycle:  # a request's headers are complete: its cycle started
+                self._disarm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            # Waiting for the next request's headers (a pipelined one has started already).
+            if not self.transport.is_closing() and (self.cycle is None or self.cycle.response_complete):
+                self._arm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+    return HeaderTimeout
 
 
 def is_json(content_type: bytes | None) -> bool:

@@ -162,8 +162,9 @@ def make_settings(tmp: Path, **overrides):
 
 
 @contextlib.asynccontextmanager
-async def running_server(settings, engine, **app_kwargs) -> AsyncIterator[str]:
-    """The real app under uvicorn on a free loopback port, in this event loop; yields its URL."""
+async def running_server(settings, engine, http: type | str = "auto", **app_kwargs) -> AsyncIterator[str]:
+    """The real app under uvicorn on a free loopback port, in this event loop; yields its URL.
+    ``http``: uvicorn's HTTP protocol (``saoserve serve`` uses ``server.limits.header_timeout_protocol``)."""
     import uvicorn
 
     from server.app import create_app
@@ -171,7 +172,7 @@ async def running_server(settings, engine, **app_kwargs) -> AsyncIterator[str]:
     port = free_port()
     app = create_app(settings, engine=engine, **app_kwargs)
     server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on", http=http)
     )
     task = asyncio.create_task(server.serve())
     deadline = time.monotonic() + 60

@@ -7,7 +7,8 @@
 3. a field the server does not do is 400 ``unsupported_parameter``, not ignored;
 4. a body that is not a JSON object is 400 ``invalid_json`` on every route;
 5. feedback errors name what they are about (completion or episode);
-6. a body trickled in (slowloris) is 408 after ``body_read_timeout_s``;
+6. headers or a body trickled in (slowloris) are 408 after ``header_read_timeout_s`` /
+   ``body_read_timeout_s``, and the connection closed;
 7. an episode turn answered 503 whose record the log appends late is never one of the
    episode's turns, and its number can be sent again.
 
@@ -39,6 +40,7 @@ from core.settings import Settings
 from server.chat import start_episode_turn
 from server.errors import ApiError
 from server.feedback import accept_feedback
+from server.limits import header_timeout_protocol
 from server.metrics import ServerMetrics
 from server.schemas import ChatCompletionRequest, FeedbackRequest
 from server.state import ServerState, episode_token_subject
@@ -644,17 +646,20 @@ async def test_feedback_errors_name_the_completion_or_the_episode(tmp_path):
 # --- 6. a body trickled in -----------------------------------------------------------------------
 
 
-def test_the_body_read_timeout_defaults_to_30_s():
-    assert Settings().body_read_timeout_s == 30.0
-    with pytest.raises(ValidationError):
-        Settings(body_read_timeout_s=0)
+def test_the_read_timeouts_default_to_30_s():
+    assert (Settings().header_read_timeout_s, Settings().body_read_timeout_s) == (30.0, 30.0)
+    for name in ("header_read_timeout_s", "body_read_timeout_s"):
+        with pytest.raises(ValidationError):
+            Settings(**{name: 0})
 
 
 @pytest.fixture
 async def slow_server(tmp_path):
-    """The real app under uvicorn with a 1 s body timeout; no engine (no route here generates)."""
-    settings = make_settings(tmp_path, body_read_timeout_s=1.0)
-    async with running_server(settings, SimpleNamespace(version=0), watch_policy=False) as url:
+    """The real app under uvicorn as ``saoserve serve`` runs it (header deadline 1 s), with a 2 s
+    body deadline; no engine (no route here generates)."""
+    settings = make_settings(tmp_path, body_read_timeout_s=2.0)
+    http = header_timeout_protocol(1.0)
+    async with running_server(settings, SimpleNamespace(version=0), http=http, watch_policy=False) as url:
         yield url
 
 
@@ -694,14 +699,14 @@ def response_of(raw: bytes) -> tuple[int, dict[str, str], dict]:
 
 
 TRICKLE_MESSAGE = re.compile(
-    r"request body not received within 1 s of the headers \((\d+) bytes came\); send the whole body at once"
+    r"request body not received within 2 s of the headers \((\d+) bytes came\); send the whole body at once"
 )
 
 
 @pytest.mark.parametrize("chunked", [False, True])
 async def test_a_body_trickled_in_is_408_and_the_connection_closed(slow_server, chunked):
     """The tester's input: headers, then the body one byte every few seconds (0.4 s here, with a
-    1 s timeout): 408 about 1 s after the headers, the connection closed by the server, and the
+    2 s deadline): 408 about 2 s after the headers, the connection closed by the server, and the
     server answering others meanwhile."""
     body = b'{"id": "c", "feedback_token": "t", "reward": 1}'
     framing = b"Transfer-Encoding: chunked" if chunked else f"Content-Length: {len(body)}".encode()
@@ -714,15 +719,48 @@ async def test_a_body_trickled_in_is_408_and_the_connection_closed(slow_server, 
     status, headers, answer = response_of(raw)
     assert (status, headers["connection"], answer["error"]["code"]) == (408, "close", "request_timeout")
     came = int(TRICKLE_MESSAGE.fullmatch(answer["error"]["message"]).group(1))
-    assert 1 <= came <= 3  # a byte every 0.4 s for 1 s: 2, give or take the scheduler
-    assert 0.9 <= waited < 3.0, waited
+    assert 3 <= came <= 6  # a byte every 0.4 s for 2 s: 4 or 5, give or take the scheduler
+    assert 1.9 <= waited < 4.0, waited
     assert (await other).status_code == 200
 
 
+HEADERS_LATE = {
+    "message": "request headers not received within 1 s",
+    "type": "invalid_request_error",
+    "param": None,
+    "code": "request_timeout",
+}
+
+
+@pytest.mark.parametrize(
+    ("head", "pieces"),
+    [
+        (b"", []),  # connects and sends nothing
+        (b"P", list(b"OST /v1/feedback HTTP/1.1\r\nHost: t\r\n\r\n")),  # headers a byte every 0.3 s
+    ],
+    ids=["nothing", "headers-trickled"],
+)
+async def test_headers_not_in_within_the_deadline_are_408(slow_server, head, pieces):
+    raw, waited = await trickle(slow_server, head, [bytes([c]) for c in pieces], 0.3)
+    status, headers, answer = response_of(raw)
+    assert (status, headers["connection"], answer) == (408, "close", {"error": HEADERS_LATE})
+    assert 0.9 <= waited < 3.0, waited
+
+
+async def test_a_kept_alive_connection_gets_the_deadline_for_its_next_headers(slow_server):
+    first = b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n"
+    raw, waited = await trickle(slow_server, first + b"GET /hea", [], 0)
+    ok, _, late = raw.partition(b'{"status":"ok"}')
+    assert ok.startswith(b"HTTP/1.1 200") and waited < 1.0
+    assert response_of(late)[::2] == (408, {"error": HEADERS_LATE})
+
+
 async def test_a_body_sent_in_time_in_pieces_is_answered(slow_server):
+    """Headers in at once, body in pieces over 1.5 s: past the header deadline (1 s), within
+    the body's (2 s), so answered by the route."""
     body = b'{"id": "c-none", "feedback_token": "t", "reward": 1}'
     head = f"POST /v1/feedback HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
-    raw, _ = await trickle(slow_server, head, [body[:10], body[10:30], body[30:]], 0.2)
+    raw, _ = await trickle(slow_server, head, [body[:10], body[10:30], body[30:]], 0.5)
     status, _, answer = response_of(raw)
     assert (status, answer["error"]["message"]) == (404, "no completion with id 'c-none'")
 

@@ -912,3 +912,69 @@ async def test_a_turn_answered_503_and_appended_late_is_never_an_episode_turn(po
     assert stats.counters.get("void_episode_turns") == 2 and sample_id == "e:ep"
     assert json.loads(payload)["input_ids"] == last.prompt_token_ids + last.response_token_ids
     late.inner.close()
+
+
+@engine_tier
+@pytest.mark.kafka
+@pytest.mark.postgres
+@pytest.mark.slow
+async def test_a_turn_appended_late_by_a_paused_broker_is_never_an_episode_turn(policy_engine, tmp_path):
+    """The same on a real broker (tansu): paused while turn 1 is being generated, so its record
+    is written to the broker's socket and not acknowledged within the wait (2 s here): the
+    stream ends with a 503 error event; on resume the broker appends it anyway. The client's
+    second turn 1 is the one the episode's feedback lists and the joiner trains."""
+    from core.logbus import KafkaLog
+    from learner.joiner import Joiner
+    from tests.conftest import fresh_pg_database
+    from tests.dependencies import TansuBroker
+
+    broker = TansuBroker()
+    broker.start()
+    try:
+        with fresh_pg_database() as pg:
+            settings = make_settings(tmp_path, database_url=pg, log_url=broker.url)
+            log = KafkaLog(broker.url, ack_timeout_s=2.0)
+            async with running_server(settings, policy_engine, log_transport=log, watch_policy=False) as url:
+                async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+                    base = {"messages": USER, "episode_id": "ep"}
+                    r0 = await http.post(CHAT, json={**base, "turn": 0, "max_tokens": 3})
+                    tok = r0.json()["episode_feedback_token"]
+                    body = {**base, "turn": 1, "episode_token": tok, "max_tokens": 48, "stream": True}
+                    async with http.stream("POST", CHAT, json=body) as r:
+                        events = []
+                        async for line in r.aiter_lines():
+                            if line.startswith("data: "):
+                                events.append(line)
+                                if len(events) == 2:  # generating: the dispatch checks are behind it
+                                    broker.pause()
+                    assert '"error"' in events[-1] and "not recorded" in events[-1], events[-1]
+                    broker.resume()
+                    for _ in range(100):  # until the probe sees the broker back
+                        r1 = await http.post(
+                            CHAT, json={**base, "turn": 1, "episode_token": tok, "max_tokens": 3}
+                        )
+                        if r1.status_code != 503:
+                            break
+                        await asyncio.sleep(0.2)
+                    assert r1.status_code == 200, r1.text
+                    r = await http.post(
+                        "/v1/feedback", json={"episode_id": "ep", "feedback_token": tok, "reward": 1}
+                    )
+                    assert r.status_code == 202
+            reader = open_log(broker.url)
+            turns = [
+                TrajectoryRecord.model_validate_json(e.value) for e in read_topic(reader, "trajectories")
+            ]
+            assert sorted(t.turn for t in turns) == [0, 1, 1]  # the late record is in the log
+            db = make_engine(pg)
+            stats = Joiner(reader, db, expire_s=3600).poll_once()
+            with db.connect() as conn:
+                [payload] = conn.execute(select(LearnerSample.payload)).scalars().all()
+            db.dispose()
+            reader.close()
+            log.close()
+        last = next(t for t in turns if t.id == r1.json()["id"])
+        assert stats.counters.get("void_episode_turns") == 1
+        assert json.loads(payload)["input_ids"] == last.prompt_token_ids + last.response_token_ids
+    finally:
+        broker.kill()

@@ -43,11 +43,14 @@ class ApiError(Exception):
 
 
 ERROR_TEXT = {
-    400: "Invalid request (OpenAI answers 400 for a bad body or parameter; `param` names it)",
+    400: "Invalid request (OpenAI answers 400 for a bad body or parameter; `param` names it): "
+    "invalid_json (a body that is not a JSON object), invalid_value, unsupported_parameter",
     401: "Missing or wrong admin key",
     403: "Forbidden: wrong token, an episode started by another party, or admin routes disabled",
     404: "Unknown model, completion, episode, trajectory or policy version",
-    409: "Conflict: feedback already given, not a whole answer, episode in progress or rated",
+    408: "Request headers or body not received in time (request_timeout); the connection is closed",
+    409: "Conflict: feedback already given, not a whole answer, episode in progress or rated, a turn "
+    "number taken or out of order, a turn of an episode rated by its id (rate_the_episode)",
     413: "Request body larger than the model's context can hold",
     422: "Invalid feedback body or reward; a refused weights directory",
     500: "Generation failed",

@@ -20,7 +20,7 @@ CHAT_200 = {
 }
 
 
-@router.post(CHAT_PATH, responses=CHAT_200 | errors(400, 403, 404, 409, 413, 500, 503))
+@router.post(CHAT_PATH, responses=CHAT_200 | errors(400, 403, 404, 408, 409, 413, 500, 503))
 async def chat(req: ChatCompletionRequest, request: Request):
     s = state_of(request)
     try:

@@ -13,6 +13,6 @@ from server.schemas import FeedbackRequest
 router = APIRouter()
 
 
-@router.post(FEEDBACK_PATH, status_code=202, responses=errors(403, 404, 409, 413, 422, 503))
+@router.post(FEEDBACK_PATH, status_code=202, responses=errors(400, 403, 404, 408, 409, 413, 422, 503))
 async def feedback(body: FeedbackRequest, request: Request) -> FeedbackAccepted:
     return await accept_feedback(state_of(request), body)

@@ -182,3 +182,19 @@ def check_feedback_token(secret: str, completion_id: str, token: str) -> bool:
     """Constant-time comparison of a presented token with the expected one."""
     # Bytes, not str: compare_digest refuses non-ASCII strings, and any token is just wrong.
     return hmac.compare_digest(feedback_token(secret, completion_id).encode(), (token or "").encode())
+
+
+WHOLE_ANSWER_FINISHES = frozenset({"stop", "length"})
+"""Finish reasons of a whole answer; any other reason (``abort``, ``error``) excludes the
+trajectory from training and from feedback."""
+
+
+def answer_version(rec: TrajectoryRecord) -> int:
+    """The policy version that generated the first response token (SPO++ write-up §2.2: a
+    result's event coordinate is that of the version that generated it); a hot swap between
+    dispatch and the first token makes it later than ``dispatch_version``. An empty response
+    falls back to ``dispatch_version``."""
+    for version, count in rec.token_versions:
+        if count > 0:
+            return version
+    return rec.dispatch_version

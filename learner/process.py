@@ -31,6 +31,7 @@ import shutil
 import threading
 import uuid
 from collections.abc import Callable
+from datetime import UTC
 from pathlib import Path
 
 import torch
@@ -289,19 +290,25 @@ class Learner:
         """
         with self.db.connect() as conn:
             rows = conn.execute(
-                select(LearnerSample.id, LearnerSample.payload)
+                select(LearnerSample.id, LearnerSample.payload, LearnerSample.created_at)
                 .order_by(LearnerSample.created_at, LearnerSample.id)
                 .limit(self.config.batch_size)
             ).all()
         if len(rows) < self.config.batch_size:
             return None
-        samples = [Sample.from_json(json.loads(p)) for _, p in rows]
+        samples = [Sample.from_json(json.loads(p)) for _, p, _ in rows]
         batch = collate(samples, self.version)
         sample_ids = [r[0] for r in rows]
         try:
             metrics = self._step(samples, batch)
             # The newest sample of the batch, whose feedback completed it (judge.runstats).
             metrics["completing_sample"] = rows[-1][0]
+            # When that sample was joined (unix s, within a poll of its feedback's receipt): the
+            # start of feedback→served, which servers measure (saoserve_feedback_to_served_seconds).
+            joined = rows[-1][2]
+            metrics["batch_completed_at"] = (
+                joined if joined.tzinfo else joined.replace(tzinfo=UTC)
+            ).timestamp()
             fault_point("during_step")
         except BaseException:
             self.algorithm = None

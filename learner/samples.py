@@ -22,13 +22,10 @@ from dataclasses import dataclass
 
 import torch
 
-from core.records import TrajectoryRecord
+from core.records import WHOLE_ANSWER_FINISHES, TrajectoryRecord, answer_version
 from learner.batch import Batch
 
 GREEDY_BELOW = 1e-5
-
-WHOLE_ANSWER_FINISHES = frozenset({"stop", "length"})
-"""Finish reasons of a whole answer; any other reason excludes the trajectory."""
 
 _UNFINISHED_REASONS = {"abort": "excluded_aborted", "error": "excluded_error"}
 
@@ -82,17 +79,6 @@ class Sample:
 def expand_versions(token_versions: list[tuple[int, int]]) -> list[int]:
     """Run-length ``[(version, count)]`` → one version per token."""
     return [v for v, c in token_versions for _ in range(c)]
-
-
-def answer_version(rec: TrajectoryRecord) -> int:
-    """The policy version that generated the first response token (SPO++ write-up §2.2: a
-    result's event coordinate is that of the version that generated it); a hot swap between
-    dispatch and the first token makes it later than ``dispatch_version``. An empty response
-    falls back to ``dispatch_version``."""
-    for version, count in rec.token_versions:
-        if count > 0:
-            return version
-    return rec.dispatch_version
 
 
 def check_whole_answer(rec: TrajectoryRecord) -> None:

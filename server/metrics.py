@@ -56,12 +56,35 @@ class ServerMetrics:
             registry=r,
         )
         self.in_flight = Gauge("saoserve_requests_in_flight", "Chat requests being served.", registry=r)
+        self.feedback_to_served = Histogram(
+            "saoserve_feedback_to_served_seconds",
+            "From the join of the feedback that completed a learner batch to the first whole answer "
+            "this replica logged whose first token came from the version trained on it, or a later one (s).",
+            buckets=(1, 2, 5, 10, 20, 30, 45, 60, 90, 120, 180, 300, 600),
+            registry=r,
+        )
+        # Published versions awaiting their first answer: version -> batch_completed_at (unix s).
+        self._awaiting_answer: dict[int, float] = {}
 
     def serving(self, version: int) -> None:
         """Record that ``version`` serves from now on (both gauges in one step, no await between,
         so a scrape never pairs a version with another version's time)."""
         self.policy_version.set(version)
         self.policy_swapped_at.set(time.time())
+
+    def awaiting_answer(self, version: int, batch_completed_at: float | None) -> None:
+        """Start feedback→served for ``version``, trained on a batch completed at
+        ``batch_completed_at`` (unix s, from the policy event; None: not measured)."""
+        if batch_completed_at is not None:
+            self._awaiting_answer[version] = batch_completed_at
+
+    def answered(self, first_token_version: int) -> None:
+        """A whole answer was logged whose first token came from ``first_token_version``: it ends
+        feedback→served for every awaited version up to that one (each counted once)."""
+        done = [v for v in self._awaiting_answer if v <= first_token_version]
+        now = time.time()
+        for v in done:
+            self.feedback_to_served.observe(max(0.0, now - self._awaiting_answer.pop(v)))
 
     def swapped(self, res) -> None:
         """Record a successful swap (a ``server.engine.SwapResult``)."""

@@ -53,7 +53,9 @@ class PolicyWatcher:
                 self.offsets[p] = batch[-1].offset + 1
         return [ev for _, ev in sorted(events, key=lambda x: (x[1].created_at, x[0]))]
 
-    async def apply(self, event: PolicyEvent) -> bool:
+    async def apply(self, event: PolicyEvent, measure: bool = True) -> bool:
+        """Swap to ``event``'s version unless it serves already; True if swapped. ``measure``
+        starts feedback→served for it (not at start-up, which would measure the start)."""
         if event.version == self.engine.version and Path(event.path) == self.engine.path:
             return False
         try:
@@ -63,6 +65,8 @@ class PolicyWatcher:
             log.error("policy version %d refused: %s", event.version, exc)
             return False
         self.metrics.swapped(res)
+        if measure:
+            self.metrics.awaiting_answer(res.version, event.metrics.get("batch_completed_at"))
         return True
 
     async def catch_up(self) -> None:
@@ -72,7 +76,7 @@ class PolicyWatcher:
         version: the swap's end, or now when it keeps the version it started with.
         """
         events = await self._read_new()
-        if not (events and await self.apply(events[-1])):
+        if not (events and await self.apply(events[-1], measure=False)):
             self.metrics.serving(self.engine.version)
 
     async def run(self) -> None:

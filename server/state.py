@@ -12,7 +12,13 @@ from dataclasses import dataclass, field
 from sqlalchemy.exc import IntegrityError
 
 from core.logbus import LogTransport, LogUnavailable
-from core.records import TOPIC_TRAJECTORIES, FrozenBaseline, TrajectoryRecord
+from core.records import (
+    TOPIC_TRAJECTORIES,
+    WHOLE_ANSWER_FINISHES,
+    FrozenBaseline,
+    TrajectoryRecord,
+    answer_version,
+)
 from core.settings import Settings
 from server.engine import PolicyEngine
 from server.health import Health, is_storage_error
@@ -122,6 +128,8 @@ class ServerState:
                 self._retry(self.store.index_trajectory, rec, part, off)
         self.metrics.trajectories.labels(rec.finish_reason).inc()
         self.metrics.tokens.inc(len(rec.response_token_ids))
+        if rec.finish_reason in WHOLE_ANSWER_FINISHES:
+            self.metrics.answered(answer_version(rec))
 
     async def mark_received(self, target: str, reward: float, feedback_id: str | None = None) -> None:
         """Record in the database that ``target``'s feedback is in the log. The log already

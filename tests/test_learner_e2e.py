@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import re
+import time
 
 import httpx
 import pytest
@@ -58,6 +60,7 @@ async def test_learner_publishes_a_version_the_server_serves(policy_engine, mode
             stats = await asyncio.to_thread(learner.poll_once)
             assert stats.samples == 3 and await asyncio.to_thread(learner.train_step) is None
             a = answers[3]
+            completed_at = time.time()
             await http.post(
                 "/v1/feedback", json={"id": a["id"], "feedback_token": a["feedback_token"], "reward": 0.0}
             )
@@ -87,6 +90,14 @@ async def test_learner_publishes_a_version_the_server_serves(policy_engine, mode
                 },
             )
             assert r.json()["policy_version"] == 1
+            # feedback→served (issue 10): from the join of the completing feedback to this answer.
+            served_at = time.time()
+            assert completed_at <= metrics["batch_completed_at"] <= served_at
+            page = (await http.get("/metrics")).text
+            count = float(re.search(r"^saoserve_feedback_to_served_seconds_count (\S+)$", page, re.M)[1])
+            total = float(re.search(r"^saoserve_feedback_to_served_seconds_sum (\S+)$", page, re.M)[1])
+            assert count == 1.0
+            assert 0.0 < total <= served_at - metrics["batch_completed_at"]
             rec = TrajectoryRecord.model_validate_json(
                 (await http.get(f"/admin/trajectories/{r.json()['id']}", headers=ADMIN)).content
             )

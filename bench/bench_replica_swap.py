@@ -15,8 +15,12 @@ row per version (event→replica delays, the last replica's, the spread between 
 each replica's swap time for that version (sha256 check + pause/reload/resume, from the growth of
 its ``saoserve_policy_swap_seconds`` sum), the medians and maxima, and the machine's load average.
 
+Co-located replicas on one machine all bind vLLM's CPU worker to core 0 by default, so under
+load they share that core and each one's swap (reload included) slows down. ``--bind-cores`` gives
+replica i core i (``VLLM_CPU_OMP_THREADS_BIND``), closer to replicas on machines of their own.
+
     flock /tmp/saoserve-engine.lock .venv/bin/python bench/bench_replica_swap.py \\
-        [--versions 8] [--interval-s 6] [--replicas 2] [--load 1]
+        [--versions 8] [--interval-s 6] [--replicas 2] [--load 1] [--bind-cores] [--keep]
 """
 
 from __future__ import annotations
@@ -129,6 +133,10 @@ def main() -> None:
     ap.add_argument("--load", type=int, default=1, help="chats in flight per replica during the run")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--kv-cache-gib", type=float, default=0.25)
+    ap.add_argument(
+        "--bind-cores", action="store_true", help="bind replica i's vLLM worker to core i (mod the cores)"
+    )
+    ap.add_argument("--keep", action="store_true", help="keep the run's folder (the processes' logs)")
     args = ap.parse_args()
 
     from saoserve.model import prepare_model
@@ -158,11 +166,24 @@ def main() -> None:
     finally:
         log.close()
         broker.kill()
-        shutil.rmtree(home, ignore_errors=True)
+        if args.keep:
+            shutil.rmtree(home / "policies", ignore_errors=True)
+            print(f"logs kept in {home}")
+        else:
+            shutil.rmtree(home, ignore_errors=True)
 
 
 def run(args, dep: Deployment, log, model_dir: Path, home: Path) -> None:
-    replicas = [dep.serve(f"replica-{chr(ord('a') + i)}") for i in range(args.replicas)]
+    # vLLM's CPU worker binds its OpenMP threads to core 0 of each engine by default ("auto"
+    # reserves the other for the front end), so co-located replicas share one core.
+    ncpu = os.cpu_count() or 1
+    replicas = [
+        dep.serve(
+            f"replica-{chr(ord('a') + i)}",
+            {"VLLM_CPU_OMP_THREADS_BIND": str(i % ncpu)} if args.bind_cores else None,
+        )
+        for i in range(args.replicas)
+    ]
     sets = weight_sets(model_dir, home)
     startup = dep.wait_ready(replicas)
     print(f"{len(replicas)} replicas ready in " + ", ".join(f"{s:.0f} s" for s in startup.values()))

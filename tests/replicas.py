@@ -124,21 +124,28 @@ class Deployment:
             "HF_HUB_OFFLINE": "1",
         }
 
-    def _spawn(self, name: str, args: list[str]) -> tuple[subprocess.Popen, Path, float]:
+    def _spawn(
+        self, name: str, args: list[str], env: dict[str, str] | None = None
+    ) -> tuple[subprocess.Popen, Path, float]:
         self.home.mkdir(parents=True, exist_ok=True)
         log_path = self.home / f"{name}.log"
         exe = Path(sys.executable).with_name("saoserve")
         started = time.time()
         with open(log_path, "w") as out:
             proc = subprocess.Popen(
-                [str(exe), *args], env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+                [str(exe), *args],
+                env=self.env | (env or {}),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
         return proc, log_path, started
 
-    def serve(self, name: str) -> Replica:
-        """Start ``saoserve serve`` on a free loopback port (not waiting for it)."""
+    def serve(self, name: str, env: dict[str, str] | None = None) -> Replica:
+        """Start ``saoserve serve`` on a free loopback port (not waiting for it); ``env`` adds
+        variables for this replica only (e.g. ``VLLM_CPU_OMP_THREADS_BIND``)."""
         port = free_port()
-        proc, log_path, started = self._spawn(name, ["serve", "--port", str(port)])
+        proc, log_path, started = self._spawn(name, ["serve", "--port", str(port)], env)
         replica = Replica(name, proc, log_path, started, port)
         self.procs.append(replica)
         return replica
@@ -150,7 +157,7 @@ class Deployment:
         self.procs.append(learner)
         return learner
 
-    def wait_ready(self, replicas: list[Replica], timeout_s: float = 600) -> dict[str, float]:
+    def wait_ready(self, replicas: list[Replica], timeout_s: float = 300) -> dict[str, float]:
         """Wait until every replica's ``/readyz`` is 200; returns each one's start-up seconds.
 
         Raises RuntimeError (with its log's tail) when a replica exits, TimeoutError at the deadline.

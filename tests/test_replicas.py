@@ -11,6 +11,7 @@ The delay from each policy event to the replicas serving it is printed with the 
 from __future__ import annotations
 
 import math
+import shutil
 import statistics
 import subprocess
 import sys
@@ -136,6 +137,8 @@ def test_two_replicas_and_a_learner_swap_together(model_dir, tmp_path, capsys):
             dep.stop()
             db.dispose()
             broker.kill()
+            # Four float32 versions (2 GB); pytest keeps the last runs' folders.
+            shutil.rmtree(tmp_path / "policies", ignore_errors=True)
 
 
 def play_rounds(replicas: tuple[Replica, Replica], db, learner) -> dict:
@@ -197,7 +200,10 @@ def run(dep: Deployment, db, capsys, t_start: float) -> None:
     played = play_rounds(replicas, db, learner)
     accepted, round_ids = played["accepted"], played["round_ids"]
 
-    # A replica started after the last version comes up on it (PolicyWatcher.catch_up).
+    # A replica started after the last version comes up on it (PolicyWatcher.catch_up). The
+    # learner has published its last version: stopping it leaves room for a third engine (a
+    # learner and three replicas hold ~15 GB).
+    learner.stop()
     c = dep.serve("replica-c")
     events = policy_events(dep.log_url)
     with db.connect() as conn:

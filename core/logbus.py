@@ -29,7 +29,7 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 
 from core.breaker import Breaker, Unavailable
 from core.db import LogRecord, make_engine
-from core.records import TOPICS, utcnow
+from core.records import TOPIC_POLICY, TOPICS, utcnow
 
 
 class LogUnavailable(Unavailable):
@@ -200,6 +200,12 @@ class KafkaLog(LogTransport):
         self._read_lock = threading.Lock()
         self.breaker = Breaker("the Kafka log", self._probe, LogUnavailable, fresh_s=probe_after_s)
 
+    def partitions_of(self, topic: str) -> int:
+        """Partitions a topic is created with: ``num_partitions``, but one for ``policy``, whose
+        events share one key and one order anyway (each replica polls every partition of it,
+        and an empty one still costs a fetch wait per poll)."""
+        return 1 if topic == TOPIC_POLICY else self.num_partitions
+
     def _new_admin(self, timeout_s: float):
         from kafka.admin import KafkaAdminClient
 
@@ -218,7 +224,7 @@ class KafkaLog(LogTransport):
 
         existing = set(admin.list_topics())
         new = [
-            NewTopic(t, num_partitions=self.num_partitions, replication_factor=1)
+            NewTopic(t, num_partitions=self.partitions_of(t), replication_factor=1)
             for t in TOPICS
             if t not in existing
         ]
@@ -334,7 +340,7 @@ class KafkaLog(LogTransport):
             consumer.close()
         if not parts:
             self.ensure_topics()
-            return list(range(self.num_partitions))
+            return list(range(self.partitions_of(topic)))
         return sorted(parts)
 
     def read(

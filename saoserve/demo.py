@@ -90,11 +90,13 @@ class Services:
         self._spawn("learner", ["learn", *self.learn_args])
 
     def exited(self) -> str | None:
-        """A line naming the first child that has exited (and its log), or None while all run."""
+        """A line naming the first child that has failed (and its log), or None while all run.
+        The learner exits 0 once it has published its last version (``max_steps``) while the
+        simulation still collects that version's answers: that is not a failure."""
         for p in self.procs:
             code = p.poll()
-            if code is not None:
-                cmd = p.args[1] if isinstance(p.args, list) and len(p.args) > 1 else "?"
+            cmd = p.args[1] if isinstance(p.args, list) and len(p.args) > 1 else "?"
+            if code is not None and not (cmd == "learn" and code == 0):
                 why = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
                 return f"saoserve {cmd} exited ({why}); see {self.log_dir}"
         return None

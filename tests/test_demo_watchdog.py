@@ -52,3 +52,14 @@ def test_a_finished_simulation_is_returned_as_is(tmp_path):
     services = Services(tmp_path / "home", [], tmp_path / "logs")
     result = asyncio.run(_watched(Done(), services, every_s=0.05))
     assert not result.interrupted and result.stopped_by is None
+
+
+def test_a_learner_done_with_its_steps_does_not_stop_the_simulation(tmp_path):
+    """``max_steps`` reached: the learner exits 0 and the last version's answers still count."""
+    services = services_with(tmp_path, 0)
+    assert services.exited() is None
+    server = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(0)"])
+    server.args = ["saoserve", "serve"]
+    server.wait()
+    services.procs.append(server)
+    assert services.exited() == f"saoserve serve exited (exit code 0); see {tmp_path / 'logs'}"

@@ -192,7 +192,8 @@ async def running_server(settings, engine, http: type | str = "auto", **app_kwar
 ADMIN = {"Authorization": "Bearer test-admin-key"}
 
 
-INTEGRATION_FIXTURES = {"policy_engine", "model_dir", "tansu", "pg_url"}
+# embedding_judge: the offline judge's MiniLM model (tests/test_judge.py), about 10 s to load.
+INTEGRATION_FIXTURES = {"policy_engine", "model_dir", "tansu", "pg_url", "embedding_judge"}
 INTEGRATION_MARKS = {"engine", "kafka", "postgres", "slow"}
 
 

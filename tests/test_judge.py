@@ -72,15 +72,15 @@ CLEAR = {
 
 
 @pytest.fixture(scope="module")
-def offline() -> OfflineJudge:
+def embedding_judge() -> OfflineJudge:
     judge = OfflineJudge()
     judge.judge("Warm up.", "Load the model once for the module.", "plain")
     return judge
 
 
-def test_each_clear_text_is_detected_as_its_style(offline: OfflineJudge) -> None:
+def test_each_clear_text_is_detected_as_its_style(embedding_judge: OfflineJudge) -> None:
     items = [(req, text, style) for style, (req, text) in CLEAR.items()]
-    results = offline.judge_many(items)
+    results = embedding_judge.judge_many(items)
     detected = {style: j.style for style, j in zip(CLEAR, results, strict=True)}
     assert detected == {s: s for s in CLEAR}
     for j in results:
@@ -90,14 +90,14 @@ def test_each_clear_text_is_detected_as_its_style(offline: OfflineJudge) -> None
         assert j.style_score == max(j.scores.values())
 
 
-def test_reward_needs_the_target_style(offline: OfflineJudge) -> None:
+def test_reward_needs_the_target_style(embedding_judge: OfflineJudge) -> None:
     req, text = CLEAR["pirate"]
-    j = offline.judge(req, text, "cute")
+    j = embedding_judge.judge(req, text, "cute")
     assert (j.quality, j.style, j.reward) == (1, "pirate", 0.0)
 
 
-def test_off_topic_answer_has_quality_zero(offline: OfflineJudge) -> None:
-    j = offline.judge(
+def test_off_topic_answer_has_quality_zero(embedding_judge: OfflineJudge) -> None:
+    j = embedding_judge.judge(
         "Describe a cup of coffee.",
         "Penguins are flightless birds that live in the Southern Hemisphere and eat fish and krill.",
         "plain",
@@ -106,29 +106,29 @@ def test_off_topic_answer_has_quality_zero(offline: OfflineJudge) -> None:
     assert any(r.startswith("off topic") for r in j.reasons)
 
 
-def test_empty_answer_has_quality_zero(offline: OfflineJudge) -> None:
+def test_empty_answer_has_quality_zero(embedding_judge: OfflineJudge) -> None:
     for answer in ("", "   \n "):
-        j = offline.judge("Describe a cup of coffee.", answer, "plain")
+        j = embedding_judge.judge("Describe a cup of coffee.", answer, "plain")
         assert j.quality == 0 and j.reward == 0.0
         assert "empty answer" in j.reasons
 
 
-def test_repetitive_answer_has_quality_zero(offline: OfflineJudge) -> None:
+def test_repetitive_answer_has_quality_zero(embedding_judge: OfflineJudge) -> None:
     answer = "Coffee is hot and bitter. " * 15
-    j = offline.judge("Describe a cup of coffee.", answer, "plain")
+    j = embedding_judge.judge("Describe a cup of coffee.", answer, "plain")
     assert j.quality == 0
     assert any(r.startswith("repetitive") for r in j.reasons)
 
 
-def test_length_bounds(offline: OfflineJudge) -> None:
-    short = offline.judge("Describe a cup of coffee.", "Coffee.", "concise")
+def test_length_bounds(embedding_judge: OfflineJudge) -> None:
+    short = embedding_judge.judge("Describe a cup of coffee.", "Coffee.", "concise")
     assert short.quality == 0 and any(r.startswith("too short") for r in short.reasons)
     strict = OfflineJudge(max_words=10)
     long = strict.judge(*CLEAR["plain"], "plain")
     assert long.quality == 0 and any(r.startswith("too long") for r in long.reasons)
 
 
-def test_candidate_subset_and_bad_target(offline: OfflineJudge) -> None:
+def test_candidate_subset_and_bad_target(embedding_judge: OfflineJudge) -> None:
     sub = OfflineJudge(styles=["cute", "formal"])
     j = sub.judge(*CLEAR["cute"], "cute")
     assert set(j.scores) == {"cute", "formal"} and j.style == "cute"
@@ -138,8 +138,8 @@ def test_candidate_subset_and_bad_target(offline: OfflineJudge) -> None:
         OfflineJudge(styles=["nonsense"])
 
 
-def test_try_judge_many_keeps_verdicts(offline: OfflineJudge) -> None:
-    results = offline.try_judge_many([(*CLEAR["formal"], "formal"), (*CLEAR["casual"], "formal")])
+def test_try_judge_many_keeps_verdicts(embedding_judge: OfflineJudge) -> None:
+    results = embedding_judge.try_judge_many([(*CLEAR["formal"], "formal"), (*CLEAR["casual"], "formal")])
     assert [r.reward for r in results if isinstance(r, Judgement)] == [1.0, 0.0]
 
 

@@ -224,7 +224,9 @@ async def test_a_person_chats_and_rates_in_chromium(policy_engine, tmp_path, pg_
     assert seen["feedback1"] == "202 accepted: reward 1"
     assert "chosen" in seen["turn1"]["chosen"] and "chosen" not in seen["turn2"]["chosen"]
     assert seen["other_client"] == 202
-    assert seen["feedback2"] == "409 conflict: feedback was already given for this completion (first wins)"
+    assert (
+        seen["feedback2"] == f"409 conflict: feedback was already given for completion '{id2}' (first wins)"
+    )
     # Nothing refused by the page's Content-Security-Policy, no script error: the one error the
     # console shows is the browser's note on the 409 answer.
     assert [m for m in seen["console_errors"] if "status of 409 (Conflict)" not in m] == []

@@ -703,6 +703,8 @@ TRICKLE_MESSAGE = re.compile(
 )
 
 
+# The slowloris tests wait out real deadlines on real sockets (2-3 s each): the full suite's.
+@pytest.mark.slow
 @pytest.mark.parametrize("chunked", [False, True])
 async def test_a_body_trickled_in_is_408_and_the_connection_closed(slow_server, chunked):
     """The tester's input: headers, then the body one byte every few seconds (0.4 s here, with a
@@ -732,6 +734,7 @@ HEADERS_LATE = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("head", "pieces"),
     [
@@ -747,6 +750,7 @@ async def test_headers_not_in_within_the_deadline_are_408(slow_server, head, pie
     assert 0.9 <= waited < 3.0, waited
 
 
+@pytest.mark.slow
 async def test_a_kept_alive_connection_gets_the_deadline_for_its_next_headers(slow_server):
     first = b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n"
     raw, waited = await trickle(slow_server, first + b"GET /hea", [], 0)
@@ -755,6 +759,7 @@ async def test_a_kept_alive_connection_gets_the_deadline_for_its_next_headers(sl
     assert response_of(late)[::2] == (408, {"error": HEADERS_LATE})
 
 
+@pytest.mark.slow
 async def test_a_body_sent_in_time_in_pieces_is_answered(slow_server):
     """Headers in at once, body in pieces over 1.5 s: past the header deadline (1 s), within
     the body's (2 s), so answered by the route."""

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from core.logbus import LogEntry, LogTransport
+from core.logbus import LogEntry, LogTransport, open_log
+from core.records import TOPIC_TRAJECTORIES, TrajectoryRecord
 
 
 def read_topic(log: LogTransport, topic: str) -> list[LogEntry]:
@@ -17,3 +18,12 @@ def read_topic(log: LogTransport, topic: str) -> list[LogEntry]:
             out.extend(batch)
             offset = batch[-1].offset + 1
     return out
+
+
+def logged_trajectories(settings) -> list[TrajectoryRecord]:
+    """Every trajectory record in the log of a server run with ``settings``."""
+    log = open_log(settings.resolved_log_url)
+    try:
+        return [TrajectoryRecord.model_validate_json(e.value) for e in read_topic(log, TOPIC_TRAJECTORIES)]
+    finally:
+        log.close()

@@ -27,7 +27,7 @@ from server.schemas import ChatCompletionRequest, FeedbackRequest, LoadPolicyReq
 from server.state import episode_token_subject
 from server.store import ServerStore
 from tests.conftest import ADMIN, make_settings, running_server
-from tests.logutil import read_topic
+from tests.logutil import logged_trajectories, read_topic
 
 USER = [{"role": "user", "content": "Write one sentence about the sea."}]
 
@@ -418,14 +418,6 @@ async def server(policy_engine, tmp_path):
         yield url, settings
 
 
-def logged(settings) -> list[TrajectoryRecord]:
-    log = open_log(settings.resolved_log_url)
-    try:
-        return [TrajectoryRecord.model_validate_json(e.value) for e in read_topic(log, "trajectories")]
-    finally:
-        log.close()
-
-
 async def raw_chat(http: httpx.AsyncClient, **extra) -> httpx.Response:
     return await http.post(
         "/v1/chat/completions", content=chat_json(**extra), headers={"content-type": "application/json"}
@@ -465,7 +457,7 @@ async def test_unencodable_and_unbounded_inputs_are_400_and_nothing_is_logged(se
         assert (r.status_code, r.json()["error"]["param"]) == (400, "version")
         r = await raw_chat(http, max_tokens=2)
         assert r.status_code == 200 and r.json()["policy_version"] == 0
-    recs = logged(settings)
+    recs = logged_trajectories(settings)
     assert [rec.sampling.top_k for rec in recs] == [0, 0]
 
 
@@ -480,7 +472,7 @@ async def test_nul_in_ids_on_postgres_is_400_and_leaves_nothing(policy_engine, t
                 assert (r.status_code, r.json()["error"]["param"]) == (400, field)
             r = await http.post("/v1/feedback", json={"id": "c\x00", "feedback_token": "t", "reward": 1})
             assert (r.status_code, r.json()["error"]["param"]) == (422, "id")
-    assert logged(settings) == []
+    assert logged_trajectories(settings) == []
     eng = make_engine(pg_url)
     with eng.connect() as conn:
         counts = [
@@ -519,7 +511,7 @@ async def test_an_episode_is_extended_and_rated_only_by_who_started_it(server):
         r = await raw_chat(http, max_tokens=3, episode_id="ep-h", turn=2, episode_token=owner)
         assert (r.status_code, r.json()["error"]["code"]) == (409, "episode_rated")
     # Logged: ep-h turns 0 and 1, ep-mine turn 0; nothing of the refused requests.
-    assert sorted((rec.episode_id, rec.turn) for rec in logged(settings)) == [
+    assert sorted((rec.episode_id, rec.turn) for rec in logged_trajectories(settings)) == [
         ("ep-h", 0),
         ("ep-h", 1),
         ("ep-mine", 0),
@@ -564,7 +556,7 @@ async def test_feedback_on_an_aborted_answer_is_409(server):
         assert (r.status_code, r.json()["error"]["code"]) == (409, "not_a_whole_answer")
         text = (await http.get("/metrics")).text
     assert 'saoserve_feedback_total{result="not_whole"} 1.0' in text
-    [rec] = logged(settings)
+    [rec] = logged_trajectories(settings)
     assert rec.id == cid and rec.finish_reason == "abort"
     # Nothing reached the feedback topic.
     log = open_log(settings.resolved_log_url)

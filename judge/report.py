@@ -40,6 +40,7 @@ from judge.runstats import (
     feedback_to_served,
     feedback_to_swap,
     latency_summary,
+    quantile,
     requests_per_second,
     staleness_distribution,
     step_series,
@@ -247,6 +248,7 @@ def method_metrics(
         "target_share": target_share,
         "style_share": share,
         "mode": details.get("mode"),
+        "traffic": details.get("traffic"),
         "wall_s": wall,
         "staleness": staleness_distribution(steps),
         "feedback_to_served_s": latency_summary(latencies),
@@ -331,6 +333,12 @@ def example_answers(
                     }
                 )
     return out
+
+
+def _median(xs: Sequence[float | None]) -> float | None:
+    """Median of the finite values (None without any)."""
+    finite = [float(x) for x in xs if x is not None and math.isfinite(x)]
+    return quantile(finite, 0.5) if finite else None
 
 
 def seed_summary(per_seed: Sequence[Mapping[str, Any]], n_switches: int) -> dict[str, Any]:
@@ -587,6 +595,10 @@ def _fmt(x: Any) -> str:
     return str(x)
 
 
+def _num(x: float | None) -> str:
+    return "—" if x is None else f"{x:.2f}"
+
+
 def _index_html(schedule: Schedule, metrics: dict[str, Any], images: dict[str, str]) -> str:
     e = html.escape
     seg_rows = "".join(
@@ -635,9 +647,12 @@ switch. AUC: trapezoid area under the per-step reward divided by the step span.<
 
 def _online_html(metrics: dict[str, Any]) -> str:
     e = html.escape
-    rows, steps = "", ""
+    rows, steps, settings = "", "", ""
     for name, m in metrics["methods"].items():
         st, lat, bl = m["staleness"], m["feedback_to_served_s"], m["backlog"]
+        if m.get("traffic"):
+            given = ", ".join(f"{k} {v}" for k, v in m["traffic"].items() if v is not None)
+            settings += f"<li>{e(name)}: {e(given)}</li>"
         kept = [x for x in m["dis_kept_fraction"] if x is not None]
         rows += (
             f"<tr><td>{e(name)}</td><td>{e(str(m['mode']))}</td><td>{_fmt(m['wall_s'])}</td>"
@@ -661,6 +676,7 @@ the feedback that completed a batch to the first answer returned whose first tok
 version trained on it (or a later one); feedback→swap stops when the server is first seen serving
 that version (sampled each second), before the new answer is generated. Backlog: samples waiting for the learner (feedback posted
 minus a batch per new version), sampled each second; held: seconds new requests waited for it.</p>
+<ul>{settings}</ul>
 <table><tr><th>method</th><th>mode</th><th>wall s</th><th>answers/s</th><th>staleness mean</th>
 <th>staleness p95</th><th>feedback→served p50 s</th><th>p95 s</th><th>feedback→swap p50 s</th>
 <th>backlog mean</th>
@@ -690,11 +706,21 @@ def _seeds_html(schedule: Schedule, metrics: dict[str, Any]) -> str:
         )
     if not rows:
         return ""
+    per_seed = "".join(
+        f"<tr><td>{e(name)}</td><td>{r['seed']}</td><td>{_fmt(r['auc'])}</td><td>{_fmt(r['last5_mean'])}</td>"
+        f"<td>{e(str(r['adaptation_lag']))}</td><td>{_num(r.get('staleness_mean'))}</td>"
+        f"<td>{_num(r.get('feedback_to_served_p50'))}</td><td>{_num(r.get('step_time_median_s'))}</td>"
+        f"<td>{_num(r.get('wall_s'))}</td></tr>"
+        for name, m in metrics["methods"].items()
+        for r in m.get("seeds", [])
+    )
     switch_heads = "".join(f"<th>lag @ {s}</th>" for s in schedule.switch_steps)
     return f"""<h2>Over seeds</h2>
 <p>Mean ± sample standard deviation [min, max] over seeds; the other tables and figures show the
 first seed, except the reward bands.</p>
 <table><tr><th>method</th><th>seeds</th><th>AUC</th><th>last-5 mean</th>{switch_heads}</tr>{rows}</table>
+<table><tr><th>method</th><th>seed</th><th>AUC</th><th>last-5</th><th>lag</th><th>staleness mean</th>
+<th>feedback→served p50 (s)</th><th>learner step median (s)</th><th>wall (s)</th></tr>{per_seed}</table>
 """
 
 
@@ -753,7 +779,8 @@ def write_report(
          "methods": {"<method>": {"auc", "last5_mean", "adaptation_lag": [one per switch,
              int or null], "segment_mean_reward": [one per segment], "steps", "records",
              "reward": [per step], "target_share": [per step],
-             "style_share": {"<style>": [per step]}, "mode", "wall_s",
+             "style_share": {"<style>": [per step]}, "mode", "traffic": {the simulation's
+             settings, ``judge.simulate.TRAFFIC_FIELDS``} or null, "wall_s",
              "staleness": {"mean", "p95", "histogram": {"<versions>": tokens}, "tokens"},
              "feedback_to_served_s": {"p50", "p95", "n"}, "feedback_to_swap_s": (same),
              "learner_versions": [per step],
@@ -762,7 +789,8 @@ def write_report(
              "requests_per_s", "requests_per_s_series": [per 30 s],
              "backlog": {"mean", "max", "final", "held_s"},
              "examples": [see example_answers], "wallclock": {"bin_s", "reward", "target_share"},
-             with seeds: "seeds": [{"seed", "auc", "last5_mean", "adaptation_lag"}],
+             with seeds: "seeds": [{"seed", "auc", "last5_mean", "adaptation_lag",
+                 "staleness_mean", "feedback_to_served_p50", "step_time_median_s", "wall_s"}],
              "seed_summary": {see seed_summary}}}}
 
     A step without answers (async runs only) has reward null; AUC and last-5 use the steps
@@ -796,6 +824,10 @@ def write_report(
                     "auc": m["auc"],
                     "last5_mean": m["last5_mean"],
                     "adaptation_lag": m["adaptation_lag"],
+                    "staleness_mean": m["staleness"]["mean"],
+                    "feedback_to_served_p50": m["feedback_to_served_s"]["p50"],
+                    "step_time_median_s": _median(m["step_time_s"]),
+                    "wall_s": m["wall_s"],
                 }
             )
             seed_rewards.setdefault(name, []).append(m["reward"])

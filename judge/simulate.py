@@ -21,16 +21,19 @@ request. Two modes:
 
 Options: at most one in-flight request per prompt (SPO++ setting), the uncertainty sampler
 (prompt weight sqrt(v̂(1−v̂) + 0.05) from the server's evidence view), a prompt pool of K
-requests cycled in order (every prompt recurs every K requests), a backlog cap in async mode.
+requests cycled in order (every prompt recurs every K requests), and in async mode a backlog
+cap and pacing to the learner (``pace_gap``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import random
+import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,6 +45,46 @@ from judge.styles import Schedule, system_prompt, writing_requests
 
 MODES = ("sync", "async")
 
+# Pacing aims a little faster than the learner's measured step so the learner is never starved
+# by its own measurement (with 1.0 the period seen could not shrink below the traffic's own);
+# the backlog cap bounds what the headroom lets pile up.
+PACE_HEADROOM = 0.9
+# The settings a report states with its numbers (``SimulationResult.traffic``).
+TRAFFIC_FIELDS = (
+    "mode",
+    "batch_size",
+    "concurrency",
+    "rate",
+    "feedback_delay_s",
+    "max_backlog",
+    "pace",
+    "prompt_pool",
+    "max_tokens",
+    "temperature",
+    "seed",
+)
+PACE_RECENT = 3
+
+
+def pace_gap(version_times: Sequence[float], batch_size: int) -> float | None:
+    """Seconds between admitted requests so that one batch arrives per learner step.
+
+    ``version_times``: seconds (run clock) at which each new policy version was first seen,
+    in order. The learner's step period is the median of the last ``PACE_RECENT`` intervals
+    between them; the gap is ``PACE_HEADROOM × period / batch_size``. A batch then completes
+    about when the learner finishes the step before it, so its feedback waits for no step but
+    its own (feedback→served ≈ one step), while its tokens come from the version served during
+    that step (staleness 1). None (no pacing) until two versions have been seen.
+
+    Raises ValueError if ``batch_size`` < 1.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    intervals = [b - a for a, b in itertools.pairwise(version_times)][-PACE_RECENT:]
+    if not intervals:
+        return None
+    return PACE_HEADROOM * statistics.median(intervals) / batch_size
+
 
 @dataclass
 class SimulationConfig:
@@ -50,8 +93,9 @@ class SimulationConfig:
     ``rate`` (requests/s) and ``feedback_delay_s`` (seconds, mean of an exponential; 0 = at
     once), ``max_seconds`` and ``max_backlog`` (new requests are held while the samples
     waiting for the learner, estimated as feedback posted minus ``batch_size`` per new version,
-    plus the answers still on their way to feedback reach it; None = never held) apply to
-    ``mode="async"``. ``prompt_pool``: cycle the first K
+    plus the answers still on their way to feedback reach it; None = never held) and ``pace``
+    (space admissions by ``pace_gap``; with a fixed number in flight, not with ``rate``) apply
+    to ``mode="async"``. ``prompt_pool``: cycle the first K
     writing requests in order instead of sampling all of them.
     """
 
@@ -75,6 +119,7 @@ class SimulationConfig:
     max_seconds: float | None = None
     max_backlog: int | None = None
     prompt_pool: int | None = None
+    pace: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -85,6 +130,8 @@ class SimulationConfig:
             raise ValueError(f"feedback_delay_s must be >= 0, got {self.feedback_delay_s}")
         if self.prompt_pool is not None and self.prompt_pool < 1:
             raise ValueError(f"prompt_pool must be >= 1, got {self.prompt_pool}")
+        if self.pace and (self.mode != "async" or self.rate is not None):
+            raise ValueError("pace applies to async mode with a fixed number in flight, not with a rate")
 
 
 @dataclass
@@ -92,7 +139,8 @@ class SimulationResult:
     """Records (one per judged answer), the learner's step metrics of the run (``GET
     /admin/learner``, versions after ``start_version``; empty without an admin key), and in
     async mode a timeline sampled about once a second: ``{"t": s since start, "version",
-    "backlog": samples waiting (estimate), "in_flight": requests}``."""
+    "backlog": samples waiting (estimate), "in_flight": requests}``. ``traffic``: the config's
+    ``TRAFFIC_FIELDS``, the settings to state with the run's numbers."""
 
     records: list[dict] = field(default_factory=list)
     judge_failures: int = 0
@@ -105,11 +153,13 @@ class SimulationResult:
     held_s: float = 0.0
     learner_steps: list[dict] = field(default_factory=list)
     timeline: list[dict] = field(default_factory=list)
+    traffic: dict = field(default_factory=dict)
 
     def details(self) -> dict:
         """What ``judge.report.write_report`` reads besides the records."""
         return {
             "mode": self.mode,
+            "traffic": self.traffic,
             "start_version": self.start_version,
             "wall_s": self.wall_s,
             "held_s": self.held_s,
@@ -136,7 +186,9 @@ class Simulation:
         self.requests = requests[:n] if n else requests
         self.system = system_prompt(config.schedule.styles)
         self.in_flight: set[int] = set()
-        self.result = SimulationResult(mode=config.mode)
+        self.result = SimulationResult(
+            mode=config.mode, traffic={k: getattr(config, k) for k in TRAFFIC_FIELDS}
+        )
         self._cursor = 0
         self._t0 = time.monotonic()
         self._version_now = 0
@@ -146,6 +198,8 @@ class Simulation:
         self._holding = 0
         self._hold_started = 0.0
         self._per_step: dict[int, int] = {}
+        self._version_seen_at: list[float] = []
+        self._next_slot = 0.0
 
     @property
     def _headers(self) -> dict[str, str]:
@@ -423,20 +477,29 @@ class Simulation:
         )
 
     async def _admit(self) -> None:
-        """Wait while ``_must_hold``; ``held_s`` counts the wall seconds during which at least
-        one new request was held."""
-        if not self._must_hold():
-            return
-        if self._holding == 0:
-            self._hold_started = self._now()
-        self._holding += 1
-        try:
-            while self._must_hold():
-                await asyncio.sleep(0.2)
-        finally:
-            self._holding -= 1
+        """Wait while ``_must_hold``, then for this request's pacing slot (``pace_gap`` apart;
+        not once the schedule's last version serves, like the cap). ``held_s`` counts the wall
+        seconds during which at least one new request was held by the cap."""
+        if self._must_hold():
             if self._holding == 0:
-                self.result.held_s += self._now() - self._hold_started
+                self._hold_started = self._now()
+            self._holding += 1
+            try:
+                while self._must_hold():
+                    await asyncio.sleep(0.2)
+            finally:
+                self._holding -= 1
+                if self._holding == 0:
+                    self.result.held_s += self._now() - self._hold_started
+        gap = pace_gap(self._version_seen_at, self.config.batch_size) if self.config.pace else None
+        last = (self.config.steps or self.config.schedule.total_steps) - 1
+        if gap is None or self._version_now - self.result.start_version >= last:
+            return
+        now = self._now()
+        slot = max(now, self._next_slot)
+        self._next_slot = slot + gap
+        if slot > now:
+            await asyncio.sleep(slot - now)
 
     async def _worker(self, http: httpx.AsyncClient, pending: set[asyncio.Task]) -> None:
         while True:
@@ -468,6 +531,8 @@ class Simulation:
                 version = await self._version(http)
             except httpx.HTTPError:
                 version = self._version_now
+            if version > self._version_now:
+                self._version_seen_at.append(self._now())
             for v in range(self._version_now, version):
                 step = v - self.result.start_version
                 if self.on_step:

@@ -202,6 +202,10 @@ MAX_BACKLOG_HELP = (
     "to feedback reach this (0 = never)."
 )
 PROMPT_POOL_HELP = "Cycle the first K writing requests in order (each recurs every K requests)."
+PACE_HELP = (
+    "Async, fixed number in flight: spread each batch's requests over the learner's step (0.9 × "
+    "the median interval of the last 3 versions), so a batch completes as the learner frees up."
+)
 
 
 def _traffic(
@@ -212,6 +216,7 @@ def _traffic(
     max_seconds: float | None,
     max_backlog: int | None,
     prompt_pool: int | None,
+    pace: bool = False,
 ) -> dict:
     """The ``SimulationConfig`` traffic fields of the CLI options (None: the config's default)."""
     if mode not in ("sync", "async"):
@@ -220,6 +225,8 @@ def _traffic(
         fail("--rate must be > 0 requests/s")
     if mode == "sync" and (rate is not None or feedback_delay_s > 0 or max_backlog):
         fail("--rate, --feedback-delay-s and --max-backlog apply to --mode async")
+    if pace and (mode == "sync" or rate is not None):
+        fail("--pace applies to --mode async with a fixed number in flight, not with --rate")
     fields = {
         "mode": mode,
         "concurrency": concurrency,
@@ -228,6 +235,7 @@ def _traffic(
         "max_seconds": max_seconds,
         "max_backlog": max_backlog or None,
         "prompt_pool": prompt_pool,
+        "pace": pace,
     }
     return {k: v for k, v in fields.items() if v is not None}
 
@@ -279,6 +287,7 @@ def simulate(
     max_seconds: float = typer.Option(None, min=1.0, help=MAX_SECONDS_HELP),
     max_backlog: int = typer.Option(None, min=0, help=MAX_BACKLOG_HELP),
     prompt_pool: int = typer.Option(None, min=1, help=PROMPT_POOL_HELP),
+    pace: bool = typer.Option(False, help=PACE_HELP),
     out: Path = typer.Option(Path("report"), help="Report folder."),
 ) -> None:
     """Run the style-shift simulation against a running server and write the report."""
@@ -289,7 +298,7 @@ def simulate(
     from judge.simulate import Simulation, SimulationConfig, save_records
 
     sched = _schedule(schedule, steps_per_style)
-    traffic = _traffic(mode, concurrency, rate, feedback_delay_s, max_seconds, max_backlog, prompt_pool)
+    traffic = _traffic(mode, concurrency, rate, feedback_delay_s, max_seconds, max_backlog, prompt_pool, pace)
     cfg = SimulationConfig(
         base_url=url,
         schedule=sched,
@@ -445,13 +454,14 @@ DEMO_POLICY_LR = 1e-4
 DEMO_CRITIC_LR = 2e-4
 DEMO_ADAM_BETA1 = 0.5
 DEMO_KL_COEF = 0.1
-# Async traffic of demo/compare: 8 requests in flight, and new requests held while three batches
-# of samples wait for the learner or are on their way, so the learner keeps up. On 2 cores the
-# traffic slows the learner: at batch 8 a step took 13.6-13.9 s with the cap holding traffic and
-# 41 s under 0.5 requests/s uncapped, whose backlog grew without bound. A cap of two batches gave
-# mean staleness 0.74, three gave 1.24 (docs/demo.md, runs B-D).
+# Async traffic of demo/compare: 8 requests in flight, paced so a batch arrives per learner step
+# (judge.simulate.pace_gap), and new requests held while two batches of samples wait for the
+# learner or are on their way. Unpaced, a batch arrived in a burst at the start of a step and its
+# feedback then waited for the step in progress (feedback→served about 2 steps); a cap of two
+# batches gave mean staleness 0.74 at 5 versions, three batches 1.24, at 2 on every later step,
+# and an uncapped 0.5 requests/s outran the learner (docs/demo.md, runs B-D, F).
 DEMO_CONCURRENCY = 8
-DEMO_BACKLOG_BATCHES = 3
+DEMO_BACKLOG_BATCHES = 2
 
 
 @app.command()
@@ -481,13 +491,14 @@ def demo(
         None, min=0, help=f"{MAX_BACKLOG_HELP} Default: {DEMO_BACKLOG_BATCHES} batches in async mode."
     ),
     prompt_pool: int = typer.Option(None, min=1, help=PROMPT_POOL_HELP),
+    pace: bool = typer.Option(None, help=f"{PACE_HELP} Default: on in async mode without --rate."),
     correction: str = typer.Option(
         "dis", help="Learner off-policy correction: dis | mis_snapshot | mis_ewma (learner.config)."
     ),
 ) -> None:
     """Start server + learner (SAO) on embedded defaults, run the simulation, write the report."""
     traffic = _demo_traffic(
-        mode, batch_size, concurrency, rate, feedback_delay_s, max_seconds, max_backlog, prompt_pool
+        mode, batch_size, concurrency, rate, feedback_delay_s, max_seconds, max_backlog, prompt_pool, pace
     )
     _run_methods(
         ["sao"],
@@ -535,6 +546,7 @@ def compare(
         None, min=0, help=f"{MAX_BACKLOG_HELP} Default: {DEMO_BACKLOG_BATCHES} batches in async mode."
     ),
     prompt_pool: int = typer.Option(None, min=1, help=PROMPT_POOL_HELP),
+    pace: bool = typer.Option(None, help=f"{PACE_HELP} Default: on in async mode without --rate."),
     seeds: int = typer.Option(
         1, min=1, help="Runs per method (seeds --seed, --seed + 1, …); the report gives mean and spread."
     ),
@@ -544,7 +556,7 @@ def compare(
 ) -> None:
     """SAO vs the running-mean baseline on the same schedule, prompts and judge, side by side."""
     traffic = _demo_traffic(
-        mode, batch_size, concurrency, rate, feedback_delay_s, max_seconds, max_backlog, prompt_pool
+        mode, batch_size, concurrency, rate, feedback_delay_s, max_seconds, max_backlog, prompt_pool, pace
     )
     _run_methods(
         ["sao", "running_mean"],
@@ -575,14 +587,18 @@ def _demo_traffic(
     max_seconds: float | None,
     max_backlog: int | None,
     prompt_pool: int | None,
+    pace: bool | None,
 ) -> dict:
     """demo/compare traffic: the async defaults, or lockstep with a step's requests in one batch."""
     if mode == "async":
         concurrency = concurrency or DEMO_CONCURRENCY
         max_backlog = DEMO_BACKLOG_BATCHES * batch_size if max_backlog is None else max_backlog
+        pace = rate is None if pace is None else pace
     else:
         concurrency = concurrency or batch_size
-    return _traffic(mode, concurrency, rate, feedback_delay_s, max_seconds, max_backlog, prompt_pool)
+    return _traffic(
+        mode, concurrency, rate, feedback_delay_s, max_seconds, max_backlog, prompt_pool, bool(pace)
+    )
 
 
 def _check_secrets(settings) -> None:

@@ -320,14 +320,40 @@ def test_report_async_fields(tmp_path: Path) -> None:
 
 def test_report_over_seeds(tmp_path: Path) -> None:
     never = [_rec(r["step"], "cute", 0.0) for r in RECORDS]
-    runs = {"sao": [{"seed": 0, "records": RECORDS}, {"seed": 1, "records": never}]}
+    steps = [
+        {"version": 1, "step_time_s": 2.0, "staleness_hist": {"0": 3, "1": 1}},
+        {"version": 2, "step_time_s": 9.0, "staleness_hist": {"1": 4}},
+    ]
+    runs = {
+        "sao": [
+            {"seed": 0, "records": RECORDS},
+            {"seed": 1, "records": never, "details": {"wall_s": 12.5, "learner_steps": steps}},
+        ]
+    }
     metrics = write_report(tmp_path, SCHEDULE, {"sao": RECORDS}, seeds=runs)
     m = json.loads((tmp_path / "metrics.json").read_text())["methods"]["sao"]
     assert m == metrics["methods"]["sao"]
-    # Seed 0: AUC 0.5, last-5 0.5, lag [1] (test_write_report); seed 1 all zero: 0, 0, [None].
+    # Seed 0: AUC 0.5, last-5 0.5, lag [1] (test_write_report), no details; seed 1 all zero: 0,
+    # 0, [None]; staleness (0·3 + 1·1 + 1·4) / 8 tokens = 0.625; step median (2 + 9) / 2 = 5.5 s;
+    # no completing samples, so no feedback→served.
+    none = {
+        "staleness_mean": None,
+        "feedback_to_served_p50": None,
+        "step_time_median_s": None,
+        "wall_s": None,
+    }
     assert m["seeds"] == [
-        {"seed": 0, "auc": 0.5, "last5_mean": 0.5, "adaptation_lag": [1]},
-        {"seed": 1, "auc": 0.0, "last5_mean": 0.0, "adaptation_lag": [None]},
+        {"seed": 0, "auc": 0.5, "last5_mean": 0.5, "adaptation_lag": [1]} | none,
+        {
+            "seed": 1,
+            "auc": 0.0,
+            "last5_mean": 0.0,
+            "adaptation_lag": [None],
+            "staleness_mean": 0.625,
+            "feedback_to_served_p50": None,
+            "step_time_median_s": 5.5,
+            "wall_s": 12.5,
+        },
     ]
     # Mean 0.25; sample std sqrt(((0.5-0.25)^2 + (0-0.25)^2) / 1) = sqrt(0.125).
     assert m["seed_summary"]["auc"] == {
@@ -338,4 +364,5 @@ def test_report_over_seeds(tmp_path: Path) -> None:
     }
     assert m["seed_summary"]["adaptation_lag"] == [{"crossed": 1, "of": 2, "mean": 1.0, "min": 1, "max": 1}]
     assert (tmp_path / "seeds.png").stat().st_size > 0
-    assert "Over seeds" in (tmp_path / "index.html").read_text()
+    page = (tmp_path / "index.html").read_text()
+    assert "Over seeds" in page and "<td>0.62</td><td>—</td><td>5.50</td><td>12.50</td>" in page

@@ -18,7 +18,7 @@ from judge.runstats import (
     staleness_distribution,
     step_series,
 )
-from judge.simulate import Simulation, SimulationConfig
+from judge.simulate import Simulation, SimulationConfig, pace_gap
 from judge.styles import schedule_from_spec
 
 SCHEDULE = schedule_from_spec("cute:2,pirate:1")
@@ -111,6 +111,8 @@ def test_requests_per_second_and_step_series() -> None:
         ({"rate": 0.0}, "rate must be > 0"),
         ({"feedback_delay_s": -1.0}, "feedback_delay_s"),
         ({"prompt_pool": 0}, "prompt_pool"),
+        ({"pace": True}, "pace applies to async mode"),
+        ({"pace": True, "mode": "async", "rate": 1.0}, "not with a rate"),
     ],
 )
 def test_config_errors(fields, needle) -> None:
@@ -132,6 +134,42 @@ async def test_prompt_pool_cycles_in_order() -> None:
     sim.in_flight.add(1)
     assert await sim._pick(None, 2) == [2, 0]
     assert await sim._pick(None, 1) == [2]
+
+
+def test_pace_gap_by_hand() -> None:
+    # Versions seen at 10, 30, 52, 70, 100 s: intervals 20, 22, 18, 30; the last 3 are 22, 18,
+    # 30 with median 22 s, so at batch 8 the gap is 0.9 × 22 / 8 = 2.475 s.
+    assert pace_gap([10.0, 30.0, 52.0, 70.0, 100.0], 8) == pytest.approx(2.475)
+    assert pace_gap([0.0, 20.0], 16) == pytest.approx(0.9 * 20 / 16)  # one interval: 1.125 s
+    assert pace_gap([], 8) is None and pace_gap([5.0], 8) is None  # no interval yet: unpaced
+    with pytest.raises(ValueError, match="batch_size"):
+        pace_gap([0.0, 1.0], 0)
+
+
+async def test_pacing_spaces_admissions(monkeypatch) -> None:
+    """Admissions take slots a gap apart; none once the schedule's last version serves."""
+    cfg = SimulationConfig(
+        base_url="http://127.0.0.1:9", schedule=SCHEDULE, mode="async", pace=True, batch_size=8
+    )
+    sim = Simulation(cfg, _NoJudge())
+    sim._version_seen_at = [0.0, 10.0, 20.0]  # period 10 s: gap 0.9 × 10 / 8 = 1.125 s
+    clock, slept = [20.0], []
+
+    async def fake_sleep(s: float) -> None:
+        slept.append(s)
+
+    monkeypatch.setattr(sim, "_now", lambda: clock[0])
+    monkeypatch.setattr(asyncio, "sleep", fake_sleep)
+    for _ in range(3):
+        await sim._admit()
+    assert slept == [pytest.approx(1.125), pytest.approx(2.25)]  # slots 20, 21.125, 22.25
+    clock[0] = 30.0  # past the reserved slots: the next one goes at once
+    await sim._admit()
+    assert len(slept) == 2
+    sim._version_now = SCHEDULE.total_steps - 1  # the last version serves: never paced
+    for _ in range(3):
+        await sim._admit()
+    assert len(slept) == 2
 
 
 @pytest.fixture(scope="module")
@@ -214,7 +252,7 @@ async def test_async_run_against_server_and_learner(policy_engine, model_dir, tm
 
 def test_compare_seeds_and_traffic_reach_the_runs(monkeypatch, tmp_path) -> None:
     """compare --seeds 2 runs each method per seed, interleaved, with the async traffic options;
-    the async defaults fill what is not given (8 in flight, a backlog cap of 3 batches)."""
+    the async defaults fill what is not given (8 in flight, paced, a backlog cap of 2 batches)."""
     from typer.testing import CliRunner
 
     import saoserve.demo
@@ -239,8 +277,9 @@ def test_compare_seeds_and_traffic_reach_the_runs(monkeypatch, tmp_path) -> None
         "mode": "async",
         "concurrency": 8,
         "feedback_delay_s": 1.5,
-        "max_backlog": 12,  # 3 batches of 4
+        "max_backlog": 8,  # 2 batches of 4
         "prompt_pool": 12,
+        "pace": True,
     }
     assert seen == [
         ("sao", "sao-s5", 5, traffic),
@@ -253,7 +292,15 @@ def test_compare_seeds_and_traffic_reach_the_runs(monkeypatch, tmp_path) -> None
         app, ["demo", "--out", str(tmp_path / "d"), "--schedule", "cute:1", "--mode", "sync"]
     )
     # Lockstep: a step's 16 requests in one batch, as before.
-    assert seen == [("sao", "sao", 0, {"mode": "sync", "concurrency": 16, "feedback_delay_s": 0.0})]
+    assert seen == [
+        ("sao", "sao", 0, {"mode": "sync", "concurrency": 16, "feedback_delay_s": 0.0, "pace": False})
+    ]
+    seen.clear()
+    result = CliRunner().invoke(
+        app, ["demo", "--out", str(tmp_path / "e"), "--schedule", "cute:1", "--rate", "0.5"]
+    )
+    # A rate sets the arrivals: no pacing by default.
+    assert seen[0][3]["pace"] is False and seen[0][3]["rate"] == 0.5
 
 
 @pytest.mark.parametrize(
@@ -263,6 +310,8 @@ def test_compare_seeds_and_traffic_reach_the_runs(monkeypatch, tmp_path) -> None
         (["--mode", "sync", "--rate", "2"], "apply to --mode async"),
         (["--mode", "sync", "--feedback-delay-s", "3"], "apply to --mode async"),
         (["--mode", "async", "--rate", "0"], "--rate must be > 0"),
+        (["--mode", "sync", "--pace"], "--pace applies to --mode async"),
+        (["--mode", "async", "--rate", "1", "--pace"], "not with --rate"),
     ],
 )
 def test_traffic_option_errors(args, needle) -> None:

@@ -65,6 +65,12 @@ class Settings(BaseSettings):
         description="Seconds a client has to send a request's headers, from its connection or from the "
         "previous response on a kept-alive one; later is 408 and the connection is closed.",
     )
+    policy_poll_s: float = Field(
+        0.25,
+        gt=0,
+        description="Seconds between a server's reads of the policy topic for a new version: part of "
+        "the delay from a published version to serving it (a read is one small query or fetch).",
+    )
 
     judge_url: str = Field("", description="OpenAI-compatible base URL of the LLM judge.")
     judge_model: str = Field("", description="Model name of the LLM judge.")

@@ -60,7 +60,7 @@ def create_app(
         state = ServerState(settings, eng, lt, ServerStore(db), ServerMetrics(), spool, reader, health)
         state.metrics.policy_version.set(eng.version)
         app.state.s = state
-        watcher = PolicyWatcher(lt, eng, state.metrics) if watch_policy else None
+        watcher = PolicyWatcher(lt, eng, state.metrics, settings.policy_poll_s) if watch_policy else None
         tasks = []
         if watcher is not None:
             await watcher.catch_up()

@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 class PolicyWatcher:
     def __init__(
-        self, log_transport: LogTransport, engine: PolicyEngine, metrics: ServerMetrics, poll_s: float = 1.0
+        self, log_transport: LogTransport, engine: PolicyEngine, metrics: ServerMetrics, poll_s: float
     ):
         self.log = log_transport
         self.engine = engine

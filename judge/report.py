@@ -126,14 +126,19 @@ def adaptation_lag(
 
 
 def rolling_share(
-    styles_per_step: Sequence[Sequence[str]], window: int, styles: Sequence[str] | None = None
+    styles_per_step: Sequence[Sequence[str]],
+    window: int,
+    styles: Sequence[str] | None = None,
+    starts: Sequence[int] = (),
 ) -> dict[str, list[float]]:
     """Share of each style among the answers of the trailing ``window`` steps, per step.
 
     ``styles_per_step[t]`` lists the detected style of every answer at step ``t``. The value at
-    step ``t`` pools the answers of steps ``max(0, t - window + 1) .. t`` (so ``window = 1`` is the
-    per-step share); NaN where the pooled steps hold no answer. ``styles`` fixes the keys
-    (default: every style seen, in catalogue order). Raises ``ValueError`` if ``window < 1``.
+    step ``t`` pools the answers of steps ``max(0, t - window + 1, s) .. t``, where ``s`` is the
+    last of ``starts`` at or before ``t`` (a window never reaches back past a segment's first
+    step, so a share after a switch counts only answers written for the new target; ``window =
+    1`` is the per-step share); NaN where the pooled steps hold no answer. ``styles`` fixes the
+    keys (default: every style seen, in catalogue order). Raises ``ValueError`` if ``window < 1``.
     """
     if window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
@@ -143,8 +148,9 @@ def rolling_share(
     counts = [Counter(step) for step in styles_per_step]
     out: dict[str, list[float]] = {s: [] for s in styles}
     for t in range(len(counts)):
+        floor = max((s for s in starts if s <= t), default=0)
         pooled: Counter[str] = Counter()
-        for c in counts[max(0, t - window + 1) : t + 1]:
+        for c in counts[max(0, t - window + 1, floor) : t + 1]:
             pooled.update(c)
         total = sum(pooled.values())
         for s in styles:
@@ -224,7 +230,11 @@ def method_metrics(
     styles = list(dict.fromkeys(schedule.styles + [s for step in series.styles for s in step]))
     styles = [s for s in STYLE_NAMES if s in styles] + [s for s in styles if s not in STYLE_NAMES]
     share = rolling_share(series.styles, window, styles)
-    target_share = [share[tgt][t] for t, tgt in enumerate(series.target)]
+    # The target's share pools only its own segment's steps: at a switch, a window reaching back
+    # would count the new style's base rate before the switch as adaptation (a lag of 0 seen in
+    # an unadapted run, docs/offpolicy.md).
+    own = rolling_share(series.styles, window, styles, starts=schedule.switch_steps)
+    target_share = [own[tgt][t] for t, tgt in enumerate(series.target)]
     n = len(series.reward)
     segment_mean = []
     for seg in schedule.as_dicts():

@@ -15,6 +15,7 @@ from judge.report import (
     last_k_mean,
     load_records,
     main,
+    method_metrics,
     normalized_auc,
     per_step,
     rolling_share,
@@ -366,3 +367,25 @@ def test_report_over_seeds(tmp_path: Path) -> None:
     assert (tmp_path / "seeds.png").stat().st_size > 0
     page = (tmp_path / "index.html").read_text()
     assert "Over seeds" in page and "<td>0.62</td><td>—</td><td>5.50</td><td>12.50</td>" in page
+
+
+def test_target_share_after_a_switch_pools_only_the_new_segment() -> None:
+    """A trailing window at a switch must not count the new style's base rate before it."""
+    sched = schedule_from_spec("pirate:2,poetic:2")
+    styles = [["poetic", "pirate"], ["poetic", "poetic"], ["pirate", "pirate"], ["poetic", "pirate"]]
+    # Unclipped, window 3 at step 2 pools steps 0-2: poetic 3 of 6 = 0.5.
+    assert rolling_share(styles, 3, ["pirate", "poetic"])["poetic"][2] == 0.5
+    # Clipped at the switch (step 2): step 2 alone, 0 of 2; step 3 pools steps 2-3, 1 of 4.
+    clipped = rolling_share(styles, 3, ["pirate", "poetic"], starts=[2])
+    assert clipped["poetic"][2:] == [0.0, 0.25]
+    assert clipped["pirate"][:2] == [0.5, 0.25]  # before the first start: the plain window
+    records = [
+        {"step": t, "target_style": sched.target_at(t), "detected_style": s, "reward": 0.0}
+        for t, step in enumerate(styles)
+        for s in step
+    ]
+    m = method_metrics(records, sched, window=3, threshold=0.4)
+    # Target share: pirate 1/2, 1/4 (steps 0-1), then poetic 0, 1/4: no crossing after the switch
+    # (the unclipped series would read 0.5 at step 2, a lag of 0).
+    assert m["target_share"] == [0.5, 0.25, 0.0, 0.25]
+    assert m["adaptation_lag"] == [None]

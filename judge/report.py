@@ -882,22 +882,72 @@ def load_records(path: str | Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
+def load_runs(folder: str | Path) -> tuple[dict[str, list[dict[str, Any]]], dict[str, Any]]:
+    """The runs a ``saoserve demo``/``compare`` folder holds, for ``write_report``.
+
+    Reads ``records-<name>.jsonl`` and, where present, ``details-<name>.json``; a name
+    ``<method>-s<seed>`` is one seed of ``method``, any other name a single run with seed 0.
+    Returns ``(seeds, details)``: method -> ``[{"seed", "records", "details"}]`` by seed, and
+    method -> the first seed's details. Raises ``FileNotFoundError`` if the folder holds no
+    records.
+    """
+    root = Path(folder)
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for path in sorted(root.glob("records-*.jsonl")):
+        name = path.name[len("records-") : -len(".jsonl")]
+        method, sep, seed = name.rpartition("-s")
+        if not (sep and seed.isdigit()):
+            method, seed = name, "0"
+        info = root / f"details-{name}.json"
+        details = json.loads(info.read_text(encoding="utf-8")) if info.exists() else {}
+        runs.setdefault(method, []).append(
+            {"seed": int(seed), "records": load_records(path), "details": details}
+        )
+    if not runs:
+        raise FileNotFoundError(f"no records-*.jsonl in {root}")
+    for rows in runs.values():
+        rows.sort(key=lambda r: r["seed"])
+    return runs, {m: rows[0]["details"] for m, rows in runs.items()}
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    """CLI: ``python -m judge.report --schedule SPEC --method NAME=RECORDS.jsonl ... --out DIR``."""
+    """CLI: ``python -m judge.report --schedule SPEC (--method NAME=RECORDS.jsonl ... | --runs
+    DIR) --out DIR``. ``--runs`` rebuilds the report of a demo/compare folder with its details
+    and seeds (``load_runs``)."""
     ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument("--schedule", required=True, help="schedule spec or name, e.g. cute:40,formal:40")
-    ap.add_argument("--method", action="append", required=True, help="NAME=path to records (JSON/JSONL)")
+    ap.add_argument("--method", action="append", help="NAME=path to records (JSON/JSONL)")
+    ap.add_argument("--runs", help="a saoserve demo/compare folder (records-*.jsonl, details-*.json)")
     ap.add_argument("--out", required=True, help="output folder")
     ap.add_argument("--window", type=int, default=1)
     ap.add_argument("--threshold", type=float, default=0.5)
     args = ap.parse_args(argv)
-    methods = {}
-    for item in args.method:
-        name, sep, path = item.partition("=")
-        if not sep:
-            ap.error(f"--method {item!r} is not NAME=PATH")
-        methods[name] = load_records(path)
-    write_report(args.out, args.schedule, methods, window=args.window, threshold=args.threshold)
+    if bool(args.method) == bool(args.runs):
+        ap.error("give either --method NAME=PATH (repeatable) or --runs DIR")
+    if args.runs:
+        try:
+            seeds, details = load_runs(args.runs)
+        except FileNotFoundError as exc:
+            ap.error(str(exc))
+        methods = {m: rows[0]["records"] for m, rows in seeds.items()}
+        many = {m: rows for m, rows in seeds.items() if len(rows) > 1}
+        write_report(
+            args.out,
+            args.schedule,
+            methods,
+            window=args.window,
+            threshold=args.threshold,
+            details=details,
+            seeds=many or None,
+        )
+    else:
+        methods = {}
+        for item in args.method:
+            name, sep, path = item.partition("=")
+            if not sep:
+                ap.error(f"--method {item!r} is not NAME=PATH")
+            methods[name] = load_records(path)
+        write_report(args.out, args.schedule, methods, window=args.window, threshold=args.threshold)
     print(f"report written to {Path(args.out) / 'index.html'}")
 
 

@@ -389,3 +389,35 @@ def test_target_share_after_a_switch_pools_only_the_new_segment() -> None:
     # (the unclipped series would read 0.5 at step 2, a lag of 0).
     assert m["target_share"] == [0.5, 0.25, 0.0, 0.25]
     assert m["adaptation_lag"] == [None]
+
+
+def test_report_rebuilt_from_a_run_folder(tmp_path: Path, capsys) -> None:
+    """``--runs`` reads records-<name>.jsonl (+ details-<name>.json): <method>-s<seed> are seeds."""
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    never = [_rec(r["step"], "cute", 0.0) for r in RECORDS]
+    for name, recs in (("sao-s1", never), ("sao-s0", RECORDS), ("running_mean", RECORDS)):
+        (runs / f"records-{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (runs / "details-sao-s1.json").write_text(json.dumps({"wall_s": 7.0}))
+    main(["--schedule", "cute:2,formal:3", "--runs", str(runs), "--out", str(tmp_path / "r")])
+    m = json.loads((tmp_path / "r" / "metrics.json").read_text())["methods"]
+    # Seeds sorted: s0 (AUC 0.5, as test_write_report) then s1 (never rewarded: 0.0, wall 7 s).
+    assert [(r["seed"], r["auc"], r["wall_s"]) for r in m["sao"]["seeds"]] == [(0, 0.5, None), (1, 0.0, 7.0)]
+    assert m["sao"]["auc"] == 0.5 and "seeds" not in m["running_mean"]
+    assert "report written" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--schedule", "cute:2", "--out", "x"],  # neither --method nor --runs
+        ["--schedule", "cute:2", "--out", "x", "--runs", "d", "--method", "a=b"],  # both
+        ["--schedule", "cute:2", "--out", "x", "--runs", "EMPTY"],  # no records there
+    ],
+)
+def test_report_cli_errors(args, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "EMPTY").mkdir()
+    with pytest.raises(SystemExit) as exc:
+        main(args)
+    assert exc.value.code == 2

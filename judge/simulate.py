@@ -477,29 +477,44 @@ class Simulation:
         )
 
     async def _admit(self) -> None:
-        """Wait while ``_must_hold``, then for this request's pacing slot (``pace_gap`` apart;
-        not once the schedule's last version serves, like the cap). ``held_s`` counts the wall
-        seconds during which at least one new request was held by the cap."""
-        if self._must_hold():
+        """Wait while ``_must_hold``, then for this request's pacing slot; if the cap binds by
+        the slot (the slots already given out dispatched meanwhile), wait for both again."""
+        while True:
+            await self._wait_for_cap()
+            if not await self._wait_for_slot() or not self._must_hold():
+                return
+
+    async def _wait_for_cap(self) -> None:
+        """Wait while ``_must_hold``; ``held_s`` counts the wall seconds during which at least
+        one new request was held by the cap."""
+        if not self._must_hold():
+            return
+        if self._holding == 0:
+            self._hold_started = self._now()
+        self._holding += 1
+        try:
+            while self._must_hold():
+                await asyncio.sleep(0.2)
+        finally:
+            self._holding -= 1
             if self._holding == 0:
-                self._hold_started = self._now()
-            self._holding += 1
-            try:
-                while self._must_hold():
-                    await asyncio.sleep(0.2)
-            finally:
-                self._holding -= 1
-                if self._holding == 0:
-                    self.result.held_s += self._now() - self._hold_started
+                self.result.held_s += self._now() - self._hold_started
+
+    async def _wait_for_slot(self) -> bool:
+        """With ``pace``, take the next slot (``pace_gap`` after the last one given out) and
+        sleep until it; True if it slept. Never once the schedule's last version serves, like
+        the cap."""
         gap = pace_gap(self._version_seen_at, self.config.batch_size) if self.config.pace else None
         last = (self.config.steps or self.config.schedule.total_steps) - 1
         if gap is None or self._version_now - self.result.start_version >= last:
-            return
+            return False
         now = self._now()
         slot = max(now, self._next_slot)
         self._next_slot = slot + gap
-        if slot > now:
-            await asyncio.sleep(slot - now)
+        if slot <= now:
+            return False
+        await asyncio.sleep(slot - now)
+        return True
 
     async def _worker(self, http: httpx.AsyncClient, pending: set[asyncio.Task]) -> None:
         while True:

@@ -321,3 +321,32 @@ def test_traffic_option_errors(args, needle) -> None:
 
     result = CliRunner().invoke(app, ["simulate", "--schedule", "cute:1", *args])
     assert result.exit_code == 2 and needle in result.output, result.output
+
+
+async def test_a_paced_request_waits_again_if_the_cap_binds_by_its_slot(monkeypatch) -> None:
+    """Slots given out before the cap bound must not overshoot it: after its slot, a request
+    held by the cap waits for the cap and then for a fresh slot."""
+    cfg = SimulationConfig(
+        base_url="http://127.0.0.1:9", schedule=SCHEDULE, mode="async", pace=True, batch_size=8, max_backlog=4
+    )
+    sim = Simulation(cfg, _NoJudge())
+    sim._version_seen_at = [0.0, 8.0]  # gap 0.9 × 8 / 8 = 0.9 s
+    clock, slept = [8.0], []
+
+    async def fake_sleep(s: float) -> None:
+        slept.append(round(s, 6))
+        if len(slept) == 1:  # during the slot's sleep, the answers in flight reach the cap
+            sim._outstanding = 4
+        elif s == 0.2:  # a cap poll: the learner publishes, the backlog drains
+            sim._outstanding = 0
+        clock[0] += s
+
+    monkeypatch.setattr(sim, "_now", lambda: clock[0])
+    monkeypatch.setattr(asyncio, "sleep", fake_sleep)
+    sim._next_slot = 8.9  # a slot was given out at 8.0
+    sim._outstanding = 3  # below max_backlog 4: admitted to the slot queue
+    await sim._admit()
+    # Slot at 8.9 (sleep 0.9); the cap holds: one 0.2 s poll drains it (9.1); the next slot,
+    # 9.8, is 0.7 s later; then free.
+    assert slept == [0.9, 0.2, 0.7]
+    assert sim.result.held_s == pytest.approx(0.2)

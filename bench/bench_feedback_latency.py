@@ -1,18 +1,21 @@
 """Feedback→served latency of the asynchronous main job (issue 10; target: p50 ≤ step time + 2 s).
 
-From the feedback that completes a learner batch to the first answer returned whose first token
-came from the version trained on that batch (``judge.runstats.feedback_to_served``). Either
+From the feedback that completes a learner batch to the first token received of the first
+answer whose first token came from the version trained on that batch
+(``judge.runstats.feedback_to_served``; runs before the simulation streamed have no first-token
+times and show n/a there), and to that answer complete. Either
 reads finished runs (a ``demo``/``compare`` folder: ``records-<run>.jsonl`` and
 ``details-<run>.json``) or runs a short async job itself (``saoserve serve`` + ``saoserve
 learn`` as processes, the offline judge; the engine machine-wide lock is taken by the caller):
 
     .venv/bin/python bench/bench_feedback_latency.py --from report
     flock /tmp/saoserve-engine.lock .venv/bin/python bench/bench_feedback_latency.py \\
-        [--schedule cute:6] [--batch-size 8] [--concurrency 8] [--feedback-delay-s 0] [--out DIR]
+        [--schedule cute:6] [--batch-size 8] [--concurrency 8] [--feedback-delay-s 0] [--pace] [--out DIR]
 
-Prints one row per run: versions measured, p50 and p95 latency (s), the p50 of feedback→swap
-(the server first seen serving the version, before the new answer is generated), the learner's
-median step time (s), the target (step time + 2 s) and p50 / target.
+Prints one row per run: versions measured, p50 and p95 latency to the first token (s), the p50
+to the whole answer and of feedback→swap (the server first seen serving the version, before
+the new answer begins), the learner's median step time (s), the target (step time + 2 s) and
+p50 / target.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ TARGET_MARGIN_S = 2.0
 def row(name: str, records: list[dict], details: dict) -> dict:
     steps = details.get("learner_steps") or []
     lat = latency_summary([x["latency_s"] for x in feedback_to_served(steps, records)])
+    answer = latency_summary([x["latency_s"] for x in feedback_to_served(steps, records, at="t_answer")])
     swap = latency_summary(
         [x["latency_s"] for x in feedback_to_swap(steps, records, details.get("timeline") or [])]
     )
@@ -42,7 +46,15 @@ def row(name: str, records: list[dict], details: dict) -> dict:
     step_s = statistics.median(times) if times else None
     target = step_s + TARGET_MARGIN_S if step_s is not None else None
     ratio = lat["p50"] / target if lat["p50"] is not None and target else None
-    return {"run": name, **lat, "swap_p50": swap["p50"], "step_s": step_s, "target_s": target, "ratio": ratio}
+    return {
+        "run": name,
+        **lat,
+        "answer_p50": answer["p50"],
+        "swap_p50": swap["p50"],
+        "step_s": step_s,
+        "target_s": target,
+        "ratio": ratio,
+    }
 
 
 def from_folder(folder: Path) -> list[dict]:
@@ -72,6 +84,7 @@ def run_once(args: argparse.Namespace) -> list[dict]:
         "concurrency": args.concurrency,
         "feedback_delay_s": args.feedback_delay_s,
         "max_backlog": 2 * args.batch_size,
+        "pace": args.pace,
     }
     run_method(
         "sao",
@@ -96,18 +109,20 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--feedback-delay-s", type=float, default=0.0)
+    ap.add_argument("--pace", action="store_true", help="pace the traffic to the learner (judge.simulate)")
     ap.add_argument("--out", type=Path, help="folder of the run (default: a temporary one)")
     args = ap.parse_args()
     rows = from_folder(args.folder) if args.folder else run_once(args)
     if not rows:
         sys.exit("no runs found (details-<run>.json)")
     print(
-        f"{'run':<20}{'n':>4}{'p50 s':>9}{'p95 s':>9}{'swap p50':>10}{'step s':>9}{'target s':>10}"
-        f"{'p50/target':>12}"
+        f"{'run':<20}{'n':>4}{'p50 s':>9}{'p95 s':>9}{'answer p50':>12}{'swap p50':>10}{'step s':>9}"
+        f"{'target s':>10}{'p50/target':>12}"
     )
     for r in rows:
         print(
-            f"{r['run']:<20}{r['n']:>4}{fmt(r['p50']):>9}{fmt(r['p95']):>9}{fmt(r['swap_p50']):>10}"
+            f"{r['run']:<20}{r['n']:>4}{fmt(r['p50']):>9}{fmt(r['p95']):>9}{fmt(r['answer_p50']):>12}"
+            f"{fmt(r['swap_p50']):>10}"
             f"{fmt(r['step_s']):>9}"
             f"{fmt(r['target_s']):>10}{fmt(r['ratio']):>12}"
         )

@@ -265,6 +265,61 @@ class Simulation:
             return None
         return r.json()
 
+    async def _ask_streaming(self, http: httpx.AsyncClient, i: int) -> tuple[dict | None, float | None]:
+        """Send request ``i`` as a stream; ``(body, t_first_token)``: the body in the non-streaming
+        shape (id, policy_version, feedback_token, choices[0].message.content and finish_reason,
+        from the chunks and the finish chunk's extension fields) and the run-clock second at
+        which the first chunk with text arrived (None if none had text). ``(None, None)``,
+        counted, on a non-200, an error chunk or a stream without a finish chunk."""
+        cfg = self.config
+        payload = {
+            "messages": [
+                {"role": "system", "content": self.system},
+                {"role": "user", "content": self.requests[i]},
+            ],
+            "max_tokens": cfg.max_tokens,
+            "temperature": cfg.temperature,
+            "prompt_id": self._prompt_id(i),
+            "stream": True,
+        }
+        parts: list[str] = []
+        first: float | None = None
+        final: dict | None = None
+        async with http.stream("POST", "/v1/chat/completions", json=payload) as r:
+            if r.status_code != 200:
+                await r.aread()
+                self.result.request_failures += 1
+                return None, None
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[len("data: ") :])
+                if "error" in chunk:
+                    self.result.request_failures += 1
+                    return None, None
+                for choice in chunk.get("choices") or []:
+                    text = (choice.get("delta") or {}).get("content") or ""
+                    if text and first is None:
+                        first = self._now()
+                    parts.append(text)
+                    if choice.get("finish_reason") is not None:
+                        final = chunk
+        if final is None:
+            self.result.request_failures += 1
+            return None, None
+        body = {
+            "id": final["id"],
+            "policy_version": final["policy_version"],
+            "feedback_token": final["feedback_token"],
+            "choices": [
+                {
+                    "message": {"role": "assistant", "content": "".join(parts)},
+                    "finish_reason": final["choices"][0]["finish_reason"],
+                }
+            ],
+        }
+        return body, first
+
     async def _judge(self, request: str, answer: str, target: str):
         try:
             return (await asyncio.to_thread(self.judge.judge_many, [(request, answer, target)]))[0]
@@ -408,7 +463,7 @@ class Simulation:
         self._requests_open += 1
         try:
             sent = self._now()
-            body = await self._ask(http, i)
+            body, first_token = await self._ask_streaming(http, i)
             if body is None:
                 return False
             answered = self._now()
@@ -436,6 +491,7 @@ class Simulation:
             "last_version": last,
             "finish_reason": body["choices"][0]["finish_reason"],
             "t_sent": sent,
+            "t_first_token": first_token,
             "t_answer": answered,
             "t_feedback": None,
             "prompt_id": self._prompt_id(i),

@@ -199,6 +199,7 @@ def _timed(step: int, detected: str, reward: float, rid: str, t: float, first: i
         **_rec(step, detected, reward),
         "id": rid,
         "first_version": first,
+        "t_first_token": t - 2.0,
         "t_answer": t,
         "t_feedback": t + 0.5,
         "request": f"request {rid}",
@@ -283,11 +284,13 @@ def test_report_async_fields(tmp_path: Path) -> None:
         "histogram": {"0": 30, "1": 20, "2": 10},
         "tokens": 60,
     }
-    # v1: completed by b's feedback (2.5 s), first answer of v1+ at 12.0 -> 9.5 s;
-    # v2: c's feedback at 12.5, first answer of v2+ at 33.0 -> 20.5 s;
-    # v3: e's feedback at 34.5, first answer of v3+ at 61.0 -> 26.5 s. p50 = 20.5;
-    # p95 at position 1.9: 20.5 + 0.9·(26.5 − 20.5) = 25.9.
-    assert m["feedback_to_served_s"] == {"p50": pytest.approx(20.5), "p95": pytest.approx(25.9), "n": 3}
+    # To the answer: v1: completed by b's feedback (2.5 s), first answer of v1+ back at 12.0 ->
+    # 9.5 s; v2: c's feedback at 12.5, first answer of v2+ at 33.0 -> 20.5 s; v3: e's feedback at
+    # 34.5, first answer of v3+ at 61.0 -> 26.5 s. p50 = 20.5; p95 at position 1.9:
+    # 20.5 + 0.9·(26.5 − 20.5) = 25.9. To the first token, 2 s before each answer: 7.5, 18.5,
+    # 24.5; p50 18.5, p95 18.5 + 0.9·6 = 23.9.
+    assert m["feedback_to_answer_s"] == {"p50": pytest.approx(20.5), "p95": pytest.approx(25.9), "n": 3}
+    assert m["feedback_to_served_s"] == {"p50": pytest.approx(18.5), "p95": pytest.approx(23.9), "n": 3}
     # The server was first seen serving v1 at 11.0: 11.0 − 2.5 = 8.5 s; v2 and v3 never seen.
     assert m["feedback_to_swap_s"] == {"p50": 8.5, "p95": 8.5, "n": 1}
     assert m["dis_kept_fraction"] == [1.0, 0.9, 0.8] and m["learner_versions"] == [1, 2, 3]

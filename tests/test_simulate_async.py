@@ -4,6 +4,7 @@ records, traffic options, and a few versions end to end against the real server 
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 
 import httpx
@@ -58,13 +59,21 @@ def test_staleness_distribution_by_hand() -> None:
 
 def test_feedback_to_served_by_hand() -> None:
     records = [
-        {"id": "a", "first_version": 0, "t_answer": 1.0, "t_feedback": 2.0},
-        {"id": "b", "first_version": 0, "t_answer": 3.0, "t_feedback": 4.5},
-        {"id": "c", "first_version": 0, "t_answer": 5.0, "t_feedback": 6.0},
-        {"id": "d", "first_version": 1, "t_answer": 13.0, "t_feedback": 14.0},
-        {"id": "e", "first_version": 0, "t_answer": 13.5, "t_feedback": None},  # began before the swap
-        {"id": "f", "first_version": 2, "t_answer": 21.0, "t_feedback": 21.5},
-        {"id": "g", "first_version": 1, "t_answer": 12.0, "t_feedback": 12.5},
+        {"id": "a", "first_version": 0, "t_first_token": 0.5, "t_answer": 1.0, "t_feedback": 2.0},
+        {"id": "b", "first_version": 0, "t_first_token": 2.5, "t_answer": 3.0, "t_feedback": 4.5},
+        {"id": "c", "first_version": 0, "t_first_token": 4.0, "t_answer": 5.0, "t_feedback": 6.0},
+        {"id": "d", "first_version": 1, "t_first_token": 9.5, "t_answer": 13.0, "t_feedback": 14.0},
+        # began before the swap
+        {"id": "e", "first_version": 0, "t_first_token": 8.0, "t_answer": 13.5, "t_feedback": None},
+        {"id": "f", "first_version": 2, "t_first_token": 19.5, "t_answer": 21.0, "t_feedback": 21.5},
+        {"id": "g", "first_version": 1, "t_first_token": 10.0, "t_answer": 12.0, "t_feedback": 12.5},
+        {
+            "id": "h",
+            "first_version": 1,
+            "t_first_token": None,
+            "t_answer": 11.0,
+            "t_feedback": None,
+        },  # no text
     ]
     steps = [
         {"version": 1, "completing_sample": "b"},
@@ -73,22 +82,30 @@ def test_feedback_to_served_by_hand() -> None:
         {"version": 4, "completing_sample": "x"},  # another client's sample
         {"version": 5},
     ]
-    got = feedback_to_served(steps, records)
+    got = feedback_to_served(steps, records, at="t_answer")
     # v1: batch completed by b's feedback at 4.5; the first answer begun by v1 or later came
-    # back at 12.0 (g) -> 7.5 s. v2: completed at 14.0 (d); first answer of v2+ at 21.0 (f) -> 7.0 s.
+    # back at 11.0 (h) -> 6.5 s. v2: completed at 14.0 (d); first answer of v2+ at 21.0 (f) -> 7.0 s.
     assert got == [
-        {"version": 1, "completed": 4.5, "served": 12.0, "latency_s": 7.5},
+        {"version": 1, "completed": 4.5, "served": 11.0, "latency_s": 6.5},
         {"version": 2, "completed": 14.0, "served": 21.0, "latency_s": 7.0},
     ]
+    # To the first token (the default): v1's first text at 9.5 (d; h had none) -> 5.0 s; v2's at
+    # 19.5 (f) -> 5.5 s.
+    assert [(x["version"], x["served"], x["latency_s"]) for x in feedback_to_served(steps, records)] == [
+        (1, 9.5, 5.0),
+        (2, 19.5, 5.5),
+    ]
+    with pytest.raises(ValueError, match="at must be one of"):
+        feedback_to_served(steps, records, at="t_sent")
     # The server was first seen serving v1 at 9.0 (9.0 − 4.5 = 4.5 s) and v2 at 19.0 (19.0 − 14.0 = 5.0 s).
     timeline = [{"t": 8.0, "version": 0}, {"t": 9.0, "version": 1}, {"t": 19.0, "version": 2}]
     assert [(x["version"], x["latency_s"]) for x in feedback_to_swap(steps, records, timeline)] == [
         (1, 4.5),
         (2, 5.0),
     ]
-    # p50 of [7.5, 7.0] = 7.25; p95 = 7.0 + 0.95·0.5 = 7.475.
+    # p50 of [6.5, 7.0] = 6.75; p95 = 6.5 + 0.95·0.5 = 6.975.
     summary = latency_summary([x["latency_s"] for x in got])
-    assert summary == {"p50": pytest.approx(7.25), "p95": pytest.approx(7.475), "n": 2}
+    assert summary == {"p50": pytest.approx(6.75), "p95": pytest.approx(6.975), "n": 2}
     assert latency_summary([]) == {"p50": None, "p95": None, "n": 0}
 
 
@@ -219,6 +236,9 @@ async def test_async_run_against_server_and_learner(policy_engine, model_dir, tm
             # Each answer counts toward the version of its first token, and its target is that step's.
             assert all(r["step"] == r["first_version"] for r in recs)
             assert all(r["target_style"] == SCHEDULE.target_at(r["step"]) for r in recs)
+            # Streamed: each answer's first text arrived after it was sent and before it ended.
+            assert all(r["t_sent"] < r["t_first_token"] <= r["t_answer"] for r in recs)
+            assert all(r["answer"] and r["finish_reason"] in ("stop", "length") for r in recs)
             async with httpx.AsyncClient(base_url=url) as http:
                 one = recs[-1]
                 spans = (await http.get(f"/admin/trajectories/{one['id']}", headers=ADMIN)).json()
@@ -245,6 +265,8 @@ async def test_async_run_against_server_and_learner(policy_engine, model_dir, tm
     assert metrics["staleness"]["tokens"] == sum(hist.values()) > 0
     assert len(metrics["dis_kept_fraction"]) == 2 and metrics["mode"] == "async"
     assert metrics["feedback_to_served_s"]["n"] >= 1 and metrics["feedback_to_served_s"]["p50"] > 0
+    # The first token comes no later than the whole answer.
+    assert metrics["feedback_to_served_s"]["p50"] <= metrics["feedback_to_answer_s"]["p50"]
     assert (tmp_path / "report" / "staleness.png").is_file() and (
         tmp_path / "report" / "wallclock.png"
     ).is_file()
@@ -350,3 +372,73 @@ async def test_a_paced_request_waits_again_if_the_cap_binds_by_its_slot(monkeypa
     # 9.8, is 0.7 s later; then free.
     assert slept == [0.9, 0.2, 0.7]
     assert sim.result.held_s == pytest.approx(0.2)
+
+
+def _sse(*chunks: object) -> bytes:
+    return b"".join(f"data: {c if isinstance(c, str) else json.dumps(c)}\n\n".encode() for c in chunks)
+
+
+async def test_streamed_answer_is_assembled_with_its_first_token_time(monkeypatch) -> None:
+    """The async simulation streams: text from the deltas, the id, version and feedback token
+    from the finish chunk, and the run-clock time of the first chunk with text."""
+    base = {"id": "chatcmpl-1", "object": "chat.completion.chunk"}
+    finish = {
+        **base,
+        "choices": [{"index": 0, "delta": {"content": "!"}, "finish_reason": "length"}],
+        "policy_version": 3,
+        "prompt_id": "sim-0000",
+        "feedback_token": "tok",
+    }
+    stream = _sse(
+        {
+            **base,
+            "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
+        },
+        {**base, "choices": [{"index": 0, "delta": {"content": "Ahoy"}, "finish_reason": None}]},
+        {**base, "choices": [{"index": 0, "delta": {"content": " matey"}, "finish_reason": None}]},
+        finish,
+        "[DONE]",
+    )
+    seen: list[dict] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(json.loads(request.content))
+        return httpx.Response(200, content=stream, headers={"content-type": "text/event-stream"})
+
+    cfg = SimulationConfig(base_url="http://sim", schedule=SCHEDULE, mode="async", max_tokens=5)
+    sim = Simulation(cfg, _NoJudge())
+    ticks = iter([1.5, 2.5, 3.5])
+    monkeypatch.setattr(sim, "_now", lambda: next(ticks))
+    async with httpx.AsyncClient(base_url="http://sim", transport=httpx.MockTransport(handler)) as http:
+        body, first = await sim._ask_streaming(http, 0)
+    assert seen[0]["stream"] is True and seen[0]["max_tokens"] == 5 and seen[0]["prompt_id"] == "sim-0000"
+    assert first == 1.5  # the clock read once, at "Ahoy" (the role chunk has no text)
+    assert body == {
+        "id": "chatcmpl-1",
+        "policy_version": 3,
+        "feedback_token": "tok",
+        "choices": [{"message": {"role": "assistant", "content": "Ahoy matey!"}, "finish_reason": "length"}],
+    }
+    assert sim.result.request_failures == 0
+
+
+@pytest.mark.parametrize(
+    ("status", "content"),
+    [
+        (503, b'{"error": {"message": "storage unavailable"}}'),
+        (200, _sse({"error": {"message": "trajectory log unavailable"}})),
+        (
+            200,
+            _sse({"id": "x", "choices": [{"index": 0, "delta": {"content": "cut"}, "finish_reason": None}]}),
+        ),
+    ],
+    ids=["status-503", "error-chunk", "no-finish-chunk"],
+)
+async def test_a_failed_stream_counts_as_a_request_failure(status, content) -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(status, content=content)
+
+    sim = Simulation(SimulationConfig(base_url="http://sim", schedule=SCHEDULE, mode="async"), _NoJudge())
+    async with httpx.AsyncClient(base_url="http://sim", transport=httpx.MockTransport(handler)) as http:
+        assert await sim._ask_streaming(http, 0) == (None, None)
+    assert sim.result.request_failures == 1

@@ -1,9 +1,9 @@
 """Feedback→served latency of the asynchronous main job (issue 10; target: p50 ≤ step time + 2 s).
 
-From the feedback that completes a learner batch to the first token received of the first
-answer whose first token came from the version trained on that batch
-(``judge.runstats.feedback_to_served``; runs before the simulation streamed have no first-token
-times and show n/a there), and to that answer complete. Either
+From the feedback that completes a learner batch to the first answer returned whose first token
+came from the version trained on that batch (``judge.runstats.feedback_to_served``), and to
+that answer's first token (runs from before the simulation streamed have no first-token times:
+n/a). Either
 reads finished runs (a ``demo``/``compare`` folder: ``records-<run>.jsonl`` and
 ``details-<run>.json``) or runs a short async job itself (``saoserve serve`` + ``saoserve
 learn`` as processes, the offline judge; the engine machine-wide lock is taken by the caller):
@@ -12,8 +12,8 @@ learn`` as processes, the offline judge; the engine machine-wide lock is taken b
     flock /tmp/saoserve-engine.lock .venv/bin/python bench/bench_feedback_latency.py \\
         [--schedule cute:6] [--batch-size 8] [--concurrency 8] [--feedback-delay-s 0] [--pace] [--out DIR]
 
-Prints one row per run: versions measured, p50 and p95 latency to the first token (s), the p50
-to the whole answer and of feedback→swap (the server first seen serving the version, before
+Prints one row per run: versions measured, p50 and p95 latency (s), the p50 to the first token
+and of feedback→swap (the server first seen serving the version, before
 the new answer begins), the learner's median step time (s), the target (step time + 2 s) and
 p50 / target.
 """
@@ -38,7 +38,7 @@ TARGET_MARGIN_S = 2.0
 def row(name: str, records: list[dict], details: dict) -> dict:
     steps = details.get("learner_steps") or []
     lat = latency_summary([x["latency_s"] for x in feedback_to_served(steps, records)])
-    answer = latency_summary([x["latency_s"] for x in feedback_to_served(steps, records, at="t_answer")])
+    first = latency_summary([x["latency_s"] for x in feedback_to_served(steps, records, at="t_first_token")])
     swap = latency_summary(
         [x["latency_s"] for x in feedback_to_swap(steps, records, details.get("timeline") or [])]
     )
@@ -49,7 +49,7 @@ def row(name: str, records: list[dict], details: dict) -> dict:
     return {
         "run": name,
         **lat,
-        "answer_p50": answer["p50"],
+        "first_token_p50": first["p50"],
         "swap_p50": swap["p50"],
         "step_s": step_s,
         "target_s": target,
@@ -116,12 +116,12 @@ def main() -> None:
     if not rows:
         sys.exit("no runs found (details-<run>.json)")
     print(
-        f"{'run':<20}{'n':>4}{'p50 s':>9}{'p95 s':>9}{'answer p50':>12}{'swap p50':>10}{'step s':>9}"
+        f"{'run':<20}{'n':>4}{'p50 s':>9}{'p95 s':>9}{'1st token p50':>14}{'swap p50':>10}{'step s':>9}"
         f"{'target s':>10}{'p50/target':>12}"
     )
     for r in rows:
         print(
-            f"{r['run']:<20}{r['n']:>4}{fmt(r['p50']):>9}{fmt(r['p95']):>9}{fmt(r['answer_p50']):>12}"
+            f"{r['run']:<20}{r['n']:>4}{fmt(r['p50']):>9}{fmt(r['p95']):>9}{fmt(r['first_token_p50']):>14}"
             f"{fmt(r['swap_p50']):>10}"
             f"{fmt(r['step_s']):>9}"
             f"{fmt(r['target_s']):>10}{fmt(r['ratio']):>12}"

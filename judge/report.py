@@ -244,8 +244,8 @@ def method_metrics(
     steps = list(details.get("learner_steps") or [])
     timeline = list(details.get("timeline") or [])
     answered = [float(r["t_answer"]) for r in records if r.get("t_answer") is not None]
-    latencies = [x["latency_s"] for x in feedback_to_served(steps, records, at="t_first_token")]
-    to_answer = [x["latency_s"] for x in feedback_to_served(steps, records, at="t_answer")]
+    latencies = [x["latency_s"] for x in feedback_to_served(steps, records)]
+    to_first = [x["latency_s"] for x in feedback_to_served(steps, records, at="t_first_token")]
     to_swap = [x["latency_s"] for x in feedback_to_swap(steps, records, timeline)]
     wall = details.get("wall_s")
     return {
@@ -263,7 +263,7 @@ def method_metrics(
         "wall_s": wall,
         "staleness": staleness_distribution(steps),
         "feedback_to_served_s": latency_summary(latencies),
-        "feedback_to_answer_s": latency_summary(to_answer),
+        "feedback_to_first_token_s": latency_summary(to_first),
         "feedback_to_swap_s": latency_summary(to_swap),
         "learner_versions": [int(x["version"]) for x in steps],
         **{name: step_series(steps, key) for name, key in LEARNER_SERIES.items()},
@@ -670,7 +670,7 @@ def _online_html(metrics: dict[str, Any]) -> str:
             f"<tr><td>{e(name)}</td><td>{e(str(m['mode']))}</td><td>{_fmt(m['wall_s'])}</td>"
             f"<td>{_fmt(m['requests_per_s'])}</td><td>{_fmt(st['mean'])}</td><td>{_fmt(st['p95'])}</td>"
             f"<td>{_fmt(lat['p50'])}</td><td>{_fmt(lat['p95'])}</td>"
-            f"<td>{_fmt(m['feedback_to_answer_s']['p50'])}</td>"
+            f"<td>{_fmt(m['feedback_to_first_token_s']['p50'])}</td>"
             f"<td>{_fmt(m['feedback_to_swap_s']['p50'])}</td>"
             f"<td>{_fmt(bl['mean'])}</td><td>{_fmt(bl['max'])}</td><td>{_fmt(bl['held_s'])}</td>"
             f"<td>{len(m['learner_versions'])}</td>"
@@ -685,14 +685,14 @@ def _online_html(metrics: dict[str, Any]) -> str:
     return f"""<h2>Learning while serving</h2>
 <p>Staleness: per trained token, the version the learner trained from minus the version that
 generated the token (the trajectory's spans), over all the run's steps. Feedback→served: from
-the feedback that completed a batch to the first token received of the first answer whose first
-token came from the version trained on it (or a later one); feedback→answer stops when that
-answer is complete; feedback→swap when the server is first seen serving that version (sampled
-each second), before the new answer begins. Backlog: samples waiting for the learner (feedback posted
+the feedback that completed a batch to the first answer returned whose first token came from the
+version trained on it (or a later one); feedback→first token stops when that answer's first
+text arrives; feedback→swap when the server is first seen serving that version (sampled each
+second), before the new answer begins. Backlog: samples waiting for the learner (feedback posted
 minus a batch per new version), sampled each second; held: seconds new requests waited for it.</p>
 <ul>{settings}</ul>
 <table><tr><th>method</th><th>mode</th><th>wall s</th><th>answers/s</th><th>staleness mean</th>
-<th>staleness p95</th><th>feedback→served p50 s</th><th>p95 s</th><th>feedback→answer p50 s</th>
+<th>staleness p95</th><th>feedback→served p50 s</th><th>p95 s</th><th>feedback→first token p50 s</th>
 <th>feedback→swap p50 s</th>
 <th>backlog mean</th>
 <th>backlog max</th><th>held s</th><th>learner steps</th><th>mean DIS kept</th></tr>{rows}</table>
@@ -797,8 +797,8 @@ def write_report(
              "style_share": {"<style>": [per step]}, "mode", "traffic": {the simulation's
              settings, ``judge.simulate.TRAFFIC_FIELDS``} or null, "wall_s",
              "staleness": {"mean", "p95", "histogram": {"<versions>": tokens}, "tokens"},
-             "feedback_to_served_s": {"p50", "p95", "n"} (to the first token of the first answer
-             of the new version), "feedback_to_answer_s" (to that answer complete),
+             "feedback_to_served_s": {"p50", "p95", "n"} (to the first answer of the new version
+             returned), "feedback_to_first_token_s" (to that answer's first token),
              "feedback_to_swap_s" (to the server seen serving it): (same),
              "learner_versions": [per step],
              "dis_kept_fraction", "mean_abs_log_ratio", "explained_variance", "critic_loss",

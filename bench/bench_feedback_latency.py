@@ -2,7 +2,7 @@
 
 From the feedback that completes a learner batch to the first answer returned whose first token
 came from the version trained on that batch (``judge.runstats.feedback_to_served``), and to
-that answer's first token (runs from before the simulation streamed have no first-token times:
+the earliest first token of such an answer (runs from before the simulation streamed have no first-token times:
 n/a). Either
 reads finished runs (a ``demo``/``compare`` folder: ``records-<run>.jsonl`` and
 ``details-<run>.json``) or runs a short async job itself (``saoserve serve`` + ``saoserve

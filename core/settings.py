@@ -68,8 +68,9 @@ class Settings(BaseSettings):
     policy_poll_s: float = Field(
         0.25,
         gt=0,
-        description="Seconds between a server's reads of the policy topic for a new version: part of "
-        "the delay from a published version to serving it (a read is one small query or fetch).",
+        description="Seconds a server's policy watcher sleeps between reads of the policy topic; each "
+        "read itself waits up to 0.2 s per partition for a new event. Part of the delay from a "
+        "published version to serving it.",
     )
 
     judge_url: str = Field("", description="OpenAI-compatible base URL of the LLM judge.")

@@ -686,8 +686,8 @@ def _online_html(metrics: dict[str, Any]) -> str:
 <p>Staleness: per trained token, the version the learner trained from minus the version that
 generated the token (the trajectory's spans), over all the run's steps. Feedback→served: from
 the feedback that completed a batch to the first answer returned whose first token came from the
-version trained on it (or a later one); feedback→first token stops when that answer's first
-text arrives; feedback→swap when the server is first seen serving that version (sampled each
+version trained on it (or a later one); feedback→first token stops at the earliest first text
+of such an answer (the version's first token to reach a user); feedback→swap when the server is first seen serving that version (sampled each
 second), before the new answer begins. Backlog: samples waiting for the learner (feedback posted
 minus a batch per new version), sampled each second; held: seconds new requests waited for it.</p>
 <ul>{settings}</ul>
@@ -798,7 +798,8 @@ def write_report(
              settings, ``judge.simulate.TRAFFIC_FIELDS``} or null, "wall_s",
              "staleness": {"mean", "p95", "histogram": {"<versions>": tokens}, "tokens"},
              "feedback_to_served_s": {"p50", "p95", "n"} (to the first answer of the new version
-             returned), "feedback_to_first_token_s" (to that answer's first token),
+             returned), "feedback_to_first_token_s" (to the earliest first token of an answer
+             begun by that version or a later one),
              "feedback_to_swap_s" (to the server seen serving it): (same),
              "learner_versions": [per step],
              "dis_kept_fraction", "mean_abs_log_ratio", "explained_variance", "critic_loss",
@@ -893,10 +894,11 @@ def load_runs(folder: str | Path) -> tuple[dict[str, list[dict[str, Any]]], dict
     """The runs a ``saoserve demo``/``compare`` folder holds, for ``write_report``.
 
     Reads ``records-<name>.jsonl`` and, where present, ``details-<name>.json``; a name
-    ``<method>-s<seed>`` is one seed of ``method``, any other name a single run with seed 0.
-    Returns ``(seeds, details)``: method -> ``[{"seed", "records", "details"}]`` by seed, and
-    method -> the first seed's details. Raises ``FileNotFoundError`` if the folder holds no
-    records.
+    ``<method>-s<seed>`` is one seed of ``method``, any other name a single run with seed 0. A
+    run without records (interrupted before its first answer) is left out, as ``compare``
+    leaves it out. Returns ``(seeds, details)``: method -> ``[{"seed", "records", "details"}]``
+    by seed, and method -> the first seed's details. Raises ``FileNotFoundError`` if the folder
+    holds no records.
     """
     root = Path(folder)
     runs: dict[str, list[dict[str, Any]]] = {}
@@ -905,11 +907,12 @@ def load_runs(folder: str | Path) -> tuple[dict[str, list[dict[str, Any]]], dict
         method, sep, seed = name.rpartition("-s")
         if not (sep and seed.isdigit()):
             method, seed = name, "0"
+        records = load_records(path)
+        if not records:
+            continue
         info = root / f"details-{name}.json"
         details = json.loads(info.read_text(encoding="utf-8")) if info.exists() else {}
-        runs.setdefault(method, []).append(
-            {"seed": int(seed), "records": load_records(path), "details": details}
-        )
+        runs.setdefault(method, []).append({"seed": int(seed), "records": records, "details": details})
     if not runs:
         raise FileNotFoundError(f"no records-*.jsonl in {root}")
     for rows in runs.values():
@@ -920,17 +923,24 @@ def load_runs(folder: str | Path) -> tuple[dict[str, list[dict[str, Any]]], dict
 def main(argv: Sequence[str] | None = None) -> None:
     """CLI: ``python -m judge.report --schedule SPEC (--method NAME=RECORDS.jsonl ... | --runs
     DIR) --out DIR``. ``--runs`` rebuilds the report of a demo/compare folder with its details
-    and seeds (``load_runs``)."""
+    and seeds (``load_runs``), and by default the window and threshold of the folder's
+    ``metrics.json`` (otherwise 1 and 0.5)."""
     ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument("--schedule", required=True, help="schedule spec or name, e.g. cute:40,formal:40")
     ap.add_argument("--method", action="append", help="NAME=path to records (JSON/JSONL)")
     ap.add_argument("--runs", help="a saoserve demo/compare folder (records-*.jsonl, details-*.json)")
     ap.add_argument("--out", required=True, help="output folder")
-    ap.add_argument("--window", type=int, default=1)
-    ap.add_argument("--threshold", type=float, default=0.5)
+    ap.add_argument("--window", type=int, help="default: the --runs folder's, else 1")
+    ap.add_argument("--threshold", type=float, help="default: the --runs folder's, else 0.5")
     args = ap.parse_args(argv)
     if bool(args.method) == bool(args.runs):
         ap.error("give either --method NAME=PATH (repeatable) or --runs DIR")
+    before = Path(args.runs or ".") / "metrics.json"
+    given = json.loads(before.read_text(encoding="utf-8")) if args.runs and before.exists() else {}
+    if args.window is None:
+        args.window = given.get("window", 1)
+    if args.threshold is None:
+        args.threshold = given.get("threshold", 0.5)
     if args.runs:
         try:
             seeds, details = load_runs(args.runs)

@@ -49,6 +49,8 @@ MODES = ("sync", "async")
 # by its own measurement (with 1.0 the period seen could not shrink below the traffic's own);
 # the backlog cap bounds what the headroom lets pile up.
 PACE_HEADROOM = 0.9
+# Seconds a worker waits after a failed request before its next one.
+FAILURE_BACKOFF_S = 0.5
 # The settings a report states with its numbers (``SimulationResult.traffic``).
 TRAFFIC_FIELDS = (
     "mode",
@@ -66,24 +68,29 @@ TRAFFIC_FIELDS = (
 PACE_RECENT = 3
 
 
-def pace_gap(version_times: Sequence[float], batch_size: int) -> float | None:
+def pace_gap(seen: Sequence[tuple[float, int]], batch_size: int) -> float | None:
     """Seconds between admitted requests so that one batch arrives per learner step.
 
-    ``version_times``: seconds (run clock) at which each new policy version was first seen,
-    in order. The learner's step period is the median of the last ``PACE_RECENT`` intervals
-    between them; the gap is ``PACE_HEADROOM × period / batch_size``. A batch then completes
-    about when the learner finishes the step before it, so its feedback waits for no step but
-    its own (feedback→served ≈ one step), while its tokens come from the version served during
-    that step (staleness 1). None (no pacing) until two versions have been seen.
+    ``seen``: ``(seconds on the run clock, version)`` each time a new policy version was first
+    seen, in order (a poll may skip versions). The learner's step period is the median of the
+    last ``PACE_RECENT`` intervals between them, each divided by the versions it spans; the gap
+    is ``PACE_HEADROOM × period / batch_size``. A batch then completes about when the learner
+    finishes the step before it, so its feedback waits for no step but its own (feedback→served
+    ≈ one step), while its tokens come from the version served during that step (staleness 1).
+    None (no pacing) until two versions have been seen.
 
-    Raises ValueError if ``batch_size`` < 1.
+    Raises ValueError if ``batch_size`` < 1 or the versions do not increase.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    intervals = [b - a for a, b in itertools.pairwise(version_times)][-PACE_RECENT:]
-    if not intervals:
+    periods = []
+    for (t0, v0), (t1, v1) in itertools.pairwise(seen):
+        if v1 <= v0:
+            raise ValueError(f"versions must increase, got {v0} then {v1}")
+        periods.append((t1 - t0) / (v1 - v0))
+    if not periods:
         return None
-    return PACE_HEADROOM * statistics.median(intervals) / batch_size
+    return PACE_HEADROOM * statistics.median(periods[-PACE_RECENT:]) / batch_size
 
 
 @dataclass
@@ -198,7 +205,7 @@ class Simulation:
         self._holding = 0
         self._hold_started = 0.0
         self._per_step: dict[int, int] = {}
-        self._version_seen_at: list[float] = []
+        self._version_seen_at: list[tuple[float, int]] = []
         self._next_slot = 0.0
 
     @property
@@ -270,7 +277,8 @@ class Simulation:
         shape (id, policy_version, feedback_token, choices[0].message.content and finish_reason,
         from the chunks and the finish chunk's extension fields) and the run-clock second at
         which the first chunk with text arrived (None if none had text). ``(None, None)``,
-        counted, on a non-200, an error chunk or a stream without a finish chunk."""
+        counted in ``request_failures``, on a non-200, an error chunk, a stream without a
+        finish chunk, a transport error or a chunk that is not JSON."""
         cfg = self.config
         payload = {
             "messages": [
@@ -285,25 +293,46 @@ class Simulation:
         parts: list[str] = []
         first: float | None = None
         final: dict | None = None
-        async with http.stream("POST", "/v1/chat/completions", json=payload) as r:
-            if r.status_code != 200:
-                await r.aread()
-                self.result.request_failures += 1
-                return None, None
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[len("data: ") :])
-                if "error" in chunk:
+
+        def take(line: str) -> bool:
+            """One SSE line; False on an error chunk."""
+            nonlocal first, final
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                return True
+            chunk = json.loads(line[len("data: ") :])
+            if "error" in chunk:
+                return False
+            for choice in chunk.get("choices") or []:
+                text = (choice.get("delta") or {}).get("content") or ""
+                if text and first is None:
+                    first = self._now()
+                parts.append(text)
+                if choice.get("finish_reason") is not None:
+                    final = chunk
+            return True
+
+        try:
+            async with http.stream("POST", "/v1/chat/completions", json=payload) as r:
+                if r.status_code != 200:
+                    await r.aread()
                     self.result.request_failures += 1
                     return None, None
-                for choice in chunk.get("choices") or []:
-                    text = (choice.get("delta") or {}).get("content") or ""
-                    if text and first is None:
-                        first = self._now()
-                    parts.append(text)
-                    if choice.get("finish_reason") is not None:
-                        final = chunk
+                # SSE lines end at "\n" only; httpx's aiter_lines would also split at U+2028,
+                # U+0085 and the like, which the server's JSON (ensure_ascii=False) keeps raw.
+                pending = ""
+                async for text in r.aiter_text():
+                    *lines, pending = (pending + text).split("\n")
+                    for line in lines:
+                        if not take(line.rstrip("\r")):
+                            self.result.request_failures += 1
+                            return None, None
+                if pending and not take(pending.rstrip("\r")):
+                    self.result.request_failures += 1
+                    return None, None
+        except (httpx.HTTPError, json.JSONDecodeError):
+            # A dropped connection, a read timeout or a chunk cut short: one failed request.
+            self.result.request_failures += 1
+            return None, None
         if final is None:
             self.result.request_failures += 1
             return None, None
@@ -450,6 +479,9 @@ class Simulation:
         handed_on = False
         try:
             handed_on = await self._answer(http, i, pending)
+        except httpx.HTTPError:
+            # The spans read failed (the server went away): counted, and the worker goes on.
+            self.result.request_failures += 1
         finally:
             if not handed_on:
                 self._outstanding -= 1
@@ -510,7 +542,12 @@ class Simulation:
             delay = self.config.feedback_delay_s
             if delay > 0:
                 await asyncio.sleep(self.rng.expovariate(1.0 / delay))
-            if await self._feedback(http, body, rec["reward"]):
+            try:
+                posted = await self._feedback(http, body, rec["reward"])
+            except httpx.HTTPError:
+                self.result.request_failures += 1
+                posted = False
+            if posted:
                 rec["t_feedback"] = self._now()
                 self._feedback_posted += 1
         finally:
@@ -579,7 +616,11 @@ class Simulation:
             if not picks:
                 await asyncio.sleep(0.1)
                 continue
+            failures = self.result.request_failures
             await self._one_async(http, picks[0], pending)
+            if self.result.request_failures > failures:
+                # A server that refuses or drops requests at once is not hammered in a tight loop.
+                await asyncio.sleep(FAILURE_BACKOFF_S)
 
     async def _arrivals(self, http: httpx.AsyncClient, pending: set[asyncio.Task]) -> None:
         assert self.config.rate is not None
@@ -603,7 +644,7 @@ class Simulation:
             except httpx.HTTPError:
                 version = self._version_now
             if version > self._version_now:
-                self._version_seen_at.append(self._now())
+                self._version_seen_at.append((self._now(), version))
             for v in range(self._version_now, version):
                 step = v - self.result.start_version
                 if self.on_step:

@@ -424,3 +424,21 @@ def test_report_cli_errors(args, tmp_path: Path, monkeypatch) -> None:
     with pytest.raises(SystemExit) as exc:
         main(args)
     assert exc.value.code == 2
+
+
+def test_report_rebuild_keeps_the_folders_window_and_skips_empty_runs(tmp_path: Path) -> None:
+    """A compare folder's report used window 3 / threshold 0.4: --runs reuses them; an
+    interrupted run (empty records file) is left out as compare leaves it out."""
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    (runs / "records-sao.jsonl").write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
+    (runs / "records-running_mean.jsonl").write_text("")
+    (runs / "metrics.json").write_text(json.dumps({"window": 3, "threshold": 0.4}))
+    main(["--schedule", "cute:2,formal:3", "--runs", str(runs), "--out", str(tmp_path / "r")])
+    metrics = json.loads((tmp_path / "r" / "metrics.json").read_text())
+    assert (metrics["window"], metrics["threshold"]) == (3, 0.4)
+    assert set(metrics["methods"]) == {"sao"}
+    main(
+        ["--schedule", "cute:2,formal:3", "--runs", str(runs), "--out", str(tmp_path / "w1"), "--window", "1"]
+    )
+    assert json.loads((tmp_path / "w1" / "metrics.json").read_text())["window"] == 1

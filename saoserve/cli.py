@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
@@ -207,6 +208,21 @@ PACE_HELP = (
     "the median interval of the last 3 versions), so a batch completes as the learner frees up."
 )
 
+# The options that simulate, demo and compare share, declared once (type, bounds, help); each
+# command gives its own default.
+ScheduleOpt = Annotated[str, typer.Option(help="Named schedule (default, paper) or 'style:steps,…'.")]
+StepsPerStyleOpt = Annotated[int, typer.Option(min=1, help="Steps per style for a named schedule.")]
+BatchSizeOpt = Annotated[int, typer.Option(min=1, help="Requests per step (= the learner's batch size).")]
+MaxTokensOpt = Annotated[int, typer.Option(min=1, help="New tokens per answer, at most.")]
+SeedOpt = Annotated[int, typer.Option(help="Seed of the prompt order, the judge's ties and sampling.")]
+JudgeOpt = Annotated[str, typer.Option(help="offline | llm (SAOSERVE_JUDGE_URL/MODEL/KEY)")]
+ModeOpt = Annotated[str, typer.Option(help=MODE_HELP)]
+RateOpt = Annotated[float | None, typer.Option(min=0.0, help=RATE_HELP)]
+FeedbackDelayOpt = Annotated[float, typer.Option(min=0.0, help=FEEDBACK_DELAY_HELP)]
+MaxSecondsOpt = Annotated[float | None, typer.Option(min=1.0, help=MAX_SECONDS_HELP)]
+PromptPoolOpt = Annotated[int | None, typer.Option(min=1, help=PROMPT_POOL_HELP)]
+PaceOpt = Annotated[bool, typer.Option(help=PACE_HELP)]
+
 
 def _traffic(
     mode: str,
@@ -268,26 +284,26 @@ def _schedule(spec: str, steps_per_style: int):
 @app.command()
 def simulate(
     url: str = typer.Option("http://127.0.0.1:8000", help="Base URL of a running server."),
-    schedule: str = typer.Option("default", help="Named schedule (default, paper) or 'style:steps,…'."),
-    steps_per_style: int = typer.Option(12, min=1, help="Steps per style for a named schedule."),
-    batch_size: int = typer.Option(8, min=1, help="Requests per step (= the learner's batch size)."),
-    max_tokens: int = typer.Option(64, min=1),
+    schedule: ScheduleOpt = "default",
+    steps_per_style: StepsPerStyleOpt = 12,
+    batch_size: BatchSizeOpt = 8,
+    max_tokens: MaxTokensOpt = 64,
     concurrency: int = typer.Option(8, min=1, help="Requests in flight (async: unless --rate)."),
-    seed: int = typer.Option(0),
-    judge: str = typer.Option("offline", help="offline | llm (SAOSERVE_JUDGE_URL/MODEL/KEY)"),
+    seed: SeedOpt = 0,
+    judge: JudgeOpt = "offline",
     uncertainty_sampler: bool = typer.Option(
         False, help="Sample prompts by sqrt(v(1-v)+0.05) (needs admin key)."
     ),
     wait_for_version: bool = typer.Option(
         True, help="Sync mode: wait for a new policy version after each step."
     ),
-    mode: str = typer.Option("sync", help=MODE_HELP),
-    rate: float = typer.Option(None, min=0.0, help=RATE_HELP),
-    feedback_delay_s: float = typer.Option(0.0, min=0.0, help=FEEDBACK_DELAY_HELP),
-    max_seconds: float = typer.Option(None, min=1.0, help=MAX_SECONDS_HELP),
+    mode: ModeOpt = "sync",
+    rate: RateOpt = None,
+    feedback_delay_s: FeedbackDelayOpt = 0.0,
+    max_seconds: MaxSecondsOpt = None,
     max_backlog: int = typer.Option(None, min=0, help=MAX_BACKLOG_HELP),
-    prompt_pool: int = typer.Option(None, min=1, help=PROMPT_POOL_HELP),
-    pace: bool = typer.Option(False, help=PACE_HELP),
+    prompt_pool: PromptPoolOpt = None,
+    pace: PaceOpt = False,
     out: Path = typer.Option(Path("report"), help="Report folder."),
 ) -> None:
     """Run the style-shift simulation against a running server and write the report."""
@@ -359,6 +375,7 @@ def _run_methods(
     traffic: dict | None = None,
     seeds: int = 1,
     correction: str = "dis",
+    critic_init: Path | None = None,
 ) -> None:
     """Run each method ``seeds`` times (seeds ``seed .. seed + seeds - 1``, methods interleaved
     so an interrupted comparison stays balanced) and write one report. Each method's learner
@@ -372,6 +389,8 @@ def _run_methods(
     from saoserve.model import prepare_model
 
     sched = _schedule(schedule, steps_per_style)
+    if critic_init is not None and not critic_init.is_file():
+        fail(f"--critic-init {critic_init} is not a file (make one with saoserve pretrain-critic)")
     learner = {"batch_size": batch_size, "policy_lr": policy_lr, "adam_beta1": adam_beta1}
     learner["algorithm"] = {"critic_lr": critic_lr, "kl_coef": kl_coef}
     try:
@@ -403,6 +422,7 @@ def _run_methods(
                 keep_weights=keep_weights,
                 traffic=traffic,
                 name=name,
+                critic_init=critic_init,
             )
             if result.records:
                 runs[method].append({"seed": s, "records": result.records, "details": result.details()})
@@ -463,38 +483,58 @@ DEMO_KL_COEF = 0.1
 DEMO_CONCURRENCY = 8
 DEMO_BACKLOG_BATCHES = 2
 
+# The learner and traffic options of demo and compare (the learner's go on the demo preset).
+PolicyLrOpt = Annotated[float, typer.Option(min=0.0, help="Learner policy learning rate.")]
+CriticLrOpt = Annotated[float, typer.Option(min=0.0, help="Learner critic learning rate (SAO only).")]
+AdamBeta1Opt = Annotated[float, typer.Option(min=0.0, max=0.999, help="Learner AdamW β1.")]
+KlCoefOpt = Annotated[float, typer.Option(min=0.0, help="Learner KL anchor to the base policy.")]
+KeepWeightsOpt = Annotated[
+    bool, typer.Option(help="Keep the policy versions and checkpoint (GBs); the report never needs them.")
+]
+CorrectionOpt = Annotated[
+    str, typer.Option(help="Learner off-policy correction: dis | mis_snapshot | mis_ewma (learner.config).")
+]
+CriticInitOpt = Annotated[
+    Path | None,
+    typer.Option(
+        help="SAO starts from this pretrained critic (saoserve pretrain-critic's critic_pretrained.pt); "
+        "default: a fresh value head."
+    ),
+]
+DemoConcurrencyOpt = Annotated[
+    int | None,
+    typer.Option(min=1, help=f"Requests in flight (default: async {DEMO_CONCURRENCY}, sync the batch size)."),
+]
+DemoMaxBacklogOpt = Annotated[
+    int | None,
+    typer.Option(min=0, help=f"{MAX_BACKLOG_HELP} Default: {DEMO_BACKLOG_BATCHES} batches in async mode."),
+]
+
 
 @app.command()
 def demo(
     out: Path = typer.Option(Path("report"), help="Report folder (the run's data lives under it too)."),
-    schedule: str = typer.Option(DEMO_SCHEDULE, help="Named schedule or 'style:steps,…'."),
-    steps_per_style: int = typer.Option(10, min=1, help="Steps per style for a named schedule."),
-    batch_size: int = typer.Option(DEMO_BATCH_SIZE, min=1, help="Requests per step (= learner batch)."),
-    max_tokens: int = typer.Option(48, min=1),
-    seed: int = typer.Option(0),
-    judge: str = typer.Option("offline", help="offline | llm"),
-    policy_lr: float = typer.Option(DEMO_POLICY_LR, min=0.0, help="Learner policy learning rate."),
-    critic_lr: float = typer.Option(DEMO_CRITIC_LR, min=0.0, help="Learner critic learning rate."),
-    adam_beta1: float = typer.Option(DEMO_ADAM_BETA1, min=0.0, max=0.999, help="Learner AdamW β1."),
-    kl_coef: float = typer.Option(DEMO_KL_COEF, min=0.0, help="Learner KL anchor to the base policy."),
-    keep_weights: bool = typer.Option(
-        False, help="Keep the policy versions and checkpoint (GBs); the report never needs them."
-    ),
-    mode: str = typer.Option("async", help=MODE_HELP),
-    concurrency: int = typer.Option(
-        None, min=1, help=f"Requests in flight (default: async {DEMO_CONCURRENCY}, sync the batch size)."
-    ),
-    rate: float = typer.Option(None, min=0.0, help=RATE_HELP),
-    feedback_delay_s: float = typer.Option(0.0, min=0.0, help=FEEDBACK_DELAY_HELP),
-    max_seconds: float = typer.Option(None, min=1.0, help=MAX_SECONDS_HELP),
-    max_backlog: int = typer.Option(
-        None, min=0, help=f"{MAX_BACKLOG_HELP} Default: {DEMO_BACKLOG_BATCHES} batches in async mode."
-    ),
-    prompt_pool: int = typer.Option(None, min=1, help=PROMPT_POOL_HELP),
-    pace: bool = typer.Option(False, help=PACE_HELP),
-    correction: str = typer.Option(
-        "dis", help="Learner off-policy correction: dis | mis_snapshot | mis_ewma (learner.config)."
-    ),
+    schedule: ScheduleOpt = DEMO_SCHEDULE,
+    steps_per_style: StepsPerStyleOpt = 10,
+    batch_size: BatchSizeOpt = DEMO_BATCH_SIZE,
+    max_tokens: MaxTokensOpt = 48,
+    seed: SeedOpt = 0,
+    judge: JudgeOpt = "offline",
+    policy_lr: PolicyLrOpt = DEMO_POLICY_LR,
+    critic_lr: CriticLrOpt = DEMO_CRITIC_LR,
+    adam_beta1: AdamBeta1Opt = DEMO_ADAM_BETA1,
+    kl_coef: KlCoefOpt = DEMO_KL_COEF,
+    keep_weights: KeepWeightsOpt = False,
+    mode: ModeOpt = "async",
+    concurrency: DemoConcurrencyOpt = None,
+    rate: RateOpt = None,
+    feedback_delay_s: FeedbackDelayOpt = 0.0,
+    max_seconds: MaxSecondsOpt = None,
+    max_backlog: DemoMaxBacklogOpt = None,
+    prompt_pool: PromptPoolOpt = None,
+    pace: PaceOpt = False,
+    correction: CorrectionOpt = "dis",
+    critic_init: CriticInitOpt = None,
 ) -> None:
     """Start server + learner (SAO) on embedded defaults, run the simulation, write the report."""
     traffic = _demo_traffic(
@@ -516,43 +556,37 @@ def demo(
         keep_weights,
         traffic,
         correction=correction,
+        critic_init=critic_init,
     )
 
 
 @app.command()
 def compare(
     out: Path = typer.Option(Path("report-compare"), help="Report folder."),
-    schedule: str = typer.Option("paper", help="Named schedule or 'style:steps,…'."),
-    steps_per_style: int = typer.Option(20, min=1),
-    batch_size: int = typer.Option(DEMO_BATCH_SIZE, min=1, help="Requests per step (= learner batch)."),
-    max_tokens: int = typer.Option(48, min=1),
-    seed: int = typer.Option(0),
-    judge: str = typer.Option("offline", help="offline | llm"),
-    policy_lr: float = typer.Option(DEMO_POLICY_LR, min=0.0, help="Learner policy learning rate."),
-    critic_lr: float = typer.Option(DEMO_CRITIC_LR, min=0.0, help="Learner critic learning rate."),
-    adam_beta1: float = typer.Option(DEMO_ADAM_BETA1, min=0.0, max=0.999, help="Learner AdamW β1."),
-    kl_coef: float = typer.Option(DEMO_KL_COEF, min=0.0, help="Learner KL anchor to the base policy."),
-    keep_weights: bool = typer.Option(
-        False, help="Keep the policy versions and checkpoint (GBs); the report never needs them."
-    ),
-    mode: str = typer.Option("async", help=MODE_HELP),
-    concurrency: int = typer.Option(
-        None, min=1, help=f"Requests in flight (default: async {DEMO_CONCURRENCY}, sync the batch size)."
-    ),
-    rate: float = typer.Option(None, min=0.0, help=RATE_HELP),
-    feedback_delay_s: float = typer.Option(0.0, min=0.0, help=FEEDBACK_DELAY_HELP),
-    max_seconds: float = typer.Option(None, min=1.0, help=MAX_SECONDS_HELP),
-    max_backlog: int = typer.Option(
-        None, min=0, help=f"{MAX_BACKLOG_HELP} Default: {DEMO_BACKLOG_BATCHES} batches in async mode."
-    ),
-    prompt_pool: int = typer.Option(None, min=1, help=PROMPT_POOL_HELP),
-    pace: bool = typer.Option(False, help=PACE_HELP),
+    schedule: ScheduleOpt = "paper",
+    steps_per_style: StepsPerStyleOpt = 20,
+    batch_size: BatchSizeOpt = DEMO_BATCH_SIZE,
+    max_tokens: MaxTokensOpt = 48,
+    seed: SeedOpt = 0,
+    judge: JudgeOpt = "offline",
+    policy_lr: PolicyLrOpt = DEMO_POLICY_LR,
+    critic_lr: CriticLrOpt = DEMO_CRITIC_LR,
+    adam_beta1: AdamBeta1Opt = DEMO_ADAM_BETA1,
+    kl_coef: KlCoefOpt = DEMO_KL_COEF,
+    keep_weights: KeepWeightsOpt = False,
+    mode: ModeOpt = "async",
+    concurrency: DemoConcurrencyOpt = None,
+    rate: RateOpt = None,
+    feedback_delay_s: FeedbackDelayOpt = 0.0,
+    max_seconds: MaxSecondsOpt = None,
+    max_backlog: DemoMaxBacklogOpt = None,
+    prompt_pool: PromptPoolOpt = None,
+    pace: PaceOpt = False,
     seeds: int = typer.Option(
         1, min=1, help="Runs per method (seeds --seed, --seed + 1, …); the report gives mean and spread."
     ),
-    correction: str = typer.Option(
-        "dis", help="Learner off-policy correction: dis | mis_snapshot | mis_ewma (learner.config)."
-    ),
+    correction: CorrectionOpt = "dis",
+    critic_init: CriticInitOpt = None,
 ) -> None:
     """SAO vs the running-mean baseline on the same schedule, prompts and judge, side by side."""
     traffic = _demo_traffic(
@@ -575,6 +609,7 @@ def compare(
         traffic,
         seeds,
         correction=correction,
+        critic_init=critic_init,
     )
 
 

@@ -27,7 +27,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from judge.base import Judge
 from judge.simulate import Simulation, SimulationConfig, SimulationResult, save_records
 from judge.styles import Schedule
-from learner.config import LearnerConfig, build_config
+from learner.config import LearnerConfig, SAOAlgorithm, build_config
+from learner.pretrain import PRETRAINED_CRITIC
 
 console = Console(stderr=True)
 
@@ -155,6 +156,19 @@ async def _watched(sim: Simulation, services: Services, every_s: float = 2.0) ->
     return task.result()
 
 
+def place_pretrained_critic(home: Path, critic_init: Path) -> Path:
+    """Copy a critic state dict (``saoserve pretrain-critic``'s output) into the run's policy
+    folder, ``<home>/policies``, where the learner's ``warm_start`` loads it at start (SAO §2.3,
+    value pretraining). Returns the copy's path. Raises FileNotFoundError if ``critic_init`` is
+    not a file."""
+    if not critic_init.is_file():
+        raise FileNotFoundError(f"no pretrained critic at {critic_init}")
+    target = home / "policies" / PRETRAINED_CRITIC
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(critic_init, target)
+    return target
+
+
 def run_method(
     method: str,
     schedule: Schedule,
@@ -167,6 +181,7 @@ def run_method(
     keep_weights: bool = False,
     traffic: dict | None = None,
     name: str | None = None,
+    critic_init: Path | None = None,
 ) -> SimulationResult:
     """One full run of ``method`` (``sao`` or ``running_mean``) on ``schedule``.
 
@@ -176,7 +191,9 @@ def run_method(
     (default: the method). Unless ``keep_weights``, the run's policy versions and checkpoint
     are deleted at the end (``drop_weights``). ``learner_config`` (default: the ``demo`` preset
     with ``method``) is written to ``<home>/learner.json`` with ``batch_size`` and the step
-    limit, and the learner started as ``saoserve learn --config`` that file.
+    limit, and the learner started as ``saoserve learn --config`` that file. ``critic_init``:
+    a pretrained critic the learner starts from (``place_pretrained_critic``), for a method
+    with a critic; ignored for one without.
     """
     name = name or method
     home = out / f"run-{name}"
@@ -187,6 +204,8 @@ def run_method(
     config = LearnerConfig.model_validate(config.model_dump() | limits)
     home.mkdir(parents=True, exist_ok=True)
     (home / "learner.json").write_text(config.to_json(), encoding="utf-8")
+    if critic_init is not None and isinstance(config.algorithm, SAOAlgorithm):
+        place_pretrained_critic(home, critic_init)
     learn_args = ["--config", str(home / "learner.json")]
     services = Services(home, learn_args, out / "logs" / name)
     console.print(f"[bold]{name}[/]: starting server and learner in {home} …")

@@ -53,6 +53,11 @@ def home(tmp_path, monkeypatch):
         (["simulate", "--schedule", "cute:0"], "need >= 1"),
         (["simulate", "--schedule", "sparkly:3"], "unknown style 'sparkly'"),
         (["simulate", "--judge", "oracle", "--schedule", "cute:1"], "unknown judge 'oracle'"),
+        (["demo", "--critic-init", "/no/such/critic.pt"], "--critic-init /no/such/critic.pt is not a file"),
+        (
+            ["compare", "--critic-init", "/no/such/critic.pt"],
+            "--critic-init /no/such/critic.pt is not a file",
+        ),
     ],
 )
 def test_cli_errors(args, needle):
@@ -244,3 +249,18 @@ def test_drop_weights_keeps_the_report_data(tmp_path):
     assert drop_weights(tmp_path) == 3 + 5 + 7
     assert sorted(p.name for p in pol.iterdir()) == ["critic_pretrained.pt"]
     assert (tmp_path / "saoserve.db").read_bytes() == b"db"
+
+
+def test_a_pretrained_critic_goes_where_the_learner_loads_it(tmp_path):
+    """``--critic-init``: the file is copied byte for byte to ``<home>/policies/critic_pretrained.pt``
+    (the name ``SAOAlgorithm.warm_start`` reads); a missing file is an error, not a fresh critic."""
+    from learner.pretrain import PRETRAINED_CRITIC
+    from saoserve.demo import place_pretrained_critic
+
+    src = tmp_path / "critic.pt"
+    src.write_bytes(b"state")
+    home = tmp_path / "run-sao"
+    placed = place_pretrained_critic(home, src)
+    assert placed == home / "policies" / PRETRAINED_CRITIC and placed.read_bytes() == b"state"
+    with pytest.raises(FileNotFoundError, match="no pretrained critic at"):
+        place_pretrained_critic(home, tmp_path / "missing.pt")

@@ -93,9 +93,10 @@ class Algorithm(ABC):
     def load_state_dict(self, state: dict) -> None:
         """Restore a ``state_dict()`` of a learner built from the same config."""
 
-    def warm_start(self, policy_dir: Path) -> None:
-        """Initialise from files in ``policy_dir`` when there is no checkpoint (default: none)."""
-        return
+    def warm_start(self, policy_dir: Path) -> Path | None:
+        """Initialise from files in ``policy_dir`` when there is no checkpoint; the file loaded,
+        or None (default: none)."""
+        return None
 
     def on_version(self, version: int) -> None:
         """The policy now is ``version`` (loaded at start, after a step, or a rollback's);

@@ -158,7 +158,9 @@ class Learner:
             state = None
         self.version = 0
         if state is None:
-            algorithm.warm_start(self.policy_dir)
+            loaded = algorithm.warm_start(self.policy_dir)
+            if loaded is not None:
+                log.info("critic: starting from the pretrained %s", loaded)
         else:
             algorithm.load_state_dict(state["learner"])
             self.version = state["version"]

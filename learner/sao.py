@@ -309,13 +309,16 @@ class SAOLearner(Algorithm):
         if self.old_policy is not None:
             self.old_policy.on_version(version, self.policy)
 
-    def warm_start(self, policy_dir: Path) -> None:
-        """Load the pretrained critic (``saoserve pretrain-critic``) when there is one."""
+    def warm_start(self, policy_dir: Path) -> Path | None:
+        """Load the pretrained critic (``saoserve pretrain-critic``, SAO §2.3) when there is
+        one; its path, or None (a fresh value head)."""
         from learner.pretrain import PRETRAINED_CRITIC
 
         pretrained = policy_dir / PRETRAINED_CRITIC
-        if self.critic is not None and pretrained.is_file():
-            self.critic.load_state_dict(torch.load(pretrained, map_location="cpu"))
+        if self.critic is None or not pretrained.is_file():
+            return None
+        self.critic.load_state_dict(torch.load(pretrained, map_location="cpu"))
+        return pretrained
 
     def _critic_lr(self) -> float:
         warm = self.config.critic_warmup_steps

@@ -369,3 +369,22 @@ def test_sao_step_metrics_stay_finite_with_a_non_finite_rollout_logprob(bad):
         math.isfinite(m[k]) for k in ("approx_kl", "mean_abs_log_ratio", "policy_loss", "kept_fraction")
     )
     assert all(torch.isfinite(v).all() for v in policy.state_dict().values())
+
+
+def test_warm_start_loads_the_pretrained_critic_and_says_so(tmp_path):
+    """``warm_start`` loads ``critic_pretrained.pt`` into the critic and returns its path; with
+    no such file (or no critic) it returns None and the critic is untouched."""
+    from learner.pretrain import PRETRAINED_CRITIC
+
+    policy = tiny_policy()
+    critic = ValueModel.from_policy(tiny_policy(seed=1))
+    learner = SAOLearner(policy, critic, SAOConfig(**FAST))
+    before = {k: v.clone() for k, v in critic.state_dict().items()}
+    assert learner.warm_start(tmp_path) is None
+    assert all(torch.equal(before[k], v) for k, v in critic.state_dict().items())
+
+    donor = ValueModel.from_policy(tiny_policy(seed=2))
+    torch.save(donor.state_dict(), tmp_path / PRETRAINED_CRITIC)
+    assert learner.warm_start(tmp_path) == tmp_path / PRETRAINED_CRITIC
+    assert all(torch.equal(donor.state_dict()[k], v) for k, v in critic.state_dict().items())
+    assert SAOLearner(policy, None, SAOConfig(baseline="running_mean", **FAST)).warm_start(tmp_path) is None

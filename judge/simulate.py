@@ -22,18 +22,16 @@ request. Two modes:
 Options: at most one in-flight request per prompt (SPO++ setting), the uncertainty sampler
 (prompt weight sqrt(v̂(1−v̂) + 0.05) from the server's evidence view), a prompt pool of K
 requests cycled in order (every prompt recurs every K requests), and in async mode a backlog
-cap and pacing to the learner (``pace_gap``).
+cap and pacing to the learner (``judge.pacing``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import random
-import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,14 +39,12 @@ import httpx
 
 from core.evidence import uncertainty_weight
 from judge.base import Judge, JudgeFailure
+from judge.chatstream import ChatStream, StreamError
+from judge.pacing import pace_gap
 from judge.styles import Schedule, system_prompt, writing_requests
 
 MODES = ("sync", "async")
 
-# Pacing aims a little faster than the learner's measured step so the learner is never starved
-# by its own measurement (with 1.0 the period seen could not shrink below the traffic's own);
-# the backlog cap bounds what the headroom lets pile up.
-PACE_HEADROOM = 0.9
 # Seconds a worker waits after a failed request before its next one.
 FAILURE_BACKOFF_S = 0.5
 # The settings a report states with its numbers (``SimulationResult.traffic``).
@@ -65,32 +61,6 @@ TRAFFIC_FIELDS = (
     "temperature",
     "seed",
 )
-PACE_RECENT = 3
-
-
-def pace_gap(seen: Sequence[tuple[float, int]], batch_size: int) -> float | None:
-    """Seconds between admitted requests so that one batch arrives per learner step.
-
-    ``seen``: ``(seconds on the run clock, version)`` each time a new policy version was first
-    seen, in order (a poll may skip versions). The learner's step period is the median of the
-    last ``PACE_RECENT`` intervals between them, each divided by the versions it spans; the gap
-    is ``PACE_HEADROOM × period / batch_size``. A batch then completes about when the learner
-    finishes the step before it, so its feedback waits for no step but its own (feedback→served
-    ≈ one step), while its tokens come from the version served during that step (staleness 1).
-    None (no pacing) until two versions have been seen.
-
-    Raises ValueError if ``batch_size`` < 1 or the versions do not increase.
-    """
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    periods = []
-    for (t0, v0), (t1, v1) in itertools.pairwise(seen):
-        if v1 <= v0:
-            raise ValueError(f"versions must increase, got {v0} then {v1}")
-        periods.append((t1 - t0) / (v1 - v0))
-    if not periods:
-        return None
-    return PACE_HEADROOM * statistics.median(periods[-PACE_RECENT:]) / batch_size
 
 
 @dataclass
@@ -127,6 +97,11 @@ class SimulationConfig:
     max_backlog: int | None = None
     prompt_pool: int | None = None
     pace: bool = False
+
+    @property
+    def total_steps(self) -> int:
+        """Learner steps (versions) the run covers: ``steps``, or the schedule's length."""
+        return self.steps or self.schedule.total_steps
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -252,21 +227,22 @@ class Simulation:
             return picked
         return self.rng.sample(free, min(n, len(free)))
 
+    def _payload(self, i: int) -> dict:
+        """The chat request body of request ``i``: the style system prompt, the writing request,
+        the config's token limit and temperature, and the prompt id the evidence is kept under."""
+        return {
+            "messages": [
+                {"role": "system", "content": self.system},
+                {"role": "user", "content": self.requests[i]},
+            ],
+            "max_tokens": self.config.max_tokens,
+            "temperature": self.config.temperature,
+            "prompt_id": self._prompt_id(i),
+        }
+
     async def _ask(self, http: httpx.AsyncClient, i: int) -> dict | None:
         """Send request ``i``; the response body, or None (counted) on a non-200."""
-        cfg = self.config
-        r = await http.post(
-            "/v1/chat/completions",
-            json={
-                "messages": [
-                    {"role": "system", "content": self.system},
-                    {"role": "user", "content": self.requests[i]},
-                ],
-                "max_tokens": cfg.max_tokens,
-                "temperature": cfg.temperature,
-                "prompt_id": self._prompt_id(i),
-            },
-        )
+        r = await http.post("/v1/chat/completions", json=self._payload(i))
         if r.status_code != 200:
             self.result.request_failures += 1
             return None
@@ -274,80 +250,29 @@ class Simulation:
 
     async def _ask_streaming(self, http: httpx.AsyncClient, i: int) -> tuple[dict | None, float | None]:
         """Send request ``i`` as a stream; ``(body, t_first_token)``: the body in the non-streaming
-        shape (id, policy_version, feedback_token, choices[0].message.content and finish_reason,
-        from the chunks and the finish chunk's extension fields) and the run-clock second at
-        which the first chunk with text arrived (None if none had text). ``(None, None)``,
-        counted in ``request_failures``, on a non-200, an error chunk, a stream without a
-        finish chunk, a transport error or a chunk that is not JSON."""
-        cfg = self.config
-        payload = {
-            "messages": [
-                {"role": "system", "content": self.system},
-                {"role": "user", "content": self.requests[i]},
-            ],
-            "max_tokens": cfg.max_tokens,
-            "temperature": cfg.temperature,
-            "prompt_id": self._prompt_id(i),
-            "stream": True,
-        }
-        parts: list[str] = []
-        first: float | None = None
-        final: dict | None = None
-
-        def take(line: str) -> bool:
-            """One SSE line; False on an error chunk."""
-            nonlocal first, final
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                return True
-            chunk = json.loads(line[len("data: ") :])
-            if "error" in chunk:
-                return False
-            for choice in chunk.get("choices") or []:
-                text = (choice.get("delta") or {}).get("content") or ""
-                if text and first is None:
-                    first = self._now()
-                parts.append(text)
-                if choice.get("finish_reason") is not None:
-                    final = chunk
-            return True
-
+        shape (``ChatStream.close``) and the run-clock second at which the first chunk with text
+        arrived (None if none had text). ``(None, None)``, counted in ``request_failures``, on a
+        non-200, an error chunk, a stream without a finish chunk, a transport error or a chunk
+        that is not JSON."""
+        stream = ChatStream(self._now)
         try:
-            async with http.stream("POST", "/v1/chat/completions", json=payload) as r:
+            async with http.stream(
+                "POST", "/v1/chat/completions", json=self._payload(i) | {"stream": True}
+            ) as r:
                 if r.status_code != 200:
                     await r.aread()
                     self.result.request_failures += 1
                     return None, None
-                # SSE lines end at "\n" only; httpx's aiter_lines would also split at U+2028,
-                # U+0085 and the like, which the server's JSON (ensure_ascii=False) keeps raw.
-                pending = ""
                 async for text in r.aiter_text():
-                    *lines, pending = (pending + text).split("\n")
-                    for line in lines:
-                        if not take(line.rstrip("\r")):
-                            self.result.request_failures += 1
-                            return None, None
-                if pending and not take(pending.rstrip("\r")):
-                    self.result.request_failures += 1
-                    return None, None
-        except (httpx.HTTPError, json.JSONDecodeError):
-            # A dropped connection, a read timeout or a chunk cut short: one failed request.
+                    stream.feed(text)
+            body = stream.close()
+        except (httpx.HTTPError, StreamError):
+            # A dropped connection, a read timeout, an error chunk or a chunk cut short.
+            body = None
+        if body is None:
             self.result.request_failures += 1
             return None, None
-        if final is None:
-            self.result.request_failures += 1
-            return None, None
-        body = {
-            "id": final["id"],
-            "policy_version": final["policy_version"],
-            "feedback_token": final["feedback_token"],
-            "choices": [
-                {
-                    "message": {"role": "assistant", "content": "".join(parts)},
-                    "finish_reason": final["choices"][0]["finish_reason"],
-                }
-            ],
-        }
-        return body, first
+        return body, stream.first_text_at
 
     async def _judge(self, request: str, answer: str, target: str):
         try:
@@ -437,7 +362,7 @@ class Simulation:
 
     async def _run_sync(self, http: httpx.AsyncClient) -> None:
         cfg = self.config
-        steps = cfg.steps or cfg.schedule.total_steps
+        steps = cfg.total_steps
         sem = asyncio.Semaphore(cfg.concurrency)
         for step in range(steps):
             target = cfg.schedule.target_at(step)
@@ -465,7 +390,7 @@ class Simulation:
         return max(0, self._feedback_posted - trained)
 
     def _done(self) -> bool:
-        steps = self.config.steps or self.config.schedule.total_steps
+        steps = self.config.total_steps
         past = self._version_now - self.result.start_version >= steps
         return past or self._per_step.get(steps - 1, 0) >= self.config.batch_size
 
@@ -511,7 +436,7 @@ class Simulation:
             self.in_flight.discard(i)
             self._requests_open -= 1
         step = first - self.result.start_version
-        if step >= (cfg.steps or cfg.schedule.total_steps):
+        if step >= cfg.total_steps:
             return False  # generated by a version past the schedule: not part of the run
         target = cfg.schedule.target_at(step)
         answer = body["choices"][0]["message"]["content"]
@@ -569,12 +494,12 @@ class Simulation:
         schedule's last version is served: the learner trains no further, and the run still
         needs a batch of that version's answers to end."""
         cap = self.config.max_backlog
-        last = (self.config.steps or self.config.schedule.total_steps) - 1
-        return (
-            cap is not None
-            and self._backlog() + self._outstanding >= cap
-            and self._version_now - self.result.start_version < last
-        )
+        return cap is not None and self._backlog() + self._outstanding >= cap and not self._serving_last()
+
+    def _serving_last(self) -> bool:
+        """The schedule's last version is served: the learner trains no further, so neither the
+        cap nor pacing holds a request back."""
+        return self._version_now - self.result.start_version >= self.config.total_steps - 1
 
     async def _admit(self) -> None:
         """Wait while ``_must_hold``, then for this request's pacing slot; if the cap binds by
@@ -605,8 +530,7 @@ class Simulation:
         sleep until it; True if it slept. Never once the schedule's last version serves, like
         the cap."""
         gap = pace_gap(self._version_seen_at, self.config.batch_size) if self.config.pace else None
-        last = (self.config.steps or self.config.schedule.total_steps) - 1
-        if gap is None or self._version_now - self.result.start_version >= last:
+        if gap is None or self._serving_last():
             return False
         now = self._now()
         slot = max(now, self._next_slot)

@@ -476,7 +476,7 @@ DEMO_ADAM_BETA1 = 0.5
 DEMO_KL_COEF = 0.1
 # Async traffic of demo/compare: 8 requests in flight, and new requests held while two batches
 # of samples wait for the learner or are on their way (staleness 1 after the first step). Not
-# paced by default: on 2 shared cores, pacing (judge.simulate.pace_gap) kept vLLM serving through
+# paced by default: on 2 shared cores, pacing (judge.pacing.pace_gap) kept vLLM serving through
 # every learner step, the two contended and the learner's step doubled; bursts let the learner
 # run alone for most of a step. Three batches trained on 2-versions-old tokens at every step, and
 # an uncapped rate outran the learner (measurements in docs/demo.md).

@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from judge.base import Judgement
+from judge.pacing import pace_gap
 from judge.runstats import (
     feedback_to_served,
     feedback_to_swap,
@@ -20,7 +21,7 @@ from judge.runstats import (
     staleness_distribution,
     step_series,
 )
-from judge.simulate import Simulation, SimulationConfig, pace_gap
+from judge.simulate import Simulation, SimulationConfig
 from judge.styles import schedule_from_spec
 
 SCHEDULE = schedule_from_spec("cute:2,pirate:1")

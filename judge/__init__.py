@@ -4,10 +4,11 @@
 - ``judge.styles``: the style catalogue, schedules, the SAO system prompt, shipped data.
 - ``judge.offline``: ``OfflineJudge``, the default judge (MiniLM embeddings + rules, no network).
 - ``judge.llm``: ``LLMJudge`` over any OpenAI-compatible chat endpoint.
-- ``judge.simulate``: the simulation client, lockstep (``sync``) or open loop (``async``).
+- ``judge.simulate``: the simulation client, lockstep (``sync``) or open loop (``async``);
+  ``judge.chatstream`` reassembles its streamed answers, ``judge.pacing`` paces its traffic.
 - ``judge.runstats``: an online run's staleness distribution, feedback→served latency, rates.
-- ``judge.report``: metrics (AUC, last-5 mean, adaptation lag, style shares, the learner's step
-  metrics, seeds) and the report.
+- ``judge.metrics``: AUC, last-5 mean, adaptation lag, style shares, the learner's step
+  metrics, seeds; ``judge.plots`` draws them; ``judge.report`` writes the report.
 """
 
 from judge.base import Judge, JudgeFailure, Judgement

@@ -1,4 +1,4 @@
-"""Report metrics with hand-computed values, and the written report (DESIGN §6)."""
+"""Report metrics (judge.metrics) with hand-computed values, and the written report (DESIGN §6)."""
 
 from __future__ import annotations
 
@@ -10,17 +10,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from judge.report import (
+from judge.metrics import (
     adaptation_lag,
     last_k_mean,
-    load_records,
-    main,
     method_metrics,
     normalized_auc,
     per_step,
     rolling_share,
-    write_report,
 )
+from judge.report import load_records, main, write_report
 from judge.styles import schedule_from_spec
 
 

@@ -377,16 +377,11 @@ def _run_methods(
     correction: str = "dis",
     critic_init: Path | None = None,
 ) -> None:
-    """Run each method ``seeds`` times (seeds ``seed .. seed + seeds - 1``, methods interleaved
-    so an interrupted comparison stays balanced) and write one report. Each method's learner
-    gets one ``LearnerConfig`` (the options on the demo preset; a field a method lacks, such as
-    the critic's learning rate for running_mean, is left out)."""
-    import shutil
-
-    from judge.report import write_report
+    """Check the options, build each method's ``LearnerConfig`` (the options on the demo
+    preset; a field a method lacks, such as the critic's learning rate for running_mean, is
+    left out), run them (``saoserve.demo.run_methods``) and print the summary."""
     from learner.config import ConfigError, build_config
-    from saoserve.demo import run_method
-    from saoserve.model import prepare_model
+    from saoserve.demo import run_methods
 
     sched = _schedule(schedule, steps_per_style)
     if critic_init is not None and not critic_init.is_file():
@@ -397,53 +392,25 @@ def _run_methods(
         configs = {m: build_config(algorithm=m, base=learner, correction=correction) for m in methods}
     except ConfigError as exc:
         fail(str(exc))
-    settings = get_settings()
-    prepare_model(settings.resolved_model_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    judge_obj = _judge(judge)
-    runs: dict[str, list[dict]] = {m: [] for m in methods}
-    interrupted: str | None = None
-    for s in range(seed, seed + seeds):
-        for method in methods:
-            name = method if seeds == 1 else f"{method}-s{s}"
-            home = out / f"run-{name}"
-            shutil.rmtree(home, ignore_errors=True)
-            home.mkdir(parents=True)
-            (home / "model").symlink_to(settings.resolved_model_dir.resolve(), target_is_directory=True)
-            result = run_method(
-                method,
-                sched,
-                judge_obj,
-                out,
-                batch_size=batch_size,
-                max_tokens=max_tokens,
-                seed=s,
-                learner_config=configs[method],
-                keep_weights=keep_weights,
-                traffic=traffic,
-                name=name,
-                critic_init=critic_init,
-            )
-            if result.records:
-                runs[method].append({"seed": s, "records": result.records, "details": result.details()})
-            if result.interrupted:
-                interrupted = result.stopped_by or "interrupted"
-                break
-        if interrupted:
-            typer.secho(f"{interrupted}: writing a partial report", fg="yellow", err=True)
-            break
-    runs = {m: r for m, r in runs.items() if r}
-    if not runs:
-        fail("no step completed; nothing to report")
-    metrics = write_report(
-        out,
-        sched,
-        {m: r[0]["records"] for m, r in runs.items()},
-        window=REPORT_WINDOW,
-        threshold=REPORT_THRESHOLD,
-        details={m: r[0]["details"] for m, r in runs.items()},
-        seeds=runs if seeds > 1 else None,
-    )
+    try:
+        metrics = run_methods(
+            configs,
+            sched,
+            _judge(judge),
+            out,
+            get_settings().resolved_model_dir,
+            batch_size=batch_size,
+            max_tokens=max_tokens,
+            seed=seed,
+            seeds=seeds,
+            window=REPORT_WINDOW,
+            threshold=REPORT_THRESHOLD,
+            keep_weights=keep_weights,
+            traffic=traffic,
+            critic_init=critic_init,
+        )
+    except RuntimeError as exc:
+        fail(str(exc))
     for m, v in metrics["methods"].items():
         typer.echo(
             f"{m}: AUC {v['auc']:.3f}, last-5 mean {v['last5_mean']:.3f}, "

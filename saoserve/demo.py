@@ -18,7 +18,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import httpx
 from rich.console import Console
@@ -257,3 +259,80 @@ def run_method(
     save_records(out / f"records-{name}.jsonl", result.records)
     (out / f"details-{name}.json").write_text(json.dumps(result.details(), default=str), encoding="utf-8")
     return result
+
+
+def run_methods(
+    configs: Mapping[str, LearnerConfig],
+    schedule: Schedule,
+    judge: Judge,
+    out: Path,
+    model_dir: Path,
+    *,
+    batch_size: int,
+    max_tokens: int,
+    seed: int,
+    window: int,
+    threshold: float,
+    seeds: int = 1,
+    keep_weights: bool = False,
+    traffic: dict | None = None,
+    critic_init: Path | None = None,
+) -> dict[str, Any]:
+    """Run each method of ``configs`` (name → its learner's config) ``seeds`` times, seeds
+    ``seed .. seed + seeds - 1`` with the methods interleaved so that an interrupted comparison
+    stays balanced, then write one report to ``out`` (``write_report`` with the share
+    ``window`` in steps and the lag ``threshold``) and return its metrics.
+
+    The model is prepared once at ``model_dir`` (``prepare_model``) and linked into each run's
+    fresh home ``out/run-<name>``. A run that is interrupted (Ctrl-C, a service that died) ends
+    the loop and the report is written from what completed, marked partial on the console.
+    Raises RuntimeError if no run completed a step.
+    """
+    from judge.report import write_report
+    from saoserve.model import prepare_model
+
+    prepare_model(model_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    runs: dict[str, list[dict]] = {m: [] for m in configs}
+    interrupted: str | None = None
+    for s in range(seed, seed + seeds):
+        for method, config in configs.items():
+            name = method if seeds == 1 else f"{method}-s{s}"
+            home = out / f"run-{name}"
+            shutil.rmtree(home, ignore_errors=True)
+            home.mkdir(parents=True)
+            (home / "model").symlink_to(model_dir.resolve(), target_is_directory=True)
+            result = run_method(
+                method,
+                schedule,
+                judge,
+                out,
+                batch_size=batch_size,
+                max_tokens=max_tokens,
+                seed=s,
+                learner_config=config,
+                keep_weights=keep_weights,
+                traffic=traffic,
+                name=name,
+                critic_init=critic_init,
+            )
+            if result.records:
+                runs[method].append({"seed": s, "records": result.records, "details": result.details()})
+            if result.interrupted:
+                interrupted = result.stopped_by or "interrupted"
+                break
+        if interrupted:
+            console.print(f"{interrupted}: writing a partial report", style="yellow", markup=False)
+            break
+    runs = {m: r for m, r in runs.items() if r}
+    if not runs:
+        raise RuntimeError("no step completed; nothing to report")
+    return write_report(
+        out,
+        schedule,
+        {m: r[0]["records"] for m, r in runs.items()},
+        window=window,
+        threshold=threshold,
+        details={m: r[0]["details"] for m, r in runs.items()},
+        seeds=runs if seeds > 1 else None,
+    )

@@ -264,3 +264,44 @@ def test_a_pretrained_critic_goes_where_the_learner_loads_it(tmp_path):
     assert placed == home / "policies" / PRETRAINED_CRITIC and placed.read_bytes() == b"state"
     with pytest.raises(FileNotFoundError, match="no pretrained critic at"):
         place_pretrained_critic(home, tmp_path / "missing.pt")
+
+
+def test_an_interrupted_run_ends_the_comparison_with_a_partial_report(monkeypatch, tmp_path):
+    """Seeds 0..1 of sao and running_mean run in the order sao-s0, running_mean-s0, sao-s1, ...;
+    when running_mean-s0 is interrupted, nothing more starts and the report holds sao-s0 alone."""
+    import saoserve.demo
+    import saoserve.model
+    from judge.simulate import SimulationResult
+    from judge.styles import schedule_from_spec
+    from learner.config import build_config
+
+    started: list[str] = []
+
+    def fake_run_method(method, schedule, judge, out, **kw):
+        started.append(kw["name"])
+        if method == "running_mean":
+            return SimulationResult(interrupted=True, stopped_by="saoserve learn exited (exit code 1)")
+        rec = {"step": 0, "target_style": "cute", "detected_style": "cute", "reward": 1.0}
+        return SimulationResult(records=[rec])
+
+    monkeypatch.setattr(saoserve.demo, "run_method", fake_run_method)
+    monkeypatch.setattr(saoserve.model, "prepare_model", lambda path: path)
+    (tmp_path / "model").mkdir()
+    configs = {m: build_config("demo", algorithm=m) for m in ("sao", "running_mean")}
+    metrics = saoserve.demo.run_methods(
+        configs,
+        schedule_from_spec("cute:1"),
+        None,
+        tmp_path / "report",
+        tmp_path / "model",
+        batch_size=1,
+        max_tokens=8,
+        seed=0,
+        seeds=2,
+        window=1,
+        threshold=0.4,
+    )
+    assert started == ["sao-s0", "running_mean-s0"]
+    assert list(metrics["methods"]) == ["sao"] and metrics["methods"]["sao"]["auc"] == 1.0
+    assert (tmp_path / "report" / "index.html").is_file()
+    assert (tmp_path / "report" / "run-sao-s0" / "model").resolve() == (tmp_path / "model").resolve()

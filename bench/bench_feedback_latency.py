@@ -2,9 +2,8 @@
 
 From the feedback that completes a learner batch to the first answer returned whose first token
 came from the version trained on that batch (``judge.runstats.feedback_to_served``), and to
-the earliest first token of such an answer (runs from before the simulation streamed have no first-token times:
-n/a). Either
-reads finished runs (a ``demo``/``compare`` folder: ``records-<run>.jsonl`` and
+the earliest first token of such an answer (n/a for runs from before the simulation streamed).
+Either reads finished runs (a ``demo``/``compare`` folder: ``records-<run>.jsonl`` and
 ``details-<run>.json``) or runs a short async job itself (``saoserve serve`` + ``saoserve
 learn`` as processes, the offline judge; the engine machine-wide lock is taken by the caller):
 
@@ -13,9 +12,8 @@ learn`` as processes, the offline judge; the engine machine-wide lock is taken b
         [--schedule cute:6] [--batch-size 8] [--concurrency 8] [--feedback-delay-s 0] [--pace] [--out DIR]
 
 Prints one row per run: versions measured, p50 and p95 latency (s), the p50 to the first token
-and of feedback→swap (the server first seen serving the version, before
-the new answer begins), the learner's median step time (s), the target (step time + 2 s) and
-p50 / target.
+and of feedback→swap (the server first seen serving the version, before the new answer
+begins), the learner's median step time (s), the target (step time + 2 s) and p50 / target.
 """
 
 from __future__ import annotations

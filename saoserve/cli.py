@@ -286,6 +286,13 @@ def simulate(
     url: str = typer.Option("http://127.0.0.1:8000", help="Base URL of a running server."),
     schedule: ScheduleOpt = "default",
     steps_per_style: StepsPerStyleOpt = 12,
+    steps: int = typer.Option(
+        None,
+        min=1,
+        help="Stop after this many steps (default: the schedule's length; past it the last "
+        "segment's target holds). With fewer, the schedule's later styles are still in the "
+        "system prompt, never the target.",
+    ),
     batch_size: BatchSizeOpt = 8,
     max_tokens: MaxTokensOpt = 64,
     concurrency: int = typer.Option(8, min=1, help="Requests in flight (async: unless --rate)."),
@@ -318,6 +325,7 @@ def simulate(
     cfg = SimulationConfig(
         base_url=url,
         schedule=sched,
+        steps=steps,
         batch_size=batch_size,
         max_tokens=max_tokens,
         seed=seed,

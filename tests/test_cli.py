@@ -53,6 +53,7 @@ def home(tmp_path, monkeypatch):
         (["simulate", "--schedule", "cute:0"], "need >= 1"),
         (["simulate", "--schedule", "sparkly:3"], "unknown style 'sparkly'"),
         (["simulate", "--judge", "oracle", "--schedule", "cute:1"], "unknown judge 'oracle'"),
+        (["simulate", "--steps", "0"], "Invalid value for '--steps'"),
         (["demo", "--critic-init", "/no/such/critic.pt"], "--critic-init /no/such/critic.pt is not a file"),
         (
             ["compare", "--critic-init", "/no/such/critic.pt"],
@@ -305,3 +306,29 @@ def test_an_interrupted_run_ends_the_comparison_with_a_partial_report(monkeypatc
     assert list(metrics["methods"]) == ["sao"] and metrics["methods"]["sao"]["auc"] == 1.0
     assert (tmp_path / "report" / "index.html").is_file()
     assert (tmp_path / "report" / "run-sao-s0" / "model").resolve() == (tmp_path / "model").resolve()
+
+
+@pytest.mark.parametrize(("args", "total"), [(["--steps", "2"], 2), ([], 3)])
+def test_simulate_steps_stops_before_the_schedule_ends(monkeypatch, tmp_path, args, total):
+    """``--steps 2`` on ``pirate:2,poetic:1`` runs steps 0-1 (both judged for pirate, the
+    poetic step never comes); without it the run covers the schedule's 2 + 1 = 3 steps."""
+    import judge.simulate
+    import saoserve.cli
+
+    seen = []
+
+    class FakeSimulation:
+        def __init__(self, config, judge, on_step=None):
+            seen.append(config)
+
+        async def run(self):
+            return judge.simulate.SimulationResult()
+
+    monkeypatch.setattr(judge.simulate, "Simulation", FakeSimulation)
+    monkeypatch.setattr(saoserve.cli, "_judge", lambda kind: None)
+    result = runner.invoke(
+        app, ["simulate", "--schedule", "pirate:2,poetic:1", "--out", str(tmp_path / "r"), *args]
+    )
+    assert result.exit_code == 0, result.output
+    assert seen[0].total_steps == total
+    assert [seen[0].schedule.target_at(s) for s in range(total)] == ["pirate", "pirate", "poetic"][:total]

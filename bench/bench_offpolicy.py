@@ -26,9 +26,9 @@ from dataclasses import replace
 import torch
 from transformers import AutoModelForCausalLM
 
-from learner.algorithm import build_algorithm
 from learner.batch import Batch, policy_logprobs
 from learner.config import build_config
+from learner.registry import build_algorithm
 
 
 def make_batch(policy, batch: int, seq: int, prompt: int, window: int, seed: int = 0) -> Batch:
@@ -64,7 +64,9 @@ def measure(model_dir: str, correction: str, window: int, args) -> dict:
 
     fields = {"window": window} if correction != "dis" else {}
     config = build_config(
-        algorithm="running_mean", correction=correction, overrides={"correction": fields, "policy_lr": 1e-7}
+        algorithm="running_mean",
+        correction=correction,
+        overrides={"correction": fields, "optimizer": {"policy_lr": 1e-7}},
     )
     learner = build_algorithm(config, load_policy)
     learner.on_version(0)

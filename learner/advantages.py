@@ -3,7 +3,7 @@
 Sources: SPO++ (arXiv 2608.24870; write-up ``papers/000_…txt``): §2.1 advantage
 ``A_i = R_i - v̂``, §2.3 action-token-measure normalisation (and trajectory whitening, the
 ablation), §2.4 the objective (PPO clip [0.2, 0.28], rollout importance ratio truncated at 2,
-dual-clip on negative advantages with c = 2; SPO used c = 10); DESIGN §5.4. The clipped
+dual-clip on negative advantages with c = 2; SPO used c = 10); docs/design.md §5.4. The clipped
 surrogate is PPO's; the asymmetric clip range is DAPO's "clip-higher"; the dual clip is
 Dual-clip PPO (Ye et al., 2020).
 
@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 
 from learner.finite import usable_tokens
+from learner.kl import k3
+from learner.metrics import masked_mean
 
 NORM_EPS = 1e-8
 """Added to σ before dividing (SPO++ write-up §2.3)."""
@@ -91,7 +93,7 @@ def trajectory_whiten(advantages: torch.Tensor) -> torch.Tensor:
 
 
 def spo_advantages(rewards: torch.Tensor, frozen_values: torch.Tensor) -> torch.Tensor:
-    """Trajectory advantages ``A_i = R_i - v̂_i`` (SPO++ §2.1; DESIGN §5.4).
+    """Trajectory advantages ``A_i = R_i - v̂_i`` (SPO++ §2.1; docs/design.md §5.4).
 
     ``frozen_values`` are the values the server froze at dispatch (logged in each trajectory's
     baseline), never a later read. Both ``[N]`` floating, finite, in [0, 1]. Returns ``[N]`` in
@@ -108,7 +110,7 @@ def spo_advantages(rewards: torch.Tensor, frozen_values: torch.Tensor) -> torch.
 
 
 def batch_stats(advantages: torch.Tensor, lengths: torch.Tensor) -> dict[str, float]:
-    """Per-batch diagnostics of SPO++ §2.3 / DESIGN §5.4 ("log per batch").
+    """Per-batch diagnostics of SPO++ §2.3 / docs/design.md §5.4 ("log per batch").
 
     Returns floats:
 
@@ -183,7 +185,7 @@ def spo_ppo_loss(
         ``(loss, stats)``: a 0-d float32 tensor (float64 if ``logprobs`` is float64), and
         floats ``clip_fraction`` (tokens where the clipped term is the larger),
         ``dual_clip_fraction`` (negative-advantage tokens capped at ``-c·A``), ``ratio_mean``,
-        ``approx_kl`` (mean of ``(r - 1) - log r``, the k3 estimator of KL(π_old‖π_θ)),
+        ``approx_kl`` (mean of ``(r - 1) - log r``, ``learner.kl.k3``: KL(π_old‖π_θ)),
         ``rollout_is_mean`` (after truncation), ``rollout_is_truncated_fraction``,
         ``n_action_tokens`` (usable action tokens) and ``nonfinite_tokens``, all over the usable
         action tokens and all finite. With no usable token the loss is 0 (with a graph) and the
@@ -232,22 +234,19 @@ def spo_ppo_loss(
     per_token_dual = torch.where(negative, capped, per_token)
     is_weight = log_is.exp().clamp(max=rollout_is_cap)
     denominator = max(n_tokens, 1)
-    loss = torch.where(mask, is_weight * per_token_dual, zero).sum() / denominator
+    loss = masked_mean(is_weight * per_token_dual, mask)
 
     with torch.no_grad():
 
         def frac(x: torch.Tensor) -> float:
             return ((x & mask).sum() / denominator).item()
 
-        def mean(x: torch.Tensor) -> float:
-            return (torch.where(mask, x, zero).sum() / denominator).item()
-
         stats = {
             "clip_fraction": frac(surr_clipped > surr),
             "dual_clip_fraction": frac(negative & (per_token > -dual_clip * adv)),
-            "ratio_mean": mean(ratio),
-            "approx_kl": mean((ratio - 1) - log_ratio),
-            "rollout_is_mean": mean(is_weight),
+            "ratio_mean": masked_mean(ratio, mask).item(),
+            "approx_kl": masked_mean(k3(log_ratio), mask).item(),
+            "rollout_is_mean": masked_mean(is_weight, mask).item(),
             "rollout_is_truncated_fraction": frac(log_is.exp() > rollout_is_cap),
             "n_action_tokens": float(n_tokens),
             "nonfinite_tokens": dropped,

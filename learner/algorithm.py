@@ -1,19 +1,17 @@
-"""The contract every learner algorithm implements, the shared optimiser step and metrics.
+"""The contract every learner algorithm implements.
 
-``learner.process`` drives any algorithm through ``Algorithm`` only: it builds one with
-``build_algorithm(config, load_policy)`` (the config's ``algorithm.implementation`` names the
-class), calls ``step(batch, samples)`` for the metrics of one update, publishes
+``learner.process`` drives any algorithm through ``Algorithm`` only: it builds one from the
+run's validated ``LearnerConfig`` (``learner.registry.build_algorithm``: the config's algorithm
+model names the class), calls ``step(batch)`` for the metrics of one update, publishes
 ``policy_weights``, checkpoints ``state_dict`` and restores ``load_state_dict``. Adding an
-algorithm is a config model in ``learner.config`` plus a module with its ``Algorithm`` subclass.
+algorithm is a config model in ``learner.config``, a module with its ``Algorithm`` subclass, and
+one entry in ``learner.registry.ALGORITHMS``.
 """
 
 from __future__ import annotations
 
-import importlib
-import math
-import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -24,52 +22,17 @@ if TYPE_CHECKING:
 
     from learner.batch import Batch
     from learner.config import LearnerConfig
-    from learner.samples import Sample
-
-
-def make_adamw(
-    params: list[torch.nn.Parameter], lr: float, weight_decay: float, beta1: float = 0.9
-) -> torch.optim.AdamW:
-    """AdamW with betas ``(beta1, 0.999)`` for the learners' models (no I/O; raises nothing).
-
-    Fused AdamW exists for CPU and CUDA float32 parameters and is several times faster than the
-    per-tensor loop on 135M parameters.
-    """
-    fused = all(p.device.type in ("cpu", "cuda") for p in params)
-    return torch.optim.AdamW(params, lr=lr, betas=(beta1, 0.999), weight_decay=weight_decay, fused=fused)
-
-
-def optimizer_step(
-    opt: torch.optim.Optimizer, loss: torch.Tensor, params: Sequence[torch.nn.Parameter], grad_clip: float
-) -> float:
-    """Zero the gradients, back-propagate ``loss``, clip the global L2 norm to ``grad_clip``,
-    step ``opt``; returns the gradient norm before clipping (float)."""
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    norm = torch.nn.utils.clip_grad_norm_(params, grad_clip).item()
-    opt.step()
-    return norm
-
-
-def throughput(batch: Batch, started: float) -> dict[str, float]:
-    """``tokens`` (attended tokens of ``batch``), ``step_time_s`` (seconds since ``started``, a
-    ``time.perf_counter()`` value) and ``tokens_per_s``."""
-    elapsed = time.perf_counter() - started
-    tokens = int(batch.attention_mask.bool().sum().item())
-    return {
-        "tokens": tokens,
-        "step_time_s": elapsed,
-        "tokens_per_s": tokens / elapsed if elapsed > 0 else math.inf,
-    }
 
 
 class Algorithm(ABC):
     """One policy-update algorithm on in-memory models.
 
-    Attributes every implementation sets: ``policy`` (the float32 policy it trains),
-    ``policy_opt`` (its optimizer) and ``steps`` (updates done).
+    Attributes every implementation sets: ``config`` (the ``LearnerConfig`` it was built from),
+    ``policy`` (the float32 policy it trains), ``policy_opt`` (its optimizer) and ``steps``
+    (updates done).
     """
 
+    config: LearnerConfig
     policy: PreTrainedModel
     policy_opt: torch.optim.Optimizer
     steps: int
@@ -81,9 +44,9 @@ class Algorithm(ABC):
         base policy each call (the policy, and e.g. the KL reference or the critic's body)."""
 
     @abstractmethod
-    def step(self, batch: Batch, samples: Sequence[Sample] | None = None) -> dict:
-        """One update on ``batch`` (collated from ``samples``); returns metrics (JSON-able
-        numbers, dicts of numbers). Raises ValueError on an invalid batch."""
+    def step(self, batch: Batch) -> dict:
+        """One update on ``batch``; returns metrics (JSON-able numbers, dicts of numbers).
+        Raises ValueError on an invalid batch."""
 
     @abstractmethod
     def state_dict(self) -> dict:
@@ -110,9 +73,3 @@ class Algorithm(ABC):
     def policy_weights(self, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
         """A detached copy of the policy's state dict cast to ``dtype`` (for publishing)."""
         return {k: v.detach().to(dtype=dtype, copy=True) for k, v in self.policy.state_dict().items()}
-
-
-def build_algorithm(config: LearnerConfig, load_policy: Callable[[], PreTrainedModel]) -> Algorithm:
-    """The implementation named by ``config.algorithm.implementation`` ("module:Class"), built."""
-    module, _, cls = config.algorithm.implementation.partition(":")
-    return getattr(importlib.import_module(module), cls).build(config, load_policy)

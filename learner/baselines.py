@@ -1,4 +1,4 @@
-"""Single-rollout baselines that need no critic (DESIGN §5.6).
+"""Single-rollout baselines that need no critic (docs/design.md §5.6).
 
 SAO's comparison baseline (SAO §3.4): per prompt, the mean of its last 8 rewards; the
 advantage is R minus that mean on every action token.
@@ -13,7 +13,7 @@ import torch
 
 
 class RunningMeanBaseline:
-    """Per-prompt running-mean reward baseline (the SAO §3.4 comparison, DESIGN §5.6).
+    """Per-prompt running-mean reward baseline (the SAO §3.4 comparison, docs/design.md §5.6).
 
     ``baseline(prompt) = mean of that prompt's last ``window`` rewards``, or ``default`` for a prompt
     never seen (0.5: the middle of [0, 1], the same starting point as the critic's head). Baselines

@@ -1,7 +1,7 @@
 """DIS: direct double-sided importance sampling, the SAO policy loss.
 
 Source: SAO (arXiv 2607.07508) §2.2 "直接双边 token 级重要性采样" (papers/001, and papers/003
-§二(一)), DESIGN §5.1. The ratio is taken directly against the logged rollout log-probability
+§二(一)), docs/design.md §5.1. The ratio is taken directly against the logged rollout log-probability
 (no old-policy forward pass), and a token whose ratio leaves the open interval
 ``(1 - eps_low, 1 + eps_high)`` is dropped from the gradient whatever the sign of its advantage
 (unlike PPO clipping, which looks at the sign).
@@ -12,12 +12,35 @@ from __future__ import annotations
 import torch
 
 from learner.finite import usable_tokens
+from learner.kl import k3
 
 # (eps_low, eps_high) per task family, from SAO §3 experimental setup (papers/003 §三(一)).
 DIS_PRESETS: dict[str, tuple[float, float]] = {
     "math_tir": (0.3, 5.0),
     "coding_agent": (0.8, 3.0),
 }
+
+
+def check_token_inputs(
+    name: str, first: torch.Tensor, others: dict[str, torch.Tensor | None], eps_low: float, eps_high: float
+) -> None:
+    """The input checks of a token-level ratio loss or mask (``dis_loss``,
+    ``learner.offpolicy.mis_token_mask``): ``first`` (called ``name``) is [B, T], each tensor of
+    ``others`` (None: absent, skipped) has its shape, ``0 <= eps_low <= 1`` and ``eps_high >= 0``.
+
+    Raises:
+        ValueError: naming the tensor whose shape is wrong, or the bound out of range.
+    """
+    shape = first.shape
+    if first.dim() != 2:
+        raise ValueError(f"{name} must be [B, T], got {tuple(shape)}")
+    for other, t in others.items():
+        if t is not None and t.shape != shape:
+            raise ValueError(f"{other} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+    if not 0.0 <= eps_low <= 1.0:
+        raise ValueError(f"eps_low must be in [0, 1], got {eps_low}")
+    if eps_high < 0.0:
+        raise ValueError(f"eps_high must be >= 0, got {eps_high}")
 
 
 def dis_loss(
@@ -54,7 +77,7 @@ def dis_loss(
         ``(loss, stats)``: loss is a 0-dim float32 tensor (0 with a graph when there is no action
         token). stats holds python numbers over action tokens: ``action_tokens`` (count),
         ``kept_fraction`` (fraction with ratio inside the interval), ``mean_abs_log_ratio``
-        (mean ``|log r|``), ``approx_kl`` (k3 estimator, mean of ``(r - 1) - log r``: an unbiased
+        (mean ``|log r|``), ``approx_kl`` (``learner.kl.k3``, mean of ``(r - 1) - log r``: an unbiased
         estimate of ``KL(π_rollout ‖ πθ)`` under rollout samples, computed in float64), and, with
         ``staleness``, ``mean_abs_log_ratio_by_staleness`` ``{staleness: mean |log r|}``.
         All stats are 0 when there is no usable action token; every stat is finite.
@@ -62,20 +85,8 @@ def dis_loss(
     Raises:
         ValueError: shapes differ or are not 2-D, or eps out of range.
     """
-    shape = logprobs.shape
-    if logprobs.dim() != 2:
-        raise ValueError(f"logprobs must be [B, T], got {tuple(shape)}")
     named = {"rollout_logprobs": rollout_logprobs, "advantages": advantages, "action_mask": action_mask}
-    if staleness is not None:
-        named["staleness"] = staleness
-    for name, t in named.items():
-        if t.shape != shape:
-            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
-    if not 0.0 <= eps_low <= 1.0:
-        raise ValueError(f"eps_low must be in [0, 1], got {eps_low}")
-    if eps_high < 0.0:
-        raise ValueError(f"eps_high must be >= 0, got {eps_high}")
-
+    check_token_inputs("logprobs", logprobs, named | {"staleness": staleness}, eps_low, eps_high)
     mask, dropped = usable_tokens(action_mask, logprobs, rollout_logprobs)
     log_ratio = torch.where(mask, logprobs.detach().float() - rollout_logprobs.float(), 0.0)
     ratio = torch.exp(log_ratio)
@@ -96,7 +107,7 @@ def dis_loss(
     lr64 = log_ratio[mask].double()
     stats["kept_fraction"] = keep.sum().item() / n_tokens
     stats["mean_abs_log_ratio"] = lr64.abs().mean().item()
-    stats["approx_kl"] = (torch.expm1(lr64) - lr64).mean().item()
+    stats["approx_kl"] = k3(lr64).mean().item()
     if staleness is not None:
         stale = staleness[mask]
         abs_lr = lr64.abs()

@@ -1,4 +1,8 @@
-"""KL anchor to the reference (base) policy: the k3 estimator on sampled action tokens.
+"""The k3 estimator of a KL divergence, and the KL anchor to the reference (base) policy.
+
+``k3`` is the one implementation of the estimator: the anchor below, and the ``approx_kl``
+diagnostics of DIS (``learner.dis``), MIS (``learner.mis``) and SPO++
+(``learner.advantages.spo_ppo_loss``) all call it.
 
 Not part of SAO: the paper's objective has no KL term (and SPO++ turns KL, EWMA and entropy terms
 off: SPO++ write-up §2.4, papers/000_…txt). This project adds it as an option (``kl_coef``, 0 = off
@@ -21,7 +25,14 @@ of KL(πθ ‖ π_ref).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+from learner.metrics import masked_mean
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 #: |d| is clipped here before exp, and each token's k3 at MAX_K3 (verl's k3 clamps, ±20 and
 #: ±10): a token the reference finds e^20 times likelier would otherwise dominate the step's
@@ -29,6 +40,21 @@ import torch
 #: clamped at MAX_K3 gets no gradient from the anchor.
 MAX_LOG_RATIO = 20.0
 MAX_K3 = 10.0
+
+
+def k3(log_ratio: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 per token: ``exp(x) − 1 − x`` for ``x = log q(a) − log p(a)``, ``a ~ p``.
+
+    ``E_p[k3] = KL(p ‖ q)`` and ``k3 ≥ 0``. Computed as ``expm1(x) − x``, which (unlike
+    ``exp(x) − 1 − x``) never rounds below 0 for a tiny ``|x|``.
+
+    Args:
+        log_ratio: any shape, float (nats); the dtype is kept (callers pick float64 for stats).
+
+    Returns:
+        Tensor of ``log_ratio``'s shape and dtype.
+    """
+    return torch.expm1(log_ratio) - log_ratio
 
 
 def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -54,5 +80,29 @@ def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor
         )
     m = mask.bool()
     d = torch.where(m, ref_logprobs.float() - logprobs.float(), 0.0).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-    k3 = torch.where(m, (torch.expm1(d) - d).clamp(0.0, MAX_K3), 0.0)
-    return k3.sum() / m.sum().clamp(min=1)
+    return masked_mean(k3(d).clamp(0.0, MAX_K3), m)
+
+
+class KLAnchor:
+    """The anchor term ``coef · k3_kl(πθ, π_ref)`` of a policy loss, and its frozen reference.
+
+    Built only when ``LearnerConfig.algorithm.has_kl_anchor`` (``kl_coef > 0``); a learner
+    without an anchor holds None, so nothing else asks whether the term is on.
+
+    Args (constructor):
+        reference: the reference policy (the base model, version 0); cast to float32, put in eval
+            mode and frozen here (``requires_grad`` False), never updated.
+        coef: the weight ``kl_coef`` (> 0; validated by ``learner.config``).
+    """
+
+    def __init__(self, reference: PreTrainedModel, coef: float) -> None:
+        self.reference = reference.float().eval().requires_grad_(False)
+        self.coef = coef
+
+    def penalty(
+        self, logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(coef · kl, kl)`` with ``kl = k3_kl(logprobs, ref_logprobs, mask)`` (0-dim float32,
+        nats per action token; ``logprobs`` carries the gradient). Raises ValueError as ``k3_kl``."""
+        kl = k3_kl(logprobs, ref_logprobs, mask)
+        return self.coef * kl, kl

@@ -1,6 +1,7 @@
 """The MIS policy loss with an old policy: the ``mis_snapshot`` and ``mis_ewma`` corrections.
 
-Source: papers/004 §4 (the dual-constraint view) and §5 (where π_old comes from), DESIGN §5.5.
+Source: papers/004 §4 (the dual-constraint view) and §5 (where π_old comes from), docs/design.md
+§5.5.
 The token mask is ``learner.offpolicy.mis_token_mask``; this module turns it into a loss.
 
 What is implemented, and why: the per-token gradient is ``sg(r_d · r_s) · A · ∇log πθ`` on the
@@ -23,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from learner.finite import usable_tokens
+from learner.kl import k3
 from learner.offpolicy import mis_token_mask
 
 
@@ -57,8 +59,8 @@ def mis_loss(
         tokens dropped for a non-finite or too small logprob, ``learner.finite``), ``kept``
         (tokens kept, int), ``masked_by_rd`` (r_d outside ``[1/c, c]``, int), ``masked_by_rs``
         (r_d inside but the drift bound violated, int), ``sum_abs_log_ratio`` (Σ |log πθ/μ|),
-        ``sum_abs_log_rd`` (Σ |log r_d|), ``sum_k3`` (Σ (πθ/μ − 1) − log πθ/μ); the sums let a
-        caller average over several updates.
+        ``sum_abs_log_rd`` (Σ |log r_d|), ``sum_k3`` (Σ (πθ/μ − 1) − log πθ/μ, ``learner.kl.k3``);
+        the sums let a caller average over several updates.
 
     Raises:
         ValueError: shapes differ or a bound is out of range (``mis_token_mask``), or
@@ -97,6 +99,6 @@ def mis_loss(
         "masked_by_rs": int((usable & ~rd_out & ~keep).sum().item()),
         "sum_abs_log_ratio": lw.abs().sum().item(),
         "sum_abs_log_rd": log_rd[usable].abs().sum().item(),
-        "sum_k3": (torch.expm1(lw) - lw).sum().item(),
+        "sum_k3": k3(lw).sum().item(),
     }
     return loss, stats

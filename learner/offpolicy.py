@@ -1,6 +1,6 @@
 """The off-policy correction family of "Missing Old Logits in Asynchronous Agentic RL".
 
-Source: papers/004 (DESIGN §5.5). Section 4 rewrites PPO's clip as a token mask (the MIS view)
+Source: papers/004 (docs/design.md §5.5). Section 4 rewrites PPO's clip as a token mask (the MIS view)
 and separates the two ratios that a single importance ratio folds together:
 
 - the train–inference discrepancy ``r_d = π_old / μ`` (μ: the behaviour policy as served, whose
@@ -29,13 +29,11 @@ from collections.abc import Mapping
 
 import torch
 
+from learner.dis import check_token_inputs
 from learner.finite import usable_tokens
 
 RESET_TAU = 0.9
 """Reset threshold τ on the active-token fraction ρ_t (papers/004 §5.2, Appendix F)."""
-
-STALE_WINDOW = 3
-"""The paper's maximum version gap W (papers/004 §6.1)."""
 
 
 def _interval(c: float | tuple[float, float]) -> tuple[float, float]:
@@ -85,16 +83,9 @@ def mis_token_mask(
     Raises:
         ValueError: shapes differ or are not 2-D, or a bound is out of range.
     """
+    named = {"logp_old": logp_old, "logp_behaviour": logp_behaviour, "advantages": advantages}
+    check_token_inputs("logp_new", logp_new, named, eps_low, eps_high)
     shape = logp_new.shape
-    if logp_new.dim() != 2:
-        raise ValueError(f"logp_new must be [B, T], got {tuple(shape)}")
-    for name, t in (("logp_old", logp_old), ("logp_behaviour", logp_behaviour), ("advantages", advantages)):
-        if t.shape != shape:
-            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
-    if not 0.0 <= eps_low <= 1.0:
-        raise ValueError(f"eps_low must be in [0, 1], got {eps_low}")
-    if eps_high < 0.0:
-        raise ValueError(f"eps_high must be >= 0, got {eps_high}")
     low, high = _interval(c)
     action = torch.ones(shape, dtype=torch.bool) if action_mask is None else action_mask.bool()
     usable, _ = usable_tokens(action, logp_new, logp_old, logp_behaviour)

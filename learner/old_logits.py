@@ -1,7 +1,7 @@
 """Where π_old comes from when the learner needs it: snapshots or the PPO-EWMA proxy.
 
 Source: papers/004 §5.1 (exact old logits from parameter snapshots kept in CPU memory) and §5.2
-(the revised PPO-EWMA proxy with a reset), DESIGN §5.5. Both keep one scratch copy of the
+(the revised PPO-EWMA proxy with a reset), docs/design.md §5.5. Both keep one scratch copy of the
 policy's architecture to evaluate old parameters; the live policy is never modified here.
 
 - ``SnapshotOldPolicy``: ``on_version(v, policy)`` stores a CPU copy of version v's parameters
@@ -9,13 +9,14 @@ policy's architecture to evaluate old parameters; the live policy is never modif
   older); ``logprobs`` evaluates each token with the snapshot of the version that generated
   it, loading that snapshot into the scratch model (the "switch"). Rows with a token whose
   version is no longer stored are reported, for the caller to drop.
-Both expose ``put_s`` (seconds of the last ``on_version``), ``update_s`` (of the last
-``after_step``) and ``resets`` (count), so the learner reports the extra time per step.
-
 - ``EWMAOldPolicy``: the proxy θ_prox starts at the policy and after every learner step becomes
   ``(β θ_prox + θ)/(β + 1)``, β = W/(W + 2), or θ itself when the step's active-token fraction
   ρ_t < τ (``reset``). Not checkpointed: after a restart the proxy starts again at the policy,
   as after a reset.
+
+Both expose ``put_s`` (seconds of the last ``on_version``), ``update_s`` (of the last
+``after_step``) and ``resets`` (count), so the learner reports the extra time per step. Their
+one user is ``learner.policy_update.MISUpdate``.
 """
 
 from __future__ import annotations
@@ -57,7 +58,6 @@ class SnapshotOldPolicy:
         """``window``: W, the largest staleness (versions) served exactly (``>= 1``)."""
         self.store = SnapshotStore(window + 1)
         self.scratch = _scratch(policy)
-        self.version: int | None = None
         self.put_s = 0.0
         self.update_s = 0.0
         self.resets = 0
@@ -67,7 +67,6 @@ class SnapshotOldPolicy:
         t0 = time.perf_counter()
         self.store.put(version, _distinct(policy.state_dict()))
         self.put_s = time.perf_counter() - t0
-        self.version = version
 
     def missing_rows(self, versions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """[B] bool: rows with an action token whose version has no snapshot (too stale)."""

@@ -9,9 +9,10 @@ from hypothesis import strategies as st
 
 from learner.batch import policy_logprobs
 from learner.critic import ValueModel
-from learner.kl import MAX_K3, MAX_LOG_RATIO, k3_kl
-from learner.sao import SAOConfig, SAOLearner
-from tests.test_sao_step import make_batch, tiny_policy
+from learner.dis import dis_loss
+from learner.kl import MAX_K3, MAX_LOG_RATIO, k3, k3_kl
+from learner.sao import SAOLearner
+from tests.test_sao_step import make_batch, make_config, tiny_policy
 
 
 def test_k3_by_hand():
@@ -27,6 +28,18 @@ def test_k3_by_hand():
     expected = ((math.e - 2) + 0.0 + (math.exp(-2) + 1)) / 3
     assert expected == pytest.approx(0.617872, abs=1e-6)
     assert k3_kl(lp, ref, mask).item() == pytest.approx(expected, abs=1e-6)
+
+
+def test_k3_by_hand_is_what_the_diagnostics_report():
+    """k3(x) = e^x − 1 − x: k3(ln 2) = 2 − 1 − ln 2 = 0.306853, k3(−ln 2) = 0.5 − 1 + ln 2 =
+    0.193147. DIS's approx_kl over those two log-ratios is their mean, 0.25."""
+    x = torch.tensor([math.log(2), -math.log(2)], dtype=torch.float64)
+    assert k3(x).tolist() == pytest.approx([1 - math.log(2), math.log(2) - 0.5], abs=1e-12)
+    assert k3(x).tolist() == pytest.approx([0.306853, 0.193147], abs=1e-6)
+    lp = torch.tensor([[0.0, math.log(0.5), math.log(0.25)]])
+    rollout = torch.tensor([[0.0, math.log(0.25), math.log(0.5)]])  # log r = ±ln 2
+    _, stats = dis_loss(lp, rollout, torch.ones(1, 3), torch.tensor([[0, 1, 1]]))
+    assert stats["approx_kl"] == pytest.approx(0.25, abs=1e-6)
 
 
 def test_k3_gradient_pulls_towards_the_reference():
@@ -87,22 +100,22 @@ def test_sao_step_with_the_reference_equal_to_the_policy_has_zero_kl():
     anchor's gradient 1 − e^d is 0 at d = 0."""
     policy, plain_policy = tiny_policy(), tiny_policy()
     learner = SAOLearner(
+        make_config(kl_coef=0.5, policy_lr=1e-2, critic_lr=1e-2, critic_warmup_steps=0),
         policy,
         ValueModel.from_policy(policy),
-        SAOConfig(kl_coef=0.5, policy_lr=1e-2, critic_lr=1e-2, critic_warmup_steps=0),
         reference=tiny_policy(),
     )
     plain = SAOLearner(
+        make_config(policy_lr=1e-2, critic_lr=1e-2, critic_warmup_steps=0),
         plain_policy,
         ValueModel.from_policy(plain_policy),
-        SAOConfig(policy_lr=1e-2, critic_lr=1e-2, critic_warmup_steps=0),
     )
     metrics = learner.step(make_batch(policy))
     plain.step(make_batch(plain_policy))
     assert metrics["kl_ref"] == pytest.approx(0.0, abs=1e-9)
     for (name, p), q in zip(policy.named_parameters(), plain_policy.parameters(), strict=True):
         assert torch.allclose(p, q, atol=1e-6), name
-    assert not any(p.requires_grad for p in learner.reference.parameters())
+    assert not any(p.requires_grad for p in learner.policy_update.anchor.reference.parameters())
     assert learner.step(make_batch(policy, seed=1))["kl_ref"] > 0.0
 
 
@@ -113,9 +126,9 @@ def test_kl_alone_pulls_a_moved_policy_back_to_the_reference():
     policy = tiny_policy(seed=3)
     critic = ValueModel.from_policy(policy, head_bias=0.0)
     learner = SAOLearner(
+        make_config(kl_coef=1.0, policy_lr=3e-3, critic_lr=0.0, critic_warmup_steps=0),
         policy,
         critic,
-        SAOConfig(kl_coef=1.0, policy_lr=3e-3, critic_lr=0.0, critic_warmup_steps=0),
         reference=reference,
     )
     batch = make_batch(policy, rewards=(0.0, 0.0, 0.0, 0.0))
@@ -133,6 +146,9 @@ def test_kl_alone_pulls_a_moved_policy_back_to_the_reference():
 def test_kl_needs_a_reference_and_a_non_negative_coefficient():
     policy = tiny_policy()
     with pytest.raises(ValueError, match="needs a reference"):
-        SAOLearner(policy, ValueModel.from_policy(policy), SAOConfig(kl_coef=0.1))
-    with pytest.raises(ValueError, match="kl_coef must be >= 0"):
-        SAOLearner(policy, ValueModel.from_policy(policy), SAOConfig(kl_coef=-0.1), reference=tiny_policy())
+        SAOLearner(make_config(kl_coef=0.1), policy, ValueModel.from_policy(policy))
+    # A negative coefficient is refused where the config is made, naming the field.
+    with pytest.raises(ValueError, match="kl_coef: Input should be greater than or equal to 0"):
+        SAOLearner(make_config(kl_coef=-0.1), policy, ValueModel.from_policy(policy), reference=tiny_policy())
+    with pytest.raises(ValueError, match="uses no reference policy"):
+        SAOLearner(make_config(), policy, ValueModel.from_policy(policy), reference=tiny_policy())

@@ -7,12 +7,22 @@ import json
 import pytest
 import torch
 
-from learner.algorithm import Algorithm, build_algorithm
-from learner.config import PRESETS, ConfigError, LearnerConfig, SAOAlgorithm, build_config, load_config
+from learner.algorithm import Algorithm
+from learner.config import (
+    ALGORITHM_MODELS,
+    PRESETS,
+    ConfigError,
+    LearnerConfig,
+    OptimizerConfig,
+    SAOAlgorithm,
+    build_config,
+    load_config,
+)
 from learner.critic import ValueModel
-from learner.sao import SAOConfig, SAOLearner
+from learner.registry import ALGORITHMS, build_algorithm
+from learner.sao import SAOLearner
 from learner.spo import SPOLearner
-from tests.test_sao_step import FAST, make_batch, tiny_policy
+from tests.test_sao_step import FAST, make_batch, make_config, tiny_policy
 
 # Two SAO steps (the second batch sampled before the first step, so its ratios differ from 1)
 # on tiny_policy() with a critic from its body (trainable="mlp") and FAST. Obtained by running
@@ -103,42 +113,48 @@ def test_seeded_sao_step_is_unchanged_by_the_refactor():
     torch.manual_seed(0)
     policy = tiny_policy()
     critic = ValueModel.from_policy(policy, trainable="mlp")
-    learner = SAOLearner(policy, critic, SAOConfig(**FAST))
+    learner = SAOLearner(make_config(**FAST), policy, critic)
     _assert_same(*_two_steps(learner, policy, critic))
 
 
 def test_the_config_path_builds_the_same_sao_step():
     """LearnerConfig → build_algorithm gives the learner SAOConfig(**FAST) gave before."""
-    config = LearnerConfig(policy_lr=1e-2, algorithm=SAOAlgorithm(critic_lr=1e-2, critic_warmup_steps=0))
+    built = LearnerConfig(
+        optimizer=OptimizerConfig(policy_lr=1e-2),
+        algorithm=SAOAlgorithm(critic_lr=1e-2, critic_warmup_steps=0),
+    )
     torch.manual_seed(0)
-    learner = build_algorithm(config, tiny_policy)
+    learner = build_algorithm(built, tiny_policy)
     assert isinstance(learner, SAOLearner) and isinstance(learner, Algorithm)
-    assert learner.config == SAOConfig(**FAST)
+    assert learner.config == make_config(**FAST)
     _assert_same(*_two_steps(learner, learner.policy, learner.critic))
 
 
 def test_registry_picks_each_implementation():
+    assert set(ALGORITHMS) == set(ALGORITHM_MODELS.values())  # every algorithm has a class
     for name, cls, critic in (("sao", SAOLearner, True), ("running_mean", SAOLearner, False)):
         algo = build_algorithm(build_config(algorithm=name), tiny_policy)
         assert type(algo) is cls and (algo.critic is not None) == critic
     spo = build_algorithm(build_config(algorithm="spo"), tiny_policy)
-    assert type(spo) is SPOLearner and spo.config.policy_lr == 5e-5
+    assert type(spo) is SPOLearner and spo.config.optimizer.policy_lr == 5e-5
     kl = build_algorithm(build_config("demo"), tiny_policy)
-    assert kl.reference is not None and kl.config.kl_coef == 0.1
+    assert kl.policy_update.anchor is not None and kl.config.algorithm.kl_coef == 0.1
 
 
 def test_presets():
     cpu = build_config("cpu")
     assert cpu == LearnerConfig()
-    assert (cpu.batch_size, cpu.policy_lr, cpu.algorithm.critic_lr, cpu.adam_beta1) == (8, 5e-5, 1e-4, 0.9)
+    opt = cpu.optimizer
+    assert (cpu.batch_size, opt.policy_lr, cpu.algorithm.critic_lr, opt.adam_beta1) == (8, 5e-5, 1e-4, 0.9)
     demo = build_config("demo")
-    assert (demo.batch_size, demo.policy_lr, demo.adam_beta1) == (16, 1e-4, 0.5)
+    assert (demo.batch_size, demo.optimizer.policy_lr, demo.optimizer.adam_beta1) == (16, 1e-4, 0.5)
     assert (demo.algorithm.critic_lr, demo.algorithm.kl_coef) == (2e-4, 0.1)
     paper = build_config("paper")
-    assert (paper.batch_size, paper.policy_lr, paper.algorithm.critic_lr) == (128, 1e-6, 5e-6)
+    assert (paper.batch_size, paper.optimizer.policy_lr, paper.algorithm.critic_lr) == (128, 1e-6, 5e-6)
     # A preset's algorithm fields apply where the algorithm has them: spo has no critic or KL.
     spo = build_config("demo", algorithm="spo")
-    assert spo.algorithm.name == "spo" and spo.policy_lr == 1e-4 and not hasattr(spo.algorithm, "kl_coef")
+    assert spo.algorithm.name == "spo" and spo.optimizer.policy_lr == 1e-4
+    assert not hasattr(spo.algorithm, "kl_coef")
     assert set(PRESETS) == {"paper", "cpu", "demo"}
 
 
@@ -167,7 +183,11 @@ def test_json_round_trip(tmp_path):
         ({"overrides": {"algorithm": {"eps_low": 1.5}}}, "eps_low: Input should be less than or equal to 1"),
         ({"overrides": {"algorithm": {"value_range": (1.0, 0.0)}}}, "value_range must be (low, high)"),
         ({"overrides": {"correction": {"kind": "vtrace"}}}, "unknown correction 'vtrace'"),
-        ({"overrides": {"policy_lr": -1.0}}, "policy_lr: Input should be greater than or equal to 0"),
+        (
+            {"overrides": {"optimizer": {"policy_lr": -1.0}}},
+            "optimizer.policy_lr: Input should be greater than or equal to 0",
+        ),
+        ({"overrides": {"optimizer": {"lr": 0.1}}}, "optimizer.lr: Extra inputs are not permitted"),
     ],
 )
 def test_config_errors_name_the_field(kwargs, needle):
@@ -184,13 +204,8 @@ def test_unreadable_config_file(tmp_path):
         load_config(tmp_path / "list.json")
 
 
-def test_demo_preset_is_what_demo_and_compare_run():
-    from saoserve import cli
-
-    demo = build_config("demo")
-    assert (demo.batch_size, demo.policy_lr, demo.adam_beta1) == (
-        cli.DEMO_BATCH_SIZE,
-        cli.DEMO_POLICY_LR,
-        cli.DEMO_ADAM_BETA1,
-    )
-    assert (demo.algorithm.critic_lr, demo.algorithm.kl_coef) == (cli.DEMO_CRITIC_LR, cli.DEMO_KL_COEF)
+def test_an_optimizer_override_keeps_the_presets_other_optimizer_fields():
+    """The sections are merged field by field: demo's β1 0.5 survives a new learning rate."""
+    config = build_config("demo", overrides={"optimizer": {"policy_lr": 3e-4}})
+    assert (config.optimizer.policy_lr, config.optimizer.adam_beta1) == (3e-4, 0.5)
+    assert config.algorithm.kl_coef == 0.1

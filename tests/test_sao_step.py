@@ -8,16 +8,28 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from learner.baselines import RunningMeanBaseline
 from learner.batch import Batch, policy_logprobs
+from learner.config import LearnerConfig, OptimizerConfig, build_config
 from learner.critic import ValueModel
 from learner.dis import dis_loss
-from learner.sao import (
-    SAOConfig,
-    SAOLearner,
-    explained_variance,
-    pretrain_critic,
-)
+from learner.metrics import explained_variance
+from learner.pretrain import pretrain_critic
+from learner.sao import SAOLearner
 
 FAST = dict(policy_lr=1e-2, critic_lr=1e-2, critic_warmup_steps=0)
+
+
+def make_config(algorithm: str = "sao", **fields) -> LearnerConfig:
+    """The ``cpu`` preset with ``fields`` set, each in its section: the optimiser's (policy_lr,
+    adam_beta1, ...), the top-level ones (autocast_bf16, ...) and the algorithm's (the rest)."""
+    overrides: dict = {"optimizer": {}, "algorithm": {}}
+    for k, v in fields.items():
+        if k in OptimizerConfig.model_fields:
+            overrides["optimizer"][k] = v
+        elif k in LearnerConfig.model_fields:
+            overrides[k] = v
+        else:
+            overrides["algorithm"][k] = v
+    return build_config(algorithm=algorithm, overrides=overrides)
 
 
 def tiny_policy(seed: int = 0) -> LlamaForCausalLM:
@@ -105,7 +117,7 @@ def test_token_rewards_on_last_action_token():
 def test_step_updates_policy_and_only_trainable_critic_params():
     policy = tiny_policy()
     critic = ValueModel.from_policy(policy, trainable="mlp")
-    learner = SAOLearner(policy, critic, SAOConfig(**FAST))
+    learner = SAOLearner(make_config(**FAST), policy, critic)
     batch = make_batch(policy)
     p_before = {n: p.detach().clone() for n, p in policy.named_parameters()}
     c_before = {n: p.detach().clone() for n, p in critic.named_parameters()}
@@ -140,7 +152,7 @@ def test_step_updates_policy_and_only_trainable_critic_params():
 def test_repeated_steps_raise_the_rewarded_tokens_logprob():
     policy = tiny_policy(seed=1)
     critic = ValueModel.from_policy(policy)
-    learner = SAOLearner(policy, critic, SAOConfig(**FAST))
+    learner = SAOLearner(make_config(**FAST), policy, critic)
     good, bad = 11, 12
     ids = torch.randint(0, 64, (8, 6), generator=torch.Generator().manual_seed(8))
     ids[:, :3] = torch.tensor([5, 9, 3])
@@ -177,7 +189,7 @@ def test_running_mean_baseline_step_and_history():
     assert restored.baselines(["a"]).tolist() == [0.25]
 
     policy = tiny_policy()
-    learner = SAOLearner(policy, None, SAOConfig(baseline="running_mean", **FAST))
+    learner = SAOLearner(make_config("running_mean", policy_lr=1e-2), policy)
     batch = make_batch(policy, rewards=(1.0, 0.0, 1.0, 0.0))
     m1 = learner.step(batch)
     assert m1["baseline_mean"] == 0.5 and "critic_loss" not in m1
@@ -185,20 +197,20 @@ def test_running_mean_baseline_step_and_history():
     m2 = learner.step(make_batch(policy))
     assert m2["baseline_mean"] == pytest.approx((1 + 0 + 1 + 0) / 4)
     with pytest.raises(ValueError):
-        SAOLearner(policy, ValueModel.from_policy(policy), SAOConfig(baseline="running_mean"))
+        SAOLearner(make_config("running_mean"), policy, ValueModel.from_policy(policy))
 
 
 @pytest.mark.parametrize("mode", ["step_mean", "step_last"])
 def test_step_level_gae_modes_run(mode):
     policy = tiny_policy()
-    learner = SAOLearner(policy, ValueModel.from_policy(policy), SAOConfig(gae_mode=mode, **FAST))
+    learner = SAOLearner(make_config(gae_mode=mode, **FAST), policy, ValueModel.from_policy(policy))
     metrics = learner.step(make_batch(policy))
     assert metrics["policy_grad_norm"] > 0
 
 
 def test_bf16_autocast_step_keeps_fp32_master_weights():
     policy = tiny_policy()
-    learner = SAOLearner(policy, ValueModel.from_policy(policy), SAOConfig(autocast_bf16=True, **FAST))
+    learner = SAOLearner(make_config(autocast_bf16=True, **FAST), policy, ValueModel.from_policy(policy))
     metrics = learner.step(make_batch(policy))
     assert metrics["kept_fraction"] > 0.5
     assert all(p.dtype == torch.float32 for p in policy.parameters())
@@ -207,7 +219,7 @@ def test_bf16_autocast_step_keeps_fp32_master_weights():
 
 def test_state_dict_round_trip():
     policy = tiny_policy()
-    learner = SAOLearner(policy, ValueModel.from_policy(policy), SAOConfig(**FAST))
+    learner = SAOLearner(make_config(**FAST), policy, ValueModel.from_policy(policy))
     learner.step(make_batch(policy))
     state = _deep_clone(learner.state_dict())
     saved = {n: p.detach().clone() for n, p in policy.named_parameters()}
@@ -219,7 +231,7 @@ def test_state_dict_round_trip():
     assert all(torch.equal(saved_critic[n], p) for n, p in learner.critic.named_parameters())
     # the restored learner continues exactly like one that never took the extra step
     twin_policy = tiny_policy()
-    twin = SAOLearner(twin_policy, ValueModel.from_policy(twin_policy), SAOConfig(**FAST))
+    twin = SAOLearner(make_config(**FAST), twin_policy, ValueModel.from_policy(twin_policy))
     twin.load_state_dict(_deep_clone(state))
     batch = make_batch(policy, seed=2)
     a, b = learner.step(batch), twin.step(batch)
@@ -276,16 +288,16 @@ def test_batch_validation():
         bad.validate()
     batch.validate()
     with pytest.raises(ValueError):
-        SAOLearner(policy, None, SAOConfig())
+        SAOLearner(make_config(), policy, None)
 
 
 def test_adam_beta1_reaches_both_optimizers():
     """β1 sets both AdamW first-moment decays; β2 stays 0.999. Default 0.9."""
     policy = tiny_policy()
-    learner = SAOLearner(policy, ValueModel.from_policy(policy), SAOConfig(adam_beta1=0.5, **FAST))
+    learner = SAOLearner(make_config(adam_beta1=0.5, **FAST), policy, ValueModel.from_policy(policy))
     assert learner.policy_opt.param_groups[0]["betas"] == (0.5, 0.999)
     assert learner.critic_opt.param_groups[0]["betas"] == (0.5, 0.999)
-    default = SAOLearner(policy, ValueModel.from_policy(policy), SAOConfig(**FAST))
+    default = SAOLearner(make_config(**FAST), policy, ValueModel.from_policy(policy))
     assert default.policy_opt.param_groups[0]["betas"] == (0.9, 0.999)
 
 
@@ -304,7 +316,7 @@ def test_values_outside_the_return_range_are_clamped_before_gae():
 
     policy = tiny_policy()
     critic = ValueModel.from_policy(policy, head_bias=-0.3)
-    learner = SAOLearner(policy, critic, SAOConfig(value_range=None, **frozen))
+    learner = SAOLearner(make_config(value_range=None, **frozen), policy, critic)
     batch = make_batch(policy, rewards=zeros)
     mask = batch.action_mask.bool()
     values, _ = learner._critic_phase(batch, mask, batch.token_rewards())
@@ -317,8 +329,8 @@ def test_values_outside_the_return_range_are_clamped_before_gae():
 
     policy = tiny_policy()
     critic = ValueModel.from_policy(policy, head_bias=-0.3)
-    learner = SAOLearner(policy, critic, SAOConfig(**frozen))
-    assert learner.config.value_range == (0.0, 1.0)
+    learner = SAOLearner(make_config(**frozen), policy, critic)
+    assert learner.config.algorithm.value_range == (0.0, 1.0)
     before = {n: p.detach().clone() for n, p in policy.named_parameters()}
     metrics = learner.step(make_batch(policy, rewards=zeros))
     assert metrics["value_mean"] == 0.0 and metrics["value_clamped_fraction"] == 1.0
@@ -327,7 +339,7 @@ def test_values_outside_the_return_range_are_clamped_before_gae():
 
     # Above the range: V = 1.4 is read as 1, so a reward of 1 has advantage 0 on every token.
     policy = tiny_policy()
-    learner = SAOLearner(policy, ValueModel.from_policy(policy, head_bias=1.4), SAOConfig(**frozen))
+    learner = SAOLearner(make_config(**frozen), policy, ValueModel.from_policy(policy, head_bias=1.4))
     metrics = learner.step(make_batch(policy, rewards=(1.0, 1.0, 1.0, 1.0)))
     assert metrics["value_mean"] == 1.0 and metrics["advantage_mean"] == 0.0
 
@@ -336,7 +348,7 @@ def test_values_outside_the_return_range_are_clamped_before_gae():
 def test_value_range_must_be_increasing(bad):
     policy = tiny_policy()
     with pytest.raises(ValueError, match="value_range"):
-        SAOLearner(policy, ValueModel.from_policy(policy), SAOConfig(value_range=bad))
+        SAOLearner(make_config(value_range=bad), policy, ValueModel.from_policy(policy))
 
 
 @pytest.mark.parametrize("bad", [math.nan, -math.inf, -9999.0])
@@ -362,7 +374,7 @@ def test_sao_step_metrics_stay_finite_with_a_non_finite_rollout_logprob(bad):
     batch = make_batch(policy)
     batch.rollout_logprobs[0, 4] = bad
     batch.rollout_logprobs[2, 5] = bad
-    learner = SAOLearner(policy, ValueModel.from_policy(policy), SAOConfig(**FAST))
+    learner = SAOLearner(make_config(**FAST), policy, ValueModel.from_policy(policy))
     m = learner.step(batch)
     assert m["nonfinite_tokens"] == 2
     assert all(
@@ -378,7 +390,7 @@ def test_warm_start_loads_the_pretrained_critic_and_says_so(tmp_path):
 
     policy = tiny_policy()
     critic = ValueModel.from_policy(tiny_policy(seed=1))
-    learner = SAOLearner(policy, critic, SAOConfig(**FAST))
+    learner = SAOLearner(make_config(**FAST), policy, critic)
     before = {k: v.clone() for k, v in critic.state_dict().items()}
     assert learner.warm_start(tmp_path) is None
     assert all(torch.equal(before[k], v) for k, v in critic.state_dict().items())
@@ -387,4 +399,4 @@ def test_warm_start_loads_the_pretrained_critic_and_says_so(tmp_path):
     torch.save(donor.state_dict(), tmp_path / PRETRAINED_CRITIC)
     assert learner.warm_start(tmp_path) == tmp_path / PRETRAINED_CRITIC
     assert all(torch.equal(donor.state_dict()[k], v) for k, v in critic.state_dict().items())
-    assert SAOLearner(policy, None, SAOConfig(baseline="running_mean", **FAST)).warm_start(tmp_path) is None
+    assert SAOLearner(make_config("running_mean", policy_lr=1e-2), policy).warm_start(tmp_path) is None

@@ -12,8 +12,8 @@ from core.records import TrajectoryRecord, utcnow
 from learner.advantages import spo_ppo_loss
 from learner.batch import Batch, policy_logprobs
 from learner.samples import NotLearnable, collate, episode_sample, single_turn_sample
-from learner.spo import SPOConfig, SPOLearner
-from tests.test_sao_step import tiny_policy
+from learner.spo import SPOLearner
+from tests.test_sao_step import make_config, tiny_policy
 
 
 def two_rows(policy) -> Batch:
@@ -30,7 +30,7 @@ def two_rows(policy) -> Batch:
 def test_spo_step_uses_frozen_values_and_token_measure():
     policy = tiny_policy()
     before = {k: v.clone() for k, v in policy.state_dict().items()}
-    learner = SPOLearner(policy, SPOConfig(policy_lr=1e-2))
+    learner = SPOLearner(make_config("spo", policy_lr=1e-2), policy)
     m = learner.step(replace(two_rows(policy), baseline_values=torch.tensor([0.5, 0.5])))
     # A = R − v̂ = (1 − 0.5, 0 − 0.5) = (0.5, −0.5); lengths (3, 1):
     # token-weighted centre μ = (3·0.5 + 1·(−0.5)) / 4 = 0.25; after normalisation 0.
@@ -134,11 +134,13 @@ def test_episode_sample_marks_observations_between_actions():
 
 
 def test_adam_beta1_reaches_the_spo_optimizer():
-    assert SPOLearner(tiny_policy(), SPOConfig(adam_beta1=0.5)).policy_opt.param_groups[0]["betas"] == (
+    assert SPOLearner(make_config("spo", adam_beta1=0.5), tiny_policy()).policy_opt.param_groups[0][
+        "betas"
+    ] == (
         0.5,
         0.999,
     )
-    assert SPOLearner(tiny_policy(), SPOConfig()).policy_opt.param_groups[0]["betas"] == (0.9, 0.999)
+    assert SPOLearner(make_config("spo"), tiny_policy()).policy_opt.param_groups[0]["betas"] == (0.9, 0.999)
 
 
 BAD_LOGPROBS = [math.nan, -math.inf, -9999.0]
@@ -185,7 +187,7 @@ def test_spo_step_keeps_weights_finite_with_a_non_finite_rollout_logprob(bad):
     policy = tiny_policy()
     batch = two_rows(policy)
     batch.rollout_logprobs[0, 3] = bad
-    learner = SPOLearner(policy, SPOConfig(policy_lr=1e-2))
+    learner = SPOLearner(make_config("spo", policy_lr=1e-2), policy)
     m = learner.step(replace(batch, baseline_values=torch.tensor([0.5, 0.5])))
     assert all(torch.isfinite(v).all() for v in policy.state_dict().values())
     assert m["nonfinite_tokens"] == 1 and m["n_action_tokens"] == 3.0

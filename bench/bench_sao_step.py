@@ -39,8 +39,10 @@ from transformers import AutoModelForCausalLM
 
 from learner import prefix
 from learner.batch import Batch, policy_logprobs
+from learner.config import build_config
 from learner.critic import ValueModel
-from learner.sao import SAOConfig, SAOLearner, masked_mse
+from learner.metrics import masked_mse
+from learner.sao import SAOLearner
 
 
 class PeakRSS:
@@ -116,8 +118,8 @@ def main() -> None:
     mem = PeakRSS()
     policy = AutoModelForCausalLM.from_pretrained(str(Path(args.model_dir)), dtype=torch.float32)
     critic = ValueModel.from_policy(policy, trainable="mlp", dtype=torch.float32)
-    cfg = SAOConfig(autocast_bf16=args.bf16)
-    learner = SAOLearner(policy, critic, cfg)
+    cfg = build_config("paper", overrides={"autocast_bf16": args.bf16})  # the paper's learning rates
+    learner = SAOLearner(cfg, policy, critic)
     if not 0 <= args.shared_prefix <= args.prompt:
         ap.error(f"--shared-prefix must be in [0, --prompt={args.prompt}], got {args.shared_prefix}")
     batch = make_batch(policy, args.batch, args.seq, args.prompt, args.shared_prefix)
@@ -142,7 +144,7 @@ def main() -> None:
 
     def optimizer_steps() -> None:
         learner.policy_opt.step()
-        for _ in range(cfg.critic_updates):
+        for _ in range(cfg.algorithm.critic_updates):
             learner.critic_opt.step()
 
     default_min_shared = prefix.MIN_SHARED_TOKENS
@@ -152,7 +154,7 @@ def main() -> None:
         learner.policy_opt.zero_grad(set_to_none=True)
         learner.critic_opt.zero_grad(set_to_none=True)
         sample["policy fwd+bwd"] = timed(policy_pass, mem)
-        for k in range(cfg.critic_updates):
+        for k in range(cfg.algorithm.critic_updates):
             learner.critic_opt.zero_grad(set_to_none=True)
             sample[f"critic fwd+bwd #{k + 1}"] = timed(critic_pass, mem)
         sample["critic fwd (no grad)"] = timed(critic_fwd, mem)
@@ -183,7 +185,7 @@ def main() -> None:
     print(
         f"model={args.model_dir} batch={args.batch}x{args.seq} (prompt {args.prompt}, "
         f"shared prefix {args.shared_prefix}, "
-        f"actions {args.seq - args.prompt}) tokens={tokens} K={cfg.critic_updates} "
+        f"actions {args.seq - args.prompt}) tokens={tokens} K={cfg.algorithm.critic_updates} "
         f"autocast_bf16={args.bf16} threads={torch.get_num_threads()} reps={args.reps} "
         f"warmup={args.warmup}"
     )

@@ -104,31 +104,37 @@ class Batch:
 class _TokenLogprob(torch.autograd.Function):
     """``log softmax(W h / τ)[y]`` per token without keeping [N, V] logits for backward.
 
-    Forward streams over chunks of tokens and keeps only the log-sum-exp per token; backward
+    Forward streams over chunks of tokens and keeps only each token's log-probability; backward
     recomputes each chunk's logits (one extra [chunk, V] matmul) to form
-    ``∂/∂(Wh) = (onehot(y) − softmax) / τ``. Peak extra memory is O(chunk · V) instead of O(N · V).
+    ``∂/∂(Wh/τ) = onehot(y) − softmax``. Peak extra memory is O(chunk · V) instead of O(N · V).
+
+    The temperature scales the hidden state before the matmul (``(h/τ) Wᵀ = (h Wᵀ)/τ``), so no
+    elementwise pass over [chunk, V] is spent on it. The log-softmax of the forward is float32 (of
+    logits in ``compute_dtype``, as a bf16 server computes them). The backward's softmax is in
+    ``compute_dtype`` (one fused pass; it feeds a ``compute_dtype`` matmul anyway), except the
+    target entry ``1 − p_y``, formed in float32 from the forward's log-probability so it keeps
+    its precision when ``p_y`` is near 1.
     """
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, inv_temp, chunk, compute_dtype):
         n = hidden.shape[0]
         out = torch.empty(n, dtype=torch.float32, device=hidden.device)
-        lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
         w = weight.to(compute_dtype)
         with torch.autocast(device_type=hidden.device.type, enabled=False):
             for s in range(0, n, chunk):
                 e = min(n, s + chunk)
-                z = (hidden[s:e].to(compute_dtype) @ w.T).float() * inv_temp[s:e, None]
-                lse[s:e] = torch.logsumexp(z, dim=-1)
-                out[s:e] = z.gather(1, targets[s:e, None]).squeeze(1) - lse[s:e]
-        ctx.save_for_backward(hidden, weight, targets, inv_temp, lse)
+                h = (hidden[s:e].float() * inv_temp[s:e, None]).to(compute_dtype)
+                z = torch.log_softmax(h @ w.T, dim=-1, dtype=torch.float32)
+                out[s:e] = z.gather(1, targets[s:e, None]).squeeze(1)
+        ctx.save_for_backward(hidden, weight, targets, inv_temp, out)
         ctx.chunk = chunk
         ctx.compute_dtype = compute_dtype
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        hidden, weight, targets, inv_temp, lse = ctx.saved_tensors
+        hidden, weight, targets, inv_temp, logp = ctx.saved_tensors
         cdt = ctx.compute_dtype
         w = weight.to(cdt)
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
@@ -141,14 +147,14 @@ class _TokenLogprob(torch.autograd.Function):
         with torch.autocast(device_type=hidden.device.type, enabled=False):
             for s in range(0, n, ctx.chunk):
                 e = min(n, s + ctx.chunk)
-                h = hidden[s:e].to(cdt)
-                z = (h @ w.T).float() * inv_temp[s:e, None]
-                g = grad_out[s:e].float() * inv_temp[s:e]
-                dz = torch.exp(z - lse[s:e, None]).mul_(-g[:, None])
-                dz[torch.arange(e - s, device=dz.device), targets[s:e]] += g
-                dz = dz.to(cdt)
+                it = inv_temp[s:e, None]
+                h = (hidden[s:e].float() * it).to(cdt)
+                g = grad_out[s:e].float()
+                y = targets[s:e, None]
+                dz = torch.softmax(h @ w.T, dim=-1).mul_((-g).to(cdt)[:, None])
+                dz.scatter_(1, y, (g * -torch.expm1(logp[s:e])).to(cdt)[:, None])
                 if grad_hidden is not None:
-                    grad_hidden[s:e] = (dz @ w).to(hidden.dtype)
+                    grad_hidden[s:e] = ((dz @ w).float() * it).to(hidden.dtype)
                 if grad_weight is not None:
                     grad_weight += (dz.T @ h).float()
         grad_w = grad_weight.to(weight.dtype) if grad_weight is not None else None
@@ -167,7 +173,7 @@ def policy_logprobs(
 
     ``out[:, t] = log softmax(logits[:, t-1] / temperature)[input_ids[:, t]]`` (nats), computed as
     gathered logit minus log-sum-exp in float32, streamed over ``chunk_tokens`` tokens so no
-    [B·T, V] float32 tensor is materialised or kept for backward (DESIGN §5.1: the server logs
+    [B·T, V] float32 tensor is materialised or kept for backward (docs/design.md §5.1: the server logs
     processed log-probabilities, after temperature). Differentiable w.r.t. the model parameters.
 
     Assumes ``logits = lm_head(last_hidden_state)`` (Llama, Qwen, Mistral families); models with

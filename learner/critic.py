@@ -1,12 +1,12 @@
 """The SAO value model: the policy's transformer with a scalar head, attention frozen.
 
 Source: SAO (arXiv 2607.07508) §2.3 "让 value model 支撑单 rollout 的低方差优势估计" (papers/001;
-papers/003 §二(二)1-2), DESIGN §5.2. The paper freezes the value model's attention during RL and
+papers/003 §二(二)1-2), docs/design.md §5.2. The paper freezes the value model's attention during RL and
 trains the MoE projections; on a dense model the counterpart is the MLP projections
 (gate/up/down). ``trainable="all"`` is the paper's full-parameter ablation.
 
 Alignment: ``values[:, t] = V(s_t)``, the value of the state before token t, read from the hidden
-state at position ``t - 1`` (DESIGN §5.2 "the position just before token t"). Position 0 has no
+state at position ``t - 1`` (docs/design.md §5.2 "the position just before token t"). Position 0 has no
 preceding state; its value is defined as 0. Position 0 is always a prompt token, so it is never an
 action and never enters GAE or the value loss.
 """

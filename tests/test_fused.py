@@ -1,0 +1,45 @@
+"""Compiled decoder layers (learner.fused): the same log-probabilities and gradients as eager."""
+
+import copy
+
+import pytest
+import torch
+
+from learner import attention
+from learner.batch import policy_logprobs
+from learner.critic import ValueModel
+from learner.fused import compile_layers
+from tests.test_sao_step import make_batch, tiny_policy
+
+
+@pytest.mark.slow  # inductor compiles C++ kernels: about a minute on 2 cores
+def test_compiled_layers_match_eager_logprobs_gradients_and_other_shapes():
+    eager = tiny_policy()
+    compiled = copy.deepcopy(eager)
+    attention.install(compiled)
+    assert compile_layers(compiled) == 2  # the tiny model's two decoder layers
+    batch = make_batch(eager)
+    mask = batch.action_mask.bool()
+    for rows in (4, 3):  # a second batch size reuses the dynamic-shape code
+        lp_e = policy_logprobs(
+            eager, batch.input_ids[:rows], batch.attention_mask[:rows], batch.temperatures[:rows], mask[:rows]
+        )
+        lp_c = policy_logprobs(
+            compiled,
+            batch.input_ids[:rows],
+            batch.attention_mask[:rows],
+            batch.temperatures[:rows],
+            mask[:rows],
+        )
+        assert torch.allclose(lp_c, lp_e, atol=1e-5)
+        eager.zero_grad()
+        compiled.zero_grad()
+        lp_e.sum().backward()
+        lp_c.sum().backward()
+        for (n, a), b in zip(compiled.named_parameters(), eager.parameters(), strict=True):
+            assert torch.allclose(a.grad, b.grad, atol=1e-5), n
+
+
+def test_a_module_without_decoder_layers_compiles_nothing():
+    assert compile_layers(torch.nn.Linear(2, 2)) == 0
+    assert compile_layers(ValueModel.from_policy(tiny_policy())) == 2

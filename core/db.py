@@ -27,6 +27,18 @@ from sqlalchemy import (
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from core.limits import (
+    EPISODE_ID_CHARS,
+    FINISH_REASON_CHARS,
+    ID_CHARS,
+    KEY_CHARS,
+    NAME_CHARS,
+    PROMPT_ID_CHARS,
+    SHA256_CHARS,
+    STATE_CHARS,
+    USER_CHARS,
+)
+
 # A naming convention keeps constraint names identical on SQLite (batch mode) and PostgreSQL.
 NAMING = {
     "ix": "ix_%(column_0_label)s",
@@ -48,17 +60,19 @@ class TrajectoryIndex(Base):
     """One row per logged trajectory: what feedback needs, and where the record lies in the log."""
 
     __tablename__ = "trajectory_index"
-    id: Mapped[str] = mapped_column(String(64), primary_key=True)
-    prompt_id: Mapped[str] = mapped_column(String(128), index=True)
-    episode_id: Mapped[str | None] = mapped_column(String(128), index=True)
+    id: Mapped[str] = mapped_column(String(ID_CHARS), primary_key=True)
+    prompt_id: Mapped[str] = mapped_column(String(PROMPT_ID_CHARS), index=True)
+    episode_id: Mapped[str | None] = mapped_column(String(EPISODE_ID_CHARS), index=True)
     turn: Mapped[int | None] = mapped_column(Integer)
     dispatch_version: Mapped[int] = mapped_column(Integer)
     last_version: Mapped[int] = mapped_column(Integer)
     n_response_tokens: Mapped[int] = mapped_column(Integer)
-    finish_reason: Mapped[str] = mapped_column(String(32))
+    finish_reason: Mapped[str] = mapped_column(String(FINISH_REASON_CHARS))
     log_partition: Mapped[int] = mapped_column(Integer)
     log_offset: Mapped[int] = mapped_column(BigInteger)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    # The request's ``user`` (TrajectoryRecord.user): what ``saoserve admin forget`` looks up.
+    user_id: Mapped[str | None] = mapped_column(String(USER_CHARS), index=True)
 
 
 class FeedbackClaim(Base):
@@ -72,24 +86,29 @@ class FeedbackClaim(Base):
     """
 
     __tablename__ = "feedback_claims"
-    target: Mapped[str] = mapped_column(String(160), primary_key=True)
-    state: Mapped[str] = mapped_column(String(16))
+    target: Mapped[str] = mapped_column(String(KEY_CHARS), primary_key=True)
+    state: Mapped[str] = mapped_column(String(STATE_CHARS))
     reward: Mapped[float | None] = mapped_column(Float)
     claimed_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     received_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
-    feedback_id: Mapped[str | None] = mapped_column(String(64))
+    feedback_id: Mapped[str | None] = mapped_column(String(ID_CHARS))
 
 
 class LogRecord(Base):
-    """The SQL-table log (embedded default transport): offsets are row ids."""
+    """The SQL-table log (embedded default transport): offsets are row ids.
+
+    Ids never go back, also after retention or forget deleted the newest rows: SQLite's
+    AUTOINCREMENT (revision 0007) keeps it from reusing them, as PostgreSQL's sequence does, so
+    a reader's committed offset never skips a later record.
+    """
 
     __tablename__ = "log_records"
     offset: Mapped[int] = mapped_column("id", RowId, primary_key=True, autoincrement=True)
-    topic: Mapped[str] = mapped_column(String(64))
-    key: Mapped[str] = mapped_column(String(128))
+    topic: Mapped[str] = mapped_column(String(NAME_CHARS))
+    key: Mapped[str] = mapped_column(String(PROMPT_ID_CHARS))
     payload: Mapped[str] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
-    __table_args__ = (Index("ix_log_records_topic_id", "topic", "id"),)
+    __table_args__ = (Index("ix_log_records_topic_id", "topic", "id"), {"sqlite_autoincrement": True})
 
 
 class PolicyVersion(Base):
@@ -98,19 +117,50 @@ class PolicyVersion(Base):
     __tablename__ = "policy_versions"
     version: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
     path: Mapped[str] = mapped_column(Text)
-    sha256: Mapped[str] = mapped_column(String(64))
-    status: Mapped[str] = mapped_column(String(16))
+    sha256: Mapped[str] = mapped_column(String(SHA256_CHARS))
+    status: Mapped[str] = mapped_column(String(STATE_CHARS))
     parent_version: Mapped[int | None] = mapped_column(Integer)
     metrics: Mapped[dict | None] = mapped_column(JSON)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    # The guard's stage (core/lifecycle.py): candidate | canary | promoted | rejected. ``status``
+    # above says only whether the version's policy event is out (committed | published).
+    lifecycle: Mapped[str] = mapped_column(String(STATE_CHARS), server_default="promoted")
+    # The gate's figures (learner.gate.GateResult as JSON); NULL when no gate ran.
+    gate: Mapped[dict | None] = mapped_column(JSON)
+
+
+class VersionStatusEvent(Base):
+    """One lifecycle transition of a policy version: who (``learner``, ``guard`` or an
+    operator's name), why and when (``core/lifecycle.py``). ``from_status`` is NULL for the
+    stage a version is recorded with."""
+
+    __tablename__ = "version_status_events"
+    id: Mapped[int] = mapped_column(RowId, primary_key=True, autoincrement=True)
+    version: Mapped[int] = mapped_column(Integer, index=True)
+    from_status: Mapped[str | None] = mapped_column(String(STATE_CHARS))
+    to_status: Mapped[str] = mapped_column(String(STATE_CHARS))
+    actor: Mapped[str] = mapped_column(String(NAME_CHARS))
+    reason: Mapped[str] = mapped_column(Text)
+    at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class QuarantinedSample(Base):
+    """A sample (its ``learner_samples`` key) that trained the rejected ``version``: the learner
+    never trains it again (``core/lifecycle_store.py``)."""
+
+    __tablename__ = "quarantined_samples"
+    sample_id: Mapped[str] = mapped_column(String(KEY_CHARS), primary_key=True)
+    version: Mapped[int] = mapped_column(Integer)
+    reason: Mapped[str] = mapped_column(Text)
+    at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
 
 
 class ConsumerOffset(Base):
     """Next offset to read per (consumer, topic, partition), committed with derived state."""
 
     __tablename__ = "consumer_offsets"
-    consumer: Mapped[str] = mapped_column(String(64), primary_key=True)
-    topic: Mapped[str] = mapped_column(String(64), primary_key=True)
+    consumer: Mapped[str] = mapped_column(String(NAME_CHARS), primary_key=True)
+    topic: Mapped[str] = mapped_column(String(NAME_CHARS), primary_key=True)
     partition: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
     next_offset: Mapped[int] = mapped_column(BigInteger)
 
@@ -119,9 +169,9 @@ class PendingJoin(Base):
     """A trajectory (or feedback) waiting for its partner; committed with the offsets."""
 
     __tablename__ = "pending_joins"
-    key: Mapped[str] = mapped_column(String(64), primary_key=True)
-    kind: Mapped[str] = mapped_column(String(16), primary_key=True)
-    prompt_id: Mapped[str] = mapped_column(String(128))
+    key: Mapped[str] = mapped_column(String(KEY_CHARS), primary_key=True)
+    kind: Mapped[str] = mapped_column(String(STATE_CHARS), primary_key=True)
+    prompt_id: Mapped[str] = mapped_column(String(PROMPT_ID_CHARS))
     payload: Mapped[str] = mapped_column(Text)
     received_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
 
@@ -131,7 +181,7 @@ class LearnerStep(Base):
 
     __tablename__ = "learner_steps"
     id: Mapped[int] = mapped_column(RowId, primary_key=True, autoincrement=True)
-    run_id: Mapped[str] = mapped_column(String(64))
+    run_id: Mapped[str] = mapped_column(String(NAME_CHARS))
     step: Mapped[int] = mapped_column(Integer)
     version: Mapped[int] = mapped_column(Integer)
     metrics: Mapped[dict] = mapped_column(JSON)
@@ -200,7 +250,7 @@ class PromptEvidence(Base):
     """
 
     __tablename__ = "prompt_evidence"
-    prompt_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    prompt_id: Mapped[str] = mapped_column(String(PROMPT_ID_CHARS), primary_key=True)
     alpha0: Mapped[float] = mapped_column(Float)
     beta0: Mapped[float] = mapped_column(Float)
     prior_version: Mapped[int] = mapped_column(Integer)
@@ -223,8 +273,8 @@ class LearnerSample(Base):
     """
 
     __tablename__ = "learner_samples"
-    id: Mapped[str] = mapped_column(String(160), primary_key=True)
-    prompt_id: Mapped[str] = mapped_column(String(128))
+    id: Mapped[str] = mapped_column(String(KEY_CHARS), primary_key=True)
+    prompt_id: Mapped[str] = mapped_column(String(PROMPT_ID_CHARS))
     payload: Mapped[str] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
 
@@ -233,15 +283,36 @@ class LearnerCounter(Base):
     """Monotone counters of the learner (expired trajectories, excluded samples, ...)."""
 
     __tablename__ = "learner_counters"
-    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    name: Mapped[str] = mapped_column(String(NAME_CHARS), primary_key=True)
     value: Mapped[int] = mapped_column(BigInteger)
+
+
+class DeadLetter(Base):
+    """A record (or a sample) the learner set aside instead of joining or training it, and why
+    (``core/dead_letters.py``); written in the transaction that moves the consumer offsets past
+    the record, or that deletes the samples. ``key``, ``prompt_id`` and the log position locate
+    it (NULL where unknown; a value too long for its column is cut); ``payload`` is the record
+    as read."""
+
+    __tablename__ = "dead_letters"
+    id: Mapped[int] = mapped_column(RowId, primary_key=True, autoincrement=True)
+    kind: Mapped[str] = mapped_column(String(NAME_CHARS))
+    reason: Mapped[str] = mapped_column(Text)
+    key: Mapped[str | None] = mapped_column(String(KEY_CHARS))
+    prompt_id: Mapped[str | None] = mapped_column(String(PROMPT_ID_CHARS))
+    topic: Mapped[str | None] = mapped_column(String(NAME_CHARS))
+    log_partition: Mapped[int | None] = mapped_column(Integer)
+    log_offset: Mapped[int | None] = mapped_column(BigInteger)
+    attempts: Mapped[int] = mapped_column(Integer)
+    payload: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
 
 
 class ControlFlag(Base):
     """Operator switches read by the learner (``paused``: 1 stops training, joins go on)."""
 
     __tablename__ = "control_flags"
-    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    name: Mapped[str] = mapped_column(String(NAME_CHARS), primary_key=True)
     value: Mapped[str] = mapped_column(Text)
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
 
@@ -251,7 +322,7 @@ class Episode(Base):
     makes exactly one of two racing first turns win. Later turns present the episode's token."""
 
     __tablename__ = "episodes"
-    episode_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    episode_id: Mapped[str] = mapped_column(String(EPISODE_ID_CHARS), primary_key=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
 
 
@@ -264,9 +335,20 @@ class EpisodeTurn(Base):
     Rows of turns in flight before revision 0006 have no number."""
 
     __tablename__ = "episode_turns"
-    trajectory_id: Mapped[str] = mapped_column(String(64), primary_key=True)
-    episode_id: Mapped[str] = mapped_column(String(128), index=True)
+    trajectory_id: Mapped[str] = mapped_column(String(ID_CHARS), primary_key=True)
+    episode_id: Mapped[str] = mapped_column(String(EPISODE_ID_CHARS), index=True)
     dispatched_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     turn: Mapped[int | None] = mapped_column(Integer)
     logged_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     __table_args__ = (UniqueConstraint("episode_id", "turn"),)
+
+
+class ForgottenRecord(Base):
+    """A tombstone of ``saoserve admin forget`` (docs/privacy.md): ``key`` is a trajectory id or
+    ``e:<episode id>`` (the keys of ``pending_joins`` and ``learner_samples``). The learner drops
+    every record it reads under a tombstoned key: a Kafka log keeps the records themselves until
+    its retention. Holds no content and no user id."""
+
+    __tablename__ = "forgotten_records"
+    key: Mapped[str] = mapped_column(String(KEY_CHARS), primary_key=True)
+    forgotten_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))

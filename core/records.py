@@ -1,4 +1,4 @@
-"""The records that cross the log (DESIGN §4): trajectory, feedback, policy event.
+"""The records that cross the log (docs/design.md §4): trajectory, feedback, policy event.
 
 Each record is JSON with a ``schema`` field so readers can refuse what they do not know.
 Every record is keyed by ``prompt_id`` so that a prompt's trajectories and feedback share a
@@ -12,9 +12,11 @@ import hmac
 import json
 import math
 from datetime import UTC, datetime
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from core.limits import EPISODE_ID_CHARS, ID_CHARS, MAX_EPISODE_TURNS, PROMPT_ID_CHARS, USER_CHARS
 
 TRAJECTORY_SCHEMA = "saoserve.trajectory/1"
 FEEDBACK_SCHEMA = "saoserve.feedback/1"
@@ -44,12 +46,12 @@ class SamplingRecord(BaseModel):
 
     @property
     def truncated(self) -> bool:
-        """True when top-p/top-k truncated the distribution (excluded from learning, §5.1)."""
+        """True when top-p/top-k truncated the distribution (excluded from learning, docs/design.md §5.1)."""
         return self.top_p < 1.0 or self.top_k > 0
 
 
 class FrozenBaseline(BaseModel):
-    """Prompt-level evidence read at dispatch (SPO++ §3, dispatch freeze).
+    """Prompt-level evidence read at dispatch (SPO++ write-up §2.2, dispatch freeze).
 
     ``alpha``/``beta`` are success/failure evidence expressed at ``version`` (a policy
     version); ``value`` = alpha / (alpha + beta); ``z`` = −version · log ρ.
@@ -65,7 +67,7 @@ class FrozenBaseline(BaseModel):
 
 
 class TrajectoryRecord(BaseModel):
-    """One request's rollout: exactly one per served request (DESIGN §4).
+    """One request's rollout: exactly one per served request (docs/design.md §4).
 
     ``rollout_logprobs[i]`` is the processed (post-temperature) log-probability vLLM sampled
     ``response_token_ids[i]`` with, in nats. ``token_versions`` is a run-length list of
@@ -75,9 +77,11 @@ class TrajectoryRecord(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     schema_: Literal["saoserve.trajectory/1"] = Field(TRAJECTORY_SCHEMA, alias="schema")
-    id: str
-    prompt_id: str
-    episode_id: str | None = None
+    # Ids within the columns that hold them (core/limits.py): a longer one is malformed here,
+    # set aside by the learner, instead of failing every commit of its join.
+    id: str = Field(max_length=ID_CHARS)
+    prompt_id: str = Field(max_length=PROMPT_ID_CHARS)
+    episode_id: str | None = Field(None, max_length=EPISODE_ID_CHARS)
     turn: int | None = None
     created_at: datetime
     model: str
@@ -89,6 +93,12 @@ class TrajectoryRecord(BaseModel):
     sampling: SamplingRecord
     baseline: FrozenBaseline | None = None
     finish_reason: str
+    # False: the request opted out of training (``store: false``; later also its API key's
+    # setting): logged for audit and metrics, never trained, never evidence (docs/privacy.md).
+    # Records logged before this field have none and are trained as before.
+    train: bool = True
+    # The request's OpenAI ``user`` field: whose record it is, for ``saoserve admin forget``.
+    user: str | None = Field(None, max_length=USER_CHARS)
 
     @model_validator(mode="after")
     def _aligned(self) -> TrajectoryRecord:
@@ -110,19 +120,21 @@ class FeedbackRecord(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     schema_: Literal["saoserve.feedback/1"] = Field(FEEDBACK_SCHEMA, alias="schema")
-    trajectory_id: str | None = None
-    episode_id: str | None = None
-    prompt_id: str
+    trajectory_id: str | None = Field(None, max_length=ID_CHARS)
+    episode_id: str | None = Field(None, max_length=EPISODE_ID_CHARS)
+    prompt_id: str = Field(max_length=PROMPT_ID_CHARS)
     reward: float
     source: Literal["user", "judge"] = "user"
     received_at: datetime
     # Made by the server per request and held by the target's feedback claim; the joiner trains
     # only the record whose id a ``received`` claim holds. None: logged before ids.
-    feedback_id: str | None = Field(None, max_length=64)
+    feedback_id: str | None = Field(None, max_length=ID_CHARS)
     # Episode feedback: the ids of the episode's turns the server had logged when it accepted the
     # feedback, in turn order; the joiner joins exactly these (a turn answered 503 and appended
     # late by the log is not among them). None: logged before this field, or a completion's.
-    turn_ids: list[str] | None = Field(None, max_length=1024)
+    turn_ids: list[Annotated[str, Field(max_length=ID_CHARS)]] | None = Field(
+        None, max_length=MAX_EPISODE_TURNS
+    )
 
     @field_validator("reward")
     @classmethod
@@ -155,6 +167,9 @@ class PolicyEvent(BaseModel):
     created_at: datetime
     parent_version: int | None = None
     metrics: dict[str, float] = Field(default_factory=dict)
+    # The version's lifecycle stage when announced (core/lifecycle.py): ``canary`` (on
+    # probation) or ``promoted``; a server never serves ``rejected``. None: before the lifecycle.
+    lifecycle: str | None = None
 
     def to_json(self) -> bytes:
         return self.model_dump_json(by_alias=True).encode()

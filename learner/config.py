@@ -4,12 +4,15 @@ Everything a learner run reads is declared here once, with its bounds and meanin
 its options onto ``LearnerConfig`` (``saoserve learn --preset NAME`` plus overrides, or
 ``--config FILE.json``) and a spawned learner process receives it as JSON.
 
+Validation happens here and only here: a learner is built from a ``LearnerConfig`` and reads
+its fields without checking them again.
+
 ``algorithm`` is discriminated by ``name``: ``sao`` (critic + token GAE + DIS, SAO §2),
 ``running_mean`` (the SAO §3.4 comparison baseline with the DIS loss) or ``spo`` (SPO++,
-papers 000/002); each model carries only its own fields, and ``implementation`` names the module
-and class that runs it (``learner.algorithm.build_algorithm``), so a new algorithm is a model
-here plus its module. ``correction`` is the off-policy correction of the policy loss
-(papers/004, DESIGN §5.5).
+papers 000/002); each model carries only its own fields, and ``learner.registry.ALGORITHMS``
+maps each model to the class that runs it, so a new algorithm is a model here, its class and
+one registry entry. ``optimizer`` holds the AdamW settings every algorithm shares.
+``correction`` is the off-policy correction of the policy loss (papers/004, docs/design.md §5.5).
 
 Presets (``PRESETS``): ``paper`` (the papers' numbers: SAO §3 setup, papers/003 §三(一)),
 ``cpu`` (the defaults of ``saoserve learn`` for the 135M model on CPU; the model defaults here)
@@ -23,9 +26,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from core.sequential import Decision, RuleParams
+from learner.gate import GateConfig
 
 _MODEL = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)
 
@@ -43,11 +49,16 @@ class _DISLoss(BaseModel):
     """Weight of the k3 KL anchor to the base policy (0 = off, the paper). With it the learner
     also holds the base model (+540 MB for 135M, one more forward pass per step)."""
 
+    @property
+    def has_kl_anchor(self) -> bool:
+        """Whether the policy loss has the KL anchor term (``kl_coef > 0``): the one place that
+        decides it; the learner then loads the reference policy (``learner.kl.KLAnchor``)."""
+        return self.kl_coef > 0
+
 
 class SAOAlgorithm(_DISLoss):
     """SAO: critic with frozen attention, K critic updates, skip-observation token GAE, DIS."""
 
-    implementation: ClassVar[str] = "learner.sao:SAOLearner"
     name: Literal["sao"] = "sao"
     """Discriminator."""
     critic_lr: float = Field(1e-4, ge=0.0)
@@ -77,7 +88,6 @@ class SAOAlgorithm(_DISLoss):
 class RunningMeanAlgorithm(_DISLoss):
     """The SAO §3.4 comparison: A = R − mean of the prompt's last rewards; DIS loss; no critic."""
 
-    implementation: ClassVar[str] = "learner.sao:SAOLearner"
     name: Literal["running_mean"] = "running_mean"
     """Discriminator."""
     running_mean_window: int = Field(8, ge=1)
@@ -88,7 +98,6 @@ class SPOAlgorithm(BaseModel):
     """SPO++: A = R − v̂ frozen at dispatch, action-token-measure normalisation, PPO objective."""
 
     model_config = _MODEL
-    implementation: ClassVar[str] = "learner.spo:SPOLearner"
     name: Literal["spo"] = "spo"
     """Discriminator."""
     clip_low: float = Field(0.2, ge=0.0, le=1.0)
@@ -103,7 +112,74 @@ class SPOAlgorithm(BaseModel):
     """Advantage normalisation: action-token measure (SPO++) or trajectory whitening (ablation)."""
 
 
+class OptimizerConfig(BaseModel):
+    """AdamW on float32 master weights (``learner.optim``), for every algorithm's policy; SAO's
+    critic uses the same β1, weight decay and clip with its own learning rate
+    (``SAOAlgorithm.critic_lr``)."""
+
+    model_config = _MODEL
+    policy_lr: float = Field(5e-5, ge=0.0)
+    """Policy AdamW learning rate (CPU preset 5e-5; paper 1e-6)."""
+    adam_beta1: float = Field(0.9, ge=0.0, lt=1.0)
+    """AdamW first-moment decay for every model (momentum memory ≈ 1/(1 − β1) steps)."""
+    weight_decay: float = Field(0.0, ge=0.0)
+    """AdamW weight decay (0: decay would pull pretrained weights to zero)."""
+    grad_clip: float = Field(1.0, gt=0.0)
+    """Max global L2 gradient norm per model."""
+
+
 AlgorithmConfig = Annotated[SAOAlgorithm | RunningMeanAlgorithm | SPOAlgorithm, Field(discriminator="name")]
+
+
+class GuardConfig(BaseModel):
+    """The guard (docs/guard.md, "The lifecycle"): the gate each new version must pass before it
+    is announced, and the decision rule that promotes or rejects the lineage on probation
+    (``core.sequential``, ``core.lifecycle``). The rule's defaults are ``core.sequential``'s."""
+
+    model_config = _MODEL
+    enabled: bool = True
+    """Run the lifecycle (off: no gate, every version is promoted when recorded; an operator's
+    ``saoserve admin guard off`` turns it off at run time too)."""
+    gate: GateConfig | None = None
+    """The gate's bounds and generation settings (``learner.gate``; ``{}``: its defaults);
+    None: no gate, the version goes to probation unchecked. Off by default: on the 135M model
+    on 2 CPU cores one gate took 100–144 s against a step of ~30 s (docs/guard.md, "The
+    lifecycle"). It holds the base model and the parent's weights (+540 MB each for 135M)."""
+    delta: float = Field(0.05, gt=0.0, le=1.0)
+    """Non-inferiority margin δ, reward units."""
+    alpha: float = Field(0.05, gt=0.0, lt=1.0)
+    """Error rate α of each decision."""
+    min_samples: int = Field(20, ge=1)
+    """Rated answers each arm needs before a bound decides."""
+    max_samples: int | None = Field(50_000, ge=1)
+    """Time-out: the lineage's rated answers (None: never on count)."""
+    max_seconds: float | None = Field(None, gt=0.0)
+    """Time-out: seconds since the lineage's first version was recorded (None: never on time)."""
+    on_timeout: Literal["reject", "promote"] = "reject"
+    """The decision at a time-out no bound decided (reject: a lineage that cannot show it is not
+    worse is not promoted)."""
+    promoted_window: int = Field(2000, ge=1)
+    """Rated answers of the promoted versions (the newest, from before the lineage) that form the
+    probation's comparison arm."""
+    check_s: float = Field(5.0, ge=0.0)
+    """Seconds between two evaluations of the lineage by the learner's loop."""
+
+    @model_validator(mode="after")
+    def _timeout_after_min(self) -> GuardConfig:
+        if self.max_samples is not None and self.max_samples < self.min_samples:
+            raise ValueError(f"max_samples ({self.max_samples}) must be >= min_samples ({self.min_samples})")
+        return self
+
+    def rule_params(self) -> RuleParams:
+        """The decision rule's parameters (``core.sequential.RuleParams``)."""
+        return RuleParams(
+            delta=self.delta,
+            alpha=self.alpha,
+            min_samples=self.min_samples,
+            max_samples=self.max_samples,
+            max_seconds=self.max_seconds,
+            on_timeout=Decision(self.on_timeout),
+        )
 
 
 class DISCorrection(BaseModel):
@@ -179,16 +255,10 @@ class LearnerConfig(BaseModel):
     """The estimator and loss, discriminated by ``name`` (sao, running_mean, spo)."""
     correction: Correction = Field(default_factory=DISCorrection)
     """The off-policy correction of the policy loss (papers/004; ``dis``: SAO's, the default)."""
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    """AdamW settings (policy learning rate, β1, weight decay, gradient clip)."""
     batch_size: int = Field(8, ge=1)
     """Samples (one rollout per prompt) per learner step."""
-    policy_lr: float = Field(5e-5, ge=0.0)
-    """Policy AdamW learning rate (CPU preset 5e-5; paper 1e-6)."""
-    adam_beta1: float = Field(0.9, ge=0.0, lt=1.0)
-    """AdamW first-moment decay for every model (momentum memory ≈ 1/(1 − β1) steps)."""
-    weight_decay: float = Field(0.0, ge=0.0)
-    """AdamW weight decay (0: decay would pull pretrained weights to zero)."""
-    grad_clip: float = Field(1.0, gt=0.0)
-    """Max global L2 gradient norm per model."""
     autocast_bf16: bool = False
     """Run forward/backward under bf16 autocast (master weights stay float32)."""
     chunk_tokens: int = Field(512, ge=1)
@@ -203,6 +273,8 @@ class LearnerConfig(BaseModel):
     """Version directories kept on disk (0: keep all)."""
     max_steps: int | None = Field(None, ge=1)
     """Stop after this many steps (None: run until stopped)."""
+    guard: GuardConfig = Field(default_factory=GuardConfig)
+    """The gate and the decision rule of the version lifecycle (docs/guard.md)."""
 
     @model_validator(mode="after")
     def _correction_fits(self) -> LearnerConfig:
@@ -237,17 +309,33 @@ def _merge(kind: str, key: str, models: dict, base: dict, choice: str | None, ex
 
 PRESETS: dict[str, dict[str, Any]] = {
     # SAO §3 setup (papers/003 §三(一)): batch 128, policy 1e-6, critic 5e-6 (10-step warm-up).
-    "paper": {"batch_size": 128, "policy_lr": 1e-6, "algorithm": {"critic_lr": 5e-6}},
+    "paper": {"batch_size": 128, "optimizer": {"policy_lr": 1e-6}, "algorithm": {"critic_lr": 5e-6}},
     "cpu": {},
-    # saoserve demo/compare (docs/demo.md).
+    # saoserve demo/compare, the values their options default to (measured in docs/demo.md): at
+    # batch 8 one or two rewarded answers a step carried too little signal to follow a switch;
+    # without the KL anchor answer quality fell within a few steps of a switch; a policy lr of
+    # 2e-4 collapsed the text; AdamW's usual β1 0.9 kept pushing the old style after a switch.
     "demo": {
         "batch_size": 16,
-        "policy_lr": 1e-4,
-        "adam_beta1": 0.5,
+        "optimizer": {"policy_lr": 1e-4, "adam_beta1": 0.5},
         "algorithm": {"critic_lr": 2e-4, "kl_coef": 0.1},
     },
 }
 """Named presets: overrides of the model defaults (which are the ``cpu`` preset)."""
+
+SECTIONS = ("algorithm", "correction", "optimizer", "guard")
+"""The nested models of ``LearnerConfig``, merged field by field by ``overlay``."""
+
+
+def overlay(base: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+    """``base`` (a preset or a config as a dict) with ``fields`` laid over it: top-level fields
+    replaced, each of ``SECTIONS`` merged field by field. Returns a new dict (neither argument is
+    modified); nothing is validated here (``build_config`` does)."""
+    out = dict(base) | {k: v for k, v in fields.items() if k not in SECTIONS}
+    for key in SECTIONS:
+        if key in fields:
+            out[key] = dict(base.get(key) or {}) | dict(fields[key] or {})
+    return out
 
 
 class ConfigError(ValueError):
@@ -281,9 +369,10 @@ def build_config(
     Args:
         preset: a key of ``PRESETS`` (ignored when ``base`` is given).
         algorithm: the algorithm's name; None keeps the base's (``sao`` by default).
-        overrides: top-level fields, and ``algorithm``/``correction`` as dicts of their fields.
-            An override naming a field the chosen algorithm (correction) does not have is an
-            error; the base's such fields are dropped.
+        overrides: top-level fields, and ``algorithm``/``correction``/``optimizer`` as dicts
+            of their fields (laid over the base's, ``overlay``). An override naming a field the
+            chosen algorithm (correction) does not have is an error; the base's such fields are
+            dropped.
         correction: the correction's kind; None keeps the base's (``dis`` by default).
 
     Raises:
@@ -294,25 +383,14 @@ def build_config(
         if preset not in PRESETS:
             raise ConfigError(f"unknown preset {preset!r}: choose {', '.join(PRESETS)}")
         base = json.loads(json.dumps(PRESETS[preset]))
-    data = dict(base)
     overrides = dict(overrides or {})
-    data["algorithm"] = _merge(
-        "algorithm",
-        "name",
-        ALGORITHM_MODELS,
-        dict(data.get("algorithm") or {}),
-        algorithm,
-        overrides.pop("algorithm", None) or {},
-    )
-    data["correction"] = _merge(
-        "correction",
-        "kind",
-        CORRECTION_MODELS,
-        dict(data.get("correction") or {}),
-        correction,
-        overrides.pop("correction", None) or {},
-    )
-    data |= overrides
+    chosen = {"algorithm": overrides.pop("algorithm", None), "correction": overrides.pop("correction", None)}
+    data = overlay(base, overrides)
+    for kind, key, models, choice in (
+        ("algorithm", "name", ALGORITHM_MODELS, algorithm),
+        ("correction", "kind", CORRECTION_MODELS, correction),
+    ):
+        data[kind] = _merge(kind, key, models, dict(data.get(kind) or {}), choice, chosen[kind] or {})
     try:
         return LearnerConfig.model_validate(data)
     except ValidationError as exc:

@@ -1,4 +1,4 @@
-"""Named kill points in the learner's cycle, for the fault-injection harness (issue 13, DESIGN §8).
+"""Named kill points in the learner's cycle, for the fault-injection harness (issue 13, docs/design.md §8).
 
 ``SAOSERVE_FAULT_POINT=<point>:<n>`` makes the learner process end with ``os._exit(137)`` the
 n-th time it passes ``<point>`` (n defaults to 1): no ``finally`` block, atexit handler or

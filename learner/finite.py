@@ -1,6 +1,6 @@
 """Which action tokens carry usable log-probabilities: one rule for every algorithm.
 
-DESIGN §8: non-finite numbers never reach the weights; a token whose logprob is not finite is
+docs/design.md §8: non-finite numbers never reach the weights; a token whose logprob is not finite is
 masked and counted, in every algorithm. The SAO loss (``learner.dis``) and the SPO++ loss
 (``learner.advantages.spo_ppo_loss``) both call ``usable_tokens`` on the logprobs they read.
 

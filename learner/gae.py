@@ -2,7 +2,7 @@
 
 Source: SAO (arXiv 2607.07508) §2.4 "跳过环境 observation 的 token 级 GAE" (papers/001; papers/003
 §二(二)3), the experimental setup for λ_policy (papers/003 §三(一)), and appendix A.1 for the
-step-level variants (papers/001 §3.5); DESIGN §5.3.
+step-level variants (papers/001 §3.5); docs/design.md §5.3.
 
 Alignment convention (shared with ``learner.critic``): ``values[:, t] = V(s_t)``, the value of the
 state *before* token t is generated. For action token t the TD residual is
@@ -118,7 +118,7 @@ def length_adaptive_lambda(action_lengths: torch.Tensor, alpha: float = 1.5) -> 
     """Length-adaptive GAE λ for the policy: ``λ = 1 − 1/(α·l)`` per row, clamped to [0, 1].
 
     Source: SAO §3 experimental setup (papers/003 §三(一)), α = 1.5, l = number of action tokens of
-    the trajectory (DESIGN §5.3). For ``α·l < 1`` (e.g. l = 0) the formula goes negative or
+    the trajectory (docs/design.md §5.3). For ``α·l < 1`` (e.g. l = 0) the formula goes negative or
     infinite; it is clamped at 0 (one-step TD advantage), which only affects degenerate rows.
 
     Args:

@@ -1,10 +1,10 @@
 """The joiner's pure step: records read + the join state held in the database → what to commit.
 
 ``learner.joiner.Joiner.poll_once`` is read → :func:`plan_join` → commit. Reading (the log and
-the ``pending_joins`` rows) and committing (one transaction, DESIGN §8) stay in the Joiner; this
+the ``pending_joins`` rows) and committing (one transaction, docs/design.md §8) stay in the Joiner; this
 module does no I/O, so every joining rule is tested here without a database or an engine.
 
-Rules (DESIGN §4, §8):
+Rules (docs/design.md §4, §8):
 
 * A trajectory waits (pending) for its feedback and a feedback for its trajectory; whichever
   comes second makes the sample, the same either way (also for feedback on one turn of an
@@ -29,8 +29,19 @@ Rules (DESIGN §4, §8):
   for its sampling (greedy, truncated, empty), except when it is not a whole answer
   (aborted, errored, or an episode with such a turn): then neither sample nor evidence, and
   the reason is counted (``learner.samples.NotWholeAnswer``).
-* A pending trajectory older than ``expire_s`` (by its ``created_at``) is dropped and counted
-  ``expired``; tombstones are forgotten after :data:`TOMBSTONE_TTL`.
+* A pending trajectory older than ``expire_s`` (by its ``created_at``) is dropped, counted
+  ``expired``, and leaves a tombstone of kind ``expired``: its feedback, if it comes later (the
+  server accepted it, 202), can never train and is set aside as a dead letter
+  (``trajectory_expired``, counted ``late_feedback``), and a re-sent copy of the trajectory is a
+  ``duplicate_trajectories``. Feedback pending for its trajectory for longer than ``expire_s``
+  (by its ``received_at``; the trajectory expired before tombstones of expiry were kept) is set
+  aside the same way. Tombstones are forgotten after :data:`TOMBSTONE_TTL`. Expiry runs in every
+  poll, also one that read nothing.
+* Dead letters (``core.dead_letters``), set aside in the commit that moves the offsets past
+  them: a malformed record (``malformed``, also counted ``malformed_<topic>``); accepted
+  feedback that cannot train: late for its trajectory (above), an episode's feedback whose
+  turns are missing, none or misnumbered (``episode_incomplete``), one whose claim was never
+  marked (``unconfirmed``); a pending row that no longer parses (``unreadable_pending``).
 * Only the feedback record the server confirmed is joined: the one whose ``feedback_id`` its
   target's claim holds (``JoinState.claims``). A record whose claim is not yet marked waits
   (kind ``unconfirmed``, keyed by its id) until it is, or is dropped and counted
@@ -39,6 +50,12 @@ Rules (DESIGN §4, §8):
   dropped and counted ``void_feedback``, whichever of the records is read first. So "the first
   feedback wins" means the confirmed one wins; records without an id (logged before ids) join
   as before.
+* Privacy (docs/privacy.md): a trajectory whose request opted out of training, or an episode
+  with such a turn, joins as usual but makes neither sample nor evidence, counted
+  ``excluded_opted_out`` (``learner.samples.OptedOut``). A record of a forgotten trajectory or
+  episode (``JoinState.forgotten``, the tombstones ``saoserve admin forget`` leaves, which the
+  Kafka log needs until its retention deletes the records) is dropped as it is read, before
+  any other rule, and counted ``forgotten``.
 """
 
 from __future__ import annotations
@@ -48,11 +65,15 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
+from pydantic import ValidationError
+
+from core.dead_letters import Letter
 from core.logbus import LogEntry
 from core.records import TOPIC_FEEDBACK, TOPIC_TRAJECTORIES, FeedbackRecord, TrajectoryRecord
 from learner.samples import (
     NotLearnable,
     NotWholeAnswer,
+    OptedOut,
     Sample,
     answer_version,
     episode_sample,
@@ -82,12 +103,23 @@ def expiry_cutoff(now: datetime, expire_s: float) -> datetime:
     return now - timedelta(seconds=expire_s)
 
 
+def why_invalid(exc: Exception, most: int = 5) -> str:
+    """A one-line reason a record did not parse: the first ``most`` field errors of a pydantic
+    ValidationError (``id: String should have at most 64 characters``), else the message."""
+    if isinstance(exc, ValidationError):
+        errors = exc.errors(include_url=False, include_input=False)
+        text = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'record'}: {e['msg']}" for e in errors[:most])
+        return text + (f" (and {len(errors) - most} more)" if len(errors) > most else "")
+    return (str(exc).splitlines() or [type(exc).__name__])[0]
+
+
 @dataclass(frozen=True)
 class Records:
     """One read of the log, parsed.
 
     ``trajectories``/``feedback``: the valid records in log order within each partition;
     ``malformed``: counter name (``malformed_<topic>``) → records that did not parse;
+    ``rejected``: a ``malformed`` dead letter for each of them, with its position and why;
     ``offsets``: (topic, partition) → the next offset to read, for every partition that
     returned at least one record (parsed or not).
     """
@@ -96,6 +128,7 @@ class Records:
     feedback: list[FeedbackRecord] = field(default_factory=list)
     malformed: dict[str, int] = field(default_factory=dict)
     offsets: dict[tuple[str, int], int] = field(default_factory=dict)
+    rejected: list[Letter] = field(default_factory=list)
 
     @classmethod
     def parse(cls, entries: Iterable[LogEntry]) -> Records:
@@ -107,15 +140,27 @@ class Records:
         parsed: dict[str, list] = {TOPIC_TRAJECTORIES: [], TOPIC_FEEDBACK: []}
         malformed: Counter[str] = Counter()
         offsets: dict[tuple[str, int], int] = {}
+        rejected: list[Letter] = []
         for e in entries:
             if e.topic not in models:
                 raise ValueError(f"the joiner reads {sorted(models)}, not {e.topic!r}")
             try:
                 parsed[e.topic].append(models[e.topic].model_validate_json(e.value))
-            except ValueError:
+            except ValueError as exc:
                 malformed[f"malformed_{e.topic}"] += 1
+                rejected.append(
+                    Letter(
+                        "malformed",
+                        f"not a {e.topic} record: {why_invalid(exc)}",
+                        key=e.key,
+                        topic=e.topic,
+                        log_partition=e.partition,
+                        log_offset=e.offset,
+                        payload=e.value,
+                    )
+                )
             offsets[(e.topic, e.partition)] = max(offsets.get((e.topic, e.partition), 0), e.offset + 1)
-        return cls(parsed[TOPIC_TRAJECTORIES], parsed[TOPIC_FEEDBACK], dict(malformed), offsets)
+        return cls(parsed[TOPIC_TRAJECTORIES], parsed[TOPIC_FEEDBACK], dict(malformed), offsets, rejected)
 
     def ids(self, unconfirmed: Iterable[FeedbackRecord] = ()) -> set[str]:
         """Trajectory ids whose join state the plan needs (records and single-turn feedback,
@@ -141,6 +186,21 @@ class Records:
         """Claim targets of this read's feedback and of ``unconfirmed`` (``JoinState.claims``)."""
         return {feedback_target(f) for f in [*self.feedback, *unconfirmed]}
 
+    def listed_turns(self, unconfirmed: Iterable[FeedbackRecord] = ()) -> set[str]:
+        """Trajectory ids the episode feedback of this read (or ``unconfirmed``) lists."""
+        return {t for f in [*self.feedback, *unconfirmed] for t in f.turn_ids or ()}
+
+
+@dataclass(frozen=True)
+class Unreadable:
+    """A ``pending_joins`` row whose payload no longer parses (``why``): deleted, set aside."""
+
+    key: str
+    kind: str
+    prompt_id: str
+    payload: str
+    why: str
+
 
 @dataclass(frozen=True)
 class JoinState:
@@ -153,7 +213,12 @@ class JoinState:
     trajectories received before :func:`expiry_cutoff`. ``unconfirmed``: every pending feedback
     record waiting for its claim to be marked, by feedback id (the ids above include theirs).
     ``claims``: claim target (:meth:`Records.targets`) → the feedback id its claim holds, None
-    while claimed and not yet marked; a target without a claim row is absent.
+    while claimed and not yet marked; a target without a claim row is absent. ``forgotten``:
+    keys among :meth:`Records.ids` and :meth:`Records.episode_keys` that ``saoserve admin
+    forget`` tombstoned (``core.db.ForgottenRecord``). ``expired_before``: keys among
+    :meth:`Records.ids` and :meth:`Records.listed_turns` that have a tombstone of expiry (kind
+    ``expired``). ``stale_feedback``: every pending feedback received before
+    :func:`expiry_cutoff`, by trajectory id. ``unreadable``: pending rows that did not parse.
     """
 
     joined: frozenset[str] = frozenset()
@@ -162,11 +227,16 @@ class JoinState:
     expired: frozenset[str] = frozenset()
     unconfirmed: Mapping[str, FeedbackRecord] = field(default_factory=dict)
     claims: Mapping[str, str | None] = field(default_factory=dict)
+    forgotten: frozenset[str] = frozenset()
+    expired_before: frozenset[str] = frozenset()
+    stale_feedback: Mapping[str, FeedbackRecord] = field(default_factory=dict)
+    unreadable: tuple[Unreadable, ...] = ()
 
 
 @dataclass(frozen=True)
 class PendingRow:
-    """A ``pending_joins`` row to insert (``kind``: trajectory, feedback, unconfirmed or joined)."""
+    """A ``pending_joins`` row to insert (``kind``: trajectory, feedback, unconfirmed, or a
+    tombstone: joined, expired)."""
 
     key: str
     kind: str
@@ -180,11 +250,12 @@ class JoinPlan:
     """What one poll commits, in one transaction.
 
     ``deletes``: (key, kind) of pending rows consumed by a join, or unconfirmed feedback
-    resolved or expired; ``expired``: pending
+    resolved or expired, stale or unreadable rows; ``expired``: pending
     trajectory ids dropped as expired; ``inserts``: new pending rows and tombstones;
     ``samples``: the learner samples; ``results``: the evidence results; ``counters``: learner
     counter increments (none zero); ``offsets``: next offsets;
-    ``forget_joined_before``: tombstones received before this time are deleted.
+    ``forget_joined_before``: tombstones received before this time are deleted;
+    ``dead_letters``: what is set aside (``core.dead_letters``).
     """
 
     deletes: list[tuple[str, str]]
@@ -195,6 +266,7 @@ class JoinPlan:
     counters: dict[str, int]
     offsets: dict[tuple[str, int], int]
     forget_joined_before: datetime
+    dead_letters: list[Letter] = field(default_factory=list)
 
 
 def _aware(t: datetime) -> datetime:
@@ -206,18 +278,19 @@ def _join_single(rec: TrajectoryRecord, reward: float) -> tuple[Sample | None, R
     result = (rec.prompt_id, reward, answer_version(rec))
     try:
         return single_turn_sample(rec, reward), result, {}
-    except NotWholeAnswer as exc:
+    except (NotWholeAnswer, OptedOut) as exc:
         return None, None, {str(exc): 1}
     except NotLearnable as exc:
         return None, result, {str(exc): 1}
 
 
 def _join_episode(
-    episode_id: str, turns: list[TrajectoryRecord], reward: float
+    episode_id: str, turns: list[TrajectoryRecord], reward: float, in_order: bool
 ) -> tuple[Sample | None, Result | None, dict[str, int]]:
-    """An episode's turns and its reward → (sample or None, evidence result or None, counters)."""
+    """An episode's turns and its reward → (sample or None, evidence result or None, counters);
+    ``in_order``: the turns are in the order the feedback lists them."""
     try:
-        sample, misaligned = episode_sample(episode_id, turns, reward)
+        sample, misaligned = episode_sample(episode_id, turns, reward, in_order)
     except NotLearnable as exc:
         return None, None, {str(exc): 1}
     return (
@@ -262,10 +335,27 @@ def plan_join(records: Records, state: JoinState, now: datetime, expire_s: float
     feedback_pending_now: set[str] = set()
     waiting: dict[str, TrajectoryRecord] = {}
     joins: list[tuple[Sample | None, Result | None, dict[str, int]]] = []
+    letters: list[Letter] = list(records.rejected)
 
     def tombstone(key: str, prompt_id: str) -> None:
         joined_now.add(key)
         inserts.append(PendingRow(key, "joined", prompt_id, "", now))
+
+    def set_aside(kind: str, fb: FeedbackRecord, why: str) -> None:
+        key = episode_key(fb.episode_id) if fb.episode_id is not None else fb.trajectory_id
+        letters.append(Letter(kind, why, key=key, prompt_id=fb.prompt_id, payload=fb.to_json().decode()))
+
+    for u in state.unreadable:
+        deletes.append((u.key, u.kind))
+        letters.append(
+            Letter(
+                "unreadable_pending",
+                f"a pending {u.kind} row that does not parse: {u.why}",
+                key=u.key,
+                prompt_id=u.prompt_id,
+                payload=u.payload,
+            )
+        )
 
     cutoff = expiry_cutoff(now, expire_s)
     confirmed: list[FeedbackRecord] = []
@@ -280,6 +370,11 @@ def plan_join(records: Records, state: JoinState, now: datetime, expire_s: float
                 counters["duplicate_feedback"] += 1
                 continue
             seen.add(fb.feedback_id)
+        if (fb.trajectory_id or episode_key(fb.episode_id)) in state.forgotten:
+            counters["forgotten"] += 1
+            if held:
+                deletes.append((fb.feedback_id, "unconfirmed"))
+            continue
         verdict = _confirmation(fb, state.claims)
         if verdict == "unconfirmed" and _aware(fb.received_at) < cutoff:
             verdict = "expired_feedback"
@@ -296,11 +391,24 @@ def plan_join(records: Records, state: JoinState, now: datetime, expire_s: float
                 )
         else:
             counters[verdict] += 1
+            if verdict == "expired_feedback":
+                set_aside(
+                    "unconfirmed",
+                    fb,
+                    f"its claim was not marked received within expire_s ({expire_s:g} s): the server "
+                    "may have answered 202 and failed to mark it, or crashed before answering",
+                )
 
     # Trajectories first: a prompt's trajectory precedes its feedback in the log.
     for rec in records.trajectories:
+        if rec.id in state.forgotten or (
+            rec.episode_id is not None and episode_key(rec.episode_id) in state.forgotten
+        ):
+            counters["forgotten"] += 1
+            continue
         if (
             rec.id in state.joined
+            or rec.id in state.expired_before
             or rec.id in joined_now
             or rec.id in state.trajectories
             or rec.id in waiting
@@ -338,6 +446,7 @@ def plan_join(records: Records, state: JoinState, now: datetime, expire_s: float
             listed = fb.turn_ids if fb.turn_ids is not None else [r.id for r in present]
             if not listed:
                 counters["episode_feedback_without_turns"] += 1
+                set_aside("episode_incomplete", fb, "the feedback lists no turn of the episode")
                 continue
             by_id = {r.id: r for r in present}
             counters["void_episode_turns"] += len(by_id.keys() - set(listed))
@@ -346,14 +455,34 @@ def plan_join(records: Records, state: JoinState, now: datetime, expire_s: float
                     tombstone(tid, by_id[tid].prompt_id)
             tombstone(key, fb.prompt_id)
             turns = [by_id[tid] for tid in listed if tid in by_id]
+            numbers = sorted(r.turn for r in turns if r.turn is not None)
             if len(turns) < len(listed):
                 counters["episode_turns_missing"] += 1
-            elif fb.turn_ids is None and sorted(r.turn for r in turns if r.turn is not None) != list(
-                range(len(turns))
-            ):
+                missing = [tid for tid in listed if tid not in by_id]
+                expired_first = all(tid in state.expired_before for tid in missing)
+                set_aside(
+                    "episode_incomplete",
+                    fb,
+                    f"{len(missing)} of its {len(listed)} turns "
+                    + (
+                        "expired before the feedback came"
+                        if expired_first
+                        else "are not pending (expired earlier?)"
+                    )
+                    + f": {', '.join(missing[:5])}",
+                )
+            elif fb.turn_ids is None and numbers != list(range(len(turns))):
                 counters["episode_turns_misnumbered"] += 1
+                set_aside(
+                    "episode_incomplete",
+                    fb,
+                    f"logged before turn lists, and its {len(turns)} turns are numbered {numbers[:8]}, "
+                    "not 0..n-1 each once",
+                )
             else:
-                joins.append(_join_episode(fb.episode_id, turns, fb.reward))
+                # Listed turns are in the server's turn order, which records logged before turn
+                # numbers do not carry.
+                joins.append(_join_episode(fb.episode_id, turns, fb.reward, fb.turn_ids is not None))
             continue
         tid = fb.trajectory_id
         if tid in state.joined or tid in joined_now:
@@ -368,6 +497,15 @@ def plan_join(records: Records, state: JoinState, now: datetime, expire_s: float
         if rec is None and tid in state.trajectories:
             rec = state.trajectories[tid]
             deletes.append((tid, "trajectory"))
+        if rec is None and tid in state.expired_before:
+            counters["late_feedback"] += 1
+            set_aside(
+                "trajectory_expired",
+                fb,
+                f"its trajectory had expired (no feedback within expire_s = {expire_s:g} s) before this "
+                "feedback was read",
+            )
+            continue
         if rec is None:
             if tid in state.feedback or tid in feedback_pending_now:
                 # The first feedback already waits for this trajectory: first wins.
@@ -380,15 +518,28 @@ def plan_join(records: Records, state: JoinState, now: datetime, expire_s: float
         tombstone(tid, rec.prompt_id)
 
     consumed = {key for key, kind in deletes if kind == "trajectory"}
-    expired = sorted(state.expired - consumed)
+    expired = sorted(state.expired - consumed - {u.key for u in state.unreadable})
     for rec in waiting.values():
         if _aware(rec.created_at) < cutoff:
             counters["expired"] += 1
+            inserts.append(PendingRow(rec.id, "expired", rec.prompt_id, "", now))
         else:
             inserts.append(
                 PendingRow(rec.id, "trajectory", rec.prompt_id, rec.to_json().decode(), rec.created_at)
             )
     counters["expired"] += len(expired)
+    inserts.extend(PendingRow(key, "expired", "", "", now) for key in expired)
+    consumed_feedback = {key for key, kind in deletes if kind == "feedback"}
+    for tid, fb in sorted(state.stale_feedback.items()):
+        if tid not in consumed_feedback:
+            deletes.append((tid, "feedback"))
+            counters["late_feedback"] += 1
+            set_aside(
+                "trajectory_expired",
+                fb,
+                f"no trajectory joined it within expire_s ({expire_s:g} s): its trajectory had expired "
+                "before it came",
+            )
 
     for sample, result, reasons in joins:
         if sample is not None:
@@ -405,4 +556,5 @@ def plan_join(records: Records, state: JoinState, now: datetime, expire_s: float
         counters={name: n for name, n in counters.items() if n},
         offsets=dict(records.offsets),
         forget_joined_before=now - TOMBSTONE_TTL,
+        dead_letters=letters,
     )

@@ -1,4 +1,4 @@
-"""Joining trajectories with feedback, exactly once (DESIGN §8; SPO++ §2.2 for evidence).
+"""Joining trajectories with feedback, exactly once (docs/design.md §8; SPO++ §2.2 for evidence).
 
 ``Joiner.poll_once`` is read → plan → commit. It reads new records from the stored offsets and
 the ``pending_joins`` rows they touch, asks the pure :func:`learner.join_plan.plan_join` what
@@ -7,12 +7,17 @@ samples, the prompt evidence of the joined results (credited to the version that
 each answer's first token) and the counters. The read also takes the feedback claims of the
 feedback it joins (the server's confirmation of which record counts) and the feedback still
 waiting for one. A crash before the commit re-reads the same records; after it, nothing is
-read twice. The joining rules are in ``learner/join_plan.py``.
+read twice. The joining rules are in ``learner/join_plan.py``. What cannot be joined is set
+aside in the same transaction (``core.dead_letters``): a record the database refuses is retried,
+then joined alone, then set aside, so one record never stops the joins of the others. The read
+takes the tombstones of ``saoserve admin forget`` among the keys it touches; the commit deletes
+whatever it wrote under a tombstone that a forget committed beside it (``core.retention``).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 
@@ -20,20 +25,51 @@ from sqlalchemy import delete, insert, or_, select, update
 from sqlalchemy.engine import Connection, Engine
 
 from core.db import ConsumerOffset, FeedbackClaim, LearnerCounter, LearnerSample, PendingJoin
+from core.dead_letters import COUNTER as DEAD_LETTERS
+from core.dead_letters import MAX_TRIES, Letter, describe, is_outage, set_aside
 from core.evidence_store import EvidenceStore
 from core.logbus import LogEntry, LogTransport
 from core.records import TOPIC_FEEDBACK, TOPIC_TRAJECTORIES, FeedbackRecord, TrajectoryRecord, utcnow
-from learner.join_plan import JoinPlan, JoinState, Records, expiry_cutoff, plan_join
+from core.retention import forgotten_among
+from learner.join_plan import (
+    JoinPlan,
+    JoinState,
+    Records,
+    Unreadable,
+    episode_key,
+    expiry_cutoff,
+    plan_join,
+    why_invalid,
+)
 
 CONSUMER = "learner"
+
+log = logging.getLogger(__name__)
+
+
+def bump_counter(conn: Connection, name: str, n: int) -> None:
+    """Add ``n`` to the learner counter ``name`` (created at ``n``) in the caller's transaction."""
+    res = conn.execute(
+        update(LearnerCounter).where(LearnerCounter.name == name).values(value=LearnerCounter.value + n)
+    )
+    if res.rowcount == 0:
+        conn.execute(insert(LearnerCounter).values(name=name, value=n))
 
 
 @dataclass
 class JoinStats:
-    """What one poll committed: samples made and counter increments (none zero)."""
+    """What one poll committed: samples made and counter increments (none zero; ``dead_letters``
+    among them)."""
 
     samples: int = 0
     counters: dict[str, int] = field(default_factory=dict)
+
+
+def _stats(plan: JoinPlan | None) -> JoinStats:
+    if plan is None:
+        return JoinStats()
+    letters = {DEAD_LETTERS: len(plan.dead_letters)} if plan.dead_letters else {}
+    return JoinStats(samples=len(plan.samples), counters=plan.counters | letters)
 
 
 class Joiner:
@@ -44,20 +80,109 @@ class Joiner:
         self.db = db
         self.expire_s = expire_s
         self.evidence = EvidenceStore(db)
+        # Failed commits of the read starting at these offsets (only the latest read is kept).
+        self._failures: tuple[frozenset, int] = (frozenset(), 0)
 
     def poll_once(self, max_records: int = 500) -> JoinStats:
         """Read new records, plan the join, commit offsets + joins + samples + evidence together.
 
-        ``max_records``: at most this many records per (topic, partition) in one poll.
+        ``max_records``: at most this many records per (topic, partition) in one poll. Expiry
+        runs in every poll, also one that reads nothing. A commit that fails for the data (not
+        an outage, ``core.dead_letters.is_outage``) is raised; once the read from the same
+        offsets has failed ``MAX_TRIES`` times, its records are joined one at a time
+        (``_one_by_one``), and a record the database refuses ``MAX_TRIES`` times alone is set
+        aside (kind ``unjoinable``), so one record never stops the joins of the others.
         """
-        records = Records.parse(self._read(max_records))
+        entries = self._read(max_records)
+        starts: dict[tuple[str, int], int] = {}
+        for e in entries:
+            starts[(e.topic, e.partition)] = min(starts.get((e.topic, e.partition), e.offset), e.offset)
+        head = frozenset(starts.items())
+        try:
+            plan = self._join(Records.parse(entries))
+        except Exception as exc:
+            if is_outage(exc):
+                raise
+            tries = self._failures[1] + 1 if self._failures[0] == head else 1
+            self._failures = (head, tries)
+            if tries < MAX_TRIES or not entries:
+                raise
+            self._failures = (frozenset(), 0)
+            return self._one_by_one(entries)
+        self._failures = (frozenset(), 0)
+        return _stats(plan)
+
+    def _join(self, records: Records) -> JoinPlan | None:
+        """Plan ``records`` against the state they touch and commit; None when there was
+        nothing to do (no record, nothing pending to expire or resolve)."""
         now = utcnow()
         state = self._state(records, now)
-        if not records.offsets and not state.unconfirmed:
-            return JoinStats()
+        if not records.offsets and state == JoinState():
+            return None
         plan = plan_join(records, state, now, self.expire_s)
         self._commit(plan, now)
-        return JoinStats(samples=len(plan.samples), counters=plan.counters)
+        return plan
+
+    def _one_by_one(self, entries: list[LogEntry]) -> JoinStats:
+        """Join ``entries`` one record at a time (trajectories first, each topic in log order,
+        as ``plan_join`` takes them), each commit moving its partition's offset past its record.
+
+        First the pending state alone (expiry, unconfirmed feedback): its failure is no record's,
+        so it is raised and nothing is set aside. A record whose commit fails ``MAX_TRIES`` times
+        alone (not an outage) is set aside with the error, its offset moved past it.
+        """
+        self._join(Records())
+        stats = JoinStats()
+        for e in sorted(entries, key=lambda e: e.topic != TOPIC_TRAJECTORIES):
+            records = Records.parse([e])
+            for _ in range(MAX_TRIES):
+                try:
+                    plan = self._join(records)
+                    break
+                except Exception as exc:
+                    if is_outage(exc):
+                        raise
+                    error = exc
+            else:
+                self._set_aside(e, records, error)
+                stats.counters[DEAD_LETTERS] = stats.counters.get(DEAD_LETTERS, 0) + 1
+                continue
+            done = _stats(plan)
+            stats.samples += done.samples
+            for name, n in done.counters.items():
+                stats.counters[name] = stats.counters.get(name, 0) + n
+        return stats
+
+    def _set_aside(self, e: LogEntry, records: Records, error: Exception) -> None:
+        """Set ``e`` aside (kind ``unjoinable``) and move its offset past it, in one transaction."""
+        rec = (records.trajectories or records.feedback or [None])[0]
+        if isinstance(rec, TrajectoryRecord):
+            key = rec.id
+        elif isinstance(rec, FeedbackRecord):
+            key = rec.trajectory_id if rec.episode_id is None else episode_key(rec.episode_id)
+        else:
+            key = e.key
+        letter = Letter(
+            "unjoinable",
+            f"the database refused its join {MAX_TRIES} times: {describe(error)}",
+            key=key,
+            prompt_id=rec.prompt_id if rec is not None else None,
+            topic=e.topic,
+            log_partition=e.partition,
+            log_offset=e.offset,
+            payload=e.value,
+            attempts=MAX_TRIES,
+        )
+        log.error(
+            "set aside the %s record at partition %d offset %d: %s",
+            e.topic,
+            e.partition,
+            e.offset,
+            letter.reason,
+        )
+        with self.db.begin() as conn:
+            bump_counter(conn, DEAD_LETTERS, set_aside(conn, [letter], utcnow()))
+            self._set_offset(conn, e.topic, e.partition, e.offset + 1)
 
     def _read(self, max_records: int) -> list[LogEntry]:
         """Feedback, then trajectories; the feedback only if no trajectory partition is behind.
@@ -93,14 +218,37 @@ class Joiner:
 
     def _state(self, records: Records, now: datetime) -> JoinState:
         """The pending rows, tombstones and feedback claims ``records`` touch (see ``JoinState``)."""
-        with self.db.connect() as conn:
-            unconfirmed = {
-                k: FeedbackRecord.model_validate_json(v)
-                for k, v in conn.execute(
-                    select(PendingJoin.key, PendingJoin.payload).where(PendingJoin.kind == "unconfirmed")
+        cutoff = expiry_cutoff(now, self.expire_s)
+        unreadable: list[Unreadable] = []
+
+        def pending(model, kind: str, *where) -> dict:
+            rows = conn.execute(
+                select(PendingJoin.key, PendingJoin.prompt_id, PendingJoin.payload).where(
+                    PendingJoin.kind == kind, *where
                 )
-            }
-            if not records.offsets and not unconfirmed:
+            )
+            out = {}
+            for key, prompt_id, payload in rows:
+                try:
+                    out[key] = model.model_validate_json(payload)
+                except ValueError as exc:
+                    unreadable.append(Unreadable(key, kind, prompt_id, payload, why_invalid(exc)))
+            return out
+
+        with self.db.connect() as conn:
+            unconfirmed = pending(FeedbackRecord, "unconfirmed")
+            # Expiry is due whatever was read (also in a poll that read nothing).
+            expired = (
+                conn.execute(
+                    select(PendingJoin.key).where(
+                        PendingJoin.kind == "trajectory", PendingJoin.received_at < cutoff
+                    )
+                )
+                .scalars()
+                .all()
+            )
+            stale = pending(FeedbackRecord, "feedback", PendingJoin.received_at < cutoff)
+            if not records.offsets and not unconfirmed and not expired and not stale and not unreadable:
                 return JoinState()
             held = list(unconfirmed.values())
             ids = records.ids(held)
@@ -122,34 +270,33 @@ class Joiner:
                 .scalars()
                 .all()
             )
-            trajectories = conn.execute(
-                select(PendingJoin.key, PendingJoin.payload).where(
-                    PendingJoin.kind == "trajectory",
-                    or_(PendingJoin.key.in_(ids), PendingJoin.prompt_id.in_(prompts)),
-                )
-            ).all()
-            feedback = conn.execute(
-                select(PendingJoin.key, PendingJoin.payload).where(
-                    PendingJoin.kind == "feedback", PendingJoin.key.in_(ids)
-                )
-            ).all()
-            expired = (
+            trajectories = pending(
+                TrajectoryRecord,
+                "trajectory",
+                or_(PendingJoin.key.in_(ids), PendingJoin.prompt_id.in_(prompts)),
+            )
+            feedback = pending(FeedbackRecord, "feedback", PendingJoin.key.in_(ids))
+            expired_before = (
                 conn.execute(
                     select(PendingJoin.key).where(
-                        PendingJoin.kind == "trajectory",
-                        PendingJoin.received_at < expiry_cutoff(now, self.expire_s),
+                        PendingJoin.kind == "expired", PendingJoin.key.in_(ids | records.listed_turns(held))
                     )
                 )
                 .scalars()
                 .all()
             )
+            forgotten = forgotten_among(conn, ids | records.episode_keys(held))
             return JoinState(
                 joined=frozenset(joined),
-                trajectories={k: TrajectoryRecord.model_validate_json(v) for k, v in trajectories},
-                feedback={k: FeedbackRecord.model_validate_json(v) for k, v in feedback},
+                trajectories=trajectories,
+                feedback=feedback,
                 expired=frozenset(expired),
                 unconfirmed=unconfirmed,
                 claims=claims,
+                forgotten=forgotten,
+                expired_before=frozenset(expired_before),
+                stale_feedback=stale,
+                unreadable=tuple({(u.key, u.kind): u for u in unreadable}.values()),
             )
 
     def _commit(self, plan: JoinPlan, now: datetime) -> None:
@@ -177,21 +324,30 @@ class Joiner:
                 )
             conn.execute(
                 delete(PendingJoin).where(
-                    PendingJoin.kind == "joined", PendingJoin.received_at < plan.forget_joined_before
+                    PendingJoin.kind.in_(("joined", "expired")),
+                    PendingJoin.received_at < plan.forget_joined_before,
                 )
             )
+            if plan.dead_letters:
+                bump_counter(conn, DEAD_LETTERS, set_aside(conn, plan.dead_letters, now))
+            self._drop_forgotten(conn, plan)
             for name, n in plan.counters.items():
-                self._bump(conn, name, n)
+                bump_counter(conn, name, n)
             for (topic, p), off in plan.offsets.items():
                 self._set_offset(conn, topic, p, off)
 
     @staticmethod
-    def _bump(conn: Connection, name: str, n: int) -> None:
-        res = conn.execute(
-            update(LearnerCounter).where(LearnerCounter.name == name).values(value=LearnerCounter.value + n)
-        )
-        if res.rowcount == 0:
-            conn.execute(insert(LearnerCounter).values(name=name, value=n))
+    def _drop_forgotten(conn: Connection, plan: JoinPlan) -> None:
+        """Delete the rows this commit wrote under a tombstone that a forget committed after the
+        read: the forget's lock on PostgreSQL (SQLite's single writer) orders the two, so either
+        the forget deletes them or this statement sees its tombstones."""
+        written = {r.key for r in plan.inserts} | {s.id for s in plan.samples}
+        if not written:
+            return
+        gone = forgotten_among(conn, written)
+        if gone:
+            conn.execute(delete(PendingJoin).where(PendingJoin.key.in_(gone)))
+            conn.execute(delete(LearnerSample).where(LearnerSample.id.in_(gone)))
 
     @staticmethod
     def _set_offset(conn: Connection, topic: str, partition: int, offset: int) -> None:

@@ -1,4 +1,4 @@
-"""The learner process (``saoserve learn``): join, train, publish (DESIGN §3, §8).
+"""The learner process (``saoserve learn``): join, train, publish (docs/design.md §3, §8).
 
 Loop: read new trajectory and feedback records from the stored offsets; join them (by
 trajectory id, or by episode id for multi-turn episodes); in ONE database transaction commit
@@ -13,13 +13,18 @@ A crash at any point loses and duplicates nothing: offsets only move together wi
 they produced; a trajectory id joined once leaves a tombstone so a re-sent copy is ignored; a
 version committed but not yet announced is announced again at start.
 
-The database is the truth of the learner's state (DESIGN §8). A version's directory is written
+The database is the truth of the learner's state (docs/design.md §8). A version's directory is written
 before its commit but means nothing until then: at load, directories above the database's
 latest version are deleted. ``checkpoint.pt`` (tagged with its version) is written only after
-the commit, and a checkpoint newer than the database's latest version is ignored. A failure
-between applying a step in memory and its commit drops the in-memory models; the next iteration
-reloads the committed state as a restart would (``load``). Fault points (``learner.faults``)
-mark each step of the cycle for the kill -9 harness (tests/test_learner_faults.py).
+the commit (every ``checkpoint_every`` steps, and at a clean stop), and a checkpoint newer than
+the database's latest version is ignored. A failure between applying a step in memory and its
+commit drops the in-memory models; the next iteration reloads the committed state as a restart
+would (``load``). Fault points (``learner.faults``) mark each step of the cycle for the kill -9
+harness (tests/test_learner_faults.py).
+
+Nothing stops the loop for good: a join that fails is logged and the rollback and pause
+requests are still carried out; a record or a batch that keeps failing is set aside as a dead
+letter after ``core.dead_letters.MAX_TRIES`` tries (``learner.joiner``, ``train_step``).
 """
 
 from __future__ import annotations
@@ -28,7 +33,9 @@ import json
 import logging
 import math
 import shutil
+import signal
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from datetime import UTC
@@ -38,33 +45,37 @@ import torch
 from sqlalchemy import delete, func, insert, select, update
 from sqlalchemy.engine import Connection, Engine
 
-from core.control import PAUSED, ROLLBACK_TO, get_flag
+from core import lifecycle_store
+from core.control import GUARD_OFF, GUARD_PIN, PAUSED, ROLLBACK_TO, Flag, clear_if, get_flag, read_flag
 from core.db import (
-    ControlFlag,
-    LearnerCounter,
     LearnerSample,
     LearnerStep,
     PolicyVersion,
+    QuarantinedSample,
     make_engine,
     migrate,
 )
+from core.dead_letters import COUNTER as DEAD_LETTERS
+from core.dead_letters import MAX_TRIES, Letter, describe, set_aside
+from core.lifecycle import GUARD, LEARNER, Stage, judge_lineage, lineage
 from core.logbus import LogTransport, open_log
 from core.records import (
     TOPIC_POLICY,
     PolicyEvent,
     utcnow,
 )
+from core.sequential import Decision
 from core.settings import Settings
 from core.weights import weights_sha256
-from learner.algorithm import Algorithm, build_algorithm
+from learner.algorithm import Algorithm
 from learner.config import LearnerConfig
 from learner.faults import ReadFaultLog, armed, fault_point
-from learner.joiner import Joiner, JoinStats
+from learner.joiner import Joiner, JoinStats, bump_counter
+from learner.registry import build_algorithm
 from learner.samples import Sample, collate
 
 log = logging.getLogger(__name__)
 
-CONSUMER = "learner"
 POLICY_KEY = "policy"
 WEIGHTS_FILE = "model.safetensors"
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -74,7 +85,7 @@ def storable(value):
     """``value`` with every non-finite float replaced by None, recursively (dicts, lists).
 
     PostgreSQL's JSON refuses NaN and Infinity, and a metric that is not a number is unknown:
-    metrics are stored finite or null (DESIGN §8).
+    metrics are stored finite or null (docs/design.md §8).
     """
     if isinstance(value, float):
         return value if math.isfinite(value) else None
@@ -110,7 +121,19 @@ class Learner:
         self.run_id = uuid.uuid4().hex[:12]
         self.algorithm: Algorithm | None = None
         self.version = 0
+        # The version whose weights the policy holds: ``version`` unless the newest versions
+        # were rejected (the policy went back to an earlier one, docs/guard.md).
+        self.weights_version = 0
         self._unannounced = False
+        # When the lineage is next evaluated (time.monotonic), and the gate's base and parent
+        # models once built.
+        self._next_check = 0.0
+        self._gate_models = None
+        # The version whose state checkpoint.pt (or the load) already holds: a clean stop
+        # writes one only past it.
+        self._durable_version: int | None = None
+        # (sample ids, failures) of the batch whose step last failed.
+        self._failed_batch: tuple[tuple[str, ...], int] = ((), 0)
 
     def poll_once(self, max_records: int = 500) -> JoinStats:
         """Read new records, join, commit offsets + joins + samples + evidence together."""
@@ -156,7 +179,7 @@ class Learner:
             # code, or a database restored from a backup): it claims updates that never were.
             log.warning("ignoring %s at version %d: the database is at %d", ckpt, state["version"], committed)
             state = None
-        self.version = 0
+        self.version = self.weights_version = 0
         if state is None:
             loaded = algorithm.warm_start(self.policy_dir)
             if loaded is not None:
@@ -164,13 +187,19 @@ class Learner:
         else:
             algorithm.load_state_dict(state["learner"])
             self.version = state["version"]
+            self.weights_version = state.get("weights_version", state["version"])
         self.algorithm = algorithm
-        if latest is not None and latest.version > self.version:
-            # Versions trained after the last checkpoint: take their published policy weights
-            # (the critic and optimizer state come from the checkpoint).
-            self._load_policy_weights(Path(latest.path))
-            self.version = latest.version
+        head = self._head_version()
+        if head is not None and head.version != self.weights_version:
+            # Versions trained after the last checkpoint, or the checkpoint's weights rejected
+            # since: take the newest version not rejected (the critic and optimizer state come
+            # from the checkpoint).
+            self._load_policy_weights(Path(head.path))
+            self.weights_version = head.version
+        if latest is not None:
+            self.version = max(self.version, latest.version)
         algorithm.on_version(self.version)
+        self._durable_version = self.version
         if latest is None:
             self._record_base_version()
         elif latest.status != "published":
@@ -205,7 +234,28 @@ class Learner:
                 select(*PolicyVersion.__table__.columns).order_by(PolicyVersion.version.desc()).limit(1)
             ).first()
 
+    def _head_version(self):
+        """The newest version not rejected: the one whose weights the policy trains on."""
+        with self.db.connect() as conn:
+            return conn.execute(
+                select(*PolicyVersion.__table__.columns)
+                .where(PolicyVersion.lifecycle != Stage.REJECTED.value)
+                .order_by(PolicyVersion.version.desc())
+                .limit(1)
+            ).first()
+
+    def _promoted_version(self):
+        """The promoted version's row: the newest one whose stage is ``promoted``."""
+        with self.db.connect() as conn:
+            return conn.execute(
+                select(*PolicyVersion.__table__.columns)
+                .where(PolicyVersion.lifecycle == Stage.PROMOTED.value)
+                .order_by(PolicyVersion.version.desc())
+                .limit(1)
+            ).first()
+
     def _record_base_version(self) -> None:
+        now = utcnow()
         with self.db.begin() as conn:
             conn.execute(
                 insert(PolicyVersion).values(
@@ -215,13 +265,16 @@ class Learner:
                     status="published",
                     parent_version=None,
                     metrics={},
-                    created_at=utcnow(),
+                    created_at=now,
+                    lifecycle=Stage.PROMOTED.value,
                 )
             )
+            lifecycle_store.record_event(conn, 0, None, Stage.PROMOTED, LEARNER, "the base model", now)
 
     def _announce(self, row) -> None:
-        """Publish the policy event of a committed version (idempotent for servers)."""
-        if row.version == 0 and row.status == "published":
+        """Publish the policy event of a committed version (idempotent for servers). A rejected
+        version is never announced: no server ever loads it."""
+        if (row.version == 0 and row.status == "published") or row.lifecycle == Stage.REJECTED:
             return
         event = PolicyEvent(
             version=row.version,
@@ -230,6 +283,7 @@ class Learner:
             created_at=row.created_at,
             parent_version=row.parent_version,
             metrics={k: float(v) for k, v in (row.metrics or {}).items() if isinstance(v, int | float)},
+            lifecycle=row.lifecycle,
         )
         self.log.append(TOPIC_POLICY, POLICY_KEY, event.to_json())
         fault_point("after_policy_event")
@@ -270,14 +324,19 @@ class Learner:
         return out, weights_sha256(out)
 
     def _prune(self) -> None:
+        """Delete all but the newest ``keep_versions`` version folders, and never the promoted
+        version's (a rejection of the lineage restores its weights)."""
         keep = self.config.keep_versions
+        promoted = self._promoted_version()
+        spared = f"v{promoted.version:06d}" if promoted is not None else None
         dirs = sorted(
             d
             for d in self.policy_dir.glob("v[0-9]*")
             if d.name[1:].isdigit() and int(d.name[1:]) <= self.version
         )
         for d in dirs[:-keep] if keep > 0 else []:
-            shutil.rmtree(d, ignore_errors=True)
+            if d.name != spared:
+                shutil.rmtree(d, ignore_errors=True)
 
     # ----------------------------------------------------------------- train
     def flag(self, name: str) -> str | None:
@@ -288,36 +347,63 @@ class Learner:
 
         The step counts as applied only once its version is committed: on any error before
         that, the in-memory models are dropped (``self.algorithm = None``) and the error
-        re-raised; ``run`` reloads the committed state before anything else.
+        re-raised; ``run`` reloads the committed state before anything else. Samples that do not
+        parse are set aside at once, and a batch whose step fails ``MAX_TRIES`` times in a row
+        (collating it or the update, not an outage of the commit) is set aside whole (dead
+        letters of kind ``untrainable``, ``core.dead_letters``); None is returned then.
         """
         with self.db.connect() as conn:
             rows = conn.execute(
-                select(LearnerSample.id, LearnerSample.payload, LearnerSample.created_at)
+                select(
+                    LearnerSample.id, LearnerSample.prompt_id, LearnerSample.payload, LearnerSample.created_at
+                )
+                # A quarantined sample trained a rejected version: never again (docs/guard.md).
+                .where(LearnerSample.id.not_in(select(QuarantinedSample.sample_id)))
                 .order_by(LearnerSample.created_at, LearnerSample.id)
                 .limit(self.config.batch_size)
             ).all()
         if len(rows) < self.config.batch_size:
             return None
-        samples = [Sample.from_json(json.loads(p)) for _, p, _ in rows]
-        batch = collate(samples, self.version)
+        samples, unreadable = [], []
+        for row in rows:
+            try:
+                samples.append(Sample.from_json(json.loads(row.payload)))
+            except (ValueError, TypeError, KeyError) as exc:
+                unreadable.append(row)
+                error = exc
+        if unreadable:
+            self._set_aside_samples(unreadable, f"the sample does not parse: {describe(error)}", 1)
+            return None
         sample_ids = [r[0] for r in rows]
         try:
-            metrics = self._step(samples, batch)
+            batch = collate(samples, self.version)
+            metrics = self._step(batch)
             # The newest sample of the batch, whose feedback completed it (judge.runstats).
-            metrics["completing_sample"] = rows[-1][0]
+            metrics["completing_sample"] = rows[-1].id
             # When that sample was joined (unix s, within a poll of its feedback's receipt): the
             # start of feedback→served, which servers measure (saoserve_feedback_to_served_seconds).
-            joined = rows[-1][2]
+            joined = rows[-1].created_at
             metrics["batch_completed_at"] = (
                 joined if joined.tzinfo else joined.replace(tzinfo=UTC)
             ).timestamp()
             fault_point("during_step")
+            gate = self._run_gate()
+        except Exception as exc:
+            self.algorithm = None
+            if self._step_failed(rows, exc):
+                return None
+            raise
         except BaseException:
             self.algorithm = None
             raise
+        self._failed_batch = ((), 0)
+        if gate is not None:
+            metrics["gate_reasons"] = gate.reasons
         clean = storable(metrics)
         flat = {k: v for k, v in clean.items() if v is None or isinstance(v, int | float)}
         step = self.algorithm.steps
+        parent = self.weights_version
+        stage = self._stage_of_new(gate)
 
         def record_step(conn: Connection, version: int, now) -> None:
             # The step (with the ids of the samples it trained) and the samples' deletion.
@@ -331,8 +417,23 @@ class Learner:
                     created_at=now,
                 )
             )
+            lifecycle_store.record_event(
+                conn, version, None, Stage.CANDIDATE, LEARNER, f"trained from version {parent}", now
+            )
+            lifecycle_store.record_event(conn, version, Stage.CANDIDATE, stage, LEARNER, self._why(gate), now)
+            if stage == Stage.REJECTED:
+                n = lifecycle_store.quarantine(
+                    conn, {version: sample_ids}, "trained a version the gate rejected", now
+                )
+                bump_counter(conn, lifecycle_store.QUARANTINED, n)
 
-        new_version = self._publish(self.version, flat, record_step)
+        gate_json = None if gate is None else storable(gate.model_dump(mode="json"))
+        new_version = self._publish(parent, flat, record_step, stage, gate_json)
+        if stage == Stage.REJECTED:
+            self._back_to(parent)
+            # Never served, never restored: only its figures (in the database) matter.
+            shutil.rmtree(self.policy_dir / f"v{new_version:06d}", ignore_errors=True)
+            log.warning("version %d rejected by the gate: %s", new_version, "; ".join(gate.reasons))
         if step % self.config.checkpoint_every == 0:
             self._checkpoint(new_version)
             fault_point("after_checkpoint")
@@ -349,8 +450,115 @@ class Learner:
         )
         return metrics
 
-    def _step(self, samples: list[Sample], batch) -> dict:
-        metrics = self.algorithm.step(batch, samples)
+    # ----------------------------------------------------------------- guard
+    def guard_on(self) -> bool:
+        """Whether the lifecycle runs: on in the config and not turned off by an operator."""
+        return self.config.guard.enabled and self.flag(GUARD_OFF) != "1"
+
+    def _stage_of_new(self, gate) -> Stage:
+        """The stage a new trained version is recorded with: promoted with the guard off,
+        rejected when the gate failed, else canary (probation)."""
+        if not self.guard_on():
+            return Stage.PROMOTED
+        return Stage.REJECTED if gate is not None and not gate.passed else Stage.CANARY
+
+    def _why(self, gate) -> str:
+        if not self.guard_on():
+            return "the guard is off"
+        if gate is None:
+            return "no gate configured; on probation"
+        if gate.passed:
+            return f"gate passed (KL to base {gate.kl_base}, to parent {gate.kl_promoted}); on probation"
+        return "gate failed: " + "; ".join(gate.reasons)
+
+    def _run_gate(self):
+        """The gate (``learner.gate.run_gate``) on the policy just stepped, against the base and
+        the version it was trained from (its parent, serving now); None when the guard is off
+        or no gate is configured."""
+        cfg = self.config.guard.gate
+        if cfg is None or not self.guard_on():
+            return None
+        from learner.gate import run_gate
+
+        base, parent, tokenizer = self._gate_references(self.weights_version)
+        policy = self.algorithm.policy
+        training = policy.training
+        policy.eval()
+        try:
+            return run_gate(policy, base, parent, tokenizer, cfg)
+        finally:
+            policy.train(training)
+
+    def _gate_references(self, parent_version: int):
+        """``(base, parent, tokenizer)`` for the gate: the base model, the parent version's
+        published weights (None when the parent is the base), built once and kept."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if self._gate_models is None:
+
+            def model():
+                return AutoModelForCausalLM.from_pretrained(self.base_dir, dtype=torch.float32).eval()
+
+            self._gate_models = {"base": model(), "parent": model(), "at": 0}
+            self._gate_models["tokenizer"] = AutoTokenizer.from_pretrained(self.base_dir)
+        g = self._gate_models
+        if parent_version == 0:
+            return g["base"], None, g["tokenizer"]
+        if g["at"] != parent_version:
+            with self.db.connect() as conn:
+                path = conn.execute(
+                    select(PolicyVersion.path).where(PolicyVersion.version == parent_version)
+                ).scalar_one()
+            from safetensors.torch import load_file
+
+            weights = {k: v.float() for k, v in load_file(Path(path) / WEIGHTS_FILE).items()}
+            g["parent"].load_state_dict(weights, strict=False)
+            g["at"] = parent_version
+        return g["base"], g["parent"], g["tokenizer"]
+
+    def _back_to(self, version: int) -> None:
+        """Put the policy back to ``version``'s published weights (its folder, as a rollback
+        loads them) with fresh optimizer moments; an error drops the in-memory models."""
+        with self.db.connect() as conn:
+            path = conn.execute(
+                select(PolicyVersion.path).where(PolicyVersion.version == version)
+            ).scalar_one()
+        try:
+            self._load_policy_weights(Path(path))
+            self.algorithm.reset_policy_optimizer()
+        except BaseException:
+            self.algorithm = None
+            raise
+        self.weights_version = version
+
+    def _step_failed(self, rows, exc: Exception) -> bool:
+        """Count a failed step of the batch ``rows``; at the ``MAX_TRIES``-th failure in a row
+        of the same batch, set it aside and return True (the caller goes on), else False."""
+        ids = tuple(r.id for r in rows)
+        tries = self._failed_batch[1] + 1 if self._failed_batch[0] == ids else 1
+        self._failed_batch = (ids, tries)
+        if tries < MAX_TRIES:
+            return False
+        self._failed_batch = ((), 0)
+        self._set_aside_samples(rows, f"its batch's step failed {tries} times: {describe(exc)}", tries)
+        return True
+
+    def _set_aside_samples(self, rows, reason: str, attempts: int) -> None:
+        """Delete the samples ``rows`` and write them as dead letters (kind ``untrainable``),
+        in one transaction."""
+        log.error("set aside %d samples (%s): %s", len(rows), ", ".join(r.id for r in rows[:5]), reason)
+        letters = [
+            Letter(
+                "untrainable", reason, key=r.id, prompt_id=r.prompt_id, payload=r.payload, attempts=attempts
+            )
+            for r in rows
+        ]
+        with self.db.begin() as conn:
+            conn.execute(delete(LearnerSample).where(LearnerSample.id.in_([r.id for r in rows])))
+            bump_counter(conn, DEAD_LETTERS, set_aside(conn, letters, utcnow()))
+
+    def _step(self, batch) -> dict:
+        metrics = self.algorithm.step(batch)
         stale = batch.token_staleness[batch.action_mask.bool()]
         metrics["staleness_mean"] = stale.float().mean().item()
         metrics["staleness_max"] = int(stale.max().item())
@@ -359,9 +567,17 @@ class Learner:
         }
         return metrics
 
-    def _publish(self, parent: int, metrics: dict, also: Callable[[Connection, int, object], None]) -> int:
-        """Write the next version's weights, then commit its row together with ``also(conn,
-        version, now)`` in one transaction; returns the new version (still to be announced).
+    def _publish(
+        self,
+        parent: int,
+        metrics: dict,
+        also: Callable[[Connection, int, object], None],
+        stage: Stage = Stage.PROMOTED,
+        gate: dict | None = None,
+    ) -> int:
+        """Write the next version's weights, then commit its row (lifecycle ``stage``, the gate's
+        figures ``gate``) together with ``also(conn, version, now)`` in one transaction; returns
+        the new version (still to be announced; a rejected one never is).
 
         Metrics must be storable (``storable``). On any error before the commit the in-memory
         models are dropped (``self.algorithm = None``) and the error re-raised.
@@ -370,20 +586,31 @@ class Learner:
         try:
             path, sha = self._write_version(new_version)
             fault_point("after_weights")
-            self._commit_version(new_version, path, sha, parent, metrics, also)
+            self._commit_version(new_version, path, sha, parent, metrics, also, stage, gate)
         except BaseException:
             self.algorithm = None
             raise
         self.version = new_version
+        if stage != Stage.REJECTED:
+            self.weights_version = new_version
         self._unannounced = True
         self.algorithm.on_version(new_version)
         fault_point("after_commit")
         return new_version
 
     def _commit_version(
-        self, version: int, path: Path, sha: str, parent: int, metrics: dict, also: Callable
+        self,
+        version: int,
+        path: Path,
+        sha: str,
+        parent: int,
+        metrics: dict,
+        also: Callable,
+        stage: Stage = Stage.PROMOTED,
+        gate: dict | None = None,
     ) -> None:
-        """Record the version (status committed) and ``also(conn, version, now)`` in one transaction."""
+        """Record the version (status committed, lifecycle ``stage``) and ``also(conn, version,
+        now)`` in one transaction."""
         now = utcnow()
         with self.db.begin() as conn:
             conn.execute(
@@ -395,6 +622,8 @@ class Learner:
                     parent_version=parent,
                     metrics=metrics,
                     created_at=now,
+                    lifecycle=stage.value,
+                    gate=gate,
                 )
             )
             also(conn, version, now)
@@ -408,35 +637,89 @@ class Learner:
         tmp = self.policy_dir / (CHECKPOINT_FILE + ".tmp")
         state = {
             "version": version,
+            "weights_version": self.weights_version,
             "learner": self.algorithm.state_dict(),
             "config": self.config.model_dump(mode="json"),
         }
         torch.save(state, tmp)
         tmp.replace(self.policy_dir / CHECKPOINT_FILE)
+        self._durable_version = version
 
-    def rollback(self, version: int) -> int | None:
+    def checkpoint_on_stop(self) -> bool:
+        """At a clean stop: write ``checkpoint.pt`` at the last committed version (critic,
+        optimizer states, step count), unless the checkpoint or the load already holds it.
+
+        Only when the in-memory models are that version's: a step not committed drops them
+        (``self.algorithm`` None), and the database's latest version must be ``self.version``
+        (an interrupt between a commit and its bookkeeping leaves them apart: nothing is
+        written, the checkpoint never claims a state the database has not committed). Returns
+        whether it wrote one; a failure is logged, not raised (the stop goes on).
+        """
+        if self.algorithm is None or self._durable_version == self.version:
+            return False
+        try:
+            latest = self._latest_version()
+            if latest is None or latest.version != self.version:
+                log.warning(
+                    "no checkpoint at stop: the database is at version %s, the learner at %d",
+                    None if latest is None else latest.version,
+                    self.version,
+                )
+                return False
+            self._checkpoint(self.version)
+        except Exception:
+            log.exception("could not write the checkpoint at stop")
+            return False
+        log.info("checkpoint written at version %d (step %d) on stop", self.version, self.algorithm.steps)
+        return True
+
+    def rollback(
+        self,
+        version: int,
+        request: Flag | None = None,
+        actor: str = "operator",
+        also: Callable[[Connection, int, object], None] | None = None,
+    ) -> int | None:
         """Publish a new version whose weights are those of ``version`` (versions stay monotone).
 
+        The new version is recorded ``promoted`` (an operator chose those weights, or the guard
+        restores the promoted version's), its event by ``actor``, together with ``also(conn,
+        version, now)`` (the guard's rejection of the lineage). A ``rejected`` version is
+        refused like an unknown one: it never serves again.
+
+        ``request``: the ``rollback_to`` flag as read when it was taken up (None: read now, and
+        taken only if it asks for ``version``).
+        The flag is cleared in the commit of the new version only if it still holds that
+        request (``core.control.clear_if``): a rollback requested meanwhile is carried out next.
         Optimizer moments are reset: they belong to the abandoned trajectory of updates. An
-        unknown ``version``, or one whose weights were pruned, is refused: the flag is cleared,
-        the ``rollback_refused`` counter bumped and None returned (retrying could never
+        unknown ``version``, or one whose weights were pruned, is refused: its request is
+        cleared, the ``rollback_refused`` counter bumped and None returned (retrying could never
         succeed). As in ``train_step``, an error before the commit drops the in-memory models.
+        After the publish, version folders are pruned to ``keep_versions``.
         """
+        seen = request
+        if seen is None:
+            current = read_flag(self.db, ROLLBACK_TO)
+            seen = current if current is not None and current.value == str(version) else None
+
+        def clear(conn: Connection, new_version: int | None = None, now=None) -> None:
+            if seen is not None:
+                clear_if(conn, ROLLBACK_TO, seen)
+            if new_version is not None:
+                if also is not None:
+                    also(conn, new_version, now)
+                reason = f"the weights of version {version} (rollback)"
+                lifecycle_store.record_event(conn, new_version, None, Stage.PROMOTED, actor, reason, now)
+
         with self.db.connect() as conn:
             row = conn.execute(
                 select(*PolicyVersion.__table__.columns).where(PolicyVersion.version == version)
             ).first()
-        if row is None or not (Path(row.path) / WEIGHTS_FILE).is_file():
-            log.error("rollback to version %d refused: unknown, or its weights are gone", version)
+        if row is None or row.lifecycle == Stage.REJECTED or not (Path(row.path) / WEIGHTS_FILE).is_file():
+            log.error("rollback to version %d refused: unknown, rejected, or its weights are gone", version)
             with self.db.begin() as conn:
-                conn.execute(delete(ControlFlag).where(ControlFlag.name == ROLLBACK_TO))
-                res = conn.execute(
-                    update(LearnerCounter)
-                    .where(LearnerCounter.name == "rollback_refused")
-                    .values(value=LearnerCounter.value + 1)
-                )
-                if res.rowcount == 0:
-                    conn.execute(insert(LearnerCounter).values(name="rollback_refused", value=1))
+                clear(conn)
+                bump_counter(conn, "rollback_refused", 1)
             return None
         try:
             self._load_policy_weights(Path(row.path))
@@ -444,40 +727,154 @@ class Learner:
         except BaseException:
             self.algorithm = None
             raise
-
-        def clear_flag(conn: Connection, new_version: int, now) -> None:
-            conn.execute(delete(ControlFlag).where(ControlFlag.name == ROLLBACK_TO))
-
-        new_version = self._publish(version, {"rollback_to": version}, clear_flag)
+        new_version = self._publish(version, {"rollback_to": version}, clear)
         self._announce_latest()
+        self._prune()
+        log.info("rolled back to version %d: its weights are published as version %d", version, new_version)
         return new_version
 
+    def guard_check(self) -> Decision | None:
+        """Evaluate the lineage on probation and carry out the verdict (docs/guard.md, "The
+        lifecycle"); returns the decision, None when there was nothing to judge.
+
+        First, a version that serves (announced) but was rejected since (by an operator) is
+        rolled back, guard on or off: the promoted version's weights are published as a new
+        version. Then, unless
+        the guard is off or an operator pinned the promoted version, the lineage's rated answers
+        are compared with the promoted versions' from before the lineage (``judge_lineage``):
+        ``promote`` moves every version of the lineage to ``promoted``; ``reject`` moves them to
+        ``rejected``, quarantines the samples that trained them and publishes the promoted
+        version's weights as a new, promoted version, all in one transaction.
+        """
+        with self.db.connect() as conn:
+            rows = conn.execute(
+                select(
+                    PolicyVersion.version,
+                    PolicyVersion.lifecycle,
+                    PolicyVersion.status,
+                    PolicyVersion.created_at,
+                ).order_by(PolicyVersion.version)
+            ).all()
+            st = lifecycle_store.stages(conn)
+            served = [r for r in rows if r.status == "published"]
+            if served and served[-1].lifecycle == Stage.REJECTED:
+                self._reject_lineage([], "an operator rejected the version serving")
+                return Decision.REJECT
+            members = lineage(st)
+            if not members or not self.guard_on() or self.flag(GUARD_PIN) is not None:
+                return None
+            started = next(r.created_at for r in rows if r.version == members[0])
+            started = started if started.tzinfo else started.replace(tzinfo=UTC)
+            promoted = [v.version for v in st if v.stage == Stage.PROMOTED]
+            verdict = judge_lineage(
+                lifecycle_store.rated_rewards(conn, members),
+                lifecycle_store.rated_rewards(
+                    conn, promoted, before=started, limit=self.config.guard.promoted_window
+                ),
+                self.config.guard.rule_params(),
+                elapsed_s=max((utcnow() - started).total_seconds(), 0.0),
+            )
+        if verdict.decision == Decision.PROMOTE:
+            now = utcnow()
+            with self.db.begin() as conn:
+                for v in members:
+                    lifecycle_store.transition(conn, v, Stage.PROMOTED, GUARD, verdict.reason, now)
+            log.info("guard: versions %s promoted: %s", members, verdict.reason)
+        elif verdict.decision == Decision.REJECT:
+            self._reject_lineage(members, verdict.reason)
+        return verdict.decision
+
+    def _reject_lineage(self, members: list[int], reason: str) -> int | None:
+        """Reject ``members``, quarantine the samples of every rejected version after the
+        promoted one, and publish the promoted version's weights as a new version, in one
+        transaction (``rollback``); returns the new version (None: the rollback was refused)."""
+        target = self._promoted_version()
+
+        def also(conn: Connection, new_version: int, now) -> None:
+            for v in members:
+                lifecycle_store.transition(conn, v, Stage.REJECTED, GUARD, reason, now)
+            rejected = [
+                v.version
+                for v in lifecycle_store.stages(conn)
+                if target.version < v.version < new_version and v.stage == Stage.REJECTED
+            ]
+            trained = lifecycle_store.trained_sample_ids(conn, rejected)
+            n = lifecycle_store.quarantine(conn, trained, f"trained the rejected lineage {rejected}", now)
+            bump_counter(conn, lifecycle_store.QUARANTINED, n)
+
+        new_version = self.rollback(target.version, actor=GUARD, also=also)
+        log.warning(
+            "guard: lineage %s rejected (%s); version %s restores version %d",
+            members,
+            reason,
+            new_version,
+            target.version,
+        )
+        return new_version
+
+    def _guard_tick(self) -> None:
+        """``guard_check`` at most every ``guard.check_s`` seconds."""
+        now = time.monotonic()
+        if now < self._next_check:
+            return
+        self._next_check = now + self.config.guard.check_s
+        self.guard_check()
+
+    def _requested_rollback(self) -> bool:
+        """Carry out the ``rollback_to`` request if there is one; a value that is not a version
+        number is refused like an unknown version."""
+        request = read_flag(self.db, ROLLBACK_TO)
+        if request is None:
+            return False
+        try:
+            version = int(request.value)
+        except ValueError:
+            version = -1
+        self.rollback(version, request)
+        return True
+
+    def _poll(self) -> None:
+        """``poll_once``, its failure logged and not raised: whatever the joins do, the control
+        flags are read and acted upon, and the samples already joined are trained."""
+        try:
+            self.poll_once()
+        except Exception:
+            log.exception("join failed; the learner goes on (the records are read again)")
+
     def run(self, stop: threading.Event | None = None) -> None:
-        """Join and train until ``stop`` is set or ``max_steps`` steps are done."""
+        """Join and train until ``stop`` is set or ``max_steps`` steps are done.
+
+        Each iteration joins (a failing join is logged, ``_poll``), then carries out a requested
+        rollback, or waits while paused, or trains. On a clean stop (``stop`` set, ``max_steps``
+        reached, KeyboardInterrupt) the checkpoint is written at the last committed version
+        (``checkpoint_on_stop``).
+        """
         stop = stop or threading.Event()
-        while not stop.is_set():
-            try:
-                if self.algorithm is None:
-                    # First start, or a step failed before its commit: the committed state.
-                    self.load()
-                elif self._unannounced:
-                    self._announce_latest()
-                self.poll_once()
-                target = self.flag(ROLLBACK_TO)
-                if target is not None:
-                    self.rollback(int(target))
-                    continue
-                if self.flag(PAUSED) == "1":
-                    stop.wait(self.config.poll_s)
-                    continue
-                if self.train_step() is None:
-                    stop.wait(self.config.poll_s)
-                elif self.config.max_steps is not None and self.algorithm.steps >= self.config.max_steps:
-                    return
-            except Exception:
-                # Log or database outage: wait and resume from the committed state.
-                log.exception("learner iteration failed; retrying")
-                stop.wait(max(self.config.poll_s, 2.0))
+        try:
+            while not stop.is_set():
+                try:
+                    if self.algorithm is None:
+                        # First start, or a step failed before its commit: the committed state.
+                        self.load()
+                    elif self._unannounced:
+                        self._announce_latest()
+                    self._poll()
+                    if self._requested_rollback():
+                        continue
+                    self._guard_tick()
+                    if self.flag(PAUSED) == "1":
+                        stop.wait(self.config.poll_s)
+                        continue
+                    if self.train_step() is None:
+                        stop.wait(self.config.poll_s)
+                    elif self.config.max_steps is not None and self.algorithm.steps >= self.config.max_steps:
+                        return
+                except Exception:
+                    # Log or database outage: wait and resume from the committed state.
+                    log.exception("learner iteration failed; retrying")
+                    stop.wait(max(self.config.poll_s, 2.0))
+        finally:
+            self.checkpoint_on_stop()
 
 
 def run_learner(settings: Settings, config: LearnerConfig, stop: threading.Event | None = None) -> Learner:
@@ -486,5 +883,14 @@ def run_learner(settings: Settings, config: LearnerConfig, stop: threading.Event
     log.info("learner config: %s", config.model_dump_json())
     learner = Learner(settings, config)
     learner.load()
-    learner.run(stop)
+    stop = stop or threading.Event()
+    # SIGTERM (docker stop, systemd) is a clean stop, as Ctrl-C is: the loop ends and the
+    # checkpoint is written. Only the main thread may set a handler.
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, lambda *_: stop.set()) if main else None
+    try:
+        learner.run(stop)
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
     return learner

@@ -6,7 +6,7 @@ turns), the logged rollout logprob of each action token, the policy version that
 action token, the sampling temperature and the reward. Multi-turn episodes become one sequence
 of actions and observations (SAO §2.4, skip-observation GAE).
 
-Only whole answers are trained (DESIGN §8). A trajectory is a whole answer when its
+Only whole answers are trained (docs/design.md §8). A trajectory is a whole answer when its
 ``finish_reason`` is ``stop`` (the model ended it) or ``length`` (``max_tokens`` or the
 context cut it). A ``length`` answer is trained under the same rule as a ``stop`` one: the
 reward sits on its last token and that token is terminal (no bootstrap from the value at the
@@ -14,6 +14,10 @@ cut), so the critic learns the value of answers truncated at that budget. ``abor
 disconnected mid-stream), ``error`` (the engine failed) and any other reason are not whole
 answers: neither the trajectory nor an episode containing such a turn is trained, and its
 reward is not evidence (:class:`NotWholeAnswer`).
+
+A trajectory whose request opted out of training (``TrajectoryRecord.train`` False,
+docs/privacy.md) is never trained either, nor an episode holding such a turn, and its reward
+is not evidence (:class:`OptedOut`).
 """
 
 from __future__ import annotations
@@ -39,6 +43,11 @@ class NotWholeAnswer(NotLearnable):
     finished for a reason outside :data:`WHOLE_ANSWER_FINISHES`. Its reward is neither
     trained nor added to the prompt's evidence. The reason is ``excluded_aborted``,
     ``excluded_error`` or ``excluded_unfinished``."""
+
+
+class OptedOut(NotLearnable):
+    """A trajectory (or an episode turn) whose request opted out of training: neither trained
+    nor added to the prompt's evidence. The reason is ``excluded_opted_out``."""
 
 
 @dataclass
@@ -87,14 +96,22 @@ def check_whole_answer(rec: TrajectoryRecord) -> None:
         raise NotWholeAnswer(_UNFINISHED_REASONS.get(rec.finish_reason, "excluded_unfinished"))
 
 
+def check_opted_in(rec: TrajectoryRecord) -> None:
+    """Raise OptedOut when ``rec``'s request opted out of training (docs/privacy.md)."""
+    if not rec.train:
+        raise OptedOut("excluded_opted_out")
+
+
 def check_learnable(rec: TrajectoryRecord) -> None:
     """Raise NotLearnable when the learner cannot evaluate π_θ on the sampled distribution.
 
-    First NotWholeAnswer for a trajectory that is not a whole answer (:func:`check_whole_answer`).
+    First OptedOut for a trajectory that opted out of training (:func:`check_opted_in`), then
+    NotWholeAnswer for one that is not a whole answer (:func:`check_whole_answer`).
     Top-p/top-k truncation and greedy decoding change the distribution the logged logprobs
-    come from; the learner does not reproduce them (DESIGN §5.1), so such rollouts are served
+    come from; the learner does not reproduce them (docs/design.md §5.1), so such rollouts are served
     but not trained on.
     """
+    check_opted_in(rec)
     check_whole_answer(rec)
     if rec.sampling.truncated:
         raise NotLearnable("excluded_truncated_sampling")
@@ -125,19 +142,29 @@ def single_turn_sample(rec: TrajectoryRecord, reward: float) -> Sample:
     )
 
 
-def episode_sample(episode_id: str, turns: list[TrajectoryRecord], reward: float) -> tuple[Sample, int]:
+def episode_sample(
+    episode_id: str, turns: list[TrajectoryRecord], reward: float, in_order: bool = False
+) -> tuple[Sample, int]:
     """One sequence for a multi-turn episode; returns (sample, turns not aligned).
+
+    ``in_order``: ``turns`` are in turn order already (the order the episode's feedback lists
+    them, ``FeedbackRecord.turn_ids``: the server's numbering, which for turns logged before turn
+    numbers the records do not carry); otherwise they are sorted by (turn, created_at).
 
     The last turn's prompt + response is the sequence. An earlier turn's response is an action
     span where its prompt + response tokens are a prefix of that sequence (the chat template
     re-rendered the same tokens) and it was sampled at the last turn's temperature without
     truncation; otherwise its tokens stay observations and it is counted as not aligned.
-    Raises NotWholeAnswer if any turn, aligned or not, is not a whole answer (the first such
-    turn in turn order names the reason), then NotLearnable if the last turn is not learnable.
+    Raises OptedOut if any turn opted out of training, then NotWholeAnswer if any turn, aligned
+    or not, is not a whole answer (the first such turn in turn order names the reason), then
+    NotLearnable if the last turn is not learnable.
     ``result_version`` is the first turn's :func:`answer_version`; the baseline is the one
     frozen at the first turn's dispatch.
     """
-    turns = sorted(turns, key=lambda r: (r.turn if r.turn is not None else 0, r.created_at))
+    if not in_order:
+        turns = sorted(turns, key=lambda r: (r.turn if r.turn is not None else 0, r.created_at))
+    for rec in turns:
+        check_opted_in(rec)
     for rec in turns:
         check_whole_answer(rec)
     last = turns[-1]

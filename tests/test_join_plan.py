@@ -288,6 +288,18 @@ def episode_turns(e: str = "E", prompt_id: str = "q"):
     return t0, t1
 
 
+def test_listed_turns_are_joined_in_the_order_the_feedback_lists_them():
+    """Issue 23 finding 8: a turn logged before turn numbers carries none, or the client's own;
+    the server's list (numbered by revision 0010 for such episodes) is the turn order."""
+    t0, t1 = episode_turns()
+    # Records that would sort the other way round: turn 1 unnumbered, turn 0 numbered 3.
+    t0, t1 = t0.model_copy(update={"turn": 3}), t1.model_copy(update={"turn": None})
+    rated = fb(episode="E", prompt_id="q").model_copy(update={"turn_ids": ["E0", "E1"]})
+    [s] = plan(read(t1, t0, rated)).samples
+    assert s.input_ids == [1, 2, 3, 4, 7, 8, 9] and s.actions == [(2, 4), (6, 7)]
+    assert s.result_version == 5  # the first listed turn's first token
+
+
 def test_episode_joined_in_turn_order():
     t0, t1 = episode_turns()
     # Turn 1 in this read, turn 0 pending from an earlier one.
@@ -383,7 +395,13 @@ def test_expiry_of_old_pending_trajectories():
     # joined by its feedback first; "fresh" is 1 s short of the hour and waits.
     assert p.expired == ["gone"]
     assert p.counters == {"expired": 2}
-    assert [r.key for r in p.inserts] == ["late", "fresh"] and p.inserts[1].kind == "trajectory"
+    # Each expired id leaves a tombstone of expiry (feedback coming later is set aside).
+    assert [(r.key, r.kind) for r in p.inserts] == [
+        ("late", "joined"),
+        ("old", "expired"),
+        ("fresh", "trajectory"),
+        ("gone", "expired"),
+    ]
     assert [s.id for s in p.samples] == ["late"] and p.deletes == [("late", "trajectory")]
 
 
@@ -493,6 +511,7 @@ def outcome(p: JoinPlan):
         sorted(p.deletes),
         p.expired,
         p.offsets,
+        sorted((d.kind, d.key, d.reason) for d in p.dead_letters),
     )
 
 

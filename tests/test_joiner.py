@@ -77,12 +77,13 @@ def test_pending_rows_cross_polls_and_expire(db):
     stats = Joiner(log, engine, 3 * 3600).poll_once()
     assert stats.samples == 0 and stats.counters == {}
     assert tables(engine)[2] == [("late", "feedback"), ("old", "trajectory")]
-    # A shorter expiry: "old" (2 h) expires in the next poll that reads anything.
+    # A shorter expiry: "old" (2 h) expires in the next poll, and leaves a tombstone of expiry.
     append(log, traj("late", created_at=now))
     stats = Joiner(log, engine, 3600).poll_once()
     assert stats.samples == 1 and stats.counters == {"expired": 1}
     counters, samples, pending = tables(engine)
-    assert counters == {"expired": 1} and samples == ["late"] and pending == [("late", "joined")]
+    assert counters == {"expired": 1} and samples == ["late"]
+    assert pending == [("late", "joined"), ("old", "expired")]
     with engine.connect() as conn:
         payload = json.loads(conn.execute(select(LearnerSample.payload)).scalar_one())
     assert payload["reward"] == 0.5 and payload["result_version"] == 2

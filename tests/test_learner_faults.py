@@ -1,4 +1,4 @@
-"""The learner under faults (issue 13, DESIGN §8): kill -9 at each named point, failed commits,
+"""The learner under faults (issue 13, docs/design.md §8): kill -9 at each named point, failed commits,
 pause, rollback; every run audited from the database.
 
 The harness runs the learner against a tiny random Llama (2 layers, hidden 32) saved by the test,
@@ -37,6 +37,7 @@ from sqlalchemy import func, select
 from core.control import PAUSED, ROLLBACK_TO, get_flag, set_flag
 from core.db import (
     ConsumerOffset,
+    DeadLetter,
     LearnerCounter,
     LearnerSample,
     LearnerStep,
@@ -62,6 +63,8 @@ from tests.logutil import read_topic
 
 VOCAB = 512
 BATCH = 2
+# Fed once per life: a feedback record the joiner cannot parse, set aside as a dead letter.
+MALFORMED = b'{"schema": "saoserve.feedback/1", "reward": 2}'
 
 
 def tiny_model_dir(path: Path) -> Path:
@@ -234,7 +237,7 @@ class Lives:
 
 
 # ------------------------------------------------------------------------------------ audit
-def audit(engine, log, policy_dir: Path, fed: list[str]) -> dict:
+def audit(engine, log, policy_dir: Path, fed: list[str], malformed: list[int]) -> dict:
     """Everything the database, log and disk must say after the last life; returns figures."""
     with engine.connect() as conn:
         versions = conn.execute(
@@ -245,7 +248,10 @@ def audit(engine, log, policy_dir: Path, fed: list[str]) -> dict:
         ).all()
         pending = conn.execute(select(PendingJoin.key, PendingJoin.kind)).all()
         waiting = conn.execute(select(func.count()).select_from(LearnerSample)).scalar_one()
+        letters = conn.execute(select(DeadLetter.kind, DeadLetter.topic, DeadLetter.log_offset)).all()
     top = versions[-1].version
+    # Every malformed record set aside exactly once: its dead letter commits with the offsets.
+    assert sorted(tuple(r) for r in letters) == [("malformed", TOPIC_FEEDBACK, o) for o in sorted(malformed)]
     # No version gap, parent chain consistent, every version published.
     assert [v.version for v in versions] == list(range(top + 1))
     assert [v.parent_version for v in versions] == [None, *range(top)]
@@ -274,7 +280,7 @@ def audit(engine, log, policy_dir: Path, fed: list[str]) -> dict:
     for v in on_disk:
         assert weights_sha256(policy_dir / f"v{v:06d}") == versions[v].sha256
     assert torch.load(policy_dir / CHECKPOINT_FILE, weights_only=False)["version"] <= top
-    return {"versions": top, "samples": len(fed)}
+    return {"versions": top, "samples": len(fed), "dead_letters": len(letters)}
 
 
 def run_harness(tmp_path: Path, db_url: str, estimator: str, kills: int) -> dict:
@@ -291,6 +297,7 @@ def run_harness(tmp_path: Path, db_url: str, estimator: str, kills: int) -> dict
     log = open_log(db_url)
     engine = make_engine(db_url)
     fed: list[str] = []
+    malformed: list[int] = []
     outcomes: Counter = Counter()
     lives = Lives(job)
     try:
@@ -303,6 +310,7 @@ def run_harness(tmp_path: Path, db_url: str, estimator: str, kills: int) -> dict
                 else 1
             )
             fed += feed(log, 4, len(fed), duplicate_feedback=i % 5 == 0)
+            malformed.append(log.append(TOPIC_FEEDBACK, "p0", MALFORMED)[1])
             rc = lives.run(f"{point}:{n}")
             assert rc == EXIT_CODE, f"life {i} ({point}:{n}) ended with {rc}, not at its fault point"
             outcomes[point] += 1
@@ -316,7 +324,7 @@ def run_harness(tmp_path: Path, db_url: str, estimator: str, kills: int) -> dict
         assert lives.run(None) == 0
     finally:
         lives.close()
-    figures = audit(engine, log, policy_dir, fed)
+    figures = audit(engine, log, policy_dir, fed, malformed)
     engine.dispose()
     log.close()
     return figures | {"kills": dict(outcomes)}
@@ -502,6 +510,18 @@ def test_rollback_to_an_unknown_version_is_refused_and_cleared(tmp_path):
     assert refused == 1
 
 
+def test_a_rollback_request_that_is_no_version_number_is_refused_and_cleared(tmp_path):
+    learner = in_process(tmp_path, f"sqlite:///{tmp_path / 'db.sqlite'}")
+    set_flag(learner.db, ROLLBACK_TO, "v1")
+    assert learner._requested_rollback() is True
+    assert get_flag(learner.db, ROLLBACK_TO) is None and learner.version == 0
+    with learner.db.connect() as conn:
+        refused = conn.execute(
+            select(LearnerCounter.value).where(LearnerCounter.name == "rollback_refused")
+        ).scalar()
+    assert refused == 1 and learner._requested_rollback() is False
+
+
 def test_non_finite_metrics_are_stored_as_null_on_postgres(tmp_path, pg_url, monkeypatch):
     learner = in_process(tmp_path, pg_url)
     feed(open_log(pg_url), 2, 0)
@@ -519,3 +539,152 @@ def test_non_finite_metrics_are_stored_as_null_on_postgres(tmp_path, pg_url, mon
     assert version["approx_kl"] is None and version["tokens_per_s"] is None
     assert metrics["approx_kl"] is None and metrics["by"] == {"1": None}
     assert metrics["sample_ids"] == ["t00000", "t00001"]
+
+
+# ------------------------------------------------------------------- issue 23 (findings 2, 11)
+def run_until(learner: Learner, condition, timeout_s: float = 60.0) -> bool:
+    """Run the learner's loop in a thread until ``condition()``, then stop it cleanly."""
+    stop = threading.Event()
+    thread = threading.Thread(target=learner.run, args=(stop,))
+    thread.start()
+    try:
+        return wait_for(condition, timeout_s)
+    finally:
+        stop.set()
+        thread.join(60)
+
+
+def versions(learner: Learner) -> list[tuple]:
+    with learner.db.connect() as conn:
+        return [
+            tuple(r)
+            for r in conn.execute(
+                select(PolicyVersion.version, PolicyVersion.parent_version, PolicyVersion.metrics).order_by(
+                    PolicyVersion.version
+                )
+            )
+        ]
+
+
+def test_a_rollback_requested_while_another_runs_is_carried_out(tmp_path, monkeypatch):
+    """Finding 2: rollback to 1, then to 0 while the first is being carried out; the first's
+    commit cleared the flag, so the second never happened."""
+    learner = in_process(tmp_path, f"sqlite:///{tmp_path / 'db.sqlite'}")
+    feed(open_log(learner.settings.resolved_database_url), 4, 0)
+    learner.poll_once()
+    learner.train_step()
+    learner.train_step()
+    set_flag(learner.db, ROLLBACK_TO, "1")
+    real = learner._write_version
+    written = []
+
+    def second_request_meanwhile(version: int):
+        if not written:  # POST /admin/rollback {"version": 0} while version 3 is being written
+            set_flag(learner.db, ROLLBACK_TO, "0")
+        written.append(version)
+        return real(version)
+
+    monkeypatch.setattr(learner, "_write_version", second_request_meanwhile)
+    assert run_until(learner, lambda: learner._latest_version().version == 4, 30)
+    assert written == [3, 4]
+    assert versions(learner)[3:] == [(3, 1, {"rollback_to": 1}), (4, 0, {"rollback_to": 0})]
+    assert get_flag(learner.db, ROLLBACK_TO) is None
+
+
+def test_a_rollback_is_logged_and_prunes_the_version_folders(tmp_path, caplog):
+    """Finding 11: rollbacks were not logged and did not prune (more folders than keep_versions)."""
+    learner = in_process(tmp_path, f"sqlite:///{tmp_path / 'db.sqlite'}", keep_versions=4)
+    feed(open_log(learner.settings.resolved_database_url), 8, 0)
+    learner.poll_once()
+    for _ in range(4):
+        learner.train_step()
+    caplog.set_level("INFO", logger="learner.process")
+    # Versions 5, 6, 7 republish 3, 4, 3; after each, only the newest 4 folders stay.
+    assert [learner.rollback(v) for v in (3, 4, 3)] == [5, 6, 7]
+    assert sorted(d.name for d in (tmp_path / "policies").glob("v[0-9]*")) == [
+        "v000004",
+        "v000005",
+        "v000006",
+        "v000007",
+    ]
+    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("rolled back")] == [
+        "rolled back to version 3: its weights are published as version 5",
+        "rolled back to version 4: its weights are published as version 6",
+        "rolled back to version 3: its weights are published as version 7",
+    ]
+
+
+def restarted(learner: Learner) -> Learner:
+    again = Learner(learner.settings, learner.config)
+    again.load()
+    return again
+
+
+def test_a_clean_stop_writes_the_checkpoint_at_the_last_committed_version(tmp_path):
+    """Finding 11: a restarted learner lost its critic, optimizer state and step count (the
+    checkpoint was written every checkpoint_every steps only)."""
+    learner = in_process(tmp_path, f"sqlite:///{tmp_path / 'db.sqlite'}", checkpoint_every=10)
+    feed(open_log(learner.settings.resolved_database_url), 4, 0)
+    assert run_until(learner, lambda: learner._latest_version().version == 2)
+    state = torch.load(tmp_path / "policies" / CHECKPOINT_FILE, weights_only=False)
+    assert state["version"] == 2
+    again = restarted(learner)
+    assert again.version == 2 and again.algorithm.steps == 2
+    # The optimizer moments came back: 2 AdamW steps recorded for every parameter.
+    moments = again.algorithm.policy_opt.state
+    assert moments and all(int(s["step"]) == 2 for s in moments.values())
+
+
+def test_ctrl_c_writes_the_checkpoint_and_a_step_cut_short_does_not(tmp_path, monkeypatch):
+    learner = in_process(tmp_path, f"sqlite:///{tmp_path / 'db.sqlite'}", checkpoint_every=10)
+    feed(open_log(learner.settings.resolved_database_url), 6, 0)
+    train = learner.train_step
+
+    def ctrl_c_at_version_2():
+        if learner.version == 2:
+            raise KeyboardInterrupt
+        return train()
+
+    monkeypatch.setattr(learner, "train_step", ctrl_c_at_version_2)
+    with pytest.raises(KeyboardInterrupt):
+        learner.run()
+    assert torch.load(tmp_path / "policies" / CHECKPOINT_FILE, weights_only=False)["version"] == 2
+    # Ctrl-C in the middle of the third step: the update is in memory only, so nothing is
+    # written (the checkpoint stays at 2, never claiming the uncommitted step).
+    monkeypatch.setattr(learner, "train_step", train)
+    step = learner._step
+
+    def ctrl_c_in_the_step(batch):
+        step(batch)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(learner, "_step", ctrl_c_in_the_step)
+    with pytest.raises(KeyboardInterrupt):
+        learner.run()
+    assert learner.algorithm is None and learner._latest_version().version == 2
+    assert torch.load(tmp_path / "policies" / CHECKPOINT_FILE, weights_only=False)["version"] == 2
+    assert restarted(learner).algorithm.steps == 2
+
+
+def test_sigterm_stops_saoserve_learn_cleanly_with_a_checkpoint(tmp_path):
+    from learner.process import run_learner
+
+    learner = in_process(tmp_path, f"sqlite:///{tmp_path / 'db.sqlite'}", checkpoint_every=10)
+    feed(open_log(learner.settings.resolved_database_url), 2, 0)
+    engine = make_engine(learner.settings.resolved_database_url)
+
+    def term_at_version_1() -> None:
+        wait_for(lambda: versions_of(engine) == [0, 1], 60)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=term_at_version_1, daemon=True).start()
+    before = signal.getsignal(signal.SIGTERM)
+    run_learner(learner.settings, learner.config)
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert torch.load(tmp_path / "policies" / CHECKPOINT_FILE, weights_only=False)["version"] == 1
+    engine.dispose()
+
+
+def versions_of(engine) -> list[int]:
+    with engine.connect() as conn:
+        return list(conn.execute(select(PolicyVersion.version).order_by(PolicyVersion.version)).scalars())

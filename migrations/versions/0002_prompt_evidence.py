@@ -1,4 +1,4 @@
-"""Prompt evidence: per-prompt event-time value evidence (SPO++, DESIGN §5.4).
+"""Prompt evidence: per-prompt event-time value evidence (SPO++, docs/design.md §5.4).
 
 Revision ID: 0002
 Revises: 0001

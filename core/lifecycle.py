@@ -1,0 +1,146 @@
+"""The version lifecycle: the stages of a policy version, which moves between them are allowed,
+the lineage a candidate belongs to, and the guard's verdict on that lineage.
+
+Pure: rows in, decisions out; the database side is ``core/lifecycle_store.py``. Source:
+docs/design.md §9.1 and docs/guard.md, "The lifecycle".
+
+Stages. A new version is a ``candidate`` until the gate (``learner.gate``) has run on it: it
+fails → ``rejected`` (never announced, never served); it passes → ``canary``. With a single
+full-weight engine (this deployment) a canary serves all traffic under *probation*: it stays
+under watch until the decision rule promotes it (``promoted``) or rejects it (``rejected``).
+A rejected version never serves again; ``rejected`` is final. An operator may also reject a
+promoted version (other than the base, version 0, the last resort every deployment has).
+
+Lineage. The versions the learner published since the newest promoted version (each trained
+from the one before) that are still ``candidate`` or ``canary``: the guard judges them together,
+since in probation each serves for a single step's worth of answers. A promotion promotes the
+whole lineage (each member was part of the record that earned it); a rejection rejects the whole
+lineage, and the learner goes back to the promoted version.
+
+The verdict (``judge_lineage``): the lineage's rated answers are one arm of
+``core.sequential.decide`` (the anytime-valid PrPl-EB confidence-sequence comparison), the
+promoted versions' most recent rated answers from *before* the lineage started the other.
+In probation these are two different time windows: any drift between them (a change of the
+target style, of the prompt mix, of the judge) is confounded with the version's effect and
+can make a good lineage look worse or a bad one better; the rule's α does not cover that. A
+canary share served beside the promoted version takes both arms from one window and is not
+confounded this way (docs/guard.md, "The decision rule").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+from core.sequential import RuleParams, Verdict, decide
+
+
+class Stage(StrEnum):
+    """A policy version's stage in the lifecycle."""
+
+    CANDIDATE = "candidate"
+    CANARY = "canary"
+    PROMOTED = "promoted"
+    REJECTED = "rejected"
+
+
+ALLOWED: dict[Stage, frozenset[Stage]] = {
+    # promoted straight from candidate: the guard is off, or the version carries a promoted
+    # version's weights (a rollback), or an operator promotes it.
+    Stage.CANDIDATE: frozenset({Stage.CANARY, Stage.PROMOTED, Stage.REJECTED}),
+    Stage.CANARY: frozenset({Stage.PROMOTED, Stage.REJECTED}),
+    Stage.PROMOTED: frozenset({Stage.REJECTED}),
+    Stage.REJECTED: frozenset(),
+}
+"""The moves allowed from each stage; ``rejected`` is final."""
+
+GUARD = "guard"
+"""The actor of the decision rule's transitions (operators are recorded by name)."""
+
+LEARNER = "learner"
+"""The actor of the learner's transitions (the gate's verdict, a rollback's version)."""
+
+
+class TransitionError(ValueError):
+    """A move the lifecycle does not allow; the message names the version and both stages."""
+
+
+@dataclass(frozen=True)
+class VersionStage:
+    """One version's place in the lifecycle: ``version`` (int >= 0) and its ``stage``."""
+
+    version: int
+    stage: Stage
+
+
+def check_transition(version: int, current: Stage | str, target: Stage | str) -> Stage:
+    """The target stage if ``version`` may move from ``current`` to it.
+
+    Raises:
+        TransitionError: an unknown stage, the same stage, a move ``ALLOWED`` lacks, or the
+            rejection of version 0 (the base model, the fallback of every rejection).
+    """
+    try:
+        cur, tgt = Stage(current), Stage(target)
+    except ValueError:
+        raise TransitionError(
+            f"unknown stage in {current!r} -> {target!r}: stages are {', '.join(Stage)}"
+        ) from None
+    if cur == tgt:
+        raise TransitionError(f"version {version} is already {cur}")
+    if version == 0 and tgt == Stage.REJECTED:
+        raise TransitionError(
+            "version 0 (the base model) cannot be rejected: every rejection falls back to it"
+        )
+    if tgt not in ALLOWED[cur]:
+        raise TransitionError(f"version {version} cannot go from {cur} to {tgt}")
+    return tgt
+
+
+def promoted(versions: Iterable[VersionStage]) -> int:
+    """The promoted version: the newest one whose stage is ``promoted``.
+
+    Raises:
+        ValueError: none is promoted (a database always has version 0, recorded promoted).
+    """
+    best = max((v.version for v in versions if v.stage == Stage.PROMOTED), default=None)
+    if best is None:
+        raise ValueError("no promoted version is recorded")
+    return best
+
+
+def lineage(versions: Iterable[VersionStage]) -> list[int]:
+    """The candidate lineage, oldest first: the versions newer than the promoted one whose stage
+    is ``candidate`` or ``canary`` (rejected versions are out of it). Empty when the promoted
+    version is the newest not rejected. Raises ``ValueError`` as :func:`promoted` does."""
+    rows = list(versions)
+    top = promoted(rows)
+    return sorted(v.version for v in rows if v.version > top and v.stage in (Stage.CANDIDATE, Stage.CANARY))
+
+
+def judge_lineage(
+    lineage_rewards: Sequence[float],
+    promoted_rewards: Sequence[float],
+    params: RuleParams,
+    elapsed_s: float | None = None,
+) -> Verdict:
+    """The decision rule on the lineage's rated answers against the promoted record.
+
+    Args:
+        lineage_rewards: rewards in [0, 1] of the answers the lineage's versions served, in the
+            order their ratings were received.
+        promoted_rewards: rewards in [0, 1] of the promoted versions' answers (in probation:
+            rated before the lineage's first version was published; the confound above).
+        params: δ, α, minimum samples, time-outs (``core.sequential.RuleParams``).
+        elapsed_s: seconds since the lineage's first version was published (time-out).
+
+    Returns:
+        ``core.sequential.decide``'s verdict: ``promote`` when the lineage is not worse by more
+        than δ, ``reject`` when it is worse, ``params.on_timeout`` at a time-out, else
+        ``continue``.
+
+    Raises:
+        ValueError: a reward outside [0, 1] or not finite, a negative ``elapsed_s``.
+    """
+    return decide(lineage_rewards, promoted_rewards, params, elapsed_s=elapsed_s)

@@ -1,0 +1,176 @@
+"""The lifecycle in the database: versions' stages, their transitions with who and when, the
+rated answers the guard compares, and the quarantine of samples that trained a rejected version.
+
+Every function works in the caller's connection or transaction, so a transition commits
+together with whatever it belongs to (a version's row, a rollback's new version, the quarantine).
+The rules are ``core/lifecycle.py``'s; docs/guard.md, "The lifecycle".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from datetime import datetime
+
+from sqlalchemy import func, insert, literal, select, update
+from sqlalchemy.engine import Connection
+
+from core.db import (
+    FeedbackClaim,
+    LearnerStep,
+    PolicyVersion,
+    QuarantinedSample,
+    TrajectoryIndex,
+    VersionStatusEvent,
+)
+from core.lifecycle import Stage, VersionStage, check_transition
+from core.limits import NAME_CHARS
+
+QUARANTINED = "quarantined"
+"""The learner counter of quarantined samples (``learner_counters``)."""
+
+
+def stages(conn: Connection) -> list[VersionStage]:
+    """Every recorded version with its stage, oldest first."""
+    rows = conn.execute(
+        select(PolicyVersion.version, PolicyVersion.lifecycle).order_by(PolicyVersion.version)
+    )
+    return [VersionStage(r.version, Stage(r.lifecycle)) for r in rows]
+
+
+def record_event(
+    conn: Connection,
+    version: int,
+    from_status: Stage | None,
+    to_status: Stage,
+    actor: str,
+    reason: str,
+    at: datetime,
+) -> None:
+    """Insert one ``version_status_events`` row (``actor`` is cut to the column's width)."""
+    conn.execute(
+        insert(VersionStatusEvent).values(
+            version=version,
+            from_status=None if from_status is None else str(from_status),
+            to_status=str(to_status),
+            actor=actor[:NAME_CHARS],
+            reason=reason,
+            at=at,
+        )
+    )
+
+
+def transition(
+    conn: Connection, version: int, target: Stage | str, actor: str, reason: str, at: datetime
+) -> Stage:
+    """Move ``version`` to ``target`` and record the event, in the caller's transaction.
+
+    Raises:
+        KeyError: ``version`` is not recorded.
+        core.lifecycle.TransitionError: the move is not allowed (``check_transition``).
+    """
+    current = conn.execute(
+        select(PolicyVersion.lifecycle).where(PolicyVersion.version == version)
+    ).scalar_one_or_none()
+    if current is None:
+        raise KeyError(f"no policy version {version}")
+    to = check_transition(version, current, target)
+    conn.execute(update(PolicyVersion).where(PolicyVersion.version == version).values(lifecycle=str(to)))
+    record_event(conn, version, Stage(current), to, actor, reason, at)
+    return to
+
+
+def rated_rewards(
+    conn: Connection, versions: Iterable[int], before: datetime | None = None, limit: int | None = None
+) -> list[float]:
+    """Rewards of the rated single-turn answers that ``versions`` dispatched (the version of the
+    first token, ``trajectory_index.dispatch_version``), oldest rating first.
+
+    ``before``: only answers dispatched before this time; ``limit``: only the newest ``limit``
+    ratings (still returned oldest first). Episodes' feedback rates several answers at once and
+    is not counted (docs/guard.md, "The lifecycle").
+    """
+    wanted = list(versions)
+    if not wanted:
+        return []
+    q = (
+        select(FeedbackClaim.reward, FeedbackClaim.received_at)
+        .join(TrajectoryIndex, FeedbackClaim.target == literal("t:") + TrajectoryIndex.id)
+        .where(
+            FeedbackClaim.state == "received",
+            FeedbackClaim.reward.is_not(None),
+            TrajectoryIndex.dispatch_version.in_(wanted),
+        )
+    )
+    if before is not None:
+        q = q.where(TrajectoryIndex.created_at < before)
+    q = q.order_by(FeedbackClaim.received_at.desc(), FeedbackClaim.target.desc())
+    if limit is not None:
+        q = q.limit(limit)
+    return [float(r.reward) for r in reversed(conn.execute(q).all())]
+
+
+def trained_sample_ids(conn: Connection, versions: Iterable[int]) -> dict[int, list[str]]:
+    """The sample ids each of ``versions`` was trained on (``learner_steps.metrics.sample_ids``);
+    a version with no step (a rollback's) is absent."""
+    wanted = list(versions)
+    out: dict[int, list[str]] = {}
+    if not wanted:
+        return out
+    rows = conn.execute(
+        select(LearnerStep.version, LearnerStep.metrics).where(LearnerStep.version.in_(wanted))
+    )
+    for r in rows:
+        out.setdefault(r.version, []).extend((r.metrics or {}).get("sample_ids") or [])
+    return out
+
+
+def quarantine(conn: Connection, by_version: Mapping[int, Iterable[str]], reason: str, at: datetime) -> int:
+    """Quarantine the sample ids of ``by_version`` (version → the ids that trained it); returns
+    how many were new (an id already quarantined keeps its first row)."""
+    rows = {sid: v for v, ids in sorted(by_version.items()) for sid in ids}
+    if not rows:
+        return 0
+    known = set(
+        conn.execute(
+            select(QuarantinedSample.sample_id).where(QuarantinedSample.sample_id.in_(list(rows)))
+        ).scalars()
+    )
+    new = [
+        {"sample_id": s, "version": v, "reason": reason, "at": at} for s, v in rows.items() if s not in known
+    ]
+    if new:
+        conn.execute(insert(QuarantinedSample), new)
+    return len(new)
+
+
+def quarantined(conn: Connection, limit: int) -> tuple[int, list[dict]]:
+    """``(total, rows)``: how many samples are quarantined, and the newest ``limit`` of them
+    (sample id, version, reason, ISO time)."""
+    total = conn.execute(select(func.count()).select_from(QuarantinedSample)).scalar_one()
+    rows = conn.execute(
+        select(*QuarantinedSample.__table__.columns)
+        .order_by(QuarantinedSample.at.desc(), QuarantinedSample.sample_id)
+        .limit(limit)
+    )
+    return total, [
+        {"sample_id": r.sample_id, "version": r.version, "reason": r.reason, "at": r.at.isoformat()}
+        for r in rows
+    ]
+
+
+def events(conn: Connection, limit: int, version: int | None = None) -> list[dict]:
+    """The newest ``limit`` transitions (of ``version`` only, when given), newest first."""
+    q = select(*VersionStatusEvent.__table__.columns).order_by(VersionStatusEvent.id.desc()).limit(limit)
+    if version is not None:
+        q = q.where(VersionStatusEvent.version == version)
+    return [
+        {
+            "version": e.version,
+            "from_status": e.from_status,
+            "to_status": e.to_status,
+            "actor": e.actor,
+            "reason": e.reason,
+            "at": e.at.isoformat(),
+        }
+        for e in conn.execute(q)
+    ]

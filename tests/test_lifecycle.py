@@ -1,0 +1,259 @@
+"""The version lifecycle (core/lifecycle.py, core/lifecycle_store.py): transitions, lineage, the
+guard's verdict on hand-made reward streams, and the database side on a migrated SQLite."""
+
+from __future__ import annotations
+
+import math
+from datetime import timedelta
+
+import pytest
+from sqlalchemy import insert, select
+
+from core.db import (
+    FeedbackClaim,
+    LearnerStep,
+    PolicyVersion,
+    TrajectoryIndex,
+    VersionStatusEvent,
+    make_engine,
+    migrate,
+)
+from core.lifecycle import (
+    Stage,
+    TransitionError,
+    VersionStage,
+    check_transition,
+    judge_lineage,
+    lineage,
+    promoted,
+)
+from core.lifecycle_store import (
+    quarantine,
+    quarantined,
+    rated_rewards,
+    stages,
+    trained_sample_ids,
+    transition,
+)
+from core.records import utcnow
+from core.sequential import Decision, RuleParams
+
+C, P, R, X = Stage.CANDIDATE, Stage.CANARY, Stage.PROMOTED, Stage.REJECTED
+
+
+def rows(*stages_):
+    return [VersionStage(v, s) for v, s in enumerate(stages_)]
+
+
+# ------------------------------------------------------------------ transitions
+@pytest.mark.parametrize(
+    ("current", "target"),
+    [(C, P), (C, R), (C, X), (P, R), (P, X), (R, X)],
+)
+def test_allowed_moves(current, target):
+    assert check_transition(3, current, target) == target
+
+
+@pytest.mark.parametrize(
+    ("current", "target", "message"),
+    [
+        (X, P, "cannot go from rejected to canary"),
+        (X, R, "cannot go from rejected to promoted"),
+        (R, P, "cannot go from promoted to canary"),
+        (P, C, "cannot go from canary to candidate"),
+        (P, P, "already canary"),
+        ("live", P, "unknown stage"),
+    ],
+)
+def test_refused_moves_name_the_version_and_stages(current, target, message):
+    with pytest.raises(TransitionError, match=message):
+        check_transition(3, current, target)
+
+
+def test_the_base_version_cannot_be_rejected():
+    with pytest.raises(TransitionError, match="version 0"):
+        check_transition(0, R, X)
+
+
+def test_lineage_is_what_follows_the_newest_promoted_version_minus_the_rejected():
+    # 0 promoted, 1 canary, 2 rejected by the gate, 3 canary: the lineage is [1, 3].
+    assert promoted(rows(R, P, X, P)) == 0 and lineage(rows(R, P, X, P)) == [1, 3]
+    # 0..2 promoted (a promotion), 3 rejected, 4 the rollback's version (promoted): empty.
+    assert promoted(rows(R, R, R, X, R)) == 4 and lineage(rows(R, R, R, X, R)) == []
+    with pytest.raises(ValueError, match="no promoted version"):
+        promoted(rows(P, P))
+
+
+# ------------------------------------------------------------------ the verdict
+def prpl_eb_lower(xs: list[float], alpha_side: float, cap: float = 0.5) -> float:
+    """docs/guard.md's formulas written out one rating at a time (lower bound, no intersection
+    needed for a constant stream... kept anyway: the running max)."""
+    log_inv = math.log(1 / alpha_side)
+    s_x = s_sq = s_lam = s_lamx = s_pen = 0.0
+    best = 0.0
+    for i, x in enumerate(xs, start=1):
+        mu_prev = (0.5 + s_x) / i  # μ̂_{i−1}
+        var_prev = (0.25 + s_sq) / i  # σ̂²_{i−1}
+        lam = min(cap, math.sqrt(2 * log_inv / (var_prev * i * math.log(1 + i))))
+        s_x += x
+        s_sq += (x - (0.5 + s_x) / (i + 1)) ** 2
+        s_lam += lam
+        s_lamx += lam * x
+        s_pen += (x - mu_prev) ** 2 * (-math.log(1 - lam) - lam)
+        best = max(best, (s_lamx - log_inv - s_pen) / s_lam)
+    return min(max(best, 0.0), 1.0)
+
+
+def test_a_lineage_that_loses_every_rating_is_rejected_with_the_bounds_written_out():
+    # 30 ratings each: the lineage scored 0 every time, the promoted record 1 every time.
+    params = RuleParams(delta=0.05, alpha=0.05, min_samples=20)
+    verdict = judge_lineage([0.0] * 30, [1.0] * 30, params)
+    # Each one-sided bound at α/2 = 0.025. lower_P on thirty 1s; upper_C on thirty 0s is its
+    # mirror (1 − lower on 1 − x = thirty 1s), so upper(Δ) = upper_C − lower_P = (1 − l) − l.
+    low = prpl_eb_lower([1.0] * 30, 0.025)
+    assert 0.5 < low < 1.0
+    assert verdict.upper == pytest.approx((1 - low) - low)
+    assert verdict.upper < 0 and verdict.decision == Decision.REJECT
+    assert verdict.candidate.mean == 0.0 and verdict.promoted.mean == 1.0
+
+
+def test_a_lineage_as_good_as_a_perfect_record_is_promoted():
+    # Both arms 1 every time: lower(Δ) = lower_C − upper_P = l − 1 (upper_P = 1 for all 1s).
+    params = RuleParams(delta=0.5, alpha=0.05, min_samples=20)
+    verdict = judge_lineage([1.0] * 60, [1.0] * 60, params)
+    low = prpl_eb_lower([1.0] * 60, 0.025)
+    assert verdict.lower == pytest.approx(low - 1.0)
+    assert low - 1.0 > -0.5 and verdict.decision == Decision.PROMOTE
+
+
+def test_too_few_ratings_continue_and_a_time_out_takes_the_configured_action():
+    params = RuleParams(min_samples=20, max_samples=40, on_timeout=Decision.REJECT)
+    # 19 losing ratings: below min_samples on the lineage's arm, so no bound decides.
+    assert judge_lineage([0.0] * 19, [1.0] * 30, params).decision == Decision.CONTINUE
+    # Alternating 0/1 on both arms (means 0.5 and 0.5): undecided at 30 ratings …
+    even = [0.0, 1.0] * 15
+    assert judge_lineage(even, even, params).decision == Decision.CONTINUE
+    # … and at 40 = max_samples the time-out rejects (on_timeout = reject).
+    out = judge_lineage([0.0, 1.0] * 20, even, params)
+    assert out.decision == Decision.REJECT and out.timed_out
+    # On time: max_seconds 3600, 3600 s since the lineage started.
+    timed = RuleParams(min_samples=20, max_seconds=3600.0, on_timeout=Decision.PROMOTE)
+    assert judge_lineage(even, even, timed, elapsed_s=3599.0).decision == Decision.CONTINUE
+    assert judge_lineage(even, even, timed, elapsed_s=3600.0).decision == Decision.PROMOTE
+
+
+# ------------------------------------------------------------------ the database side
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.integration)])
+def db(request, tmp_path):
+    url = (
+        f"sqlite:///{tmp_path / 'db.sqlite'}"
+        if request.param == "sqlite"
+        else request.getfixturevalue("pg_url")
+    )
+    migrate(url)
+    engine = make_engine(url)
+    yield engine
+    engine.dispose()
+
+
+def add_version(conn, version: int, lifecycle: str = "canary", at=None) -> None:
+    conn.execute(
+        insert(PolicyVersion).values(
+            version=version,
+            path=f"/p/v{version}",
+            sha256="0" * 64,
+            status="published",
+            parent_version=version - 1 if version else None,
+            metrics={},
+            created_at=at or utcnow(),
+            lifecycle=lifecycle,
+        )
+    )
+
+
+def add_rated(conn, tid: str, version: int, reward: float | None, at, state: str = "received") -> None:
+    conn.execute(
+        insert(TrajectoryIndex).values(
+            id=tid,
+            prompt_id="p",
+            dispatch_version=version,
+            last_version=version,
+            n_response_tokens=3,
+            finish_reason="stop",
+            log_partition=0,
+            log_offset=0,
+            created_at=at,
+        )
+    )
+    conn.execute(
+        insert(FeedbackClaim).values(
+            target=f"t:{tid}", state=state, reward=reward, claimed_at=at, received_at=at
+        )
+    )
+
+
+def test_a_version_row_without_a_stage_is_promoted_and_transitions_are_recorded(db):
+    now = utcnow()
+    with db.begin() as conn:
+        conn.execute(
+            insert(PolicyVersion).values(
+                version=0, path="/p", sha256="0" * 64, status="published", metrics={}, created_at=now
+            )
+        )
+        add_version(conn, 1)
+    with db.begin() as conn:
+        assert transition(conn, 1, "promoted", "alice", "looks right", now) == R
+    with db.connect() as conn:
+        assert stages(conn) == [VersionStage(0, R), VersionStage(1, R)]
+        ev = conn.execute(select(*VersionStatusEvent.__table__.columns)).one()
+        assert (ev.version, ev.from_status, ev.to_status, ev.actor, ev.reason) == (
+            1,
+            "canary",
+            "promoted",
+            "alice",
+            "looks right",
+        )
+    with db.begin() as conn, pytest.raises(TransitionError, match="cannot go from promoted to canary"):
+        transition(conn, 1, "canary", "alice", "", now)
+    with db.begin() as conn, pytest.raises(KeyError, match="no policy version 7"):
+        transition(conn, 7, "promoted", "alice", "", now)
+
+
+def test_rated_rewards_are_the_versions_rated_answers_in_receipt_order(db):
+    t0 = utcnow()
+    with db.begin() as conn:
+        add_version(conn, 0, "promoted")
+        add_version(conn, 1)
+        add_rated(conn, "a", 0, 1.0, t0)
+        add_rated(conn, "b", 1, 0.0, t0 + timedelta(seconds=1))
+        add_rated(conn, "c", 0, 0.0, t0 + timedelta(seconds=2))
+        add_rated(conn, "d", 1, 1.0, t0 + timedelta(seconds=3))
+        add_rated(conn, "e", 1, None, t0 + timedelta(seconds=4), state="claimed")  # not yet received
+    with db.connect() as conn:
+        assert rated_rewards(conn, [1]) == [0.0, 1.0]  # b, d (e is not received)
+        assert rated_rewards(conn, [0, 1]) == [1.0, 0.0, 0.0, 1.0]
+        assert rated_rewards(conn, [0], limit=1) == [0.0]  # the newest one: c
+        assert rated_rewards(conn, [0, 1], before=t0 + timedelta(seconds=2)) == [1.0, 0.0]
+        assert rated_rewards(conn, []) == []
+
+
+def test_quarantine_keeps_the_first_row_of_an_id_and_lists_newest_first(db):
+    t0 = utcnow()
+    with db.begin() as conn:
+        conn.execute(
+            insert(LearnerStep).values(
+                run_id="r", step=1, version=3, metrics={"sample_ids": ["s1", "s2"]}, created_at=t0
+            )
+        )
+        ids = trained_sample_ids(conn, [3, 4])
+        assert ids == {3: ["s1", "s2"]}
+        assert quarantine(conn, ids, "lineage rejected", t0) == 2
+        assert quarantine(conn, {4: ["s2", "s3"]}, "again", t0 + timedelta(seconds=1)) == 1
+    with db.connect() as conn:
+        total, listed = quarantined(conn, 10)
+    assert total == 3
+    assert [(r["sample_id"], r["version"], r["reason"]) for r in listed] == [
+        ("s3", 4, "again"),
+        ("s1", 3, "lineage rejected"),
+        ("s2", 3, "lineage rejected"),
+    ]

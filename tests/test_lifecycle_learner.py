@@ -1,0 +1,282 @@
+"""The lifecycle in the learner (learner/process.py): the gate's rejection before anyone is
+served, the reset to the parent and the quarantine; the guard's verdict on probation (rollback
+to the promoted version, promotion); a restart mid-probation. The tiny random Llama and the
+hand-fed records of tests/test_learner_faults.py; the gate's verdict is made from figures
+(``learner.gate.decide``), since the tiny model has no tokenizer to answer probes with."""
+
+from __future__ import annotations
+
+from collections import Counter
+from datetime import timedelta
+
+import pytest
+from sqlalchemy import insert, select
+
+from core.control import PAUSED, set_flag
+from core.db import (
+    FeedbackClaim,
+    LearnerCounter,
+    LearnerSample,
+    PolicyVersion,
+    QuarantinedSample,
+    TrajectoryIndex,
+    VersionStatusEvent,
+)
+from core.logbus import open_log
+from core.records import PolicyEvent, utcnow
+from core.sequential import Decision
+from learner.config import GuardConfig
+from learner.gate import GateConfig, GateResult, decide
+from learner.process import Learner
+from tests.logutil import read_topic
+from tests.test_learner_faults import (
+    BATCH,
+    assert_policy_is,
+    committed_weights,
+    feed,
+    in_process,
+    trained_ids,
+)
+
+# Bounds stated here, not the calibrated defaults: 1.0 nats/token to the base, 0.5 to the parent.
+GATE = GateConfig(max_kl_base=1.0, max_kl_promoted=0.5)
+
+
+def gate_result(kl: float) -> GateResult:
+    """The gate's result for a candidate whose KL to the base and to its parent is ``kl``
+    (nats/token) and whose answers are otherwise healthy."""
+    reasons = decide(GATE, kl, kl, 0, 0.0, 1.0, 0.0, None)
+    return GateResult(
+        probes=16,
+        answer_tokens=512,
+        kl_base=kl,
+        kl_promoted=kl,
+        unusable_tokens=0,
+        nonfinite_logits=0,
+        empty_share=0.0,
+        mean_length=31.0,
+        reference_mean_length=31.0,
+        length_ratio=1.0,
+        repetition_rate=0.0,
+        quality=None,
+        elapsed_s=1.0,
+        passed=not reasons,
+        reasons=reasons,
+    )
+
+
+def lifecycles(learner: Learner) -> dict[int, str]:
+    with learner.db.connect() as conn:
+        return dict(conn.execute(select(PolicyVersion.version, PolicyVersion.lifecycle)).all())
+
+
+def announced(learner: Learner) -> list[PolicyEvent]:
+    return [PolicyEvent.model_validate_json(e.value) for e in read_topic(learner.log, "policy")]
+
+
+def events(learner: Learner) -> list[tuple]:
+    with learner.db.connect() as conn:
+        return [
+            tuple(r)
+            for r in conn.execute(
+                select(
+                    VersionStatusEvent.version,
+                    VersionStatusEvent.from_status,
+                    VersionStatusEvent.to_status,
+                    VersionStatusEvent.actor,
+                ).order_by(VersionStatusEvent.id)
+            )
+        ]
+
+
+def step_sample_ids(learner: Learner, version: int) -> list[str]:
+    with learner.db.connect() as conn:
+        return [
+            r.sample_id
+            for r in conn.execute(
+                select(QuarantinedSample.sample_id).where(QuarantinedSample.version == version)
+            )
+        ]
+
+
+@pytest.fixture
+def learner(tmp_path, monkeypatch):
+    learner = in_process(tmp_path, f"sqlite:///{tmp_path / 'db.sqlite'}", checkpoint_every=100)
+    yield learner
+    learner.db.dispose()
+
+
+def test_a_candidate_with_twice_the_kl_bound_is_rejected_before_it_serves(learner, monkeypatch):
+    log = open_log(learner.settings.resolved_database_url)
+    fed = feed(log, 3 * BATCH, 0)
+    learner.poll_once()
+    # Step 1: KL 0.1 nats/token, under both bounds (1.0 to the base, 0.5 to the parent): canary.
+    monkeypatch.setattr(learner, "_run_gate", lambda: gate_result(0.1))
+    assert learner.train_step() is not None and learner.version == 1
+    v1 = committed_weights(learner, 1)
+    # Step 2: KL 1.0 = 2 × max_kl_promoted (0.5): the gate rejects it.
+    monkeypatch.setattr(learner, "_run_gate", lambda: gate_result(2 * GATE.max_kl_promoted))
+    assert learner.train_step() is not None and learner.version == 2
+    assert lifecycles(learner) == {0: "promoted", 1: "canary", 2: "rejected"}
+    # Never announced: the policy topic has version 1 only, carrying its stage.
+    assert [(e.version, e.lifecycle) for e in announced(learner)] == [(1, "canary")]
+    with learner.db.connect() as conn:
+        row = conn.execute(select(*PolicyVersion.__table__.columns).where(PolicyVersion.version == 2)).one()
+    assert row.status == "committed" and row.parent_version == 1
+    assert row.gate["passed"] is False and row.gate["kl_promoted"] == 1.0
+    assert row.gate["reasons"] == ["KL to the promoted version 1 nats/token > 0.5"]
+    assert not (learner.policy_dir / "v000002").exists()
+    # The learner is back on version 1's weights, with fresh optimizer moments.
+    assert learner.weights_version == 1 and learner.algorithm.policy_opt.state == {}
+    assert_policy_is(learner, v1)
+    # The step's samples are quarantined (and counted).
+    quarantined = step_sample_ids(learner, 2)
+    assert sorted(quarantined) == sorted(fed[BATCH : 2 * BATCH])
+    with learner.db.connect() as conn:
+        assert (
+            conn.execute(select(LearnerCounter.value).where(LearnerCounter.name == "quarantined")).scalar()
+            == 2
+        )
+        # A re-sent copy of a quarantined sample (after its tombstone's TTL) waits beside new ones …
+        conn.execute(
+            insert(LearnerSample).values(
+                id=quarantined[0], prompt_id="p", payload="{}", created_at=utcnow() - timedelta(days=1)
+            )
+        )
+        conn.commit()
+    # … and is never picked: step 3 trains the last two fed samples, from version 1.
+    monkeypatch.setattr(learner, "_run_gate", lambda: gate_result(0.1))
+    assert learner.train_step() is not None and learner.version == 3
+    counts = trained_ids(learner)
+    assert all(counts[i] == 1 for i in quarantined)  # the rejected step only: zero times after
+    assert counts == Counter(fed)
+    assert lifecycles(learner)[3] == "canary" and learner.weights_version == 3
+    with learner.db.connect() as conn:
+        assert (
+            conn.execute(select(PolicyVersion.parent_version).where(PolicyVersion.version == 3)).scalar() == 1
+        )
+    assert events(learner) == [
+        (0, None, "promoted", "learner"),
+        (1, None, "candidate", "learner"),
+        (1, "candidate", "canary", "learner"),
+        (2, None, "candidate", "learner"),
+        (2, "candidate", "rejected", "learner"),
+        (3, None, "candidate", "learner"),
+        (3, "candidate", "canary", "learner"),
+    ]
+
+
+def test_a_restart_after_a_gate_rejection_trains_from_the_parent(learner, monkeypatch):
+    feed(open_log(learner.settings.resolved_database_url), 2 * BATCH, 0)
+    learner.poll_once()
+    learner.train_step()
+    monkeypatch.setattr(learner, "_run_gate", lambda: gate_result(2 * GATE.max_kl_promoted))
+    learner.train_step()
+    restarted = Learner(learner.settings, learner.config)
+    restarted.load()
+    assert (restarted.version, restarted.weights_version) == (2, 1)
+    assert_policy_is(restarted, committed_weights(restarted, 1))
+    assert [e.version for e in announced(restarted)] == [
+        1
+    ]  # the rejected version 2 is not announced at start
+
+
+def rate(learner: Learner, version: int, rewards: list[float], at, first: int = 0) -> None:
+    """Record rated single-turn answers dispatched by ``version`` at ``at`` (what the server's
+    trajectory index and feedback claims hold)."""
+    with learner.db.begin() as conn:
+        for i, r in enumerate(rewards, start=first):
+            tid = f"r{version}-{i}"
+            t = at + timedelta(milliseconds=i)
+            conn.execute(
+                insert(TrajectoryIndex).values(
+                    id=tid,
+                    prompt_id="p",
+                    dispatch_version=version,
+                    last_version=version,
+                    n_response_tokens=4,
+                    finish_reason="stop",
+                    log_partition=0,
+                    log_offset=0,
+                    created_at=t,
+                )
+            )
+            conn.execute(
+                insert(FeedbackClaim).values(
+                    target=f"t:{tid}", state="received", reward=r, claimed_at=t, received_at=t
+                )
+            )
+
+
+def test_a_lineage_worse_than_the_promoted_record_is_rejected_and_rolled_back_while_paused(learner):
+    fed = feed(open_log(learner.settings.resolved_database_url), 2 * BATCH, 0)
+    learner.poll_once()
+    before = utcnow() - timedelta(hours=1)
+    rate(learner, 0, [1.0] * 30, before)  # the promoted version's record, before the lineage
+    learner.train_step()
+    learner.train_step()
+    assert lifecycles(learner) == {0: "promoted", 1: "canary", 2: "canary"}
+    # Too few ratings of the lineage: 19 < min_samples 20.
+    rate(learner, 1, [0.0] * 19, utcnow())
+    assert learner.guard_check() == Decision.CONTINUE
+    rate(learner, 2, [0.0] * 11, utcnow())
+    set_flag(learner.db, PAUSED, "1")  # the guard acts while training is paused
+    # 30 losses against 30 wins: upper(Δ) < 0 (tests/test_lifecycle.py writes the bound out).
+    assert learner.guard_check() == Decision.REJECT
+    assert lifecycles(learner) == {0: "promoted", 1: "rejected", 2: "rejected", 3: "promoted"}
+    # Version 3 carries version 0's weights, is announced promoted, and the learner is on it.
+    with learner.db.connect() as conn:
+        row = conn.execute(select(*PolicyVersion.__table__.columns).where(PolicyVersion.version == 3)).one()
+        q = Counter(conn.execute(select(QuarantinedSample.version)).scalars())
+    assert row.parent_version == 0 and row.metrics == {"rollback_to": 0}
+    assert [(e.version, e.lifecycle) for e in announced(learner)][-1] == (3, "promoted")
+    assert learner.weights_version == 3
+    # The samples of both rejected versions are quarantined: BATCH each.
+    assert q == {1: BATCH, 2: BATCH} and sum(q.values()) == len(fed)
+    assert events(learner)[-3:] == [
+        (1, "canary", "rejected", "guard"),
+        (2, "canary", "rejected", "guard"),
+        (3, None, "promoted", "guard"),
+    ]
+    # Nothing left to judge: the lineage is empty.
+    assert learner.guard_check() is None
+
+
+def test_a_lineage_not_worse_is_promoted_and_a_restart_mid_probation_resumes_it(tmp_path):
+    learner = in_process(tmp_path, f"sqlite:///{tmp_path / 'db.sqlite'}", guard=GuardConfig(delta=0.5))
+    feed(open_log(learner.settings.resolved_database_url), BATCH, 0)
+    learner.poll_once()
+    rate(learner, 0, [1.0] * 60, utcnow() - timedelta(hours=1))
+    learner.train_step()
+    rate(learner, 1, [1.0] * 10, utcnow())
+    assert learner.guard_check() == Decision.CONTINUE  # 10 < min_samples 20
+    # A restart mid-probation: the same stage, weights and verdict (the state is the database's).
+    restarted = Learner(learner.settings, learner.config)
+    restarted.load()
+    assert lifecycles(restarted)[1] == "canary" and restarted.weights_version == 1
+    assert_policy_is(restarted, committed_weights(restarted, 1))
+    assert restarted.guard_check() == Decision.CONTINUE
+    # 60 wins each: lower(Δ) = lower_C − upper_P = lower_C − 1 > −δ = −0.5 (tests/test_lifecycle.py).
+    rate(restarted, 1, [1.0] * 50, utcnow() + timedelta(seconds=1), first=10)
+    assert restarted.guard_check() == Decision.PROMOTE
+    assert lifecycles(restarted) == {0: "promoted", 1: "promoted"}
+    assert events(restarted)[-1] == (1, "canary", "promoted", "guard")
+    learner.db.dispose()
+    restarted.db.dispose()
+
+
+def test_an_operator_rejecting_the_version_serving_rolls_it_back_even_with_the_guard_off(learner):
+    from core.control import GUARD_OFF
+    from core.lifecycle_store import transition
+
+    fed = feed(open_log(learner.settings.resolved_database_url), BATCH, 0)
+    learner.poll_once()
+    learner.train_step()
+    set_flag(learner.db, GUARD_OFF, "1")
+    with learner.db.begin() as conn:
+        transition(conn, 1, "rejected", "alice", "answers in the wrong language", utcnow())
+    assert learner.guard_check() == Decision.REJECT
+    assert lifecycles(learner) == {0: "promoted", 1: "rejected", 2: "promoted"}
+    assert sorted(step_sample_ids(learner, 1)) == sorted(fed)
+    assert [(e.version, e.lifecycle) for e in announced(learner)] == [(1, "canary"), (2, "promoted")]
+    assert events(learner)[-2:] == [(1, "canary", "rejected", "alice"), (2, None, "promoted", "guard")]

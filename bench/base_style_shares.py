@@ -1,4 +1,4 @@
-"""The base model's share of each style under the SAO system prompt (issue 5, DESIGN §6).
+"""The base model's share of each style under the SAO system prompt (issue 5, docs/design.md §6).
 
 Before choosing a schedule, measure what the untrained policy writes: for each candidate set
 of offered styles, ``--n`` random writing requests go to the served model (vLLM, the serving

@@ -71,7 +71,8 @@ PY="$REPO/.venv/bin/python"
 
 export SAOSERVE_HOME="$WORK" SAOSERVE_MODEL_DIR="$WORK/model"
 export SAOSERVE_DTYPE=bfloat16 SAOSERVE_ENFORCE_EAGER=false SAOSERVE_KV_CACHE_GIB=${KV_CACHE_GIB:-16}
-export SAOSERVE_FEEDBACK_SECRET=gpu-smoke-feedback SAOSERVE_ADMIN_KEY=gpu-smoke-admin
+SECRET_CMD='import secrets; print(secrets.token_hex(32))'  # serve refuses short or placeholder secrets
+export SAOSERVE_FEEDBACK_SECRET=$("$PY" -c "$SECRET_CMD") SAOSERVE_ADMIN_KEY=$("$PY" -c "$SECRET_CMD")
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
 say "2. prepare the model and start the server"
@@ -188,7 +189,26 @@ def write_version(version: int, noise: float) -> tuple[Path, str]:
     for f in MODEL_DIR.iterdir():
         if f.is_file() and f.suffix != ".safetensors":
             shutil.copy2(f, out / f.name)
-    return out, weights_sha256(out)
+    sha = weights_sha256(out)
+    record_version(version, out, sha)
+    return out, sha
+
+
+def record_version(version: int, path: Path, sha: str) -> None:
+    """Record the version as the learner does: the server serves only recorded versions."""
+    from core.db import PolicyVersion, make_engine
+    from core.records import utcnow
+    from core.settings import Settings
+
+    db = make_engine(Settings().resolved_database_url)
+    with db.begin() as conn:
+        conn.execute(
+            PolicyVersion.__table__.insert().values(
+                version=version, path=str(path.resolve()), sha256=sha, status="published",
+                parent_version=version - 1, metrics={}, created_at=utcnow(),
+            )
+        )
+    db.dispose()
 
 
 async def swap(client: httpx.AsyncClient, version: int, path: Path, sha: str) -> dict:

@@ -1,4 +1,4 @@
-"""Accuracy of the offline judge on the held-out labelled set (DESIGN §6; SAO §3.4 judge).
+"""Accuracy of the offline judge on the held-out labelled set (docs/design.md §6; SAO §3.4 judge).
 
 Prints, as Markdown: the style confusion matrix (rows: labelled style, columns: detected
 style), accuracy, per-style precision and recall, the embedding-only accuracy (lexical weight

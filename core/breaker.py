@@ -1,4 +1,4 @@
-"""Whether a dependency (database, log broker) is up, remembered between calls (DESIGN §8).
+"""Whether a dependency (database, log broker) is up, remembered between calls (docs/design.md §8).
 
 A ``Breaker`` lets a caller refuse work before starting it when the dependency is known to be
 down, instead of generating an answer whose record cannot be stored: after a failure it stays

@@ -2,7 +2,7 @@
 
 Pure arithmetic, no I/O. Sources: SPO++ (arXiv 2608.24870; write-up ``papers/000_…txt``
 §2.1 single-stream value, §2.2 event-time memory, §2.4 sampler, §3.1 Jeffreys
-initialisation) and DESIGN §5.4.
+initialisation) and docs/design.md §5.4.
 
 Units: a *version* is a published policy version (an int >= 0). The event coordinate of
 version ``v`` is ``z(v) = -v·log ρ`` (ρ = 0.875), so evidence generated ``k`` versions before
@@ -44,6 +44,9 @@ UNCERTAINTY_FLOOR = 0.05
 
 # Largest x with exp(x) finite: a log-weight above it would overflow.
 _LOG_MAX = math.log(sys.float_info.max)
+# Log of the largest evidence ``EvidenceState.at_bounded`` returns (e^700 ≈ 1e304): below
+# _LOG_MAX (≈ 709.8) with room for α + β and the floor of its factor.
+_BOUND_LOG = 700.0
 
 
 def check_rho(rho: float) -> float:
@@ -111,7 +114,7 @@ def evidence_at(
     """Evidence ``(α_q, β_q)`` of one prompt as seen by a request dispatched at version ``v_q``.
 
     ``α_q = e^{-(z_q - z_0)} α_0 + Σ_i e^{-(z_q - z_i)} R_i`` and ``β_q`` likewise with
-    ``1 - R_i`` (SPO++ write-up §2.2; DESIGN §5.4), with ``e^{-(z_q - z_i)} = ρ^(v_q - v_i)``
+    ``1 - R_i`` (SPO++ write-up §2.2; docs/design.md §5.4), with ``e^{-(z_q - z_i)} = ρ^(v_q - v_i)``
     evaluated as a log-sum-exp so that thousands of versions neither overflow nor lose the
     largest terms. This is the direct (batch) form of the formula; :class:`EvidenceState` is
     the incremental form and agrees with it.
@@ -168,7 +171,7 @@ def jeffreys_prior(successes: int, n: int, mass: float = JEFFREYS_MASS) -> tuple
     """Offline prior from ``successes`` out of ``n`` rollouts, Jeffreys-smoothed.
 
     ``α_0 = mass·(s + 0.5)/(n + 1)``, ``β_0 = mass - α_0`` (SPO++ write-up §3.1: total Beta
-    mass 8 from 8 offline rollouts per prompt; DESIGN §5.4). ``n = 0`` gives
+    mass 8 from 8 offline rollouts per prompt; docs/design.md §5.4). ``n = 0`` gives
     ``(mass/2, mass/2)``, value 0.5.
 
     Raises ``ValueError`` unless ``0 <= successes <= n`` are ints and ``mass`` is finite > 0.
@@ -267,6 +270,24 @@ class EvidenceState:
         k = check_version(version) - self.ref_version
         return decay(self.alpha, k, self.rho), decay(self.beta, k, self.rho)
 
+    def at_bounded(self, version: int) -> tuple[float, float]:
+        """``at(version)``, except that a reader so many versions before ``ref_version`` that
+        α or β would overflow gets them re-expressed at the earliest version where they stay
+        finite (``e^700/ρ < max(α, β) <= e^700``): both by one factor, so the value ``α/(α+β)``
+        is exact; only the mass is capped.
+
+        For reads that must not fail on stored data (a request's dispatch freeze, the
+        operators' evidence routes): evidence placed at a version far ahead of the reader.
+        Raises ``ValueError`` only for a bad ``version``.
+        """
+        k = check_version(version) - self.ref_version
+        top = max(self.alpha, self.beta)
+        if k >= 0 or top == 0.0:
+            return self.at(version)
+        # log(top·ρ^k) <= _BOUND_LOG  ⇔  k >= (_BOUND_LOG - log top) / log ρ  (log ρ < 0).
+        k = max(k, math.ceil((_BOUND_LOG - math.log(top)) / math.log(self.rho)))
+        return decay(self.alpha, k, self.rho), decay(self.beta, k, self.rho)
+
     @property
     def value(self) -> float:
         """``α/(α+β)``; the same at every reading version. ``ValueError`` if empty."""
@@ -278,7 +299,7 @@ class SPOTracker:
     """SPO's receipt-order tracker, kept as the ablation of :class:`EvidenceState`.
 
     ``α ← ρ_i·α + R_i``, ``β ← ρ_i·β + (1 - R_i)`` applied in the order results are
-    *received* (SPO++ write-up §2.1; DESIGN §5.4). In SPO the retention ``ρ_i`` comes from
+    *received* (SPO++ write-up §2.1; docs/design.md §5.4). In SPO the retention ``ρ_i`` comes from
     the policy's drift since the prompt's evidence was last updated (write-up §2.4: "SPO 的保留率
     来自更新后的策略漂移"); here the caller supplies it, and a constant ``ρ_i = 0.875`` gives the
     fixed-retention variant. The final state depends on receipt order, which is exactly the

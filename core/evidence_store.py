@@ -1,9 +1,9 @@
-"""The ``prompt_evidence`` table: persistent event-time evidence per prompt (SPO++, DESIGN §5.4).
+"""The ``prompt_evidence`` table: persistent event-time evidence per prompt (SPO++, docs/design.md §5.4).
 
 The server reads a prompt's evidence when it dispatches a request (:meth:`EvidenceStore.read`)
 and logs it in the trajectory (dispatch freeze); the learner adds results inside the
 transaction that also commits its consumer offsets (:meth:`EvidenceStore.add_results`,
-DESIGN §8); operators initialise prompts from offline rollouts (:func:`init_from_file`).
+docs/design.md §8); operators initialise prompts from offline rollouts (:func:`init_from_file`).
 
 Row layout (migration 0002). The prior (``alpha0``, ``beta0`` at ``prior_version``) and the
 online evidence are separate columns. Online evidence is ``alpha_ref = Σ_i ρ^(ref - v_i)·R_i``
@@ -203,7 +203,7 @@ class EvidenceStore:
 
         ``reward`` in [0, 1]; ``version`` (int >= 0) is the policy version that generated the
         trajectory (its event coordinate, SPO++ write-up §2.2). Nothing is committed here: the
-        learner commits its consumer offsets and this evidence together (DESIGN §8). Results of
+        learner commits its consumer offsets and this evidence together (docs/design.md §8). Results of
         one prompt are first summed at their newest version (the same sum as adding them one
         by one), then each prompt gets one atomic upsert, in sorted prompt order.
 
@@ -256,7 +256,7 @@ class EvidenceStore:
 
         Each ``(prompt_id, successes, n)`` becomes the Jeffreys prior
         ``α_0 = mass·(s + 0.5)/(n + 1)``, ``β_0 = mass - α_0`` placed at ``version`` (SPO++
-        write-up §3.1; DESIGN §5.4: at the initial version, 0). Rows of the same prompt are
+        write-up §3.1; docs/design.md §5.4: at the initial version, 0). Rows of the same prompt are
         summed first. An existing prompt keeps its online results; its prior is replaced, so
         running the same initialisation twice is idempotent.
 
@@ -306,8 +306,10 @@ class EvidenceStore:
         version, and exact even where α and β at ``version`` underflow), ``z`` = -version·log ρ.
         A prompt without a row gets the default prior at ``version`` (value 0.5 for (4, 4)).
 
-        Raises ``ValueError`` for a bad version, or if ``version`` lies so many (thousands of)
-        versions before the prompt's newest result that α would overflow.
+        A read never fails on stored data: if ``version`` lies so many (thousands of) versions
+        before the prompt's newest result that α would overflow, α and β are capped by one
+        common factor (:meth:`EvidenceState.at_bounded`; the value stays exact). Raises
+        ``ValueError`` for a bad version.
         """
         version = check_version(version)
         stored = self.get(prompt_id)
@@ -348,7 +350,7 @@ class EvidenceStore:
         )
 
     def _baseline(self, state: EvidenceState, version: int) -> FrozenBaseline:
-        alpha, beta = state.at(version)
+        alpha, beta = state.at_bounded(version)
         return FrozenBaseline(
             alpha=alpha,
             beta=beta,

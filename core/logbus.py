@@ -1,4 +1,4 @@
-"""Log transport: append-only topics of JSON records, behind one interface (DESIGN §3).
+"""Log transport: append-only topics of JSON records, behind one interface (docs/design.md §3).
 
 Two implementations, chosen by URL (``open_log``):
 
@@ -6,7 +6,7 @@ Two implementations, chosen by URL (``open_log``):
   ``feedback``, ``policy`` keyed by ``prompt_id`` (the default murmur2 partitioner puts one
   prompt's records in one partition), idempotent producer with ``acks="all"``. Readers
   ``assign()`` partitions and ``seek()``; offsets live in the database, never in the broker,
-  and end offsets are never relied on (tansu reports them wrong, DESIGN §7).
+  and end offsets are never relied on (tansu reports them wrong, docs/design.md §7).
 - ``SqlLog`` (any SQLAlchemy URL; the embedded default): one table ``log_records``; one
   partition per topic; offsets are row ids.
 
@@ -166,7 +166,7 @@ class SqlLog(LogTransport):
 class KafkaLog(LogTransport):
     """Kafka topics through kafka-python (tansu in tests, Apache Kafka in production).
 
-    A refused append must never appear later (DESIGN §8), but a produce request already
+    A refused append must never appear later (docs/design.md §8), but a produce request already
     written to a paused broker's socket is appended when the broker resumes, whatever the
     client does. So callers that can refuse call ``check`` first: it probes the broker unless
     it answered less than ``probe_after_s`` ago, and a paused or dead broker is refused with

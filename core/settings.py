@@ -23,31 +23,46 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="SAOSERVE_", extra="ignore")
 
-    home: Path = Field(DEFAULT_HOME, description="Folder for the embedded database, log and models.")
-    database_url: str = Field("", description="SQLAlchemy URL; default sqlite file under home.")
+    home: Path = Field(
+        DEFAULT_HOME,
+        description="Folder of the embedded defaults: the SQLite database and log, the model, the "
+        "policy versions.",
+    )
+    database_url: str = Field(
+        "",
+        description="SQLAlchemy URL, e.g. postgresql+psycopg://user@host/db; default: a SQLite file under home.",
+    )
     log_url: str = Field(
         "",
         description="Log transport: 'kafka://host:port[,host:port]' or a SQLAlchemy URL for the "
         "SQL-table log; default: the database.",
     )
-    model_dir: Path = Field(Path(""), description="bf16 safetensors model (policy version 0).")
-    policy_dir: Path = Field(Path(""), description="Where the learner writes policy versions.")
+    model_dir: Path = Field(
+        Path(""), description="The prepared safetensors model (policy version 0; saoserve prepare-model)."
+    )
+    policy_dir: Path = Field(
+        Path(""), description="Where the learner writes the policy versions (vNNNNNN/) and its checkpoint."
+    )
     admin_key: str = Field("", description="Bearer key of the admin routes; empty refuses all.")
     server_url: str = Field(
         "http://127.0.0.1:8000", description="Base URL of the server that `saoserve admin` talks to."
     )
     feedback_secret: str = Field("", description="HMAC key of feedback tokens.")
-    served_model_name: str = "smollm2-135m-instruct"
-    enforce_eager: bool = True
+    served_model_name: str = Field(
+        "smollm2-135m-instruct", description="The model id clients send and /v1/models lists."
+    )
+    enforce_eager: bool = Field(
+        True, description="vLLM eager mode: a faster engine start than compiled mode (docs/design.md §7)."
+    )
     dtype: str = Field(
         "float32",
-        description="Serving dtype. float32 on CPUs without bf16 units: served logprobs then "
-        "match the learner's recomputation to ~3e-5 nats (bf16: ~0.2 max).",
+        description="Serving dtype, and the dtype the learner publishes versions in. float32 on CPUs "
+        "without bf16 units, so that served logprobs match the learner's recomputation (docs/scaling.md).",
     )
-    max_model_len: int = Field(2048, ge=64)
+    max_model_len: int = Field(2048, ge=64, description="Context length in tokens (prompt plus answer).")
     max_tokens_limit: int = Field(1024, ge=1, description="Largest max_tokens a request may ask.")
-    default_max_tokens: int = Field(256, ge=1)
-    kv_cache_gib: float = Field(2.0, gt=0)
+    default_max_tokens: int = Field(256, ge=1, description="max_tokens of a request that gives none.")
+    kv_cache_gib: float = Field(2.0, gt=0, description="vLLM KV cache size, GiB.")
     log_required: bool = Field(
         True,
         description="If the log is down: True fails the request (503) so no trajectory is lost; "
@@ -72,8 +87,14 @@ class Settings(BaseSettings):
         "read itself waits up to 0.2 s per partition for a new event. Part of the delay from a "
         "published version to serving it.",
     )
+    retention_days: int = Field(
+        0,
+        ge=0,
+        description="Days `saoserve retention` keeps trajectories and feedback (database and SQL log; "
+        "docs/privacy.md); 0 keeps them for ever. Kafka's topics keep theirs for retention.ms (deploy/).",
+    )
 
-    judge_url: str = Field("", description="OpenAI-compatible base URL of the LLM judge.")
+    judge_url: str = Field("", description="OpenAI-compatible base URL of the LLM judge (--judge llm).")
     judge_model: str = Field("", description="Model name of the LLM judge.")
     judge_key: str = Field("", description="API key of the LLM judge.")
     judge_embedding_dir: Path | None = Field(
@@ -97,6 +118,54 @@ class Settings(BaseSettings):
     @property
     def resolved_policy_dir(self) -> Path:
         return self.policy_dir if str(self.policy_dir) not in ("", ".") else self.home / "policies"
+
+
+SECRET_MIN_CHARS = 16
+"""Shortest feedback secret or admin key ``saoserve serve`` accepts (characters)."""
+
+# The example values of the README, docs/ and deploy/.env.example (and their like): a server
+# started with one of them has a secret anybody can read, so it refuses them.
+PLACEHOLDER_SECRETS = frozenset(
+    {
+        "change-me",
+        "change-me-feedback-secret",
+        "change-me-admin-key",
+        "change-me-postgres",
+        "admin-key",
+        "secret",
+        "password",
+    }
+)
+PLACEHOLDER_MARKS = ("change-me", "changeme", "change_me")
+
+
+def secret_problem(name: str, value: str) -> str | None:
+    """Why ``value`` cannot serve as the secret ``name`` (an environment variable's name, for
+    the message), or None: blank, surrounded by whitespace, a placeholder of the examples
+    (``PLACEHOLDER_SECRETS``, or holding ``change-me``), or shorter than ``SECRET_MIN_CHARS``."""
+    hint = "e.g. `openssl rand -hex 32`"
+    if not value.strip():
+        return f"{name} is blank: set a secret of at least {SECRET_MIN_CHARS} characters ({hint})"
+    if value != value.strip():
+        return f"{name} begins or ends with whitespace: set it without"
+    low = value.lower()
+    if low in PLACEHOLDER_SECRETS or any(mark in low for mark in PLACEHOLDER_MARKS):
+        return f"{name} is a placeholder of the examples ({value!r}): set a secret of your own ({hint})"
+    if len(value) < SECRET_MIN_CHARS:
+        return (
+            f"{name} has {len(value)} characters, fewer than {SECRET_MIN_CHARS}: set a longer secret ({hint})"
+        )
+    return None
+
+
+def server_secret_problems(settings: Settings) -> list[str]:
+    """What is wrong with a server's secrets (empty list: nothing). The feedback secret is
+    required; the admin key may be empty (the admin routes are then refused), but a key that is
+    set must pass ``secret_problem`` too."""
+    problems = [secret_problem("SAOSERVE_FEEDBACK_SECRET", settings.feedback_secret)]
+    if settings.admin_key:
+        problems.append(secret_problem("SAOSERVE_ADMIN_KEY", settings.admin_key))
+    return [p for p in problems if p is not None]
 
 
 @lru_cache(maxsize=1)

@@ -4,7 +4,7 @@ A policy version is a directory of ``*.safetensors`` files. Before the server sw
 it checks that the files hold exactly the serving model's tensors with the right shapes and
 dtypes: vLLM's in-place reload only warns about a missing tensor (the old values stay, so one
 version number would serve a mix of two versions) and asserts inside the worker on a wrong
-shape (DESIGN §7, §8). Only the safetensors headers are read (a few kB), never the tensors.
+shape (docs/design.md §7, §8). Only the safetensors headers are read (a few kB), never the tensors.
 """
 
 from __future__ import annotations

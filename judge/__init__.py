@@ -1,4 +1,4 @@
-"""Judges and the online preference-shift simulation's catalogue (SAO paper §3.4, DESIGN §6).
+"""Judges and the online preference-shift simulation's catalogue (SAO paper §3.4, docs/design.md §6).
 
 - ``judge.base``: ``Judgement``, the ``Judge`` interface, ``JudgeFailure``.
 - ``judge.styles``: the style catalogue, schedules, the SAO system prompt, shipped data.

@@ -1,7 +1,7 @@
 """The numbers of the online preference-shift simulation: pure functions over plain records.
 
 Source: SAO paper §3.4 (Figure 5: per-style share over steps, SAO vs the running-mean
-baseline's reward) and DESIGN §6 (adaptation lag, normalised area under the reward curve,
+baseline's reward) and docs/design.md §6 (adaptation lag, normalised area under the reward curve,
 last-5 mean, methods side by side from the same schedule). ``judge.plots`` draws them and
 ``judge.report`` writes them with the page.
 
@@ -42,7 +42,7 @@ def normalized_auc(rewards: Sequence[float]) -> float:
     """Area under the per-step reward curve by the trapezoid rule, divided by the step span.
 
     ``sum((r[i] + r[i+1]) / 2) / (len - 1)``; a single point gives that point. Same unit as the
-    rewards (in [0, 1] for the simulation's binary rewards averaged per step). DESIGN §6.
+    rewards (in [0, 1] for the simulation's binary rewards averaged per step). docs/design.md §6.
     Raises ``ValueError`` for an empty list.
     """
     if not rewards:
@@ -69,7 +69,7 @@ def present_auc(rewards: Sequence[float]) -> float:
 
 
 def last_k_mean(rewards: Sequence[float], k: int = 5) -> float:
-    """Mean of the last ``k`` per-step rewards (all of them if fewer). DESIGN §6 (last-5 mean).
+    """Mean of the last ``k`` per-step rewards (all of them if fewer). docs/design.md §6 (last-5 mean).
 
     Raises ``ValueError`` for an empty list or ``k < 1``.
     """
@@ -90,7 +90,7 @@ def adaptation_lag(
     the style that is the target at step ``t``. For a switch at step ``s`` (the first step of
     the new target) the lag is the smallest ``d >= 0`` with ``series[s + d] >= threshold`` and
     ``s + d`` before the next switch (or the end of the series); ``None`` if that never happens.
-    One entry per switch, in order. DESIGN §6; SAO §3.4 (adaptation lag of the running mean).
+    One entry per switch, in order. docs/design.md §6; SAO §3.4 (adaptation lag of the running mean).
     Raises ``ValueError`` for switch steps that are not increasing.
     """
     switches = list(switch_steps)

@@ -10,7 +10,7 @@ Pure functions over plain records (no I/O), used by ``judge.report`` and
   "t_first_token": s since the run started (the answer's first text chunk) or None,
   "t_answer": s (the answer complete), "t_feedback": s or None}``.
 
-Staleness (SAO §2.2, DESIGN §5.1): for each trained action token, the version the learner
+Staleness (SAO §2.2, docs/design.md §5.1): for each trained action token, the version the learner
 trained from minus the version that generated the token (the record's spans). Issue 10 asks
 for its distribution per run, not only a per-step mean.
 """

@@ -1,4 +1,4 @@
-"""The online preference-shift simulation (SAO §3.4, DESIGN §6): a real HTTP client.
+"""The online preference-shift simulation (SAO §3.4, docs/design.md §6): a real HTTP client.
 
 Writing requests go to the server with the SAO system prompt that lets the policy choose among
 the schedule's styles; a judge scores each answer (reward = quality × [style == the target])

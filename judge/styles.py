@@ -1,7 +1,7 @@
 """The style catalogue, the preference-shift schedules and the SAO system prompt.
 
 Source: SAO paper §3.4 (online learning simulation; the write-ups in ``papers/001_…txt`` and
-``papers/003_…txt``) and DESIGN §6. The paper's judge prefers, in turn, cute, chuunibyou and
+``papers/003_…txt``) and docs/design.md §6. The paper's judge prefers, in turn, cute, chuunibyou and
 classical writing; the reward is ``r_quality × r_style``. The paper does not give segment
 lengths, so the named schedules use 40 steps per style (a project choice, configurable).
 

@@ -7,13 +7,16 @@ exits with a code naming the outcome (the ``EXIT_*`` constants). A failure is on
 stderr, ``error: ...``, and nothing on stdout.
 
 The server's answers (server/routes/admin.py, server/responses.py) are printed as given; this
-module only chooses columns and formats numbers.
+module only chooses columns and formats numbers. Text in them may come from any client (a
+chat's ``prompt_id``): every string is printed through ``shown``, so it can neither drive the
+terminal (escape sequences, bell, newlines, bidi overrides) nor be read as rich markup.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import unicodedata
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Annotated, Any
@@ -24,7 +27,9 @@ import typer
 from rich import box
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
+from core.dead_letters import KINDS as DEAD_LETTER_KINDS
 from core.evidence import uncertainty_weight
 from core.settings import Settings, get_settings
 
@@ -51,6 +56,31 @@ admin_app = typer.Typer(
     f"SAOSERVE_SERVER_URL and SAOSERVE_ADMIN_KEY, or --url/--key). {EXIT_CODES_HELP}",
     no_args_is_help=True,
 )
+
+
+# Format characters that reorder or hide what follows (bidi embeddings, overrides, isolates,
+# marks): shown as escapes like the control characters.
+BIDI_CONTROLS = frozenset("\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+
+
+def visible(value: object) -> str:
+    """``value`` as text with every control character (C0, DEL, C1: ESC, BEL, CR, newline, tab),
+    line or paragraph separator and bidi control written as its escape (``\\x1b``, ``\\u202e``),
+    so text from a client cannot drive the terminal it is printed on."""
+    out = []
+    for ch in str(value):
+        cp = ord(ch)
+        if unicodedata.category(ch) in ("Cc", "Zl", "Zp") or ch in BIDI_CONTROLS:
+            out.append(f"\\x{cp:02x}" if cp < 0x100 else f"\\u{cp:04x}")
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
+def shown(value: object) -> Text:
+    """``visible(value)`` as a rich ``Text``: printed as it is, never parsed as markup (a
+    ``[bold]`` or ``[/]`` in a prompt id is text, not a style or a syntax error)."""
+    return Text(visible(value))
 
 
 class AdminError(Exception):
@@ -116,12 +146,14 @@ class AdminClient:
         body: dict | None = None,
         admin: bool = True,
         ok: tuple[int, ...] = (200,),
+        headers: dict[str, str] | None = None,
     ) -> tuple[int, Any]:
         """``(status, JSON body)`` of ``method path``; a status outside ``ok`` raises its
-        AdminError (``error_for``). ``admin``: send the key (refused locally when there is none)."""
+        AdminError (``error_for``). ``admin``: send the key (refused locally when there is none);
+        ``headers``: more headers (``X-Operator``)."""
         if admin and not self.key:
             raise AdminError(EXIT_AUTH, "no admin key: set SAOSERVE_ADMIN_KEY or pass --key")
-        headers = {"Authorization": f"Bearer {self.key}"} if admin else {}
+        headers = ({"Authorization": f"Bearer {self.key}"} if admin else {}) | (headers or {})
         try:
             r = httpx.request(
                 method, self.url + path, params=params, json=body, headers=headers, timeout=self.timeout_s
@@ -176,7 +208,7 @@ def reported() -> Iterator[None]:
     try:
         yield
     except AdminError as exc:
-        typer.secho(f"error: {exc}", fg="red", err=True)
+        typer.secho(f"error: {visible(exc)}", fg="red", err=True)
         raise typer.Exit(exc.code) from None
 
 
@@ -240,7 +272,7 @@ def status(
             raise AdminError(EXIT_SERVER, not_ready)
 
 
-READINESS_PARTS = ("database", "log", "engine")
+READINESS_PARTS = ("database", "log", "engine", "policy")
 
 
 def _down(readiness: dict) -> str:
@@ -255,19 +287,19 @@ def _print_status(r: dict) -> None:
         for k in READINESS_PARTS
     )
     grid = Table.grid(padding=(0, 2))
-    grid.add_row("server", f"{r['server_url']}: {'ready' if r['ready'] else 'NOT READY'} ({parts})")
+    grid.add_row("server", shown(f"{r['server_url']}: {'ready' if r['ready'] else 'NOT READY'} ({parts})"))
     newest = r["newest_version"]
     if newest is None:
         published = "no versions recorded yet (no learner has started)"
     else:
         published = f"newest version {newest['version']} ({newest['status']})"
-    grid.add_row("serving", f"version {r['serving']}; {published}")
+    grid.add_row("serving", shown(f"version {r['serving']}; {published}"))
     learning = r["learning"]
     if r["rollback_to"] is not None:
         learning += f"; rollback to version {r['rollback_to']} requested, not yet carried out"
-    grid.add_row("learning", learning)
+    grid.add_row("learning", shown(learning))
     counters = ", ".join(f"{k} {v}" for k, v in sorted(r["counters"].items())) or "none"
-    grid.add_row("counters", counters)
+    grid.add_row("counters", shown(counters))
     console.print(grid)
     if not r["steps"]:
         console.print("no learner steps yet")
@@ -277,14 +309,19 @@ def _print_status(r: dict) -> None:
         table.add_column(col, justify="left" if col == "at (UTC)" else "right")
     for s in r["steps"]:
         table.add_row(
-            str(s["step"]),
-            str(s["version"]),
-            _num(s.get("reward_mean")),
-            _num(s.get("kept_fraction")),
-            _num(s.get("policy_loss"), 4),
-            _num(s.get("staleness_mean"), 2),
-            _num(s.get("step_time_s"), 1),
-            _when(s.get("created_at"))[11:],
+            *map(
+                shown,
+                (
+                    s["step"],
+                    s["version"],
+                    _num(s.get("reward_mean")),
+                    _num(s.get("kept_fraction")),
+                    _num(s.get("policy_loss"), 4),
+                    _num(s.get("staleness_mean"), 2),
+                    _num(s.get("step_time_s"), 1),
+                    _when(s.get("created_at"))[11:],
+                ),
+            )
         )
     console.print(table)
 
@@ -307,16 +344,22 @@ def versions(
             emit_json({"serving": body["serving"], "versions": rows})
             return
         table = Table(title=f"policy versions (serving {body['serving']})", box=box.SIMPLE_HEAD)
-        for col in ("", "version", "status", "parent", "weights", "created (UTC)"):
+        for col in ("", "version", "status", "lifecycle", "parent", "weights", "created (UTC)"):
             table.add_column(col, justify="right" if col in ("version", "parent") else "left")
         for v in rows:
             table.add_row(
-                "*" if v["version"] == body["serving"] else "",
-                str(v["version"]),
-                v["status"],
-                _num(v["parent_version"]),
-                "present" if v.get("available") else "pruned",
-                _when(v["created_at"]),
+                *map(
+                    shown,
+                    (
+                        "*" if v["version"] == body["serving"] else "",
+                        v["version"],
+                        v["status"],
+                        v.get("lifecycle", ""),
+                        _num(v["parent_version"]),
+                        "present" if v.get("available") else "pruned",
+                        _when(v["created_at"]),
+                    ),
+                )
             )
         if len(rows) < len(body["versions"]):
             table.caption = f"newest {len(rows)} of {len(body['versions'])}; --last 0 shows all"
@@ -400,7 +443,10 @@ def evidence(
         if top is not None:
             _, body = c.call("GET", "/admin/evidence", params={"top": top})
         else:
-            _, body = c.call("GET", f"/admin/evidence/{quote(prompt_id, safe='')}")
+            # Every character percent-encoded, '.' too: a client would resolve an id "." or ".."
+            # as a path segment (RFC 3986 dot segments) before sending it.
+            path = quote(prompt_id, safe="").replace(".", "%2E")
+            _, body = c.call("GET", f"/admin/evidence/{path}")
         if json_out:
             emit_json(body)
         elif top is not None:
@@ -412,14 +458,14 @@ def evidence(
 def _print_evidence(e: dict) -> None:
     b = e["at_version"]
     grid = Table.grid(padding=(0, 2))
-    grid.add_row("prompt", e["prompt_id"])
+    grid.add_row("prompt", shown(e["prompt_id"]))
     if e["known"]:
-        grid.add_row("known", f"yes: {e['n_results']} results, reward sum {_num(e['reward_sum'])}")
+        grid.add_row("known", shown(f"yes: {e['n_results']} results, reward sum {_num(e['reward_sum'])}"))
     else:
         grid.add_row("known", "no: no results yet, the default prior")
-    grid.add_row("at version", str(b["version"]))
-    grid.add_row("value", _num(b["value"]))
-    grid.add_row("alpha, beta", f"{_num(b['alpha'])}, {_num(b['beta'])}")
+    grid.add_row("at version", shown(b["version"]))
+    grid.add_row("value", shown(_num(b["value"])))
+    grid.add_row("alpha, beta", shown(f"{_num(b['alpha'])}, {_num(b['beta'])}"))
     Console().print(grid)
 
 
@@ -433,10 +479,243 @@ def _print_uncertain(body: dict) -> None:
         table.add_column(col, justify="left" if col == "prompt" else "right")
     for p in body["prompts"]:
         table.add_row(
-            p["prompt_id"],
-            _num(p["value"]),
-            _num(p["alpha"]),
-            _num(p["beta"]),
-            _num(uncertainty_weight(p["value"])),
+            shown(p["prompt_id"]),
+            shown(_num(p["value"])),
+            shown(_num(p["alpha"])),
+            shown(_num(p["beta"])),
+            shown(_num(uncertainty_weight(p["value"]))),
         )
     console.print(table)
+
+
+@admin_app.command(epilog=EXIT_CODES_HELP)
+def forget(
+    user: Annotated[
+        str, typer.Argument(metavar="USER", help="The `user` field the user's chat requests sent.")
+    ],
+    url: UrlOption = None,
+    key: KeyOption = None,
+    json_out: JsonOption = False,
+) -> None:
+    """Remove USER's trajectories and feedback from what the learner can ever read.
+
+    Deleted from the database and a SQL-table log; a Kafka log keeps the records until its retention, tombstoned so the learner never uses them (docs/privacy.md). A user with nothing left: zeros, exit 0.
+    """
+    with reported():
+        _, body = client(url, key).call("POST", "/admin/forget", body={"user": user})
+        if json_out:
+            emit_json(body)
+            return
+        typer.echo(
+            f"forgot user {visible(body['user'])}: {body['trajectories']} trajectories "
+            f"({body['episodes']} episodes), {body['tombstones']} new tombstones"
+        )
+        for name, n in body["deleted"].items():
+            typer.echo(f"  deleted {name}: {n}")
+        if body["log"] == "kafka":
+            typer.echo(
+                "the Kafka log keeps these records until its retention.ms; the learner never reads them"
+            )
+
+
+@admin_app.command("dead-letters", epilog=EXIT_CODES_HELP)
+def dead_letters(
+    limit: Annotated[int, typer.Option("--limit", min=1, max=1000, help="Show the newest N.")] = 20,
+    kind: Annotated[
+        str | None, typer.Option("--kind", help=f"Only this kind: {', '.join(DEAD_LETTER_KINDS)}.")
+    ] = None,
+    payload: Annotated[
+        bool, typer.Option("--payload", help="With --json: the records themselves too.")
+    ] = False,
+    url: UrlOption = None,
+    key: KeyOption = None,
+    json_out: JsonOption = False,
+) -> None:
+    """What the learner set aside instead of joining or training it, newest first, and why.
+
+    A record the database refused three times, one that does not parse, feedback whose trajectory had expired, samples whose step kept failing (docs/reliability.md, "Dead letters"). The learner went on without them.
+    """
+    if kind is not None and kind not in DEAD_LETTER_KINDS:
+        raise typer.BadParameter(f"not a kind of dead letter: {kind!r}", param_hint="'--kind'")
+    params = {"limit": limit, "payload": payload} | ({"kind": kind} if kind else {})
+    with reported():
+        _, body = client(url, key).call("GET", "/admin/dead_letters", params=params)
+        if json_out:
+            emit_json(body)
+            return
+        console = Console()
+        rows = body["dead_letters"]
+        if not rows:
+            console.print("no dead letters: the learner has set nothing aside")
+            return
+        table = Table(title=f"newest {len(rows)} of {body['total']} dead letters", box=box.SIMPLE_HEAD)
+        for col in ("id", "at (UTC)", "kind", "key", "log position", "tries", "reason"):
+            table.add_column(col, justify="right" if col in ("id", "tries") else "left")
+        for d in rows:
+            where = "-" if d["topic"] is None else f"{d['topic']} {d['log_partition']}:{d['log_offset']}"
+            table.add_row(
+                str(d["id"]),
+                _when(d["created_at"]),
+                shown(d["kind"]),
+                shown(_num(d["key"])),
+                shown(where),
+                str(d["attempts"]),
+                shown(d["reason"]),
+            )
+        console.print(table)
+
+
+# ------------------------------------------------------------------ the version lifecycle
+AsOption = Annotated[
+    str, typer.Option("--as", help="Who you are, recorded with the action (X-Operator).", metavar="NAME")
+]
+ReasonOption = Annotated[str, typer.Option("--reason", help="Why, recorded with the action.")]
+
+
+def _lifecycle_call(path: str, body: dict | None, operator: str, url, key, json_out: bool, done) -> None:
+    with reported():
+        _, answer = client(url, key).call("POST", path, body=body, headers={"X-Operator": operator})
+        if json_out:
+            emit_json(answer)
+        else:
+            typer.echo(done(answer))
+
+
+@admin_app.command(epilog=EXIT_CODES_HELP)
+def promote(
+    version: Annotated[int, typer.Argument(min=0, metavar="VERSION")],
+    operator: AsOption = "operator",
+    reason: ReasonOption = "",
+    url: UrlOption = None,
+    key: KeyOption = None,
+    json_out: JsonOption = False,
+) -> None:
+    """Promote VERSION (and the versions of its lineage before it). Exit 5 if it is unknown
+    (404) or cannot be promoted (409: rejected, or promoted already)."""
+    _lifecycle_call(
+        "/admin/lifecycle/promote",
+        {"version": version, "reason": reason},
+        operator,
+        url,
+        key,
+        json_out,
+        lambda a: f"versions {a['versions']} promoted by {a['actor']}",
+    )
+
+
+@admin_app.command(epilog=EXIT_CODES_HELP)
+def reject(
+    version: Annotated[int, typer.Argument(min=0, metavar="VERSION")],
+    operator: AsOption = "operator",
+    reason: ReasonOption = "",
+    url: UrlOption = None,
+    key: KeyOption = None,
+    json_out: JsonOption = False,
+) -> None:
+    """Reject VERSION: it never serves again; if it serves now, the learner restores the promoted
+    version's weights as a new version and quarantines its samples. Exit 5 if it is unknown
+    (404) or cannot be rejected (409: rejected already, or version 0)."""
+    _lifecycle_call(
+        "/admin/lifecycle/reject",
+        {"version": version, "reason": reason},
+        operator,
+        url,
+        key,
+        json_out,
+        lambda a: f"version {version} rejected by {a['actor']}",
+    )
+
+
+@admin_app.command(epilog=EXIT_CODES_HELP)
+def pin(
+    version: Annotated[int, typer.Argument(min=0, metavar="VERSION")],
+    operator: AsOption = "operator",
+    reason: ReasonOption = "",
+    url: UrlOption = None,
+    key: KeyOption = None,
+    json_out: JsonOption = False,
+) -> None:
+    """Pin VERSION as the promoted version: the guard decides nothing by itself until `unpin`."""
+    _lifecycle_call(
+        "/admin/lifecycle/pin",
+        {"version": version, "reason": reason},
+        operator,
+        url,
+        key,
+        json_out,
+        lambda a: f"version {a['pinned']} pinned by {a['actor']}",
+    )
+
+
+@admin_app.command(epilog=EXIT_CODES_HELP)
+def unpin(
+    operator: AsOption = "operator",
+    url: UrlOption = None,
+    key: KeyOption = None,
+    json_out: JsonOption = False,
+) -> None:
+    """Let the guard decide again."""
+    _lifecycle_call(
+        "/admin/lifecycle/unpin", None, operator, url, key, json_out, lambda a: f"unpinned by {a['actor']}"
+    )
+
+
+@admin_app.command(epilog=EXIT_CODES_HELP)
+def guard(
+    state: Annotated[str, typer.Argument(metavar="on|off")],
+    operator: AsOption = "operator",
+    url: UrlOption = None,
+    key: KeyOption = None,
+    json_out: JsonOption = False,
+) -> None:
+    """Turn the guard on or off (off: no gate, every new version is promoted when recorded)."""
+    if state not in ("on", "off"):
+        raise typer.BadParameter(f"expected on or off, got {state!r}", param_hint="'on|off'")
+    _lifecycle_call(
+        "/admin/lifecycle/guard",
+        {"on": state == "on"},
+        operator,
+        url,
+        key,
+        json_out,
+        lambda a: f"guard {a['guard']} (by {a['actor']})",
+    )
+
+
+@admin_app.command(epilog=EXIT_CODES_HELP)
+def canary(
+    share: Annotated[
+        float, typer.Argument(metavar="SHARE", help="The canary's share of traffic, in (0, 1].")
+    ],
+    operator: AsOption = "operator",
+    url: UrlOption = None,
+    key: KeyOption = None,
+    json_out: JsonOption = False,
+) -> None:
+    """Store the canary share; a single full-weight engine has none (probation) and says so."""
+    if not 0.0 < share <= 1.0:
+        raise typer.BadParameter(f"the share must be in (0, 1], got {share:g}", param_hint="'SHARE'")
+    _lifecycle_call(
+        "/admin/lifecycle/canary", {"share": share}, operator, url, key, json_out, lambda a: a["message"]
+    )
+
+
+@admin_app.command(epilog=EXIT_CODES_HELP)
+def quarantine(
+    limit: Annotated[int, typer.Option("--limit", min=1, max=1000, help="Show the newest N.")] = 20,
+    url: UrlOption = None,
+    key: KeyOption = None,
+    json_out: JsonOption = False,
+) -> None:
+    """The samples that trained a rejected version, which the learner never trains again."""
+    with reported():
+        _, body = client(url, key).call("GET", "/admin/quarantine", params={"limit": limit})
+        if json_out:
+            emit_json(body)
+            return
+        table = Table(title=f"quarantined samples ({body['total']})", box=box.SIMPLE_HEAD)
+        for col in ("sample", "version", "reason", "at (UTC)"):
+            table.add_column(col, justify="right" if col == "version" else "left")
+        for r in body["samples"]:
+            table.add_row(*map(shown, (r["sample_id"], r["version"], r["reason"], _when(r["at"]))))
+        Console().print(table if body["samples"] else "no sample is quarantined")

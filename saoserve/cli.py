@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from core.settings import get_settings
+from core.settings import get_settings, server_secret_problems
 from saoserve.admin import admin_app
 
 app = typer.Typer(
@@ -54,6 +54,8 @@ def serve(
     port: int = typer.Option(8000, min=1, max=65535, help="TCP port."),
 ) -> None:
     """Serve the OpenAI-compatible chat API with trajectory logging and feedback."""
+    import logging
+
     import uvicorn
 
     from saoserve.model import prepare_model
@@ -62,12 +64,26 @@ def serve(
 
     settings = get_settings()
     _check_secrets(settings)
+    # The server's own lines (the version each swap serves, storage outages) at INFO; other
+    # libraries' at WARNING. uvicorn configures its own loggers.
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for name in ("server", "core"):
+        logging.getLogger(name).setLevel(logging.INFO)
     prepare_model(settings.resolved_model_dir)
     http = header_timeout_protocol(settings.header_read_timeout_s)
     uvicorn.run(create_app(settings), host=host, port=port, log_level="info", http=http)
 
 
 LEARN_HELP = "Default: the preset's (see learner.config)."
+
+
+def _given(top: dict, **sections: dict) -> dict:
+    """The learner config fields an option set (not None): ``top``'s, and each section's
+    (``optimizer``, ``algorithm``, ``correction``) as a dict of its fields."""
+    out = {k: v for k, v in top.items() if v is not None}
+    return out | {
+        name: {k: v for k, v in fields.items() if v is not None} for name, fields in sections.items()
+    }
 
 
 @app.command()
@@ -111,8 +127,7 @@ def learn(
 
     from learner.config import ConfigError, build_config, load_config
 
-    top = {"batch_size": batch_size, "policy_lr": policy_lr, "adam_beta1": adam_beta1}
-    top |= {"expire_s": expire_s, "max_steps": max_steps}
+    top = {"batch_size": batch_size, "expire_s": expire_s, "max_steps": max_steps}
     algo = {"critic_lr": critic_lr, "critic_updates": critic_updates, "kl_coef": kl_coef}
     algo |= {
         "critic_trainable": critic_trainable,
@@ -120,10 +135,13 @@ def learn(
         "eps_low": eps_low,
         "eps_high": eps_high,
     }
-    overrides = {k: v for k, v in top.items() if v is not None}
-    overrides["algorithm"] = {k: v for k, v in algo.items() if v is not None}
     corr = {"window": window, "c": mis_c, "epochs": epochs, "minibatches": minibatches, "reset": ewma_reset}
-    overrides["correction"] = {k: v for k, v in corr.items() if v is not None}
+    overrides = _given(
+        top,
+        optimizer={"policy_lr": policy_lr, "adam_beta1": adam_beta1},
+        algorithm=algo,
+        correction=corr,
+    )
     try:
         if config is not None:
             cfg = load_config(config, algorithm, overrides, correction)
@@ -151,10 +169,13 @@ def pretrain_critic_cmd(
     trainable: str = typer.Option("mlp", help="mlp | all"),
 ) -> None:
     """Fit the critic on logged trajectories with feedback before RL (value pretraining)."""
+    from core.db import make_engine, migrate
     from core.logbus import open_log
+    from core.retention import all_forgotten
     from learner.pretrain import pretrain_from_log
 
     settings = get_settings()
+    migrate(settings.resolved_database_url)
     try:
         path, losses = pretrain_from_log(
             open_log(settings.resolved_log_url),
@@ -164,6 +185,7 @@ def pretrain_critic_cmd(
             batch_size,
             lr,
             trainable,
+            forgotten=all_forgotten(make_engine(settings.resolved_database_url)),
         )
     except ValueError as exc:
         fail(str(exc))
@@ -192,6 +214,51 @@ def evidence_init(
     except ValueError as exc:
         fail(str(exc))
     typer.echo(f"initialised evidence of {n} prompts")
+
+
+@app.command()
+def retention(
+    days: int | None = typer.Option(
+        None, min=1, help="Keep this many days (default: $SAOSERVE_RETENTION_DAYS).", show_default=False
+    ),
+) -> None:
+    """Delete trajectories and feedback older than N days from the database and the SQL log.
+
+    Also their index rows, feedback claims, pending joins and waiting learner samples (docs/privacy.md).
+    Run it from cron; a Kafka log keeps its records for its topics' retention.ms instead.
+    """
+    from core.db import make_engine
+    from core.db import migrate as run_migrate
+    from core.logbus import open_log
+    from core.records import utcnow
+    from core.retention import apply_retention, retention_cutoff, sql_log_engine
+
+    settings = get_settings()
+    days = days or settings.retention_days
+    if not days:
+        fail("no retention period: pass --days N or set SAOSERVE_RETENTION_DAYS (0 keeps records for ever)")
+    url = settings.resolved_database_url
+    run_migrate(url)
+    log = open_log(settings.resolved_log_url)
+    log_engine = sql_log_engine(log)
+    try:
+        report = apply_retention(make_engine(url), log_engine, retention_cutoff(utcnow(), days))
+    finally:
+        log.close()
+    typer.echo(f"deleted what was created before {report.cutoff:%Y-%m-%d %H:%M:%S} UTC ({days} days):")
+    for name, n in report.deleted.items():
+        typer.echo(f"  {name}: {n}")
+    if log_engine is None:
+        typer.echo(
+            "the log is Kafka: its topics keep records for their retention.ms (deploy/compose.yaml), "
+            "which this command does not change"
+        )
+    if report.unread:
+        typer.secho(
+            f"warning: {report.unread} of the deleted log records had not been read by the learner yet",
+            fg="yellow",
+            err=True,
+        )
 
 
 MODE_HELP = "sync (lockstep: each step waits for the learner) | async (open loop, swaps in flight)"
@@ -371,35 +438,40 @@ def _run_methods(
     schedule: str,
     steps_per_style: int,
     out: Path,
-    batch_size: int,
     max_tokens: int,
     seed: int,
     judge: str,
-    policy_lr: float,
-    critic_lr: float,
-    adam_beta1: float,
-    kl_coef: float,
     keep_weights: bool,
-    traffic: dict | None = None,
+    learner: dict,
+    traffic: dict,
     seeds: int = 1,
     correction: str = "dis",
     critic_init: Path | None = None,
 ) -> None:
-    """Check the options, build each method's ``LearnerConfig`` (the options on the demo
-    preset; a field a method lacks, such as the critic's learning rate for running_mean, is
-    left out), run them (``saoserve.demo.run_methods``) and print the summary."""
-    from learner.config import ConfigError, build_config
+    """Check the options, build each method's ``LearnerConfig``, run them
+    (``saoserve.demo.run_methods``) and print the summary.
+
+    ``learner``: the options batch_size, policy_lr, critic_lr, adam_beta1 and kl_coef, laid over
+    the ``demo`` preset (None: the preset's value); a field a method lacks, such as the critic's
+    learning rate for running_mean, is left out. ``traffic``: ``_demo_traffic``'s options, at the
+    configs' batch size."""
+    from learner.config import PRESETS, ConfigError, build_config, overlay
     from saoserve.demo import run_methods
 
     sched = _schedule(schedule, steps_per_style)
     if critic_init is not None and not critic_init.is_file():
         fail(f"--critic-init {critic_init} is not a file (make one with saoserve pretrain-critic)")
-    learner = {"batch_size": batch_size, "policy_lr": policy_lr, "adam_beta1": adam_beta1}
-    learner["algorithm"] = {"critic_lr": critic_lr, "kl_coef": kl_coef}
+    given = _given(
+        {"batch_size": learner["batch_size"]},
+        optimizer={"policy_lr": learner["policy_lr"], "adam_beta1": learner["adam_beta1"]},
+        algorithm={"critic_lr": learner["critic_lr"], "kl_coef": learner["kl_coef"]},
+    )
+    base = overlay(PRESETS["demo"], given)
     try:
-        configs = {m: build_config(algorithm=m, base=learner, correction=correction) for m in methods}
+        configs = {m: build_config(algorithm=m, base=base, correction=correction) for m in methods}
     except ConfigError as exc:
         fail(str(exc))
+    batch_size = configs[methods[0]].batch_size
     try:
         metrics = run_methods(
             configs,
@@ -414,7 +486,7 @@ def _run_methods(
             window=REPORT_WINDOW,
             threshold=REPORT_THRESHOLD,
             keep_weights=keep_weights,
-            traffic=traffic,
+            traffic=_demo_traffic(batch_size=batch_size, **traffic),
             critic_init=critic_init,
         )
     except RuntimeError as exc:
@@ -437,18 +509,7 @@ def _fmt_opt(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.2f}"
 
 
-# Measured (docs/demo.md). At batch 8 the second target crossed the 0.4 share in one of three
-# runs: one or two rewarded answers a step carry too little signal. Running the batch's shared
-# system-prompt prefix once (learner.prefix) made batch 16 fit the 15 minutes; at batch 16 four of
-# five SAO runs crossed after the switch (lags 6-13 steps; the fifth reached 0.35). Without the KL
-# anchor answer quality fell to 1-2 of 8 within six steps of a switch; at policy lr 2e-4 (batch 8)
-# the text collapsed; AdamW's usual beta1 = 0.9 kept pushing the old style after a switch.
 DEMO_SCHEDULE = "pirate:6,poetic:16"
-DEMO_BATCH_SIZE = 16
-DEMO_POLICY_LR = 1e-4
-DEMO_CRITIC_LR = 2e-4
-DEMO_ADAM_BETA1 = 0.5
-DEMO_KL_COEF = 0.1
 # Async traffic of demo/compare: 8 requests in flight, and new requests held while two batches
 # of samples wait for the learner or are on their way (staleness 1 after the first step). Not
 # paced by default: on 2 shared cores, pacing (judge.pacing.pace_gap) kept vLLM serving through
@@ -458,11 +519,24 @@ DEMO_KL_COEF = 0.1
 DEMO_CONCURRENCY = 8
 DEMO_BACKLOG_BATCHES = 2
 
-# The learner and traffic options of demo and compare (the learner's go on the demo preset).
-PolicyLrOpt = Annotated[float, typer.Option(min=0.0, help="Learner policy learning rate.")]
-CriticLrOpt = Annotated[float, typer.Option(min=0.0, help="Learner critic learning rate (SAO only).")]
-AdamBeta1Opt = Annotated[float, typer.Option(min=0.0, max=0.999, help="Learner AdamW β1.")]
-KlCoefOpt = Annotated[float, typer.Option(min=0.0, help="Learner KL anchor to the base policy.")]
+# The learner and traffic options of demo and compare; the learner's default to the demo
+# preset's values (learner.config.PRESETS["demo"]).
+PRESET_HELP = "Default: the demo preset's (learner.config)."
+DemoBatchSizeOpt = Annotated[
+    int | None, typer.Option(min=1, help=f"Requests per step (= the learner's batch size). {PRESET_HELP}")
+]
+PolicyLrOpt = Annotated[
+    float | None, typer.Option(min=0.0, help=f"Learner policy learning rate. {PRESET_HELP}")
+]
+CriticLrOpt = Annotated[
+    float | None, typer.Option(min=0.0, help=f"Learner critic learning rate (SAO only). {PRESET_HELP}")
+]
+AdamBeta1Opt = Annotated[
+    float | None, typer.Option(min=0.0, max=0.999, help=f"Learner AdamW β1. {PRESET_HELP}")
+]
+KlCoefOpt = Annotated[
+    float | None, typer.Option(min=0.0, help=f"Learner KL anchor to the base policy. {PRESET_HELP}")
+]
 KeepWeightsOpt = Annotated[
     bool, typer.Option(help="Keep the policy versions and checkpoint (GBs); the report never needs them.")
 ]
@@ -491,14 +565,14 @@ def demo(
     out: Path = typer.Option(Path("report"), help="Report folder (the run's data lives under it too)."),
     schedule: ScheduleOpt = DEMO_SCHEDULE,
     steps_per_style: StepsPerStyleOpt = 10,
-    batch_size: BatchSizeOpt = DEMO_BATCH_SIZE,
+    batch_size: DemoBatchSizeOpt = None,
     max_tokens: MaxTokensOpt = 48,
     seed: SeedOpt = 0,
     judge: JudgeOpt = "offline",
-    policy_lr: PolicyLrOpt = DEMO_POLICY_LR,
-    critic_lr: CriticLrOpt = DEMO_CRITIC_LR,
-    adam_beta1: AdamBeta1Opt = DEMO_ADAM_BETA1,
-    kl_coef: KlCoefOpt = DEMO_KL_COEF,
+    policy_lr: PolicyLrOpt = None,
+    critic_lr: CriticLrOpt = None,
+    adam_beta1: AdamBeta1Opt = None,
+    kl_coef: KlCoefOpt = None,
     keep_weights: KeepWeightsOpt = False,
     mode: ModeOpt = "async",
     concurrency: DemoConcurrencyOpt = None,
@@ -512,23 +586,25 @@ def demo(
     critic_init: CriticInitOpt = None,
 ) -> None:
     """Start server + learner (SAO) on embedded defaults, run the simulation, write the report."""
-    traffic = _demo_traffic(
-        mode, batch_size, concurrency, rate, feedback_delay_s, max_seconds, max_backlog, prompt_pool, pace
-    )
+    learner = {"batch_size": batch_size, "policy_lr": policy_lr, "critic_lr": critic_lr}
+    learner |= {"adam_beta1": adam_beta1, "kl_coef": kl_coef}
+    traffic = {"mode": mode, "concurrency": concurrency, "rate": rate, "feedback_delay_s": feedback_delay_s}
+    traffic |= {
+        "max_seconds": max_seconds,
+        "max_backlog": max_backlog,
+        "prompt_pool": prompt_pool,
+        "pace": pace,
+    }
     _run_methods(
         ["sao"],
         schedule,
         steps_per_style,
         out,
-        batch_size,
         max_tokens,
         seed,
         judge,
-        policy_lr,
-        critic_lr,
-        adam_beta1,
-        kl_coef,
         keep_weights,
+        learner,
         traffic,
         correction=correction,
         critic_init=critic_init,
@@ -540,14 +616,14 @@ def compare(
     out: Path = typer.Option(Path("report-compare"), help="Report folder."),
     schedule: ScheduleOpt = "paper",
     steps_per_style: StepsPerStyleOpt = 20,
-    batch_size: BatchSizeOpt = DEMO_BATCH_SIZE,
+    batch_size: DemoBatchSizeOpt = None,
     max_tokens: MaxTokensOpt = 48,
     seed: SeedOpt = 0,
     judge: JudgeOpt = "offline",
-    policy_lr: PolicyLrOpt = DEMO_POLICY_LR,
-    critic_lr: CriticLrOpt = DEMO_CRITIC_LR,
-    adam_beta1: AdamBeta1Opt = DEMO_ADAM_BETA1,
-    kl_coef: KlCoefOpt = DEMO_KL_COEF,
+    policy_lr: PolicyLrOpt = None,
+    critic_lr: CriticLrOpt = None,
+    adam_beta1: AdamBeta1Opt = None,
+    kl_coef: KlCoefOpt = None,
     keep_weights: KeepWeightsOpt = False,
     mode: ModeOpt = "async",
     concurrency: DemoConcurrencyOpt = None,
@@ -564,23 +640,25 @@ def compare(
     critic_init: CriticInitOpt = None,
 ) -> None:
     """SAO vs the running-mean baseline on the same schedule, prompts and judge, side by side."""
-    traffic = _demo_traffic(
-        mode, batch_size, concurrency, rate, feedback_delay_s, max_seconds, max_backlog, prompt_pool, pace
-    )
+    learner = {"batch_size": batch_size, "policy_lr": policy_lr, "critic_lr": critic_lr}
+    learner |= {"adam_beta1": adam_beta1, "kl_coef": kl_coef}
+    traffic = {"mode": mode, "concurrency": concurrency, "rate": rate, "feedback_delay_s": feedback_delay_s}
+    traffic |= {
+        "max_seconds": max_seconds,
+        "max_backlog": max_backlog,
+        "prompt_pool": prompt_pool,
+        "pace": pace,
+    }
     _run_methods(
         ["sao", "running_mean"],
         schedule,
         steps_per_style,
         out,
-        batch_size,
         max_tokens,
         seed,
         judge,
-        policy_lr,
-        critic_lr,
-        adam_beta1,
-        kl_coef,
         keep_weights,
+        learner,
         traffic,
         seeds,
         correction=correction,
@@ -612,6 +690,9 @@ def _demo_traffic(
 def _check_secrets(settings) -> None:
     if not settings.feedback_secret:
         fail("SAOSERVE_FEEDBACK_SECRET is not set: feedback tokens need a secret")
+    problems = server_secret_problems(settings)
+    if problems:
+        fail("; ".join(problems))
     if not settings.admin_key:
         typer.secho(
             "warning: SAOSERVE_ADMIN_KEY is not set: admin routes are disabled", fg="yellow", err=True

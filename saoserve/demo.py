@@ -176,7 +176,7 @@ def run_method(
     schedule: Schedule,
     judge: Judge,
     out: Path,
-    batch_size: int = 8,
+    batch_size: int | None = None,
     max_tokens: int = 64,
     seed: int = 0,
     learner_config: LearnerConfig | None = None,
@@ -192,8 +192,9 @@ def run_method(
     lockstep mode with a step's requests in one batch. ``name`` labels the run's folders
     (default: the method). Unless ``keep_weights``, the run's policy versions and checkpoint
     are deleted at the end (``drop_weights``). ``learner_config`` (default: the ``demo`` preset
-    with ``method``) is written to ``<home>/learner.json`` with ``batch_size`` and the step
-    limit, and the learner started as ``saoserve learn --config`` that file. ``critic_init``:
+    with ``method``) is written to ``<home>/learner.json`` with ``batch_size`` (requests and
+    samples per step; None: the config's) and the step limit, and the learner started as
+    ``saoserve learn --config`` that file. ``critic_init``:
     a pretrained critic the learner starts from (``place_pretrained_critic``), for a method
     with a critic; ignored for one without.
     """
@@ -202,6 +203,7 @@ def run_method(
     # The schedule's last step is served by version total - 1 (in both modes), so the learner
     # stops there instead of training (about 25 s) on a batch no one sees.
     config = learner_config or build_config("demo", algorithm=method)
+    batch_size = batch_size or config.batch_size
     limits = {"batch_size": batch_size, "max_steps": max(1, schedule.total_steps - 1)}
     config = LearnerConfig.model_validate(config.model_dump() | limits)
     home.mkdir(parents=True, exist_ok=True)

@@ -3,7 +3,7 @@
 The package ships a Q4_1 GGUF file; transformers (with ``gguf``) dequantises it. We build a
 fresh model from the config without the quantisation config, copy the state dict and save a
 bf16 safetensors directory with the tokenizer and chat template, which vLLM and the learner
-both load (DESIGN §7). Policy version 0 is this directory.
+both load (docs/design.md §7). Policy version 0 is this directory.
 """
 
 from __future__ import annotations

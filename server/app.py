@@ -1,7 +1,7 @@
 """The HTTP server: OpenAI-compatible chat on the policy engine, feedback, admin routes.
 
 Every chat request that reaches generation yields exactly one trajectory record, durable in
-the log before the client receives its last byte (DESIGN §4). FastAPI/pydantic do the HTTP
+the log before the client receives its last byte (docs/design.md §4). FastAPI/pydantic do the HTTP
 and validation work; the engine, the log and the database are injected so tests can share
 one vLLM engine between apps with different log backends. The routes live in
 ``server.routes`` (one router per API family), the error shape and its handlers in
@@ -63,6 +63,7 @@ def create_app(
         watcher = PolicyWatcher(lt, eng, state.metrics, settings.policy_poll_s) if watch_policy else None
         tasks = []
         if watcher is not None:
+            health.policy = watcher
             await watcher.catch_up()
             tasks.append(asyncio.create_task(watcher.run()))
         if spool is not None:

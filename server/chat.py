@@ -9,8 +9,9 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Awaitable
 
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from core.logbus import LogUnavailable
 from core.records import (
@@ -21,7 +22,7 @@ from core.records import (
     prompt_id_for,
     utcnow,
 )
-from server.errors import ApiError
+from server.errors import ApiError, internal_error
 from server.limits import max_message_chars
 from server.rollout import Rollout
 from server.schemas import ChatCompletionRequest
@@ -30,8 +31,14 @@ from server.state import ServerState, episode_token_subject
 log = logging.getLogger(__name__)
 
 
+# OpenAI's ``developer`` role is what its newer models call the system message; the chat
+# template (and the prompt id) sees it as ``system``.
+TEMPLATE_ROLE = {"developer": "system"}
+
+
 def messages_of(req: ChatCompletionRequest) -> list[dict]:
-    return [{"role": m.role, "content": m.text()} for m in req.messages]
+    """The messages as the chat template takes them (``developer`` rendered as ``system``)."""
+    return [{"role": TEMPLATE_ROLE.get(m.role, m.role), "content": m.text()} for m in req.messages]
 
 
 def task_messages(msgs: list[dict], episodic: bool) -> list[dict]:
@@ -45,8 +52,16 @@ def task_messages(msgs: list[dict], episodic: bool) -> list[dict]:
     return msgs
 
 
+def trains(req: ChatCompletionRequest) -> bool:
+    """Whether the learner may train on this request's answer: ``store: false`` (OpenAI's
+    field) opts out; the answer is still logged, marked ``train: false`` (docs/privacy.md). The
+    one place that decides, so an API key's opt-out joins the request's here."""
+    return req.store is not False
+
+
 async def prepare_rollout(s: ServerState, req: ChatCompletionRequest):
     """Validate against the model, render the prompt, freeze the dispatch state."""
+    from jinja2 import TemplateError
     from vllm import SamplingParams
     from vllm.exceptions import VLLMValidationError
 
@@ -72,9 +87,13 @@ async def prepare_rollout(s: ServerState, req: ChatCompletionRequest):
     try:
         prompt_ids = await asyncio.to_thread(s.engine.render, msgs)
     except Exception as exc:  # the chat template rejects an ordering it cannot render
+        # A template's own refusal (raise_exception) is about these messages; any other
+        # exception's text is the server's, named by its class only.
+        why = exc.message if isinstance(exc, TemplateError) and exc.message else exc.__class__.__name__
+        log.info("chat template refused the messages: %r", exc)
         raise ApiError(
             400,
-            f"messages cannot be rendered by the chat template: {exc}",
+            f"messages cannot be rendered by the chat template: {why}",
             param="messages",
             code="invalid_messages",
         ) from exc
@@ -134,12 +153,14 @@ async def prepare_rollout(s: ServerState, req: ChatCompletionRequest):
         baseline=baseline,
         episode_id=req.episode_id,
         turn=turn,
+        train=trains(req),
+        user=req.user,
     )
     return rollout, sampling
 
 
 async def start_episode_turn(s: ServerState, req: ChatCompletionRequest, rollout_id: str) -> int:
-    """Only the party that started an episode extends it (DESIGN §8), and its turns come in
+    """Only the party that started an episode extends it (docs/design.md §8), and its turns come in
     order: 0, 1, 2..., each number once, each once the one before is answered.
 
     A chat with a new ``episode_id`` starts it (at turn 0); a later turn presents
@@ -292,15 +313,74 @@ def top_logprobs_of(req: ChatCompletionRequest) -> int:
     return (req.top_logprobs or 0) if req.logprobs else 0
 
 
+def generation_failed(exc: BaseException) -> ApiError:
+    """The 500 of a generation the engine broke off: the exception's class, never its text
+    (logged by the caller)."""
+    return ApiError(
+        500,
+        f"generation failed ({exc.__class__.__name__}); the details are in the server's log",
+        "server_error",
+        code="generation_failed",
+    )
+
+
+def not_recorded(exc: BaseException) -> ApiError:
+    """The 503 of an answer the trajectory log refused (so it was not given)."""
+    return ApiError(
+        503,
+        f"trajectory log unavailable, the answer was not recorded ({exc.__class__.__name__}); retry later",
+        "server_error",
+        code="storage_unavailable",
+    )
+
+
+# Status of the answer to a client that left before it (nginx's "client closed request"):
+# nobody reads it; it names the outcome in the access log.
+CLIENT_GONE = 499
+
+
+async def until_done_or_gone(work: Awaitable[None], gone: Awaitable[None] | None) -> bool:
+    """Run ``work`` to its end and return True; if ``gone`` (the client disconnecting) completes
+    first, cancel ``work`` (the engine aborts its request) and return False. Exceptions of
+    ``work`` propagate; a cancelled caller cancels both."""
+    task = asyncio.ensure_future(work)
+    if gone is None:
+        await task
+        return True
+    watcher = asyncio.ensure_future(gone)
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task.done():
+        task.result()
+        return True
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return False
+
+
 async def complete_chat(
-    s: ServerState, req: ChatCompletionRequest, rollout: Rollout, sampling
-) -> JSONResponse:
+    s: ServerState,
+    req: ChatCompletionRequest,
+    rollout: Rollout,
+    sampling,
+    client_gone: Awaitable[None] | None = None,
+) -> Response:
+    """The answer as one ``chat.completion``, generated to its end unless ``client_gone``
+    (returns once the client has disconnected) completes first: then the engine request is
+    aborted and the tokens so far are logged with finish reason ``abort`` (still exactly one
+    record, never a whole answer: it cannot be rated), and the answer is status 499."""
     t0 = time.perf_counter()
     text_parts: list[str] = []
     tops: list[list[tuple[int, float]]] = []
     n_top = top_logprobs_of(req)
-    s.metrics.in_flight.inc()
-    try:
+
+    async def generate() -> None:
         async with contextlib.aclosing(
             s.engine.generate(rollout.prompt_token_ids, sampling, rollout.id, top_logprobs=n_top)
         ) as gen:
@@ -308,25 +388,34 @@ async def complete_chat(
                 rollout.add(d)
                 text_parts.append(d.text)
                 tops.extend(d.top_logprobs)
+
+    s.metrics.in_flight.inc()
+    try:
+        finished = await until_done_or_gone(generate(), client_gone)
     except Exception as exc:
+        log.exception("generation of %s failed", rollout.id)
         s.metrics.requests.labels("false", "engine_error").inc()
         if rollout.token_ids:
             s.spawn(persist_quietly(s, rollout.record("error")))
         else:
             s.metrics.failed_before_generation.labels("engine_error").inc()
             release_turn(s, rollout)
-        raise ApiError(500, f"generation failed: {exc}", "server_error") from exc
+        raise generation_failed(exc) from exc
     finally:
         s.metrics.in_flight.dec()
+    if not finished:
+        log.info("client of %s left after %d tokens: aborted", rollout.id, len(rollout.token_ids))
+        s.metrics.requests.labels("false", "aborted").inc()
+        s.spawn(persist_quietly(s, rollout.record("abort")))
+        return Response(status_code=CLIENT_GONE)
     rec = rollout.record()
     try:
         await s.persist_trajectory(rec)
     except LogUnavailable as exc:
+        log.warning("trajectory %s not recorded: %s", rollout.id, exc)
         s.metrics.requests.labels("false", "log_unavailable").inc()
         release_turn(s, rollout)
-        raise ApiError(
-            503, f"trajectory log unavailable, the answer was not recorded: {exc}", "server_error"
-        ) from exc
+        raise not_recorded(exc) from exc
     s.metrics.requests.labels("false", "ok").inc()
     s.metrics.latency.observe(time.perf_counter() - t0)
     choice = {
@@ -369,7 +458,9 @@ def sse(obj: dict) -> str:
 
 
 async def stream_chat(s: ServerState, req: ChatCompletionRequest, rollout: Rollout, sampling):
-    """SSE chunks in OpenAI's shape; the finish chunk carries the extension fields.
+    """SSE chunks in OpenAI's shape; every chunk carries the extension fields (the openai
+    SDK's ``chat.completions.stream()`` builds its final completion's top-level fields from the
+    first chunk, LangChain reads the last).
 
     With ``stream_options.include_usage`` a last chunk with empty ``choices`` carries the
     usage, and every chunk before it has ``usage: null`` (the OpenAI spec).
@@ -383,6 +474,7 @@ async def stream_chat(s: ServerState, req: ChatCompletionRequest, rollout: Rollo
         "object": "chat.completion.chunk",
         "created": int(rollout.created_at.timestamp()),
         "model": rollout.model,
+        **extension_fields(s, rollout),
     }
     include_usage = bool((req.stream_options or {}).get("include_usage"))
     if include_usage:
@@ -418,15 +510,10 @@ async def stream_chat(s: ServerState, req: ChatCompletionRequest, rollout: Rollo
         try:
             await s.persist_trajectory(rec)
         except LogUnavailable as exc:
+            log.warning("trajectory %s not recorded: %s", rollout.id, exc)
             s.metrics.requests.labels("true", "log_unavailable").inc()
             release_turn(s, rollout)
-            yield sse(
-                {
-                    "error": ApiError(
-                        503, f"trajectory log unavailable, the answer was not recorded: {exc}", "server_error"
-                    ).body()["error"]
-                }
-            )
+            yield sse({"error": not_recorded(exc).body()["error"]})
             return
         tail = last if last is not None and last.finish_reason is not None else None
         final = {
@@ -436,7 +523,7 @@ async def stream_chat(s: ServerState, req: ChatCompletionRequest, rollout: Rollo
         }
         if req.logprobs and tail and tail.token_ids:
             final["logprobs"] = logprobs_body(s, tail.token_ids, tail.logprobs, tail.top_logprobs)
-        yield sse({**base, "choices": [final], **extension_fields(s, rollout)})
+        yield sse({**base, "choices": [final]})
         if include_usage:
             yield sse({**base, "choices": [], "usage": usage_of(rollout)})
         yield "data: [DONE]\n\n"
@@ -448,6 +535,7 @@ async def stream_chat(s: ServerState, req: ChatCompletionRequest, rollout: Rollo
             s.spawn(persist_quietly(s, rollout.record("abort")))
         raise
     except Exception as exc:
+        log.exception("stream %s failed", rollout.id)
         if not done:
             s.metrics.requests.labels("true", "engine_error").inc()
             if rollout.token_ids:
@@ -455,6 +543,7 @@ async def stream_chat(s: ServerState, req: ChatCompletionRequest, rollout: Rollo
             else:
                 s.metrics.failed_before_generation.labels("engine_error").inc()
                 release_turn(s, rollout)
-        yield sse({"error": ApiError(500, f"generation failed: {exc}", "server_error").body()["error"]})
+        err = generation_failed(exc) if not done else internal_error(exc)
+        yield sse({"error": err.body()["error"]})
     finally:
         s.metrics.in_flight.dec()

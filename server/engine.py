@@ -2,7 +2,7 @@
 
 The engine samples with ``logprobs_mode="processed_logprobs"`` so the logged logprob of each
 token is the one of the distribution it was actually drawn from (after temperature), which is
-what DIS needs as π_rollout (SAO §2.2; DESIGN §5.1). Every output token carries the policy
+what DIS needs as π_rollout (SAO §2.2; docs/design.md §5.1). Every output token carries the policy
 version that produced it (vLLM's weight-version spans).
 """
 
@@ -195,7 +195,7 @@ class PolicyEngine:
         in keep mode (in-flight requests freeze) and clear the KV and prefix caches (KV
         computed by the old weights would give wrong logprobs), reload in place, stamp the
         version, resume: frozen requests recompute their KV under the new weights and carry
-        two version spans (DESIGN §7). If the reload or the stamp fails, the old weights and
+        two version spans (docs/design.md §7). If the reload or the stamp fails, the old weights and
         version are restored (SwapRefused); the engine resumes whatever fails. The swap runs
         to its end even if the caller is cancelled (a half-loaded engine must not stay paused).
         """

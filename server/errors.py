@@ -4,22 +4,48 @@ exception handlers that turn every refusal into it.
 Handlers: ``ApiError`` as raised; a storage failure anywhere is 503 with ``Retry-After``
 (nothing was recorded); FastAPI's HTTP errors and validation errors in the same shape: a body
 that is not a JSON object 400 on every route, a bad field 400 (OpenAI's status) except on
-feedback, 422 (the feedback contract).
+feedback, 422 (the feedback contract); any other exception 500 ``internal_error``
+(``InternalErrors``).
+
+An error names its class, never its internals: no SQL, bound parameters or exception text of
+one request reaches any client (they go to the server's log). A refusal a retry cannot change
+says so (``x-should-retry: false``, which the openai SDK obeys instead of sending it again).
 """
 
 from __future__ import annotations
+
+import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from core.logbus import LogUnavailable
 from server.health import RETRY_AFTER_S, STORAGE_ERROR_TYPES, is_storage_error
+from server.policy_watch import CatchingUp
 from server.schemas import ErrorBody, ErrorResponse
+
+log = logging.getLogger(__name__)
 
 CHAT_PATH = "/v1/chat/completions"
 FEEDBACK_PATH = "/v1/feedback"
+# 4xx a retry of the same request may turn into a success: a body that came too late (408), a
+# turn or an episode still being answered (409 ``episode_in_progress``). Every other 4xx is
+# final, and says so: the openai SDK retries 408, 409 and 429 unless told not to.
+RETRYABLE_STATUSES = frozenset({408, 429})
+RETRYABLE_CODES = frozenset({"episode_in_progress"})
+
+
+def refusal_headers(status: int, code: str | None = None) -> dict[str, str]:
+    """Headers of an error answer: ``Retry-After`` on a 503, ``x-should-retry: false`` on a
+    final 4xx (every 4xx but ``RETRYABLE_STATUSES`` and ``RETRYABLE_CODES``)."""
+    if status == 503:
+        return {"Retry-After": str(RETRY_AFTER_S)}
+    if 400 <= status < 500 and status not in RETRYABLE_STATUSES and code not in RETRYABLE_CODES:
+        return {"x-should-retry": "false"}
+    return {}
 
 
 class ApiError(Exception):
@@ -41,6 +67,12 @@ class ApiError(Exception):
         err = ErrorBody(message=self.message, type=self.type, param=self.param, code=self.code)
         return ErrorResponse(error=err).model_dump()
 
+    def response(self) -> JSONResponse:
+        """The answer: this body, its status and ``refusal_headers``."""
+        return JSONResponse(
+            self.body(), status_code=self.status, headers=refusal_headers(self.status, self.code)
+        )
+
 
 ERROR_TEXT = {
     400: "Invalid request (OpenAI answers 400 for a bad body or parameter; `param` names it): "
@@ -50,10 +82,11 @@ ERROR_TEXT = {
     404: "Unknown model, completion, episode, trajectory or policy version",
     408: "Request headers or body not received in time (request_timeout); the connection is closed",
     409: "Conflict: feedback already given, not a whole answer, episode in progress or rated, a turn "
-    "number taken or out of order, a turn of an episode rated by its id (rate_the_episode)",
+    "number taken or out of order, a turn of an episode rated by its id (rate_the_episode), a policy "
+    "version older than the one served (version_behind)",
     413: "Request body larger than the model's context can hold",
     422: "Invalid feedback body or reward; a refused weights directory",
-    500: "Generation failed",
+    500: "Generation failed, or an internal error (internal_error); the details are in the server's log",
     503: "Storage unavailable: nothing was recorded; retry after Retry-After seconds",
 }
 
@@ -73,30 +106,43 @@ def printable(part: object) -> str:
 
 
 async def api_error(_: Request, exc: ApiError) -> JSONResponse:
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.status == 503 else None
-    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+    return exc.response()
 
 
 async def storage_error(request: Request, exc: Exception) -> JSONResponse:
     """A storage failure anywhere is a 503 (nothing was recorded); anything else stays a 500."""
     if not is_storage_error(exc):
         raise exc
+    metrics = request.app.state.s.metrics
+    if isinstance(exc, CatchingUp):
+        metrics.failed_before_generation.labels("not_ready").inc()
+        return ApiError(503, f"{exc}; retry later", "server_error", code="not_ready").response()
     if request.url.path == CHAT_PATH:
-        request.app.state.s.metrics.failed_before_generation.labels("storage_unavailable").inc()
+        metrics.failed_before_generation.labels("storage_unavailable").inc()
+    elif request.url.path == FEEDBACK_PATH:
+        metrics.feedback.labels("storage_unavailable").inc()
     what = "the log" if isinstance(exc, LogUnavailable) else "the database"
-    err = ApiError(
+    log.warning("%s %s: %s unavailable: %s", request.method, request.url.path, what, exc)
+    return storage_unavailable(what, exc).response()
+
+
+def storage_unavailable(what: str, exc: BaseException) -> ApiError:
+    """The 503 of a request refused because ``what`` ("the log", "the database") is down: it
+    names the exception's class, never its text (a failed statement quotes its SQL and bound
+    parameters, another request's data)."""
+    return ApiError(
         503,
         f"storage unavailable ({what}): the request was not recorded and will not be; retry later "
         f"({exc.__class__.__name__})",
         "server_error",
         code="storage_unavailable",
     )
-    return JSONResponse(err.body(), status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
     err = ApiError(exc.status_code, str(exc.detail), "invalid_request_error")
-    return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)
+    headers = refusal_headers(exc.status_code) | (exc.headers or {})
+    return JSONResponse(err.body(), status_code=exc.status_code, headers=headers)
 
 
 # Errors on the whole body (its location is just ``body``): absent, or not a JSON object.
@@ -119,7 +165,7 @@ async def validation_error(request: Request, exc: RequestValidationError) -> JSO
     One rule on every route: a body that is not JSON, or not a JSON object, is 400
     ``invalid_json``. A refused field is named in ``param``: 400 ``invalid_value``, or
     ``unsupported_parameter`` for a field this server does not do; on ``/v1/feedback`` a bad
-    field is 422 (its contract, DESIGN §4).
+    field is 422 (its contract, docs/design.md §4).
     """
     errs = exc.errors()
     first = errs[0] if errs else {}
@@ -140,13 +186,60 @@ async def validation_error(request: Request, exc: RequestValidationError) -> JSO
         msg = "; ".join(f"{where(e) or 'body'}: {printable(e.get('msg'))}" for e in errs)
         status = 422 if request.url.path == FEEDBACK_PATH else 400
         err = ApiError(status, msg, param=param or None, code="invalid_value")
-    return JSONResponse(err.body(), status_code=err.status)
+    return err.response()
+
+
+def internal_error(exc: BaseException) -> ApiError:
+    """The 500 of an exception no handler knows: its class, and where its details are."""
+    return ApiError(
+        500,
+        f"internal error ({exc.__class__.__name__}); the details are in the server's log",
+        "server_error",
+        code="internal_error",
+    )
+
+
+class InternalErrors:
+    """ASGI middleware: an exception no handler took becomes a 500 in the OpenAI error shape
+    (its traceback goes to the server's log), and the connection stays usable.
+
+    Starlette's own last-resort handler answers plain text and re-raises, and uvicorn then
+    closes the connection under the client. An exception after the answer has started cannot
+    be answered any more: it is re-raised, and the server closes the connection.
+    """
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as exc:
+            if started:
+                raise
+            log.exception("%s %s failed", scope["method"], scope["path"])
+            state = getattr(scope["app"].state, "s", None)
+            if scope["path"] == CHAT_PATH and state is not None:
+                state.metrics.failed_before_generation.labels("internal_error").inc()
+            await internal_error(exc).response()(scope, receive, send)
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Register every handler above on ``app``."""
+    """Register every handler above on ``app``; ``InternalErrors`` goes outside every middleware
+    added before this call."""
     app.add_exception_handler(ApiError, api_error)
     for exc_type in STORAGE_ERROR_TYPES:
         app.add_exception_handler(exc_type, storage_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_middleware(InternalErrors)

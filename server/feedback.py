@@ -1,10 +1,11 @@
 """Feedback for a completion or an episode: check it, take its first-wins claim, append it to
-the log, mark the claim received (DESIGN §4). Routing is ``server.routes.feedback``'s; this is
+the log, mark the claim received (docs/design.md §4). Routing is ``server.routes.feedback``'s; this is
 what happens to the database and the log, in this order."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 
 from core.logbus import LogUnavailable
@@ -15,9 +16,11 @@ from server.schemas import FeedbackRequest
 from server.state import ServerState, episode_token_subject
 from server.store import NOT_WHOLE
 
+log = logging.getLogger(__name__)
+
 
 def not_whole(what: str) -> ApiError:
-    """Feedback on an answer that is not whole: refused, never trained as an answer (DESIGN §8)."""
+    """Feedback on an answer that is not whole: refused, never trained as an answer (docs/design.md §8)."""
     return ApiError(409, f"{what}: not a whole answer, feedback refused", code="not_a_whole_answer")
 
 
@@ -106,9 +109,16 @@ async def accept_feedback(s: ServerState, body: FeedbackRequest) -> FeedbackAcce
     try:
         await s.append(TOPIC_FEEDBACK, prompt_id, rec.to_json())
     except LogUnavailable as exc:
+        log.warning("feedback for %s not logged: %s", target, exc)
         await asyncio.to_thread(s.store.release, target, feedback_id)
         s.metrics.log_failures.labels(TOPIC_FEEDBACK).inc()
-        raise ApiError(503, f"feedback log unavailable, retry later: {exc}", "server_error") from exc
+        s.metrics.feedback.labels("log_unavailable").inc()
+        raise ApiError(
+            503,
+            f"feedback log unavailable, the feedback was not recorded ({exc.__class__.__name__}); retry later",
+            "server_error",
+            code="storage_unavailable",
+        ) from exc
     await s.mark_received(target, rec.reward, rec.feedback_id)
     s.metrics.feedback.labels("accepted").inc()
     return FeedbackAccepted(target=target, reward=rec.reward)

@@ -1,4 +1,4 @@
-"""The server's storage health: the database and the log (DESIGN §8).
+"""The server's storage health: the database and the log (docs/design.md §8).
 
 A storage failure is answered 503 with ``Retry-After`` on every route (``is_storage_error``
 names the exceptions that mean "the database or the log is down", as opposed to a bug).
@@ -9,6 +9,8 @@ no answer is generated whose record could not be stored; ``Health.report`` is ``
 from __future__ import annotations
 
 import asyncio
+import logging
+from typing import TYPE_CHECKING
 
 from sqlalchemy import event, text
 from sqlalchemy.engine import Engine
@@ -17,6 +19,11 @@ from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
 from core.breaker import Breaker, Unavailable
 from core.logbus import LogTransport
+
+if TYPE_CHECKING:
+    from server.policy_watch import PolicyWatcher
+
+log = logging.getLogger(__name__)
 
 # Seconds a client is asked to wait before retrying after a 503 (the breakers' cooldown is 1 s
 # and a probe takes at most ~1 s, so by then the server knows whether storage is back).
@@ -61,6 +68,11 @@ class Health:
         self.log = log
         self.log_required = log_required
         self.db = Breaker("the database", self._probe_db, DatabaseUnavailable)
+        # The app's policy watcher, when it follows the policy topic: a replica that has not
+        # caught up with it is not ready and takes no chat.
+        self.policy: PolicyWatcher | None = None
+        # The last state /readyz reported per dependency: a change is logged, a repeat is not.
+        self._reported: dict[str, str] = {}
         event.listen(db, "handle_error", self._on_db_error)
 
     def _probe_db(self) -> None:
@@ -74,7 +86,9 @@ class Health:
             self.db.trip(str(ctx.original_exception))
 
     def require(self) -> None:
-        """Raise DatabaseUnavailable or LogUnavailable if a record could not be stored now.
+        """Raise DatabaseUnavailable or LogUnavailable if a record could not be stored now,
+        CatchingUp (server/policy_watch.py) while the replica has not caught up with the policy
+        topic since it started.
 
         With ``log_required`` off, records go to the local spool while the log is down, so
         only the database is required.
@@ -82,19 +96,43 @@ class Health:
         self.db.check()
         if self.log_required:
             self.log.check()
+        if self.policy is not None:
+            self.policy.require()
 
     async def report(self, timeout_s: float = 2.0) -> dict[str, str]:
-        """``{"database": ..., "log": ...}``, each "ok" or why it is down; probes run in threads
-        and are cut off after ``timeout_s`` (a paused server may not answer at all)."""
+        """``{"database": ..., "log": ..., "policy": ...}``, each "ok" or which one is down and
+        the exception's class (``the SQL log is unavailable (LogUnavailable)``); probes run in
+        threads and are cut off after ``timeout_s`` (a paused server may not answer at all).
+        ``policy`` is ``PolicyWatcher.readiness`` (``catching up: serves version 0, the policy
+        topic's newest is 5``), "ok" when the app does not follow the topic.
 
-        async def one(check) -> str:
+        Unauthenticated, so never the failure's text: a breaker tripped by a failed statement
+        holds its SQL and bound parameters, another request's data. The text goes to the
+        server's log, once each time a dependency's state changes.
+        """
+
+        async def one(part: str, name: str, check) -> str:
             try:
                 await asyncio.wait_for(asyncio.to_thread(check), timeout_s)
             except TimeoutError:
-                return f"no answer within {timeout_s} s"
+                state, detail = f"no answer within {timeout_s} s", ""
             except Unavailable as exc:
-                return str(exc)
-            return "ok"
+                state, detail = f"{name} is unavailable ({exc.__class__.__name__})", str(exc)
+            else:
+                state, detail = "ok", ""
+            before = self._reported.get(part, "ok")
+            self._reported[part] = state
+            if before != state:
+                log.log(logging.INFO if state == "ok" else logging.WARNING, "%s: %s %s", part, state, detail)
+            return state
 
-        db, lg = await asyncio.gather(one(self.db.check), one(self.log.check))
-        return {"database": db, "log": lg}
+        log_name = getattr(getattr(self.log, "breaker", None), "name", "the log")
+        db, lg = await asyncio.gather(
+            one("database", "the database", self.db.check), one("log", log_name, self.log.check)
+        )
+        policy = "ok" if self.policy is None else self.policy.readiness()
+        before = self._reported.get("policy", "ok")
+        self._reported["policy"] = policy
+        if before != policy:
+            log.log(logging.INFO if policy == "ok" else logging.WARNING, "policy: %s", policy)
+        return {"database": db, "log": lg, "policy": policy}

@@ -1,4 +1,4 @@
-"""The request at the edge, before any route (DESIGN §8): the time its headers take to arrive
+"""The request at the edge, before any route (docs/design.md §8): the time its headers take to arrive
 (``header_timeout_protocol``, under uvicorn), and its body's size (413 before parsing), the time
 it takes to arrive (408) and its syntax (400 unless a JSON object); and the message text's size
 (400 before tokenising). Both sizes derive from the context length.
@@ -194,6 +194,8 @@ class BodySizeLimit:
         err = {"message": message, "type": "invalid_request_error", "param": None, "code": code}
         body = json.dumps({"error": err}).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        if status != 408:  # the same body sent again is refused again (server.errors.refusal_headers)
+            headers.append((b"x-should-retry", b"false"))
         await send(
             {
                 "type": "http.response.start",

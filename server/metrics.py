@@ -2,9 +2,56 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
+from sqlalchemy import select
+from sqlalchemy.engine import Engine
+
+from core.db import LearnerCounter
+
+log = logging.getLogger(__name__)
+
+
+class LearnerEvents:
+    """A collector of the learner's counters (``learner_counters``, which the learner bumps in its
+    commits: ``expired``, ``dead_letters``, ``excluded_*``...) as
+    ``saoserve_learner_events_total{event=<counter>}``: the values of the last ``read``."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, int] = {}
+
+    def read(self, db: Engine) -> None:
+        """Take the counters from the database; while it does not answer, keep the last ones."""
+        try:
+            with db.connect() as conn:
+                self.values = dict(conn.execute(select(LearnerCounter.name, LearnerCounter.value)).all())
+        except Exception as exc:
+            log.warning("learner counters not read for /metrics: %s", exc.__class__.__name__)
+
+    def collect(self):
+        family = CounterMetricFamily(
+            "saoserve_learner_events",
+            "Learner counters from the database (dead_letters: records and samples set aside).",
+            labels=["event"],
+        )
+        for name, value in sorted(self.values.items()):
+            family.add_metric([name], value)
+        yield family
+
+
+def label_counts(counter: Counter, label: str) -> dict[str, int]:
+    """``counter``'s counts by its label ``label`` (summed over its other labels); a value
+    never counted is absent."""
+    out: dict[str, int] = {}
+    for family in counter.collect():
+        for sample in family.samples:
+            if sample.name.endswith("_total"):
+                key = sample.labels[label]
+                out[key] = out.get(key, 0) + int(sample.value)
+    return out
 
 
 class ServerMetrics:
@@ -56,6 +103,8 @@ class ServerMetrics:
             registry=r,
         )
         self.in_flight = Gauge("saoserve_requests_in_flight", "Chat requests being served.", registry=r)
+        self.learner = LearnerEvents()
+        r.register(self.learner)
         self.feedback_to_served = Histogram(
             "saoserve_feedback_to_served_seconds",
             "From the join of the feedback that completed a learner batch to the first whole answer "
@@ -85,6 +134,19 @@ class ServerMetrics:
         now = time.time()
         for v in done:
             self.feedback_to_served.observe(max(0.0, now - self._awaiting_answer.pop(v)))
+
+    def outcomes(self) -> dict[str, dict[str, int]]:
+        """This replica's request counts since it started (the dashboard's refusals): ``chat``
+        (requests that reached generation, by outcome: ``ok``, ``aborted``, ``engine_error``,
+        ``log_unavailable``), ``chat_refused`` (failed before generation, by reason: 4xx
+        ``invalid_request``, 5xx ``storage_unavailable`` / ``engine_error``) and ``feedback``
+        (by result: ``accepted``, or the refusal: ``unknown`` 404, ``bad_token`` 403,
+        ``duplicate`` 409, ...; docs/design.md §4)."""
+        return {
+            "chat": label_counts(self.requests, "outcome"),
+            "chat_refused": label_counts(self.failed_before_generation, "reason"),
+            "feedback": label_counts(self.feedback, "result"),
+        }
 
     def swapped(self, res) -> None:
         """Record a successful swap (a ``server.engine.SwapResult``)."""

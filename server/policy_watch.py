@@ -1,9 +1,24 @@
 """Follow the ``policy`` topic and hot-swap to each newly published version.
 
 Every server replica reads the whole topic itself (no consumer group), so N replicas all
-swap; the latest event in log order wins, which is also how a rollback (an event naming an
-older version) takes effect. Policy events share one key, so they share one partition and
-have one order.
+swap. Versions only go forward: a rollback is a new version with an old version's weights, so
+each read serves the highest version it holds, and an event below the version served is stale:
+ignored, counted (``saoserve_policy_swaps_total{result="stale"}``) and logged once per version.
+Policy events share one key, so they share one partition and have one order.
+
+Readiness (``readiness``, part ``policy`` of ``/readyz``): a replica that starts or restarts
+reads the whole topic before it listens (``catch_up``), then loads the newest version in the
+background, so ``/readyz`` can say what it waits for: 503 ``catching up: serves version 0, the
+policy topic's newest is 5`` until the swap ends, and chats are refused (``require``) until
+then, so no answer comes from a version older than one this deployment already served. A
+replica that could not read the topic at start (the log down) starts anyway and catches up
+when the log answers. Once caught up, a swap under way keeps the replica ready (every replica
+swaps at once, and taking them all out would be an outage); a swap refused leaves it 503
+``behind`` until a later version loads. docs/reliability.md, "Replicas that restart".
+
+While the log is down, each failed read is one warning line (its traceback only on the
+first failure of an outage), and the watcher waits longer between reads, doubling from
+``poll_s`` up to ``MAX_BACKOFF_S``; the first read that works logs the recovery and resets it.
 
 Each swap sets ``saoserve_policy_version`` and ``saoserve_policy_swapped_at_seconds`` (Unix
 time the version started serving) together, so the delay from a policy event's ``created_at``
@@ -17,12 +32,21 @@ import asyncio
 import logging
 from pathlib import Path
 
+from core.breaker import Unavailable
 from core.logbus import LogTransport
 from core.records import TOPIC_POLICY, PolicyEvent
 from server.engine import PolicyEngine, SwapRefused
 from server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
+
+# Longest wait (s) between reads of a policy topic that keeps failing.
+MAX_BACKOFF_S = 10.0
+
+
+class CatchingUp(Unavailable):
+    """This replica has not yet served the newest version of the policy topic it found at start
+    (503 ``not_ready``: another replica, or this one in a moment, answers)."""
 
 
 class PolicyWatcher:
@@ -34,15 +58,24 @@ class PolicyWatcher:
         self.metrics = metrics
         self.poll_s = poll_s
         self.offsets: dict[int, int] = {}
+        self.failures = 0  # consecutive failed reads (0: the log answers)
+        self._ignored: set[int] = set()  # older versions already logged as ignored
+        self.newest: int | None = None  # the highest version read from the topic
+        self.read_once = False  # the topic was read to its end at least once
+        self.caught_up = False  # ...and the newest version found then (or a later one) serves
+        self.swapping: int | None = None  # the version being loaded now
+        self.refused: int | None = None  # the last version whose swap was refused
+        self._pending: PolicyEvent | None = None  # found by catch_up, loaded by run
 
     async def _read_new(self) -> list[PolicyEvent]:
+        """The events after the last read, oldest first; the offsets move only when the whole
+        read succeeds (a read cut by an outage is read again, not lost)."""
         events: list[tuple[object, PolicyEvent]] = []
+        offsets = dict(self.offsets)
         parts = await asyncio.to_thread(self.log.partitions, TOPIC_POLICY)
         for p in parts:
             while True:
-                batch = await asyncio.to_thread(
-                    self.log.read, TOPIC_POLICY, p, self.offsets.get(p, 0), 500, 0.2
-                )
+                batch = await asyncio.to_thread(self.log.read, TOPIC_POLICY, p, offsets.get(p, 0), 500, 0.2)
                 if not batch:
                     break
                 for e in batch:
@@ -50,43 +83,146 @@ class PolicyWatcher:
                         events.append((e.offset, PolicyEvent.model_validate_json(e.value)))
                     except ValueError:
                         log.error("ignoring malformed policy event at %s/%d", p, e.offset)
-                self.offsets[p] = batch[-1].offset + 1
+                offsets[p] = batch[-1].offset + 1
+        self.offsets = offsets
         return [ev for _, ev in sorted(events, key=lambda x: (x[1].created_at, x[0]))]
+
+    def _ignore(self, event: PolicyEvent) -> None:
+        """Count a stale event (below the version served); log it once per version."""
+        self.metrics.swaps.labels("stale").inc()
+        if event.version not in self._ignored:
+            self._ignored.add(event.version)
+            log.warning(
+                "policy event for version %d ignored: version %d serves and versions only go forward",
+                event.version,
+                self.engine.version,
+            )
+
+    def _select(self, events: list[PolicyEvent]) -> PolicyEvent | None:
+        """The event of one read to serve: the highest version, if it is not served already.
+        Updates ``newest``; every event below the version served is ignored as stale."""
+        for e in events:
+            if e.version < self.engine.version:
+                self._ignore(e)
+        best = max(events, key=lambda e: (e.version, e.created_at), default=None)
+        if best is None:
+            return None
+        self.newest = best.version if self.newest is None else max(self.newest, best.version)
+        if best.version < self.engine.version:
+            return None
+        if best.version == self.engine.version and Path(best.path) == self.engine.path:
+            return None
+        return best
 
     async def apply(self, event: PolicyEvent, measure: bool = True) -> bool:
         """Swap to ``event``'s version unless it serves already; True if swapped. ``measure``
         starts feedback→served for it (not at start-up, which would measure the start)."""
+        if event.lifecycle == "rejected":
+            # A rejected version never serves (core/lifecycle.py); the learner never announces
+            # one, so such an event is a bug or a forgery.
+            log.error("policy event for version %d ignored: it is rejected", event.version)
+            return False
         if event.version == self.engine.version and Path(event.path) == self.engine.path:
             return False
+        if event.version < self.engine.version:
+            self._ignore(event)
+            return False
+        self.swapping = event.version
         try:
             res = await self.engine.swap(event.version, Path(event.path), event.sha256)
         except SwapRefused as exc:
             self.metrics.swaps.labels("refused").inc()
+            self.refused = event.version
             log.error("policy version %d refused: %s", event.version, exc)
             return False
+        finally:
+            self.swapping = None
         self.metrics.swapped(res)
         if measure:
             self.metrics.awaiting_answer(res.version, event.metrics.get("batch_completed_at"))
         return True
 
     async def catch_up(self) -> None:
-        """At start: read all published events and serve the latest one.
-
-        ``saoserve_policy_swapped_at_seconds`` then says since when this replica serves its
-        version: the swap's end, or now when it keeps the version it started with.
-        """
-        events = await self._read_new()
-        if not (events and await self.apply(events[-1], measure=False)):
+        """At start, before the server listens: read every published event. If none is newer
+        than the version served, the replica is caught up (and
+        ``saoserve_policy_swapped_at_seconds`` is now); else ``run`` loads the newest first,
+        while ``/readyz`` says so. A read that fails is retried by ``run``."""
+        try:
+            events = await self._read_new()
+        except Exception as exc:
+            self.failed(exc)
+            return
+        self._read_through()
+        self._pending = self._select(events)
+        if self._pending is None:
+            self.caught_up = True
             self.metrics.serving(self.engine.version)
+
+    def _read_through(self) -> None:
+        self.read_once = True
+        if self.failures:
+            log.info("policy watcher: the policy topic answers again after %d failed reads", self.failures)
+            self.failures = 0
+
+    async def poll(self) -> None:
+        """One turn of ``run``: read the new events (or take the one ``catch_up`` found) and
+        serve the highest version. Raises what the read raises."""
+        if self._pending is not None:
+            target, self._pending = self._pending, None
+        else:
+            events = await self._read_new()
+            first = not self.read_once
+            self._read_through()
+            target = self._select(events)
+            if first and target is None:
+                self.caught_up = True
+                self.metrics.serving(self.engine.version)
+        if target is not None and await self.apply(target, measure=self.caught_up):
+            self.caught_up = True
+
+    def readiness(self) -> str:
+        """``"ok"``, or why this replica must not take traffic (``/readyz``'s ``policy``)."""
+        served = self.engine.version
+        if not self.read_once:
+            return f"catching up: the policy topic has not been read yet (serves version {served})"
+        behind = self.newest is not None and self.newest > served
+        if self.caught_up and (not behind or self.swapping == self.newest):
+            return "ok"
+        gap = f"serves version {served}, the policy topic's newest is {self.newest}"
+        refused = " (its swap was refused; see the server's log)" if self.refused == self.newest else ""
+        return f"{'behind' if self.caught_up else 'catching up'}: {gap}{refused}"
+
+    def require(self) -> None:
+        """Raise CatchingUp until the newest version found at start serves (a chat then would
+        be answered by an older version than the deployment already served)."""
+        if not self.caught_up:
+            raise CatchingUp(f"this replica is {self.readiness()}")
+
+    def delay_s(self) -> float:
+        """Seconds until the next read: ``poll_s``, doubled for each consecutive failure up to
+        ``MAX_BACKOFF_S`` (never below ``poll_s``)."""
+        if not self.failures:
+            return self.poll_s
+        return max(self.poll_s, min(MAX_BACKOFF_S, self.poll_s * 2.0 ** min(self.failures, 32)))
+
+    def failed(self, exc: Exception) -> None:
+        """Count a failed read and log it: one line, the traceback only on an outage's first."""
+        self.failures += 1
+        log.warning(
+            "policy watcher: reading the policy topic failed (%d in a row; next try in %.1f s): %s: %s",
+            self.failures,
+            self.delay_s(),
+            exc.__class__.__name__,
+            exc,
+            exc_info=exc if self.failures == 1 else None,
+        )
 
     async def run(self) -> None:
         while True:
             try:
-                events = await self._read_new()
-                if events:
-                    await self.apply(events[-1])
+                await self.poll()
             except asyncio.CancelledError:
                 raise
-            except Exception:
-                log.exception("policy watcher: log read failed; retrying")
-            await asyncio.sleep(self.poll_s)
+            except Exception as exc:
+                self.failed(exc)
+            await asyncio.sleep(self.delay_s())

@@ -15,13 +15,16 @@ class Liveness(BaseModel):
 
 
 class Readiness(BaseModel):
-    """``GET /readyz`` (200 ready, 503 not): each dependency "ok" or why it is down."""
+    """``GET /readyz`` (200 ready, 503 not): each dependency "ok" or why it is down; ``policy``:
+    "ok" or how far this replica is from the policy topic's newest version (a replica that just
+    started: ``catching up: serves version 0, the policy topic's newest is 5``)."""
 
     ready: bool
     policy_version: int
     database: str
     log: str
     engine: str
+    policy: str = "ok"
 
 
 class ModelCard(BaseModel):
@@ -69,6 +72,22 @@ class RollbackRequested(BaseModel):
 
     rollback_to: int
     status: Literal["requested"] = "requested"
+
+
+class UserForgotten(BaseModel):
+    """``POST /admin/forget``: what was removed of one user (``core.retention.ForgetReport``).
+
+    ``deleted``: rows per table (``log_records.<topic>`` for a SQL-table log). ``log``: ``kafka``
+    when the records stay in the Kafka topics until their retention, hidden from the learner by
+    the ``tombstones``.
+    """
+
+    user: str
+    trajectories: int
+    episodes: int
+    tombstones: int
+    deleted: dict[str, int]
+    log: Literal["sql", "kafka"]
 
 
 class PolicyVersions(BaseModel):

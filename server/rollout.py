@@ -45,6 +45,8 @@ class Rollout:
     baseline: FrozenBaseline | None = None
     episode_id: str | None = None
     turn: int | None = None
+    train: bool = True
+    user: str | None = None
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     delta_versions: list[tuple[int, int]] = field(default_factory=list)
@@ -89,4 +91,6 @@ class Rollout:
             sampling=self.sampling,
             baseline=self.baseline,
             finish_reason=finish_reason or self.finish_reason or "abort",
+            train=self.train,
+            user=self.user,
         )

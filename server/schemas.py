@@ -1,6 +1,6 @@
 """Request bodies of the HTTP API, validated by pydantic (OpenAI chat shapes + extensions).
 
-Every field is bounded at the edge (DESIGN §8), before any work, generation or write:
+Every field is bounded at the edge (docs/design.md §8), before any work, generation or write:
 integers within what the database's INTEGER columns and vLLM's sampling tensors hold, strings
 with a length bound, and every string (also inside lists, dicts and content parts) valid UTF-8
 (a lone surrogate cannot be encoded, tokenised or stored) by one validator, ``EdgeModel``'s.
@@ -28,13 +28,13 @@ from pydantic import (
 from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import CoreSchema, PydanticCustomError
 
-ROLES = ("system", "user", "assistant", "tool")
+from core.limits import EPISODE_ID_CHARS, ID_CHARS, MAX_EPISODE_TURNS, PROMPT_ID_CHARS
+
+# ``developer`` is OpenAI's newer name for the system role: rendered as ``system``.
+ROLES = ("system", "developer", "user", "assistant", "tool")
 
 # PostgreSQL INTEGER columns (policy versions) and vLLM's int32 sampling tensors.
 MAX_INT32 = 2**31 - 1
-# Turns of one episode, numbered 0 .. MAX_EPISODE_TURNS - 1: episode feedback lists its turns'
-# ids (``core.records.FeedbackRecord.turn_ids``), which bounds the record (about 40 KiB).
-MAX_EPISODE_TURNS = 1024
 MAX_NAME_CHARS = 256
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024
@@ -184,7 +184,7 @@ class ChatMessage(EdgeModel):
 
     model_config = ConfigDict(extra="allow", json_schema_extra={"additionalProperties": EMPTY_VALUE})
     text_fields: ClassVar[frozenset[str]] = frozenset({"content"})
-    role: Literal["system", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: StoredStr | None = Field(None, max_length=MAX_NAME_CHARS)
     tool_call_id: StoredStr | None = Field(None, max_length=MAX_NAME_CHARS)
@@ -265,8 +265,9 @@ class ChatCompletionRequest(EdgeModel):
     being logged (penalties, logit bias, several choices) are refused rather than ignored, and
     so is every field this model does not declare unless it asks for nothing (null, [] or {}):
     ``response_format``, ``tools``, ``min_tokens``... are 400 ``unsupported_parameter`` naming
-    the field. ``store``, ``metadata`` and ``service_tier`` are accepted and change nothing:
-    every answer is stored here anyway, and neither of the others changes the answer.
+    the field. ``store: false`` opts the answer out of training: it is logged, marked
+    ``train: false``, and never trained (docs/privacy.md); ``user`` is kept with the answer, for
+    ``saoserve admin forget``. ``metadata`` and ``service_tier`` are accepted and change nothing.
 
     ``turn`` numbers an episode's turns 0, 1, 2... (``server.store.ServerStore.start_episode_turn``
     checks the order); without it the server gives the turn the next number.
@@ -310,14 +311,22 @@ class ChatCompletionRequest(EdgeModel):
     presence_penalty: float = Field(0.0, json_schema_extra={"const": 0})
     frequency_penalty: float = Field(0.0, json_schema_extra={"const": 0})
     logit_bias: dict[str, float] | None = Field(None, json_schema_extra={"maxProperties": 0})
-    user: StoredStr | None = Field(None, max_length=MAX_NAME_CHARS)
-    store: bool | None = None
+    user: StoredStr | None = Field(
+        None,
+        max_length=MAX_NAME_CHARS,
+        description="Who the end user is; kept with the answer, so `saoserve admin forget USER` finds it.",
+    )
+    store: bool | None = Field(
+        None,
+        description="false: the answer is logged but never trained on (an opt-out of training, "
+        "docs/privacy.md); true or absent: trained.",
+    )
     metadata: dict[str, StoredStr] | None = Field(
         None, json_schema_extra={"propertyNames": {"pattern": NO_NUL}}
     )
     service_tier: StoredStr | None = Field(None, max_length=MAX_NAME_CHARS)
-    prompt_id: StoredStr | None = Field(None, min_length=1, max_length=128)
-    episode_id: StoredStr | None = Field(None, min_length=1, max_length=128)
+    prompt_id: StoredStr | None = Field(None, min_length=1, max_length=PROMPT_ID_CHARS)
+    episode_id: StoredStr | None = Field(None, min_length=1, max_length=EPISODE_ID_CHARS)
     turn: int | None = Field(
         None,
         ge=0,
@@ -399,8 +408,8 @@ class FeedbackRequest(EdgeModel):
         },
     )
 
-    id: StoredStr | None = Field(None, min_length=1, max_length=64)
-    episode_id: StoredStr | None = Field(None, min_length=1, max_length=128)
+    id: StoredStr | None = Field(None, min_length=1, max_length=ID_CHARS)
+    episode_id: StoredStr | None = Field(None, min_length=1, max_length=EPISODE_ID_CHARS)
     feedback_token: StoredStr = Field(min_length=1, max_length=128)
     reward: float | None = Field(None, strict=True)
     thumbs: Literal["up", "down"] | None = None
@@ -437,6 +446,15 @@ class RollbackRequest(EdgeModel):
 
     model_config = ConfigDict(extra="forbid")
     version: int = Field(ge=0, le=MAX_INT32)
+
+
+class ForgetRequest(EdgeModel):
+    """``POST /admin/forget``: remove one user's trajectories and feedback (docs/privacy.md)."""
+
+    model_config = ConfigDict(extra="forbid")
+    user: StoredStr = Field(
+        min_length=1, max_length=MAX_NAME_CHARS, description="The `user` field the chat requests sent."
+    )
 
 
 class ErrorBody(BaseModel):

@@ -116,6 +116,18 @@ def _aware(t: datetime) -> datetime:
     return t if t.tzinfo is not None else t.replace(tzinfo=UTC)
 
 
+def _version_row(r) -> dict:
+    return {
+        "version": r.version,
+        "path": r.path,
+        "sha256": r.sha256,
+        "status": r.status,
+        "lifecycle": r.lifecycle,
+        "parent_version": r.parent_version,
+        "created_at": r.created_at.isoformat(),
+    }
+
+
 def _held_by(feedback_id: str | None) -> list:
     """The condition that a claim belongs to ``feedback_id`` (none for a caller without ids)."""
     return [] if feedback_id is None else [FeedbackClaim.feedback_id == feedback_id]
@@ -150,6 +162,7 @@ class ServerStore:
                     log_partition=partition,
                     log_offset=offset,
                     created_at=rec.created_at,
+                    user_id=rec.user,
                 )
             )
 
@@ -379,17 +392,15 @@ class ServerStore:
             rows = conn.execute(
                 select(*PolicyVersion.__table__.columns).order_by(PolicyVersion.version)
             ).all()
-        return [
-            {
-                "version": r.version,
-                "path": r.path,
-                "sha256": r.sha256,
-                "status": r.status,
-                "parent_version": r.parent_version,
-                "created_at": r.created_at.isoformat(),
-            }
-            for r in rows
-        ]
+        return [_version_row(r) for r in rows]
+
+    def policy_version(self, version: int) -> dict | None:
+        """The ``policy_versions`` row of ``version`` (``policy_versions``' shape), None if not recorded."""
+        with self.engine.connect() as conn:
+            row = conn.execute(
+                select(*PolicyVersion.__table__.columns).where(PolicyVersion.version == version)
+            ).first()
+        return None if row is None else _version_row(row)
 
     def learner_status(self, limit: int) -> dict:
         """The last ``limit`` learner steps (oldest first) and the learner's counters."""

@@ -3,7 +3,7 @@
 Loaded into vLLM's workers by ``worker_extension_cls``. On the CPU build with tied
 embeddings, ``reload_weights`` updates the embedding tensor but not the packed ``lm_head``
 kernel built from it at load time, so outputs would come from the new body with the old head
-(DESIGN §7, a fault checked on these machines). Re-running the LM head's
+(docs/design.md §7, a fault checked on these machines). Re-running the LM head's
 ``process_weights_after_loading`` after the reload rebuilds it.
 """
 

@@ -28,7 +28,7 @@ def wait_port(port: int, timeout_s: float = 20.0) -> bool:
 
 class TansuBroker:
     """A tansu broker (memory storage) that can be paused, resumed, killed and restarted on
-    the same port; a restarted broker is empty (DESIGN §7)."""
+    the same port; a restarted broker is empty (docs/design.md §7)."""
 
     def __init__(self):
         try:

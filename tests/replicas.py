@@ -1,6 +1,6 @@
 """A multi-process deployment on one machine: ``saoserve serve`` replicas and ``saoserve learn``
 started as a user starts them (the CLI, environment settings), sharing one PostgreSQL database,
-one Kafka log (a tansu broker) and one policy folder (DESIGN §3). Used by tests/test_replicas.py
+one Kafka log (a tansu broker) and one policy folder (docs/design.md §3). Used by tests/test_replicas.py
 and bench/bench_replica_swap.py.
 
 A replica's ``/metrics`` says which version it serves (``saoserve_policy_version``) and since
@@ -150,10 +150,11 @@ class Deployment:
         self.procs.append(replica)
         return replica
 
-    def learn(self, *args: str) -> Process:
-        """Start ``saoserve learn ARGS``."""
-        proc, log_path, started = self._spawn("learner", ["learn", *args])
-        learner = Process("learner", proc, log_path, started)
+    def learn(self, *args: str, env: dict[str, str] | None = None, name: str = "learner") -> Process:
+        """Start ``saoserve learn ARGS``; ``env`` adds variables for this life only (e.g.
+        ``SAOSERVE_FAULT_POINT``), ``name`` names its log (one per life of a restarted learner)."""
+        proc, log_path, started = self._spawn(name, ["learn", *args], env)
+        learner = Process(name, proc, log_path, started)
         self.procs.append(learner)
         return learner
 

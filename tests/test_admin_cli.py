@@ -238,7 +238,7 @@ async def test_status_and_versions(admin_server):
     result = await cli("status", "--url", url, "--key", KEY)
     assert result.exit_code == 0, result.output
     out = flat(result.stdout)
-    assert f"server {url}: ready (database ok, log ok, engine ok)" in out
+    assert f"server {url}: ready (database ok, log ok, engine ok, policy ok)" in out
     assert f"serving version {serving}; newest version 2 (published)" in out
     assert "learning running" in out and "counters rollback_refused 2" in out
     assert "last 1 learner steps" in out

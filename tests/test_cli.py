@@ -193,9 +193,34 @@ def test_learning_rates_reach_the_learner(monkeypatch, tmp_path, command):
     assert [m for m, _ in seen] == (["sao"] if command == "demo" else ["sao", "running_mean"])
     for method, config in seen:
         assert config.algorithm.name == method and config.correction.kind == "mis_ewma"
-        assert (config.batch_size, config.policy_lr, config.adam_beta1) == (16, 0.0003, 0.5)
+        opt = config.optimizer
+        assert (config.batch_size, opt.policy_lr, opt.adam_beta1) == (16, 0.0003, 0.5)
         assert config.algorithm.kl_coef == 0.05
         assert getattr(config.algorithm, "critic_lr", None) == (0.0007 if method == "sao" else None)
+
+
+@pytest.mark.parametrize("command", ["demo", "compare"])
+def test_demo_and_compare_default_to_the_demo_preset(monkeypatch, tmp_path, command):
+    """Without learner options each method runs the ``demo`` preset as it stands in
+    learner.config (batch 16, policy lr 1e-4, β1 0.5, critic lr 2e-4 and KL 0.1 where the
+    method has them): the preset is the only place those defaults are written."""
+    import saoserve.demo
+    import saoserve.model
+    from judge.simulate import SimulationResult
+    from learner.config import build_config
+
+    seen: list = []
+
+    def fake_run_method(method, schedule, judge, out, **kw):
+        seen.append((kw["learner_config"], kw["batch_size"]))
+        return SimulationResult()
+
+    monkeypatch.setattr(saoserve.demo, "run_method", fake_run_method)
+    monkeypatch.setattr(saoserve.model, "prepare_model", lambda path: path)
+    result = runner.invoke(app, [command, "--out", str(tmp_path / "r"), "--schedule", "cute:1"])
+    assert result.exit_code == 2 and "no step completed" in result.output
+    methods = ["sao"] if command == "demo" else ["sao", "running_mean"]
+    assert seen == [(build_config("demo", algorithm=m), 16) for m in methods]
 
 
 def test_demo_run_starts_the_learner_with_its_config_file(monkeypatch, tmp_path):

@@ -471,7 +471,7 @@ def test_start_order(compose):
             == "service_completed_successfully"
         )
     assert str(services["server"]["deploy"]["replicas"]) == "2"
-    assert "deploy" not in services["learner"]  # one learner per policy (DESIGN §3)
+    assert "deploy" not in services["learner"]  # one learner per policy (docs/design.md §3)
 
 
 def test_gpu_override_reserves_a_gpu_per_replica(compose_gpu):

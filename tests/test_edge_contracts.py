@@ -1,5 +1,5 @@
 """Contracts of the HTTP edge found by an adversarial tester, one test per member of each class
-(DESIGN §4, §8; docs/reliability.md, "The edge's contracts"):
+(docs/design.md §4, §8; docs/reliability.md, "The edge's contracts"):
 
 1. episode turns are numbered 0, 1, 2... in order, each once (409 otherwise), and the joiner
    joins only the turns the episode's feedback lists;
@@ -246,7 +246,7 @@ async def test_a_missing_or_mistyped_body_is_400_invalid_json(tmp_path, path):
 
 
 async def test_a_bad_field_keeps_its_route_status(tmp_path):
-    """Fields, not syntax: 400 for chat and admin (OpenAI's status), 422 for feedback (DESIGN §4)."""
+    """Fields, not syntax: 400 for chat and admin (OpenAI's status), 422 for feedback (docs/design.md §4)."""
     app = edge_app(tmp_path)
     r = await post_raw(app, "/v1/feedback", b'{"id": "c", "feedback_token": "t", "reward": 2}')
     assert error_of(r) == (
@@ -428,7 +428,8 @@ def test_racing_requests_for_one_turn_number_one_wins_postgres(pg_url):
 
 def test_the_migration_numbers_the_turns_already_logged(tmp_path):
     """Revision 0006 backfills one turn per (episode, number) from the trajectory index: the
-    first id of a duplicated number, none for a turn logged without one."""
+    first id of a duplicated number, none for a turn logged without one (revision 0010 repairs
+    both: tests/test_migrations.py)."""
     url = f"sqlite:///{tmp_path / 'm.db'}"
     migrate(url, "0005")
     eng = create_engine(url)
@@ -443,7 +444,7 @@ def test_the_migration_numbers_the_turns_already_logged(tmp_path):
                 ),
                 {"id": tid, "ep": ep, "turn": turn},
             )
-    migrate(url)
+    migrate(url, "0006")
     with eng.connect() as conn:
         got = conn.execute(
             text("SELECT episode_id, turn, trajectory_id FROM episode_turns ORDER BY turn")

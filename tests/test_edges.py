@@ -1,5 +1,5 @@
 """Every request field checked at the edge, episode ownership, and feedback only on whole answers
-(issue 12 items 1 and 4, issue 13 items 2, 4, 5 and 7; DESIGN §8).
+(issue 12 items 1 and 4, issue 13 items 2, 4, 5 and 7; docs/design.md §8).
 
 Pure tier: the schemas, the app's validation and body-size edge with a small fake state (no
 engine: a request refused there never reaches it), the store on SQLite and PostgreSQL. Engine

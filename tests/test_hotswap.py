@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from core.records import TrajectoryRecord
 from core.weights import weights_sha256
 from tests.conftest import ADMIN, make_settings, running_server
+from tests.fake_engine import record_versions
 from tests.test_server import hf_logprobs
 
 pytestmark = pytest.mark.engine
@@ -42,15 +43,17 @@ async def test_swap_keeps_in_flight_requests_and_serves_new_weights(
     base_sha = weights_sha256(model_dir)
     new_sha = weights_sha256(perturbed_model)
     async with running_server(settings, policy_engine, watch_policy=False) as url:
+        # The server serves recorded versions only (the learner records each it publishes).
+        record_versions(settings, {1: new_sha})
         async with httpx.AsyncClient(base_url=url, timeout=300) as http:
             try:
-                # A checksum mismatch is refused and version 0 keeps serving.
+                # A checksum other than the recorded one is refused and version 0 keeps serving.
                 r = await http.post(
                     "/admin/load_policy",
                     headers=ADMIN,
                     json={"version": 1, "path": str(perturbed_model), "sha256": base_sha},
                 )
-                assert r.status_code == 422 and "checksum mismatch" in r.json()["error"]["message"]
+                assert r.status_code == 422 and "recorded checksum" in r.json()["error"]["message"]
                 r = await http.post(
                     "/admin/load_policy",
                     headers=ADMIN,
@@ -106,12 +109,9 @@ async def test_swap_keeps_in_flight_requests_and_serves_new_weights(
                 # Measured ≈ 3e-5 nats (float32 engine); a stale LM head gives > 1 nat.
                 assert diff < 0.02, diff
             finally:
-                r = await http.post(
-                    "/admin/load_policy",
-                    headers=ADMIN,
-                    json={"version": 0, "path": str(model_dir), "sha256": base_sha},
-                )
-                assert r.status_code == 200
+                # Versions only go forward through the server (409 for version 0 now); the
+                # session's shared engine goes back to version 0 directly.
+                await policy_engine.swap(0, model_dir, base_sha)
 
 
 def write_variant(model_dir, out, change) -> str:
@@ -174,8 +174,11 @@ async def test_weights_that_do_not_match_the_model_are_refused(policy_engine, mo
             for i, (change, message) in enumerate(MISMATCHED):
                 out = tmp_path / f"v{i + 1}"
                 sha = write_variant(model_dir, out, change)
+                record_versions(settings, {i + 1: sha})
                 r = await http.post(
-                    "/admin/load_policy", headers=ADMIN, json={"version": 77, "path": str(out), "sha256": sha}
+                    "/admin/load_policy",
+                    headers=ADMIN,
+                    json={"version": i + 1, "path": str(out), "sha256": sha},
                 )
                 assert r.status_code == 422, r.text
                 assert r.json()["error"]["code"] == "swap_refused" and message in r.json()["error"]["message"]
@@ -200,6 +203,7 @@ async def test_a_fault_during_the_swap_restores_the_old_version(
     monkeypatch.setattr(policy_engine.engine, "update_weight_version", failing_stamp)
     settings = make_settings(tmp_path)
     async with running_server(settings, policy_engine, watch_policy=False) as url:
+        record_versions(settings, {1: weights_sha256(perturbed_model)})
         async with httpx.AsyncClient(base_url=url, timeout=300) as http:
             r = await http.post(
                 "/admin/load_policy",

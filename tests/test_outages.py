@@ -1,4 +1,4 @@
-"""Storage outages against the real server (issue 13 items 2 and 3, DESIGN §8).
+"""Storage outages against the real server (issue 13 items 2 and 3, docs/design.md §8).
 
 The promise audited: a request or feedback answered 503 is not in the log and never will be;
 every 2xx is in the log exactly once; a 503 carries ``Retry-After``; ``/readyz`` answers 503

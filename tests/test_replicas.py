@@ -1,4 +1,4 @@
-"""Replicas that swap together (issue 14, DESIGN §3): two ``saoserve serve`` processes and one
+"""Replicas that swap together (issue 14, docs/design.md §3): two ``saoserve serve`` processes and one
 ``saoserve learn`` over PostgreSQL and a Kafka log (tansu), started as a user starts them.
 
 The traffic goes round robin over the two replicas and each answer's feedback goes to either

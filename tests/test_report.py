@@ -1,4 +1,4 @@
-"""Report metrics (judge.metrics) with hand-computed values, and the written report (DESIGN §6)."""
+"""Report metrics (judge.metrics) with hand-computed values, and the written report (docs/design.md §6)."""
 
 from __future__ import annotations
 

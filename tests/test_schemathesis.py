@@ -105,6 +105,10 @@ KNOWN = {
     # A weights directory must exist and hold the serving model's tensors with the given
     # checksum: a well-formed body naming anything else is refused (422, swap_refused).
     ("positive_data_acceptance", "POST /admin/load_policy", 422),
+    # Only a version recorded in policy_versions is served (404 for any other number).
+    ("positive_data_acceptance", "POST /admin/load_policy", 404),
+    # One model is served: any other name is 404 model_not_found.
+    ("positive_data_acceptance", "GET /v1/models/{model}", 404),
 }
 # Not about the spec: a response slower than schemathesis's default limit (speed belongs in
 # bench/, and this machine's cores are shared with the engine).

@@ -6,15 +6,22 @@ from __future__ import annotations
 import asyncio
 import hmac
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi import Path as PathParam
 from fastapi.responses import Response
+from pydantic import ConfigDict, Field
 
-from core.control import PAUSED, ROLLBACK_TO, get_flag, set_flag
+from core import lifecycle_store
+from core.control import CANARY_SHARE, GUARD_OFF, GUARD_PIN, PAUSED, ROLLBACK_TO, get_flag, set_flag
+from core.dead_letters import KINDS as DEAD_LETTER_KINDS
+from core.dead_letters import recent as recent_dead_letters
 from core.evidence_store import EvidenceStore
-from core.records import TOPIC_TRAJECTORIES
+from core.lifecycle import Stage, TransitionError, lineage, promoted
+from core.limits import ID_CHARS, NAME_CHARS, PROMPT_ID_CHARS
+from core.records import TOPIC_TRAJECTORIES, utcnow
+from core.retention import forget_user, sql_log_engine
 from server.engine import SwapRefused
 from server.errors import ApiError, errors
 from server.responses import (
@@ -24,9 +31,18 @@ from server.responses import (
     PromptEvidence,
     RollbackRequested,
     UncertainPrompts,
+    UserForgotten,
 )
 from server.routes import state_of
-from server.schemas import EdgeStr, ErrorResponse, LoadPolicyRequest, RollbackRequest
+from server.schemas import (
+    MAX_INT32,
+    EdgeModel,
+    EdgeStr,
+    ErrorResponse,
+    ForgetRequest,
+    LoadPolicyRequest,
+    RollbackRequest,
+)
 
 # The file the learner loads a version's weights from (learner.process.WEIGHTS_FILE, which the
 # server cannot import). The learner prunes whole version folders (keep_versions), so a version
@@ -56,7 +72,7 @@ ADMIN_ERRORS = errors(400, 401, 403, 503)
 
 @router.get("/trajectories/{trajectory_id}", responses=ADMIN_ERRORS | errors(404))
 async def admin_trajectory(
-    trajectory_id: Annotated[EdgeStr, PathParam(max_length=64)], request: Request
+    trajectory_id: Annotated[EdgeStr, PathParam(max_length=ID_CHARS)], request: Request
 ) -> Response:
     s = state_of(request)
     traj = await asyncio.to_thread(s.store.find_trajectory, trajectory_id)
@@ -70,9 +86,52 @@ async def admin_trajectory(
     return Response(entries[0].value, media_type="application/json")
 
 
-@router.post("/load_policy", responses=ADMIN_ERRORS | errors(413, 422))
+def check_loadable(body: LoadPolicyRequest, recorded: dict | None, serving: int) -> None:
+    """Raise ApiError unless ``body`` names a version this server may serve: one recorded in
+    ``policy_versions`` (``recorded``: its row; version 0, the prepared model, also before any
+    learner recorded it) with that checksum, and not older than ``serving``. Versions only go
+    forward: evidence and staleness are computed from them (a version ahead of the recorded
+    chain would outweigh every later result, one older would read evidence from the future)."""
+    if body.version < serving:
+        raise ApiError(
+            409,
+            f"policy version {body.version} is older than the version served ({serving}): versions only "
+            "go forward; POST /admin/rollback publishes an old version's weights as a new version",
+            param="version",
+            code="version_behind",
+        )
+    if recorded is None and body.version != 0:
+        raise ApiError(
+            404,
+            f"no policy version {body.version} is recorded (GET /admin/policy_versions lists them): "
+            "only a version the learner published can be served",
+            param="version",
+            code="not_found",
+        )
+    if recorded is not None and recorded.get("lifecycle") == Stage.REJECTED:
+        raise ApiError(
+            409,
+            f"policy version {body.version} is rejected: a rejected version never serves",
+            param="version",
+            code="version_rejected",
+        )
+    if recorded is not None and recorded["sha256"] != body.sha256:
+        raise ApiError(
+            422,
+            f"sha256 {body.sha256} is not policy version {body.version}'s recorded checksum {recorded['sha256']}",
+            param="sha256",
+            code="swap_refused",
+        )
+
+
+@router.post("/load_policy", responses=ADMIN_ERRORS | errors(404, 409, 413, 422))
 async def admin_load_policy(body: LoadPolicyRequest, request: Request) -> PolicyLoaded:
+    """Serve a recorded version's weights on this replica (``check_loadable``: 404 for a version
+    not recorded, 409 ``version_behind`` for one older than served, 422 for a checksum that is
+    not the recorded one or weights the engine refuses)."""
     s = state_of(request)
+    recorded = await asyncio.to_thread(s.store.policy_version, body.version)
+    check_loadable(body, recorded, s.engine.version)
     try:
         res = await s.engine.swap(body.version, Path(body.path), body.sha256)
     except SwapRefused as exc:
@@ -110,6 +169,13 @@ async def admin_rollback(body: RollbackRequest, request: Request) -> RollbackReq
     row = next((v for v in versions if v["version"] == body.version), None)
     if row is None:
         raise ApiError(404, f"no policy version {body.version}", code="not_found", param="version")
+    if row.get("lifecycle") == Stage.REJECTED:
+        raise ApiError(
+            409,
+            f"policy version {body.version} is rejected: it never serves again",
+            code="version_rejected",
+            param="version",
+        )
     if not await asyncio.to_thread(weights_present, row["path"]):
         raise ApiError(
             409,
@@ -149,10 +215,26 @@ async def admin_learner(request: Request, limit: Annotated[int, Query(ge=1, le=1
     return await asyncio.to_thread(read)
 
 
-@router.get("/evidence/{prompt_id}", responses=ADMIN_ERRORS)
+@router.get("/dead_letters", responses=ADMIN_ERRORS)
+async def admin_dead_letters(
+    request: Request,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 50,
+    kind: Annotated[Literal[DEAD_LETTER_KINDS] | None, Query()] = None,
+    payload: bool = False,
+) -> dict:
+    """What the learner set aside instead of joining or training it (``core/dead_letters.py``):
+    the newest ``limit`` (of ``kind``, if given) with their reasons and log positions, the
+    records themselves only with ``payload=true``; ``total``: how many there are."""
+    s = state_of(request)
+    return await asyncio.to_thread(recent_dead_letters, s.store.engine, limit, kind, payload)
+
+
+@router.get("/evidence/{prompt_id:path}", responses=ADMIN_ERRORS)
 async def admin_evidence(
-    prompt_id: Annotated[EdgeStr, PathParam(max_length=128)], request: Request
+    prompt_id: Annotated[EdgeStr, PathParam(min_length=1, max_length=PROMPT_ID_CHARS)], request: Request
 ) -> PromptEvidence:
+    """A prompt's evidence at the served version. The rest of the path is the prompt id, ``/``
+    included (a chat's ``prompt_id`` may hold any character; percent-encode the id)."""
     s = state_of(request)
     ev = EvidenceStore(s.store.engine)
     row = await asyncio.to_thread(ev.get, prompt_id)
@@ -175,3 +257,220 @@ async def admin_uncertain(
     return UncertainPrompts(
         version=s.engine.version, prompts=[{"prompt_id": p, **b.model_dump()} for p, b in rows]
     )
+
+
+@router.post("/forget", responses=ADMIN_ERRORS | errors(413))
+async def admin_forget(body: ForgetRequest, request: Request) -> UserForgotten:
+    """Remove ``user``'s trajectories (and every turn of their episodes) and feedback from the
+    database and the SQL-table log, and tombstone them so the learner never reads them, also
+    from a Kafka log, which keeps the records until its retention (docs/privacy.md). Idempotent:
+    a user with nothing left gets zeros."""
+    s = state_of(request)
+    log_engine = sql_log_engine(s.log)
+    report = await asyncio.to_thread(forget_user, s.store.engine, log_engine, body.user, utcnow())
+    return UserForgotten(
+        user=report.user,
+        trajectories=report.trajectories,
+        episodes=report.episodes,
+        tombstones=report.tombstones,
+        deleted=report.deleted,
+        log="sql" if log_engine is not None else "kafka",
+    )
+
+
+# ------------------------------------------------------------------ the version lifecycle
+OPERATOR_HEADER = "x-operator"
+"""Who the operator is (the admin key names no one): recorded with each lifecycle action."""
+
+LIFECYCLE_ERRORS = ADMIN_ERRORS | errors(404, 409)
+
+
+class VersionAction(EdgeModel):
+    """``POST /admin/lifecycle/{promote,reject,pin}``: the version and, optionally, why."""
+
+    model_config = ConfigDict(extra="forbid")
+    version: int = Field(ge=0, le=MAX_INT32)
+    reason: str = Field("", max_length=1000)
+
+
+class GuardSwitch(EdgeModel):
+    """``POST /admin/lifecycle/guard``: turn the guard on or off."""
+
+    model_config = ConfigDict(extra="forbid")
+    on: bool
+
+
+class CanaryShare(EdgeModel):
+    """``POST /admin/lifecycle/canary``: the share of traffic a canary gets, in (0, 1]."""
+
+    model_config = ConfigDict(extra="forbid")
+    share: float = Field(gt=0.0, le=1.0)
+
+
+def operator_of(request: Request) -> str:
+    """The ``X-Operator`` header (1–64 printable characters), ``operator`` when absent; 400
+    otherwise."""
+    name = request.headers.get(OPERATOR_HEADER)
+    if name is None:
+        return "operator"
+    name = name.strip()
+    if not name or len(name) > NAME_CHARS or not name.isprintable():
+        raise ApiError(400, "X-Operator must be 1 to 64 printable characters", param="X-Operator")
+    return name
+
+
+def _operator_transition(db, version: int, target: Stage, actor: str, reason: str) -> dict:
+    """Move ``version`` to ``target`` by ``actor``: 404 unknown, 409 not allowed. Promoting a
+    version promotes the versions of its lineage before it too, as the guard does."""
+    now = utcnow()
+    with db.begin() as conn:
+        st = lifecycle_store.stages(conn)
+        if version not in {v.version for v in st}:
+            raise ApiError(404, f"no policy version {version}", code="not_found", param="version")
+        moved = [version]
+        if target == Stage.PROMOTED and version in lineage(st):
+            moved = [v for v in lineage(st) if v <= version]
+        try:
+            for v in moved:
+                lifecycle_store.transition(conn, v, target, actor, reason or f"by {actor}", now)
+        except TransitionError as exc:
+            raise ApiError(409, str(exc), code="transition_refused", param="version") from None
+    return {"versions": moved, "lifecycle": str(target), "actor": actor}
+
+
+def _note(db, actor: str, reason: str, version: int | None = None) -> None:
+    """Record an operator's switch (pin, guard, share) as an event on ``version`` (default: the
+    promoted version), its stage unchanged."""
+    with db.begin() as conn:
+        st = lifecycle_store.stages(conn)
+        v = promoted(st) if version is None else version
+        stage = next(x.stage for x in st if x.version == v)
+        lifecycle_store.record_event(conn, v, stage, stage, actor, reason, utcnow())
+
+
+@router.post("/lifecycle/promote", responses=LIFECYCLE_ERRORS | errors(413))
+async def admin_promote(body: VersionAction, request: Request) -> dict:
+    """Promote a candidate or canary version (and the lineage before it): 404 unknown, 409 a
+    move the lifecycle does not allow (a rejected version never serves again)."""
+    db, who = state_of(request).store.engine, operator_of(request)
+    return await asyncio.to_thread(_operator_transition, db, body.version, Stage.PROMOTED, who, body.reason)
+
+
+@router.post("/lifecycle/reject", responses=LIFECYCLE_ERRORS | errors(413))
+async def admin_reject(body: VersionAction, request: Request) -> dict:
+    """Reject a version: it never serves again. If it serves now, the learner publishes the
+    promoted version's weights as a new version and quarantines the samples that trained it
+    (its next guard check). 404 unknown, 409 already rejected or version 0."""
+    db, who = state_of(request).store.engine, operator_of(request)
+    return await asyncio.to_thread(_operator_transition, db, body.version, Stage.REJECTED, who, body.reason)
+
+
+@router.post("/lifecycle/pin", responses=LIFECYCLE_ERRORS | errors(413))
+async def admin_pin(body: VersionAction, request: Request) -> dict:
+    """Pin ``version`` as the promoted version (promoted first if it is a candidate or canary):
+    the guard decides nothing by itself until ``unpin``. 404 unknown, 409 rejected."""
+    s, who = state_of(request), operator_of(request)
+
+    def pin() -> dict:
+        with s.store.engine.connect() as conn:
+            stage = {v.version: v.stage for v in lifecycle_store.stages(conn)}.get(body.version)
+        if stage is None:
+            raise ApiError(404, f"no policy version {body.version}", code="not_found", param="version")
+        if stage == Stage.REJECTED:
+            raise ApiError(
+                409, f"version {body.version} is rejected: it never serves again", code="transition_refused"
+            )
+        if stage != Stage.PROMOTED:
+            _operator_transition(s.store.engine, body.version, Stage.PROMOTED, who, body.reason or "pinned")
+        set_flag(s.store.engine, GUARD_PIN, str(body.version))
+        _note(s.store.engine, who, body.reason or "pinned: the guard decides nothing by itself", body.version)
+        return {"pinned": body.version, "actor": who}
+
+    return await asyncio.to_thread(pin)
+
+
+@router.post("/lifecycle/unpin", responses=ADMIN_ERRORS)
+async def admin_unpin(request: Request) -> dict:
+    """Let the guard decide again."""
+    s, who = state_of(request), operator_of(request)
+
+    def unpin() -> dict:
+        set_flag(s.store.engine, GUARD_PIN, None)
+        _note(s.store.engine, who, "unpinned: the guard decides again")
+        return {"pinned": None, "actor": who}
+
+    return await asyncio.to_thread(unpin)
+
+
+@router.post("/lifecycle/guard", responses=ADMIN_ERRORS)
+async def admin_guard(body: GuardSwitch, request: Request) -> dict:
+    """Turn the guard on or off (off: no gate, every new version promoted when recorded)."""
+    s, who = state_of(request), operator_of(request)
+
+    def switch() -> dict:
+        set_flag(s.store.engine, GUARD_OFF, None if body.on else "1")
+        _note(s.store.engine, who, f"guard turned {'on' if body.on else 'off'}")
+        return {"guard": "on" if body.on else "off", "actor": who}
+
+    return await asyncio.to_thread(switch)
+
+
+@router.post("/lifecycle/canary", responses=ADMIN_ERRORS)
+async def admin_canary(body: CanaryShare, request: Request) -> dict:
+    """Store the canary share. A single full-weight engine has no canary: the newest version
+    serves all traffic on probation; the share applies to adapter deployments."""
+    s, who = state_of(request), operator_of(request)
+
+    def store() -> dict:
+        set_flag(s.store.engine, CANARY_SHARE, repr(body.share))
+        _note(
+            s.store.engine, who, f"canary share set to {body.share:g} (stored; probation mode has no share)"
+        )
+        return {
+            "canary_share": body.share,
+            "mode": "probation",
+            "applied": False,
+            "message": "a single full-weight engine has no canary share: each new version serves all "
+            "traffic on probation; the share is stored for adapter deployments",
+            "actor": who,
+        }
+
+    return await asyncio.to_thread(store)
+
+
+@router.get("/lifecycle", responses=ADMIN_ERRORS)
+async def admin_lifecycle(request: Request, limit: Annotated[int, Query(ge=1, le=1000)] = 20) -> dict:
+    """The promoted version, the lineage on probation, the guard's switches and the newest
+    ``limit`` transitions (who and when)."""
+    db = state_of(request).store.engine
+
+    def read() -> dict:
+        with db.connect() as conn:
+            st = lifecycle_store.stages(conn)
+            recent = lifecycle_store.events(conn, limit)
+        pin, share = get_flag(db, GUARD_PIN), get_flag(db, CANARY_SHARE)
+        return {
+            "mode": "probation",
+            "guard": "off" if get_flag(db, GUARD_OFF) == "1" else "on",
+            "promoted": promoted(st) if st else None,
+            "lineage": lineage(st) if st else [],
+            "pinned": None if pin is None else int(pin),
+            "canary_share": None if share is None else float(share),
+            "events": recent,
+        }
+
+    return await asyncio.to_thread(read)
+
+
+@router.get("/quarantine", responses=ADMIN_ERRORS)
+async def admin_quarantine(request: Request, limit: Annotated[int, Query(ge=1, le=1000)] = 50) -> dict:
+    """The samples that trained a rejected version, which the learner never trains again:
+    ``total`` and the newest ``limit``."""
+    db = state_of(request).store.engine
+
+    def read() -> dict:
+        with db.connect() as conn:
+            total, rows = lifecycle_store.quarantined(conn, limit)
+        return {"total": total, "samples": rows}
+
+    return await asyncio.to_thread(read)

@@ -20,6 +20,13 @@ CHAT_200 = {
 }
 
 
+async def client_gone(request: Request) -> None:
+    """Return once the client has disconnected: the body has been read, so the next ASGI
+    message is ``http.disconnect`` (the server sends it when the connection closes)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 @router.post(CHAT_PATH, responses=CHAT_200 | errors(400, 403, 404, 408, 409, 413, 500, 503))
 async def chat(req: ChatCompletionRequest, request: Request):
     s = state_of(request)
@@ -34,4 +41,4 @@ async def chat(req: ChatCompletionRequest, request: Request):
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", **extension_headers(s, rollout)},
         )
-    return await complete_chat(s, req, rollout, sampling)
+    return await complete_chat(s, req, rollout, sampling, client_gone(request))

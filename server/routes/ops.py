@@ -4,14 +4,21 @@ and the chat page, where a person tries the learning loop by hand."""
 from __future__ import annotations
 
 import asyncio
+from datetime import UTC, datetime
 from pathlib import Path
+from typing import Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
+from sqlalchemy import String, func, literal, select
+from sqlalchemy.engine import Engine
 
-from server.errors import errors
+from core.control import PAUSED, ROLLBACK_TO
+from core.db import ControlFlag, FeedbackClaim, LearnerSample, LearnerStep, PolicyVersion, TrajectoryIndex
+from server.errors import ApiError, errors
 from server.health import RETRY_AFTER_S
 from server.responses import DashboardData, Liveness, ModelCard, ModelList, Readiness
 from server.routes import state_of
@@ -38,6 +45,104 @@ DASHBOARD_KEYS = (
     "critic_loss",
     "created_at",
 )
+# The newest policy versions the dashboard's version chart shows.
+DASHBOARD_VERSIONS = 500
+
+
+class VersionPoint(BaseModel):
+    """A policy version; ``rollback_to``: the version whose weights this one republished (a
+    rollback), else None. ``created_at``: ISO 8601 with offset."""
+
+    version: int
+    parent_version: int | None
+    status: str
+    rollback_to: int | None
+    created_at: str
+
+
+class VersionReward(BaseModel):
+    """The received completion feedback on answers a version began: mean reward in [0, 1], count."""
+
+    version: int
+    reward_mean: float
+    n: int
+
+
+class DashboardState(BaseModel):
+    """``GET /dashboard/state``: aggregates only (no prompts or texts)."""
+
+    serving: int
+    newest_version: int | None
+    learning: Literal["running", "paused"]
+    rollback_to: int | None
+    versions: list[VersionPoint]
+    samples_trained: int
+    samples_waiting: int
+    reward_by_version: list[VersionReward]
+    requests_per_s_last_minute: float
+    outcomes: dict[str, dict[str, int]]
+
+
+def aware(t: datetime) -> datetime:
+    """``t`` with its zone; SQLite returns naive UTC datetimes."""
+    return t if t.tzinfo else t.replace(tzinfo=UTC)
+
+
+def learner_overview(db: Engine, n_versions: int) -> dict:
+    """What the dashboard shows beside the step metrics, read in one connection.
+
+    ``learning`` (``running`` | ``paused``) and ``rollback_to`` (a requested rollback the learner
+    has not carried out yet, or None) from the control flags; ``versions``: the newest
+    ``n_versions`` (oldest first) and ``newest_version``; ``samples_waiting`` (joined, not trained
+    yet) and ``samples_trained`` (the samples every recorded step trained, from its
+    ``sample_ids``); ``reward_by_version``: completion feedback received, by the version that
+    began the answer, for the versions shown (episode feedback is not in it). docs/design.md §2
+    (operators).
+    """
+    with db.connect() as conn:
+        flags = dict(
+            conn.execute(
+                select(ControlFlag.name, ControlFlag.value).where(ControlFlag.name.in_((PAUSED, ROLLBACK_TO)))
+            ).all()
+        )
+        rows = conn.execute(
+            select(
+                PolicyVersion.version,
+                PolicyVersion.parent_version,
+                PolicyVersion.status,
+                PolicyVersion.metrics["rollback_to"].as_integer(),
+                PolicyVersion.created_at,
+            )
+            .order_by(PolicyVersion.version.desc())
+            .limit(n_versions)
+        ).all()
+        waiting = conn.execute(select(func.count()).select_from(LearnerSample)).scalar_one()
+        trained = conn.execute(
+            select(func.coalesce(func.sum(func.json_array_length(LearnerStep.metrics["sample_ids"])), 0))
+        ).scalar_one()
+        # Only the versions shown: joining every answer of a long run at each refresh is slow.
+        oldest = rows[-1].version if rows else 0
+        rewards = conn.execute(
+            select(TrajectoryIndex.dispatch_version, func.avg(FeedbackClaim.reward), func.count())
+            .join(FeedbackClaim, FeedbackClaim.target == literal("t:", String) + TrajectoryIndex.id)
+            .where(FeedbackClaim.state == "received", TrajectoryIndex.dispatch_version >= oldest)
+            .group_by(TrajectoryIndex.dispatch_version)
+            .order_by(TrajectoryIndex.dispatch_version)
+        ).all()
+    versions = [
+        VersionPoint(version=v, parent_version=p, status=st, rollback_to=rb, created_at=aware(c).isoformat())
+        for v, p, st, rb, c in reversed(rows)
+    ]
+    target = flags.get(ROLLBACK_TO)
+    return {
+        "learning": "paused" if flags.get(PAUSED) == "1" else "running",
+        "rollback_to": None if target is None else int(target),
+        "versions": versions,
+        "newest_version": versions[-1].version if versions else None,
+        "samples_waiting": waiting,
+        "samples_trained": int(trained),
+        "reward_by_version": [VersionReward(version=v, reward_mean=r, n=n) for v, r, n in rewards],
+    }
 
 
 @router.get("/healthz")
@@ -62,18 +167,39 @@ async def readyz(request: Request) -> JSONResponse:
 
 @router.get("/metrics", response_class=PlainTextResponse)
 async def metrics(request: Request) -> Response:
-    return Response(generate_latest(state_of(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-
-@router.get("/v1/models")
-async def models(request: Request) -> ModelList:
     s = state_of(request)
-    card = ModelCard(
+    # The learner's counters are in the database it commits to: read them for this scrape.
+    await asyncio.to_thread(s.metrics.learner.read, s.store.engine)
+    return Response(generate_latest(s.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def model_card(request: Request) -> ModelCard:
+    s = state_of(request)
+    return ModelCard(
         id=s.settings.served_model_name,
         policy_version=s.engine.version,
         max_model_len=s.settings.max_model_len,
     )
-    return ModelList(data=[card])
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> ModelList:
+    return ModelList(data=[model_card(request)])
+
+
+@router.get("/v1/models/{model:path}", responses=errors(404))
+async def model(model: str, request: Request) -> ModelCard:
+    """OpenAI's ``models.retrieve``: the served model's card; 404 ``model_not_found`` for any
+    other name (a model name may hold ``/``, as ``org/name`` does)."""
+    card = model_card(request)
+    if model != card.id:
+        raise ApiError(
+            404,
+            f"model {model!r} does not exist; this server serves {card.id!r}",
+            param="model",
+            code="model_not_found",
+        )
+    return card
 
 
 @router.get("/dashboard", response_class=HTMLResponse)
@@ -96,4 +222,20 @@ async def dashboard_data(request: Request) -> DashboardData:
     rps = await asyncio.to_thread(s.store.request_rate, 10, 60)
     return DashboardData(
         policy_version=s.engine.version, steps=steps, requests_per_s=rps, counters=status["counters"]
+    )
+
+
+@router.get("/dashboard/state", responses=errors(503))
+async def dashboard_state(request: Request) -> DashboardState:
+    """Learning running or paused, a pending rollback, the versions (rollbacks marked), sample
+    counts, reward by version, requests/s over the last 60 s and this replica's request
+    outcomes; aggregates only, like ``/dashboard/data``."""
+    s = state_of(request)
+    overview = await asyncio.to_thread(learner_overview, s.store.engine, DASHBOARD_VERSIONS)
+    last_minute = await asyncio.to_thread(s.store.request_rate, 60, 1)
+    return DashboardState(
+        serving=s.engine.version,
+        requests_per_s_last_minute=last_minute[0],
+        outcomes=s.metrics.outcomes(),
+        **overview,
     )

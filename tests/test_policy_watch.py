@@ -1,0 +1,104 @@
+"""The policy watcher (server/policy_watch.py) through a log outage and with events older than
+the version served (issue 23 findings 3 and 10).
+
+During an outage the tester's server printed 113 full tracebacks in 30 s: one per 0.25 s poll.
+Now each failed read is one warning line, the traceback only on the outage's first, and the
+waits between reads double up to ``MAX_BACKOFF_S``; the first read that works logs the
+recovery and goes back to ``poll_s``. The waits are read from the watcher's own sleeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+
+from core.logbus import LogEntry, LogUnavailable
+from core.records import TOPIC_POLICY, PolicyEvent
+from server import policy_watch
+from server.metrics import ServerMetrics
+from server.policy_watch import MAX_BACKOFF_S, PolicyWatcher
+from tests.fake_engine import FakeEngine
+
+
+class OutageLog:
+    """A policy topic that refuses its first ``down_for`` reads, then holds ``events``."""
+
+    def __init__(self, down_for: int, events: list[PolicyEvent] = ()):
+        self.down_for, self.calls = down_for, 0
+        self.entries = [LogEntry(TOPIC_POLICY, 0, i, "policy", e.to_json()) for i, e in enumerate(events)]
+
+    def partitions(self, topic: str) -> list[int]:
+        self.calls += 1
+        if self.calls <= self.down_for:
+            raise LogUnavailable("the Kafka log is unavailable: KafkaConnectionError: broker down")
+        return [0]
+
+    def read(self, topic, partition, offset, max_records=500, timeout_s=0.5) -> list[LogEntry]:
+        return self.entries[offset : offset + max_records]
+
+
+def event(version: int) -> PolicyEvent:
+    return PolicyEvent(
+        version=version,
+        path=f"/policies/v{version}",
+        sha256="0" * 64,
+        created_at=datetime(2025, 6, 1, 0, 0, version, tzinfo=UTC),
+        parent_version=version - 1,
+        metrics={},
+    )
+
+
+async def run_for(watcher: PolicyWatcher, n_sleeps: int, monkeypatch) -> list[float]:
+    """Run the watcher until it has slept ``n_sleeps`` times; the seconds of each sleep."""
+    real_sleep = asyncio.sleep
+    slept: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        if len(slept) == n_sleeps:
+            raise asyncio.CancelledError
+        await real_sleep(0)
+
+    monkeypatch.setattr(policy_watch.asyncio, "sleep", sleep)
+    with pytest.raises(asyncio.CancelledError):
+        await watcher.run()
+    monkeypatch.setattr(policy_watch.asyncio, "sleep", real_sleep)
+    return slept
+
+
+async def test_an_outage_is_logged_once_with_backoff(monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="server.policy_watch")
+    log = OutageLog(down_for=8)
+    watcher = PolicyWatcher(log, FakeEngine(), ServerMetrics(), poll_s=0.25)
+    slept = await run_for(watcher, 10, monkeypatch)
+    # 0.25 s doubled per failure: 0.5, 1, 2, 4, 8, then MAX_BACKOFF_S (10 s); then the ninth read
+    # works and the watcher polls every 0.25 s again.
+    assert MAX_BACKOFF_S == 10.0
+    assert slept == [0.5, 1.0, 2.0, 4.0, 8.0, 10.0, 10.0, 10.0, 0.25, 0.25]
+    failures = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(failures) == 8
+    assert [r.exc_info is not None for r in failures] == [True] + [False] * 7
+    assert failures[1].getMessage() == (
+        "policy watcher: reading the policy topic failed (2 in a row; next try in 1.0 s): "
+        "LogUnavailable: the Kafka log is unavailable: KafkaConnectionError: broker down"
+    )
+    recovered = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert recovered == ["policy watcher: the policy topic answers again after 8 failed reads"]
+    assert watcher.failures == 0
+
+
+async def test_an_event_older_than_the_served_version_is_ignored(caplog):
+    caplog.set_level(logging.WARNING, logger="server.policy_watch")
+    engine = FakeEngine(version=5)
+    watcher = PolicyWatcher(OutageLog(0), engine, ServerMetrics(), poll_s=0.25)
+    assert await watcher.apply(event(3)) is False
+    assert await watcher.apply(event(3)) is False  # logged once
+    assert await watcher.apply(event(6)) is True
+    assert engine.swaps == [(6, Path("/policies/v6"), "0" * 64)]
+    assert [r.getMessage() for r in caplog.records] == [
+        "policy event for version 3 ignored: version 5 serves and versions only go forward"
+    ]

@@ -72,7 +72,9 @@ PY="$REPO/.venv/bin/python"
 export SAOSERVE_HOME="$WORK" SAOSERVE_MODEL_DIR="$WORK/model"
 export SAOSERVE_DTYPE=bfloat16 SAOSERVE_ENFORCE_EAGER=false SAOSERVE_KV_CACHE_GIB=${KV_CACHE_GIB:-16}
 SECRET_CMD='import secrets; print(secrets.token_hex(32))'  # serve refuses short or placeholder secrets
-export SAOSERVE_FEEDBACK_SECRET=$("$PY" -c "$SECRET_CMD") SAOSERVE_ADMIN_KEY=$("$PY" -c "$SECRET_CMD")
+SAOSERVE_FEEDBACK_SECRET=$("$PY" -c "$SECRET_CMD")
+SAOSERVE_ADMIN_KEY=$("$PY" -c "$SECRET_CMD")
+export SAOSERVE_FEEDBACK_SECRET SAOSERVE_ADMIN_KEY
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
 say "2. prepare the model and start the server"

@@ -343,9 +343,12 @@ def _note(db, actor: str, reason: str, version: int | None = None) -> None:
     promoted version), its stage unchanged."""
     with db.begin() as conn:
         st = lifecycle_store.stages(conn)
+        if not st:
+            return  # no version recorded yet (a fresh database): nothing to attach the note to
         v = promoted(st) if version is None else version
-        stage = next(x.stage for x in st if x.version == v)
-        lifecycle_store.record_event(conn, v, stage, stage, actor, reason, utcnow())
+        stage = next((x.stage for x in st if x.version == v), None)
+        if stage is not None:
+            lifecycle_store.record_event(conn, v, stage, stage, actor, reason, utcnow())
 
 
 @router.post("/lifecycle/promote", responses=LIFECYCLE_ERRORS | errors(413))

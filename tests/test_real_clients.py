@@ -132,7 +132,7 @@ async def test_stream_helper_final_completion_keeps_the_extension_fields(server)
     url, settings = server
     client = sdk(url, max_retries=0)
     async with client.chat.completions.stream(
-        model=MODEL, messages=[{"role": "user", "content": "Name a river."}], max_tokens=256
+        model=MODEL, messages=[{"role": "user", "content": "Name a river."}], max_tokens=256, stop=["."]
     ) as stream:
         chunks = [event.chunk async for event in stream if event.type == "chunk"]
         final = await stream.get_final_completion()

@@ -7,14 +7,13 @@ Usage: ``python bench/bench_learner_precision.py [MODEL_DIR] [--batch 16] [--seq
 Precision options (``--options``, comma-separated; each builds a fresh learner from MODEL_DIR):
     - ``fp32``: float32 models (the learner's default).
     - ``autocast``: float32 models under ``torch.autocast`` bf16 (``LearnerConfig.autocast_bf16``).
-    - ``bf16``: bf16 models with float32 master weights and AdamW states
+    - ``bf16``: ``LearnerConfig.bf16``: bf16 models with float32 master weights and AdamW states
       (``learner.precision.MixedPrecisionAdamW``; the reference is bf16 too), attention by
       ``learner.attention.grouped_attention``.
-    - ``bf16-sdpa``: the same with transformers' default attention (torch's SDPA), to show what
-      the attention function is worth.
-    - ``bf16-compiled``: ``bf16`` with every decoder layer compiled (``learner.fused``); the
-      compilation happens in the warm-up steps (``--warmup`` must then be >= 1, better 2: the
-      first step compiles the passes with gradients, the no-grad passes and the critic's).
+    - ``bf16-sdpa``: the same with transformers' default attention (torch's SDPA) put back, to
+      show what the attention function is worth.
+    - ``bf16-compiled``: ``bf16`` plus ``LearnerConfig.compile_layers`` (``learner.fused``); the
+      compilation happens in the first warm-up step (keep ``--warmup`` >= 1).
 
 All the options' learners are built first and their steps interleaved (option A, option B, …,
 then again), so that load from other processes on a shared machine hits them alike; memory: about
@@ -55,15 +54,13 @@ from pathlib import Path
 import torch
 import torch._inductor.config
 from bench_sao_step import make_batch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from learner import attention
 from learner.batch import policy_logprobs
 from learner.config import build_config
 from learner.critic import ValueModel
 from learner.flops import Shape, Tokens, sao_step_flops
-from learner.fused import compile_layers
-from learner.precision import MixedPrecisionAdamW
 from learner.sao import SAOLearner
 
 OPTIONS = ("fp32", "autocast", "bf16", "bf16-sdpa", "bf16-compiled")
@@ -104,38 +101,26 @@ def limits(reps: int) -> dict[str, float]:
 
 
 def build(option: str, model_dir: str) -> SAOLearner:
-    """A fresh learner for ``option`` (module docstring)."""
+    """A fresh learner for ``option`` (module docstring), configured as ``saoserve learn`` would be."""
 
     def load():
         return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
 
     policy = load()
     critic = ValueModel.from_policy(policy, trainable="mlp", dtype=torch.float32)
-    cfg = build_config(
-        "paper", overrides={"autocast_bf16": option == "autocast", "algorithm": {"kl_coef": KL_COEF}}
-    )
-    learner = SAOLearner(cfg, policy, critic, load())
-    if option.startswith("bf16"):
-        to_bf16(learner)
-        models = (learner.policy, learner.critic, learner.policy_update.anchor.reference)
-        for model in models if option != "bf16-sdpa" else ():
-            attention.install(model)
-            if option == "bf16-compiled":
-                compile_layers(model)
+    fields = {
+        "autocast_bf16": option == "autocast",
+        "bf16": option.startswith("bf16"),
+        "compile_layers": option == "bf16-compiled",
+        "algorithm": {"kl_coef": KL_COEF},
+    }
+    learner = SAOLearner(build_config("paper", overrides=fields), policy, critic, load())
+    if option == "bf16-sdpa":
+        for model in (learner.policy, learner.critic, learner.policy_update.anchor.reference):
+            for sub in model.modules():
+                if isinstance(sub, PreTrainedModel):
+                    sub.config._attn_implementation = "sdpa"
     return learner
-
-
-def to_bf16(learner: SAOLearner) -> None:
-    """Switch a float32 ``SAOLearner`` to bf16 models with float32 masters, keeping its optimizer
-    settings (what the learner's constructor does when it is built for bf16)."""
-    for name, module, keep in (("policy_opt", learner.policy, ()), ("critic_opt", learner.critic, ("head",))):
-        group = getattr(learner, name).param_groups[0]
-        setattr(
-            learner,
-            name,
-            MixedPrecisionAdamW(module, group["lr"], group["weight_decay"], group["betas"][0], keep),
-        )
-    learner.policy_update.anchor.reference.to(torch.bfloat16)
 
 
 def breakdown(prof, wall: float) -> dict[str, float]:

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from learner.precision import MixedPrecisionAdamW
+
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
@@ -65,6 +67,15 @@ class Algorithm(ABC):
         """The policy now is ``version`` (loaded at start, after a step, or a rollback's);
         default: nothing to do."""
         return
+
+    def load_policy_weights(self, weights: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
+        """Load published weights into the policy (``strict=False``: a tied tensor is stored
+        once) and, when the optimizer keeps float32 masters (``learner.precision``), into the
+        masters too; returns the missing and the unexpected keys."""
+        missing, unexpected = self.policy.load_state_dict(weights, strict=False)
+        if isinstance(self.policy_opt, MixedPrecisionAdamW):
+            self.policy_opt.sync_from_model()
+        return missing, unexpected
 
     def reset_policy_optimizer(self) -> None:
         """Forget the policy optimizer's moments (a rollback abandons their updates)."""

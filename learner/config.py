@@ -261,6 +261,13 @@ class LearnerConfig(BaseModel):
     """Samples (one rollout per prompt) per learner step."""
     autocast_bf16: bool = False
     """Run forward/backward under bf16 autocast (master weights stay float32)."""
+    bf16: bool = False
+    """bf16 models with float32 master weights and AdamW states, attention as batched matmuls
+    (``learner.precision``, ``learner.attention``): the step on AMX-BF16 (docs/precision.md).
+    Not together with ``autocast_bf16``."""
+    compile_layers: bool = False
+    """Compile the models' decoder layers with ``torch.compile`` (``learner.fused``); the first
+    step compiles (about a minute on 2 cores)."""
     chunk_tokens: int = Field(512, ge=1)
     """Tokens per LM-head chunk when computing log-probabilities (memory ≈ chunk · V · 12 bytes)."""
     expire_s: float = Field(900.0, ge=1.0)
@@ -275,6 +282,12 @@ class LearnerConfig(BaseModel):
     """Stop after this many steps (None: run until stopped)."""
     guard: GuardConfig = Field(default_factory=GuardConfig)
     """The gate and the decision rule of the version lifecycle (docs/guard.md)."""
+
+    @model_validator(mode="after")
+    def _one_precision(self) -> LearnerConfig:
+        if self.bf16 and self.autocast_bf16:
+            raise ValueError("bf16 and autocast_bf16 exclude each other: choose one")
+        return self
 
     @model_validator(mode="after")
     def _correction_fits(self) -> LearnerConfig:

@@ -29,6 +29,8 @@ from collections.abc import Iterable
 
 import torch
 
+from learner import attention
+from learner.fused import compile_layers
 from learner.optim import make_adamw
 
 COMPUTE_DTYPE = torch.bfloat16
@@ -190,8 +192,45 @@ class MixedPrecisionAdamW:
     def load_state_dict(self, state: dict) -> None:
         """Restore a ``state_dict()``: the AdamW state, then the masters (rounded into the module).
 
+        A plain AdamW state dict (a checkpoint of a float32 learner) is accepted too: its moments
+        are loaded and the masters are taken from the module (``sync_from_model``), so the caller
+        loads the module's weights first, as the learners' ``load_state_dict`` do.
+
         Raises:
             ValueError: the masters' names differ from the module's trainable parameters.
         """
+        if "master" not in state:
+            self.inner.load_state_dict(state)
+            self.master.sync_from_model()
+            return
         self.inner.load_state_dict(state["adamw"])
         self.master.load_state_dict(state["master"])
+
+
+def make_optimizer(
+    module: torch.nn.Module,
+    params: list[torch.nn.Parameter],
+    lr: float,
+    weight_decay: float,
+    beta1: float,
+    bf16: bool,
+    keep_float32: Iterable[str] = (),
+) -> torch.optim.Optimizer | MixedPrecisionAdamW:
+    """The learners' optimizer for ``module``: ``learner.optim.make_adamw`` over ``params`` (a
+    float32 module), or with ``bf16`` a ``MixedPrecisionAdamW`` over ``module``, which casts it to
+    bf16 in place (``params`` are then its trainable parameters, as the caller clips them)."""
+    if bf16:
+        return MixedPrecisionAdamW(module, lr, weight_decay, beta1, keep_float32)
+    return make_adamw(params, lr, weight_decay, beta1)
+
+
+def prepare_compute(model: torch.nn.Module, bf16: bool, compiled: bool) -> None:
+    """Set up a model the learner runs (policy, critic, reference) for its precision: with
+    ``bf16`` attention becomes ``learner.attention.grouped_attention`` (torch's SDPA backward is
+    slow in bf16 on CPU, docs/precision.md); with ``compiled`` every decoder layer is compiled
+    (``learner.fused``). Casting is not done here (``make_optimizer``, or ``.to`` for a frozen
+    model)."""
+    if bf16:
+        attention.install(model)
+    if compiled:
+        compile_layers(model)

@@ -224,7 +224,7 @@ class Learner:
         from safetensors.torch import load_file
 
         weights = {k: v.float() for k, v in load_file(path / WEIGHTS_FILE).items()}
-        missing, unexpected = self.algorithm.policy.load_state_dict(weights, strict=False)
+        missing, unexpected = self.algorithm.load_policy_weights(weights)
         if unexpected or [k for k in missing if k != "lm_head.weight"]:
             raise RuntimeError(f"policy weights at {path} do not match the model: {missing} {unexpected}")
 

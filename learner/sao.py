@@ -32,8 +32,9 @@ from learner.critic import ValueModel
 from learner.gae import length_adaptive_lambda, step_gae, token_gae
 from learner.kl import KLAnchor
 from learner.metrics import explained_variance, masked_mse, throughput
-from learner.optim import make_adamw, optimizer_step
+from learner.optim import optimizer_step
 from learner.policy_update import build_policy_update
+from learner.precision import make_optimizer, prepare_compute
 from learner.pretrain import PRETRAINED_CRITIC
 
 
@@ -62,10 +63,13 @@ class SAOLearner(Algorithm):
 
     Master weights: the learner casts its models to float32 in place (a bf16 update of size 1e-6
     on a weight of order 1e-2 rounds to nothing); ``policy_weights(torch.bfloat16)`` gives a
-    serving copy. Models are put in eval mode (no dropout) so recomputed log-probabilities match
-    the server's. The models are loaded in ``build``; every forward pass goes through ``logprobs``
-    (policy, old policy, reference) or ``values`` (critic), both under ``_autocast``
-    (``config.autocast_bf16``).
+    serving copy. With ``config.bf16`` the models compute in bf16 instead and the optimizers hold
+    float32 masters of the trainable weights (``learner.precision.MixedPrecisionAdamW``; the
+    critic's value head stays float32, the frozen reference is bf16); with
+    ``config.compile_layers`` their decoder layers are compiled (``learner.fused``). Models are
+    put in eval mode (no dropout) so recomputed log-probabilities match the server's. The models
+    are loaded in ``build``; every forward pass goes through ``logprobs`` (policy, old policy,
+    reference) or ``values`` (critic), both under ``_autocast`` (``config.autocast_bf16``).
 
     Args (constructor):
         config: a validated ``LearnerConfig`` whose algorithm is ``sao`` or ``running_mean``.
@@ -104,12 +108,27 @@ class SAOLearner(Algorithm):
         anchor = KLAnchor(reference, algo.kl_coef) if reference is not None else None
         self.device = next(policy.parameters()).device
         self.policy_params = [p for p in self.policy.parameters() if p.requires_grad]
-        self.policy_opt = make_adamw(self.policy_params, opt.policy_lr, opt.weight_decay, opt.adam_beta1)
+        self.policy_opt = make_optimizer(
+            self.policy, self.policy_params, opt.policy_lr, opt.weight_decay, opt.adam_beta1, config.bf16
+        )
         self.critic_opt = (
-            make_adamw(self.critic.trainable_parameters(), algo.critic_lr, opt.weight_decay, opt.adam_beta1)
+            make_optimizer(
+                self.critic,
+                self.critic.trainable_parameters(),
+                algo.critic_lr,
+                opt.weight_decay,
+                opt.adam_beta1,
+                config.bf16,
+                keep_float32=("head",),
+            )
             if self.critic is not None
             else None
         )
+        if anchor is not None and config.bf16:
+            anchor.reference.to(torch.bfloat16)
+        for model in (self.policy, self.critic, anchor.reference if anchor is not None else None):
+            if model is not None:
+                prepare_compute(model, config.bf16, config.compile_layers)
         self.baseline = (
             RunningMeanBaseline(window=algo.running_mean_window)
             if isinstance(algo, RunningMeanAlgorithm)

@@ -30,7 +30,8 @@ from learner.batch import Batch, policy_logprobs
 from learner.config import LearnerConfig, SPOAlgorithm
 from learner.finite import usable_tokens
 from learner.metrics import throughput
-from learner.optim import make_adamw, optimizer_step
+from learner.optim import optimizer_step
+from learner.precision import make_optimizer, prepare_compute
 
 
 class SPOLearner(Algorithm):
@@ -52,7 +53,10 @@ class SPOLearner(Algorithm):
         self.config = config
         self.policy = policy.float().eval()
         self.params = [p for p in self.policy.parameters() if p.requires_grad]
-        self.policy_opt = make_adamw(self.params, opt.policy_lr, opt.weight_decay, opt.adam_beta1)
+        self.policy_opt = make_optimizer(
+            self.policy, self.params, opt.policy_lr, opt.weight_decay, opt.adam_beta1, config.bf16
+        )
+        prepare_compute(self.policy, config.bf16, config.compile_layers)
         self.steps = 0
 
     @classmethod

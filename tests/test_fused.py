@@ -9,6 +9,7 @@ from learner import attention
 from learner.batch import policy_logprobs
 from learner.critic import ValueModel
 from learner.fused import compile_layers
+from learner.prefix import body_hidden
 from tests.test_sao_step import make_batch, tiny_policy
 
 
@@ -38,6 +39,13 @@ def test_compiled_layers_match_eager_logprobs_gradients_and_other_shapes():
         lp_c.sum().backward()
         for (n, a), b in zip(compiled.named_parameters(), eager.parameters(), strict=True):
             assert torch.allclose(a.grad, b.grad, atol=1e-5), n
+    # The shared-prefix pass (a key/value cache into the layers) compiles too and agrees.
+    ids = batch.input_ids.clone()
+    ids[:, :5] = ids[0, :5]
+    with torch.no_grad():
+        shared = body_hidden(compiled.model, ids, batch.attention_mask, min_shared=4)
+        plain = body_hidden(eager.model, ids, batch.attention_mask, min_shared=100)
+    assert torch.allclose(shared, plain, atol=1e-5)
 
 
 def test_a_module_without_decoder_layers_compiles_nothing():

@@ -1,16 +1,21 @@
 """bf16 compute with float32 master weights (learner.precision) against the float32 step."""
 
 import copy
+import math
 
 import pytest
 import torch
 
+from learner import attention
 from learner.batch import policy_logprobs
+from learner.config import ConfigError
 from learner.critic import ValueModel
 from learner.metrics import masked_mse
 from learner.optim import make_adamw, optimizer_step
 from learner.precision import MasterWeights, MixedPrecisionAdamW
-from tests.test_sao_step import make_batch, tiny_policy
+from learner.sao import SAOLearner
+from learner.spo import SPOLearner
+from tests.test_sao_step import FAST, make_batch, make_config, tiny_policy
 
 
 def _policy_loss(model, batch):
@@ -155,3 +160,80 @@ def test_bad_construction_and_checkpoints_are_named():
     state["master"] = {k: v for k, v in state["master"].items() if k != "model.norm.weight"}
     with pytest.raises(ValueError, match=r"missing \['model.norm.weight'\]"):
         opt.load_state_dict(state)
+
+
+def _bf16_sao(seed: int = 0) -> SAOLearner:
+    """A bf16 SAO learner with the KL anchor; the reference (the base model, not checkpointed)
+    is always seed 0's policy."""
+    policy = tiny_policy(seed)
+    config = make_config(bf16=True, kl_coef=0.1, **FAST)
+    return SAOLearner(config, policy, ValueModel.from_policy(policy), tiny_policy(0))
+
+
+def test_sao_learner_in_bf16_trains_float32_masters_and_publishes_their_rounding():
+    learner = _bf16_sao()
+    reference = learner.policy_update.anchor.reference
+    assert {p.dtype for p in learner.policy.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in reference.parameters()} == {torch.bfloat16}
+    assert learner.critic.head.weight.dtype == torch.float32
+    assert learner.policy.config._attn_implementation == attention.NAME
+    assert learner.critic.backbone.config._attn_implementation == attention.NAME
+    before = _flat(learner.policy_opt.master.params)
+    metrics = learner.step(make_batch(learner.policy))
+    assert metrics["kept_fraction"] > 0.5 and math.isfinite(metrics["kl_ref"])
+    assert metrics["policy_grad_norm"] > 0 and metrics["critic_grad_norm"] > 0
+    assert not torch.equal(_flat(learner.policy_opt.master.params), before)
+    published = learner.policy_weights(torch.bfloat16)
+    for name, w in zip(learner.policy_opt.master.names, learner.policy_opt.master.params, strict=True):
+        assert torch.equal(published[name], w.to(torch.bfloat16)), name
+
+
+def test_bf16_sao_checkpoint_continues_exactly_and_loaded_weights_reach_the_masters():
+    learner = _bf16_sao()
+    learner.step(make_batch(learner.policy))
+    state = copy.deepcopy(learner.state_dict())
+    twin = _bf16_sao(seed=1)
+    twin.load_state_dict(copy.deepcopy(state))
+    batch = make_batch(learner.policy, seed=2)
+    assert learner.step(batch)["policy_loss"] == twin.step(batch)["policy_loss"]
+    assert all(
+        torch.equal(a, b) for a, b in zip(learner.policy.parameters(), twin.policy.parameters(), strict=True)
+    )
+    # Published weights loaded into the policy (a rollback, a resume past the checkpoint) become
+    # the masters too, or the next step would write the old masters back.
+    other = tiny_policy(seed=5).to(torch.bfloat16).state_dict()
+    missing, unexpected = learner.load_policy_weights(other)
+    assert (missing, unexpected) == ([], [])
+    assert torch.equal(learner.policy_opt.master.params[0], other["model.embed_tokens.weight"].float())
+
+
+def test_a_float32_checkpoint_resumes_in_bf16():
+    policy = tiny_policy()
+    fp32 = SAOLearner(make_config(**FAST), policy, ValueModel.from_policy(policy))
+    fp32.step(make_batch(policy))
+    state = copy.deepcopy(fp32.state_dict())
+    policy16 = tiny_policy(seed=1)
+    bf16 = SAOLearner(make_config(bf16=True, **FAST), policy16, ValueModel.from_policy(policy16))
+    bf16.load_state_dict(state)
+    assert torch.equal(
+        bf16.policy_opt.master.params[0], state["policy"]["model.embed_tokens.weight"].bfloat16().float()
+    )
+    assert bf16.policy_opt.state  # the float32 run's AdamW moments came along
+    assert math.isfinite(bf16.step(make_batch(policy16))["policy_loss"])
+
+
+def test_spo_learner_in_bf16_steps_on_masters():
+    policy = tiny_policy()
+    learner = SPOLearner(make_config("spo", policy_lr=1e-2, bf16=True), policy)
+    assert isinstance(learner.policy_opt, MixedPrecisionAdamW)
+    batch = make_batch(policy)
+    batch.baseline_values = torch.tensor([0.5, 0.5, 0.5, 0.5])
+    before = _flat(learner.policy_opt.master.params)
+    metrics = learner.step(batch)
+    assert math.isfinite(metrics["policy_loss"])
+    assert not torch.equal(_flat(learner.policy_opt.master.params), before)
+
+
+def test_bf16_with_autocast_is_a_config_error():
+    with pytest.raises(ConfigError, match="bf16 and autocast_bf16 exclude each other"):
+        make_config(bf16=True, autocast_bf16=True)

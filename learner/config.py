@@ -142,9 +142,9 @@ class GuardConfig(BaseModel):
     ``saoserve admin guard off`` turns it off at run time too)."""
     gate: GateConfig | None = None
     """The gate's bounds and generation settings (``learner.gate``; ``{}``: its defaults);
-    None: no gate, the version goes to probation unchecked. Off by default: on the 135M model
-    on 2 CPU cores one gate took 100–144 s against a step of ~30 s (docs/guard.md, "The
-    lifecycle"). It holds the base model and the parent's weights (+540 MB each for 135M)."""
+    None: no gate, the version goes to probation unchecked. Off by default: a gate costs about
+    as much as a learner step on this machine (docs/guard.md, "The gate", Cost). It holds the
+    base model and the parent's weights (+540 MB each for 135M)."""
     delta: float = Field(0.05, gt=0.0, le=1.0)
     """Non-inferiority margin δ, reward units."""
     alpha: float = Field(0.05, gt=0.0, lt=1.0)

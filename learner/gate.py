@@ -16,9 +16,10 @@ The bounds (``GateConfig``'s defaults) come from a measurement on SmolLM2-135M: 
 and weight perturbations of growing size, recorded in docs/guard.md, "The gate". The figures and
 the verdict (``GateResult``) are stored with the version.
 
-The statistics (``answer_tokens`` … ``kl_estimates``, ``decide``) are pure: lists and tensors in, numbers out.
-``run_gate`` runs the models: one seeded ``generate`` per model (candidate and base) and one
-teacher-forced forward per probe and model.
+The statistics (``answer_tokens`` … ``kl_estimates``, ``decide``) are pure: lists and tensors
+in, numbers out. ``run_gate`` runs the models: one seeded ``generate`` batch for the candidate
+(and one for the base unless its answers are given, ``reference_answers``) and one
+teacher-forced batch per model, each running the probes' common prefix once (``learner.prefix``).
 """
 
 from __future__ import annotations

@@ -478,14 +478,17 @@ class Learner:
         cfg = self.config.guard.gate
         if cfg is None or not self.guard_on():
             return None
-        from learner.gate import run_gate
+        from learner.gate import reference_answers, run_gate
 
         base, parent, tokenizer = self._gate_references(self.weights_version)
+        g = self._gate_models
+        if g.get("reference") is None:  # the base's answers: fixed for the learner's life
+            g["reference"] = reference_answers(base, tokenizer, cfg)
         policy = self.algorithm.policy
         training = policy.training
         policy.eval()
         try:
-            return run_gate(policy, base, parent, tokenizer, cfg)
+            return run_gate(policy, base, parent, tokenizer, cfg, reference=g["reference"])
         finally:
             policy.train(training)
 

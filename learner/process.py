@@ -59,6 +59,7 @@ from core.dead_letters import COUNTER as DEAD_LETTERS
 from core.dead_letters import MAX_TRIES, Letter, describe, set_aside
 from core.lifecycle import GUARD, LEARNER, Stage, judge_lineage, lineage
 from core.logbus import LogTransport, open_log
+from core.policy_store import CHECKPOINT_FILE, WEIGHTS_FILE, layout, version_dir
 from core.records import (
     TOPIC_POLICY,
     PolicyEvent,
@@ -77,8 +78,6 @@ from learner.samples import Sample, collate
 log = logging.getLogger(__name__)
 
 POLICY_KEY = "policy"
-WEIGHTS_FILE = "model.safetensors"
-CHECKPOINT_FILE = "checkpoint.pt"
 
 
 def storable(value):
@@ -306,7 +305,7 @@ class Learner:
         """
         from safetensors.torch import save_file
 
-        out = self.policy_dir / f"v{version:06d}"
+        out = version_dir(self.policy_dir, version)
         tmp = out.with_name(out.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -432,7 +431,7 @@ class Learner:
         if stage == Stage.REJECTED:
             self._back_to(parent)
             # Never served, never restored: only its figures (in the database) matter.
-            shutil.rmtree(self.policy_dir / f"v{new_version:06d}", ignore_errors=True)
+            shutil.rmtree(version_dir(self.policy_dir, new_version), ignore_errors=True)
             log.warning("version %d rejected by the gate: %s", new_version, "; ".join(gate.reasons))
         if step % self.config.checkpoint_every == 0:
             self._checkpoint(new_version)
@@ -718,7 +717,7 @@ class Learner:
             row = conn.execute(
                 select(*PolicyVersion.__table__.columns).where(PolicyVersion.version == version)
             ).first()
-        if row is None or row.lifecycle == Stage.REJECTED or not (Path(row.path) / WEIGHTS_FILE).is_file():
+        if row is None or row.lifecycle == Stage.REJECTED or layout(row.path) is None:
             log.error("rollback to version %d refused: unknown, rejected, or its weights are gone", version)
             with self.db.begin() as conn:
                 clear(conn)

@@ -48,6 +48,7 @@ from core.db import (
     migrate,
 )
 from core.logbus import open_log
+from core.policy_store import CHECKPOINT_FILE, WEIGHTS_FILE
 from core.records import (
     TOPIC_FEEDBACK,
     TOPIC_POLICY,
@@ -57,7 +58,7 @@ from core.records import (
     utcnow,
 )
 from learner.faults import EXIT_CODE, POINTS, parse
-from learner.process import CHECKPOINT_FILE, WEIGHTS_FILE, Learner, LearnerConfig, storable
+from learner.process import Learner, LearnerConfig, storable
 from tests.conftest import ROOT
 from tests.logutil import read_topic
 

@@ -20,6 +20,7 @@ from core.dead_letters import recent as recent_dead_letters
 from core.evidence_store import EvidenceStore
 from core.lifecycle import Stage, TransitionError, lineage, promoted
 from core.limits import ID_CHARS, NAME_CHARS, PROMPT_ID_CHARS
+from core.policy_store import layout
 from core.records import TOPIC_TRAJECTORIES, utcnow
 from core.retention import forget_user, sql_log_engine
 from server.engine import SwapRefused
@@ -44,15 +45,11 @@ from server.schemas import (
     RollbackRequest,
 )
 
-# The file the learner loads a version's weights from (learner.process.WEIGHTS_FILE, which the
-# server cannot import). The learner prunes whole version folders (keep_versions), so a version
-# whose folder lacks it can never be restored.
-WEIGHTS_FILE = "model.safetensors"
-
 
 def weights_present(path: str) -> bool:
-    """Whether the version folder ``path`` still holds the weights a rollback loads."""
-    return (Path(path) / WEIGHTS_FILE).is_file()
+    """Whether the version folder ``path`` still holds the weights a rollback loads
+    (``core.policy_store``; the learner prunes whole folders, ``keep_versions``)."""
+    return layout(path) is not None
 
 
 def require_admin(request: Request) -> None:

@@ -10,9 +10,10 @@ demo: install
 test: install
 	.venv/bin/pytest -q -p no:cacheprovider
 
-# The fast tier: pure modules and plans, no engine, model, broker or PostgreSQL (under a minute).
+# The fast tier: pure modules and plans, no engine, model, broker or PostgreSQL; two workers
+# (pytest-xdist), one per core.
 test-unit: install
-	.venv/bin/pytest -q -p no:cacheprovider -m "not integration"
+	.venv/bin/pytest -q -p no:cacheprovider -m "not integration" -n 2
 
 bench: install
 	.venv/bin/python bench/bench_serving.py

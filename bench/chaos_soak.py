@@ -13,7 +13,7 @@ Traffic: ``--clients`` loops, each sending chats (streamed or not, some with ``s
 to a random replica and rating most answers through a random replica (some after the
 learner's ``expire_s``). Chaos, on a schedule drawn from the seed: learner lives armed with a
 kill point (each dies there, status 137) and SIGKILLs at random moments, each life restarted at
-once; PostgreSQL stopped (``pg_ctl -m fast``) and started; the broker paused (SIGSTOP) and
+once (a life starts with the replicas, the first ones armed); PostgreSQL stopped (``pg_ctl -m fast``) and started; the broker paused (SIGSTOP) and
 resumed; one replica stopped and started again. Every outage is recorded as a window with its
 timestamps. Then the traffic stops, the learner trains what is left (padding with a few rated
 chats of its own to fill the last batch), and the audit checks:
@@ -27,14 +27,18 @@ chats of its own to fill the last batch), and the audit checks:
   request was sent, and each record's token versions rise from its dispatch version; the
   restarted replica was 503 until it served the newest version recorded at its start;
 - the versions in the database run 0..N, each the child of the one before, all published;
-- no learner life ended other than by its kill.
+- no learner life ended other than by its kill, or at its start while the database was down
+  (``saoserve learn`` migrates first and exits then; compose's restart policy, as the soak,
+  starts it again; a replica the same).
 
 Prints the figures (requests, 2xx, 5xx in and out of the windows, trajectories, feedback
 trained, kills, swaps, outages and their recovery times) and exits 1 if any check failed;
-``--json FILE`` writes them. tests/test_chaos_soak.py runs a short soak.
+``--json FILE`` writes them. tests/test_chaos_soak.py runs a short soak (opt-in: ``SAOSERVE_SOAK=1``);
+the measured runs are in docs/reliability.md, "The chaos soak".
 
     flock /tmp/saoserve-heavy.lock .venv/bin/python bench/chaos_soak.py \\
-        [--duration 300] [--seeds 0[,1...]] [--clients 4] [--grace-s 3] [--json FILE] [--keep]
+        [--duration 300] [--seeds 0[,1...]] [--clients 4] [--think-s 0.25] [--points all]
+        [--replica-stop term|kill] [--grace-s 3] [--json FILE] [--keep]
 """
 
 from __future__ import annotations
@@ -309,16 +313,24 @@ class Soak:
             if proc is not None and not proc.alive():
                 life = self.lives[-1]
                 life.ended, life.rc = time.time(), proc.proc.returncode
+                if life.point and life.rc != 137:
+                    self.points.insert(0, life.point)  # killed otherwise first: arm the next life
                 self.dep.procs.remove(proc)
                 self._start_life()
             time.sleep(0.2)
 
-    def sigkill_learner(self) -> None:
-        proc, life = self.learner, self.lives[-1]
-        if proc.alive():
-            life.sigkilled = True
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.proc.pid, signal.SIGKILL)
+    def sigkill_learner(self, wait_s: float = 60.0) -> None:
+        """SIGKILL the learner's current life, once it is one without a kill point (an armed
+        life is left to die at its point; waits up to ``wait_s`` for the next one)."""
+        deadline = time.time() + wait_s
+        while time.time() < deadline:
+            proc, life = self.learner, self.lives[-1]
+            if life.point is None and proc.alive():
+                life.sigkilled = True
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.proc.pid, signal.SIGKILL)
+                return
+            time.sleep(0.5)
 
     # ------------------------------------------------------------------ chaos
     def outage(self, what: str, down, up, seconds: float) -> None:
@@ -331,17 +343,19 @@ class Soak:
         w.recovered_s = self.wait_all_ready(w.end) - w.end
 
     def wait_all_ready(self, since: float, timeout_s: float = 120) -> float:
-        """The first time after ``since`` when every replica answered ``/readyz`` 200."""
+        """The first time after ``since`` when every replica answered ``/readyz`` 200 (a replica
+        being restarted is left out: its own window ends when it is ready)."""
         deadline = time.time() + timeout_s
-        while time.time() < deadline:
+        while time.time() < deadline and not self.stop_all.is_set():
+            restarting = {w.slot for w in self.windows if w.slot is not None and not w.end}
             with self.lock:
                 after = [e for e in self.ready_log if e[0] >= since]
             ok_at = {}
             for t, slot, code, _ in after:
                 if code == 200 and slot not in ok_at:
                     ok_at[slot] = t
-            if len(ok_at) == len(self.replicas):
-                return max(ok_at.values())
+            if set(range(len(self.replicas))) - restarting <= ok_at.keys():
+                return max(ok_at.values(), default=since)
             time.sleep(0.2)
         raise TimeoutError(f"the replicas were not all ready within {timeout_s:.0f} s of {since:.1f}")
 
@@ -354,11 +368,14 @@ class Soak:
             self.swaps_before_restart[slot] = metric(page, "saoserve_policy_swaps_total", result="ok") or 0.0
         w = Window(f"replica {old.name} restart", time.time(), slot=slot)
         self.windows.append(w)
+        if self.args.replica_stop == "kill":
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(old.proc.pid, signal.SIGKILL)
         old.stop()
         self.dep.procs.remove(old)
         newest = newest_published_retrying(db)
         spawned, exits = time.time(), []
-        while True:
+        while not self.stop_all.is_set():
             # An orchestrator's restart policy: a replica that exits while starting (its
             # migration at start needs the database) is started again.
             name = f"{old.name.split('-life')[0]}-life{len(self.restarts) + 2}-{len(exits)}"
@@ -411,7 +428,7 @@ class Soak:
     def run(self) -> dict:
         sys.path.insert(0, str(ROOT))
         from learner.config import build_config
-        from learner.faults import POINTS
+        from learner.faults import CYCLE_POINTS
         from saoserve.model import prepare_model
         from tests.dependencies import PgCluster, TansuBroker
         from tests.replicas import Deployment
@@ -445,17 +462,12 @@ class Soak:
             )
             (self.home / "learner.json").write_text(config.model_dump_json())
             self.learner_args = ["--config", str(self.home / "learner.json")]
-            rng = random.Random(self.seed)
-            n_points = max(2, min(len(POINTS), int(self.args.duration // 45)))
-            first = rng.randrange(len(POINTS))
-            self.points = [
-                f"{POINTS[(first + k) % len(POINTS)]}:{rng.randint(1, 2)}" for k in range(n_points)
-            ]
+            self.points = kill_points(self.args.points, self.seed, CYCLE_POINTS)
             self.replicas = [
                 self.dep.serve(f"replica-{chr(97 + s)}", self._bind(s)) for s in range(self.args.replicas)
             ]
-            self.dep.wait_ready(self.replicas, timeout_s=240)
             self._start_life()
+            self.dep.wait_ready(self.replicas, timeout_s=240)
             threads = [
                 threading.Thread(target=self.monitor, daemon=True),
                 threading.Thread(target=self.supervise, daemon=True),
@@ -478,12 +490,14 @@ class Soak:
                     self.sigkill_learner()
                 else:
                     slot = int(action.split(":")[1])
-                    restarts.append(threading.Thread(target=self.restart_replica, args=(slot, db)))
+                    restarts.append(
+                        threading.Thread(target=self.restart_replica, args=(slot, db), daemon=True)
+                    )
                     restarts[-1].start()
             for t in restarts:
                 t.join(400)
-            # The traffic goes on for the duration, and at least 10 s after the last restart.
-            last = max((r["ready"] for r in self.restarts), default=0.0) + 10.0
+            # The traffic goes on for the duration, and at least 5 s after the last restart.
+            last = max((r["ready"] for r in self.restarts), default=0.0) + 5.0
             time.sleep(max(0.0, t_traffic + self.args.duration - time.time(), last - time.time()))
             self.stop_traffic.set()
             for t in clients:
@@ -508,6 +522,10 @@ class Soak:
             self.stop_all.set()
             self.stop_traffic.set()
             if self.dep is not None:
+                # SIGTERM to every process group at once, then the harness's stop (waits, SIGKILL).
+                for proc in self.dep.procs:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(proc.proc.pid, signal.SIGTERM)
                 self.dep.stop()
             if db is not None:
                 db.dispose()
@@ -536,7 +554,7 @@ class Soak:
                     last, since = waiting, time.time()
                 elif waiting and time.time() - since > 6.0:
                     # As many samples waiting for 6 s: less than a batch. Fill it once.
-                    since = time.time() + 30.0
+                    since = time.time() + 15.0
                     for _ in range(BATCH - waiting % BATCH):
                         body = {
                             "messages": [{"role": "user", "content": "Pad the last batch."}],
@@ -715,11 +733,19 @@ class Soak:
         announced = {e.version for e in events}
         problems += [f"version {v} has no policy event" for v in numbers if v and v not in announced]
 
-        # Learner lives: each ended by its kill.
+        # Learner lives: each ended by its kill, or at its start while the database was down
+        # (``saoserve learn`` migrates first and exits: compose's restart policy starts it again).
+        db_windows = [w for w in self.windows if w.what == "database"]
+        exits_in_outage = 0
         for life in self.lives:
             if life.rc is None:
                 continue
             if life.point and life.rc == 137 or life.sigkilled and life.rc == -9:
+                continue
+            log_text = (self.home / f"learner-{life.n}.log").read_text(errors="replace")
+            in_outage = any(life.started <= w.end and w.start <= life.ended for w in db_windows)
+            if life.rc == 1 and in_outage and "Connection refused" in log_text:
+                exits_in_outage += 1
                 continue
             problems.append(f"learner life {life.n} ({life.point or 'unarmed'}) ended with {life.rc}")
 
@@ -773,12 +799,24 @@ class Soak:
                 "points": [life.point for life in self.lives if life.point and life.rc == 137],
                 "sigkills": sum(life.sigkilled and life.rc == -9 for life in self.lives),
                 "death_to_next_version_s": sorted(round(b, 1) for b in back),
+                "exits_at_start_in_a_database_outage": exits_in_outage,
             },
             "windows": [asdict(w) for w in self.windows],
             "restarts": self.restarts,
             "grace_s": self.args.grace_s,
             "problems": problems,
         }
+
+
+def kill_points(spec: str, seed: int, points: tuple[str, ...]) -> list[str]:
+    """The kill points of the first learner lives, one life each: ``spec`` a comma-separated
+    list of ``point:n`` (``SAOSERVE_FAULT_POINT`` values), or ``all``: every point once, from a
+    seeded one on, each on its first or second pass."""
+    if spec != "all":
+        return [p for p in spec.split(",") if p]
+    rng = random.Random(seed)
+    first = rng.randrange(len(points))
+    return [f"{points[(first + k) % len(points)]}:{rng.randint(1, 2)}" for k in range(len(points))]
 
 
 def aware_ts(t) -> float:
@@ -844,8 +882,9 @@ def print_report(r: dict) -> None:
         ("202 feedback by fate", json.dumps(r["feedback_fate"])),
         ("versions / swaps on the replicas", f"{r['versions']} / {r['swaps']:.0f}"),
         (
-            "learner lives / point kills / SIGKILLs",
-            f"{r['learner']['lives']} / {r['learner']['point_kills']} / {r['learner']['sigkills']}",
+            "learner lives / point kills / SIGKILLs / exits at start (database down)",
+            f"{r['learner']['lives']} / {r['learner']['point_kills']} / {r['learner']['sigkills']} / "
+            f"{r['learner']['exits_at_start_in_a_database_outage']}",
         ),
         ("kill points passed", ", ".join(r["learner"]["points"])),
         ("learner death → next version committed (s)", str(r["learner"]["death_to_next_version_s"])),
@@ -879,9 +918,22 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--think-s", type=float, default=0.1, help="mean pause of a client between requests")
+    ap.add_argument("--think-s", type=float, default=0.25, help="mean pause of a client between requests")
     ap.add_argument(
         "--grace-s", type=float, default=3.0, help="seconds after a window that still count in it"
+    )
+    ap.add_argument(
+        "--points",
+        default="all",
+        help="kill points of the first learner lives: 'all' (each of the seven once, seeded order) or "
+        "'point:n,...'",
+    )
+    ap.add_argument(
+        "--replica-stop",
+        choices=("term", "kill"),
+        default="term",
+        help="how the restarted replica is stopped: SIGTERM (a rolling restart: streams finish) or "
+        "SIGKILL (a crash)",
     )
     ap.add_argument("--json", type=Path, help="write the reports here")
     ap.add_argument("--keep", action="store_true", help="keep the run's folder (the processes' logs)")

@@ -25,6 +25,9 @@ ROLLBACK_TO = "rollback_to"
 GUARD_OFF = "guard_off"
 GUARD_PIN = "guard_pin"
 CANARY_SHARE = "canary_share"
+# Written by the learner, not an operator: its last verdict on the lineage (JSON, as
+# ``learner.process.Learner.guard_check`` records it), which /metrics and the dashboard show.
+GUARD_VERDICT = "guard_verdict"
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from core.limits import (
     EPISODE_ID_CHARS,
     FINISH_REASON_CHARS,
     ID_CHARS,
+    IDENTITY_CHARS,
     KEY_CHARS,
     NAME_CHARS,
     PROMPT_ID_CHARS,
@@ -277,6 +278,9 @@ class LearnerSample(Base):
     prompt_id: Mapped[str] = mapped_column(String(PROMPT_ID_CHARS))
     payload: Mapped[str] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    # Who sent it (``Sample.identity``): what the identity cap counts (learner/identity_cap.py);
+    # NULL for samples without one (and those joined before revision 0012).
+    identity: Mapped[str | None] = mapped_column(String(IDENTITY_CHARS))
 
 
 class LearnerCounter(Base):
@@ -352,3 +356,15 @@ class ForgottenRecord(Base):
     __tablename__ = "forgotten_records"
     key: Mapped[str] = mapped_column(String(KEY_CHARS), primary_key=True)
     forgotten_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class ApiKey(Base):
+    """An API key of a tenant (``core/keys.py``): the sha256 of the key, never the key itself.
+    ``revoked_at`` is NULL while the key is valid."""
+
+    __tablename__ = "api_keys"
+    id: Mapped[str] = mapped_column(String(NAME_CHARS), primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(NAME_CHARS), index=True)
+    key_sha256: Mapped[str] = mapped_column(String(SHA256_CHARS))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))

@@ -14,6 +14,7 @@ from datetime import datetime
 from sqlalchemy import func, insert, literal, select, update
 from sqlalchemy.engine import Connection
 
+from core.claims import TRAJECTORY_PREFIX
 from core.db import (
     FeedbackClaim,
     LearnerStep,
@@ -94,7 +95,7 @@ def rated_rewards(
         return []
     q = (
         select(FeedbackClaim.reward, FeedbackClaim.received_at)
-        .join(TrajectoryIndex, FeedbackClaim.target == literal("t:") + TrajectoryIndex.id)
+        .join(TrajectoryIndex, FeedbackClaim.target == literal(TRAJECTORY_PREFIX) + TrajectoryIndex.id)
         .where(
             FeedbackClaim.state == "received",
             FeedbackClaim.reward.is_not(None),

@@ -35,7 +35,11 @@ USER_CHARS = 256
 """The OpenAI ``user`` field of a chat request, kept with its trajectory."""
 
 NAME_CHARS = 64
-"""Names the code makes: topics, consumers, counters, control flags, run ids, dead-letter kinds."""
+"""Names the code makes: topics, consumers, counters, control flags, run ids, dead-letter kinds;
+API key ids and tenant names (``core/keys.py``)."""
+
+IDENTITY_CHARS = len("user:") + USER_CHARS
+"""Who sent a trajectory (``core.keys.identity_of``): ``key:<key id>`` or ``user:<user field>``."""
 
 STATE_CHARS = 16
 """Short states: a version's status, a claim's state, a pending row's kind."""

@@ -16,7 +16,15 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from core.limits import EPISODE_ID_CHARS, ID_CHARS, MAX_EPISODE_TURNS, PROMPT_ID_CHARS, USER_CHARS
+from core.limits import (
+    EPISODE_ID_CHARS,
+    ID_CHARS,
+    IDENTITY_CHARS,
+    MAX_EPISODE_TURNS,
+    NAME_CHARS,
+    PROMPT_ID_CHARS,
+    USER_CHARS,
+)
 
 TRAJECTORY_SCHEMA = "saoserve.trajectory/1"
 FEEDBACK_SCHEMA = "saoserve.feedback/1"
@@ -99,6 +107,12 @@ class TrajectoryRecord(BaseModel):
     train: bool = True
     # The request's OpenAI ``user`` field: whose record it is, for ``saoserve admin forget``.
     user: str | None = Field(None, max_length=USER_CHARS)
+    # Who sent it (core.keys.identity_of): ``key:<key id>`` when an API key authenticated the
+    # request (the id, never the key), else ``user:<user field>``, else None; what the learner's
+    # identity cap counts (docs/tenants.md). ``tenant``: the key's tenant, from the key registry.
+    # Both None on records logged before them.
+    identity: str | None = Field(None, max_length=IDENTITY_CHARS)
+    tenant: str | None = Field(None, max_length=NAME_CHARS)
 
     @model_validator(mode="after")
     def _aligned(self) -> TrajectoryRecord:
@@ -202,6 +216,15 @@ def check_feedback_token(secret: str, completion_id: str, token: str) -> bool:
 WHOLE_ANSWER_FINISHES = frozenset({"stop", "length"})
 """Finish reasons of a whole answer; any other reason (``abort``, ``error``) excludes the
 trajectory from training and from feedback."""
+
+
+def is_whole_answer(finish_reason: str) -> bool:
+    """Whether an answer that ended with ``finish_reason`` is whole (docs/design.md §8): the
+    model ended it (``stop``) or its token budget did (``length``). Only a whole answer is rated
+    (the server refuses feedback on any other, 409 ``not_a_whole_answer``), trained, or counted
+    as evidence; ``abort``, ``error``, vLLM's ``repetition`` and any reason not known here are
+    not."""
+    return finish_reason in WHOLE_ANSWER_FINISHES
 
 
 def answer_version(rec: TrajectoryRecord) -> int:

@@ -33,6 +33,7 @@ from datetime import datetime, timedelta
 from sqlalchemy import ColumnElement, Table, delete, exists, func, insert, select, text
 from sqlalchemy.engine import Connection, Engine
 
+from core.claims import episode_key, trajectory_target
 from core.db import (
     ConsumerOffset,
     DeadLetter,
@@ -75,11 +76,6 @@ def sql_log_engine(log: LogTransport) -> Engine | None:
     return log.engine if isinstance(log, SqlLog) else None
 
 
-def episode_key(episode_id: str) -> str:
-    """The tombstone (and ``pending_joins``, ``learner_samples``) key of an episode."""
-    return f"e:{episode_id}"
-
-
 def forget_keys(trajectory_ids: Iterable[str], episode_ids: Iterable[str]) -> set[str]:
     """Tombstone keys of the trajectories and episodes forgotten."""
     return set(trajectory_ids) | {episode_key(e) for e in episode_ids}
@@ -87,7 +83,7 @@ def forget_keys(trajectory_ids: Iterable[str], episode_ids: Iterable[str]) -> se
 
 def claim_targets(trajectory_ids: Iterable[str], episode_ids: Iterable[str]) -> set[str]:
     """Feedback claim targets (``t:<id>``, ``e:<episode id>``) of those trajectories and episodes."""
-    return {f"t:{t}" for t in trajectory_ids} | {episode_key(e) for e in episode_ids}
+    return {trajectory_target(t) for t in trajectory_ids} | {episode_key(e) for e in episode_ids}
 
 
 def concerns(payload: str | None, user: str, trajectory_ids: set[str], episode_ids: set[str]) -> bool:

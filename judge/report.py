@@ -29,7 +29,7 @@ from judge.plots import (
     plot_style_share,
     plot_wallclock,
 )
-from judge.runstats import quantile
+from judge.runstats import learner_utilisation, quantile
 from judge.styles import Schedule, schedule_from_spec
 
 
@@ -106,6 +106,7 @@ def _online_html(metrics: dict[str, Any]) -> str:
     rows, steps, settings = "", "", ""
     for name, m in metrics["methods"].items():
         st, lat, bl = m["staleness"], m["feedback_to_served_s"], m["backlog"]
+        util = m["learner_utilisation"]
         if m.get("traffic"):
             given = ", ".join(f"{k} {v}" for k, v in m["traffic"].items() if v is not None)
             settings += f"<li>{e(name)}: {e(given)}</li>"
@@ -114,6 +115,7 @@ def _online_html(metrics: dict[str, Any]) -> str:
             f"<tr><td>{e(name)}</td><td>{e(str(m['mode']))}</td><td>{_fmt(m['wall_s'])}</td>"
             f"<td>{_fmt(m['requests_per_s'])}</td><td>{_fmt(st['mean'])}</td><td>{_fmt(st['p95'])}</td>"
             f"<td>{_fmt(lat['p50'])}</td><td>{_fmt(lat['p95'])}</td>"
+            f"<td>{_fmt(util['busy_fraction'])}</td><td>{_fmt(util['full_wait_s']['p50'])}</td>"
             f"<td>{_fmt(m['feedback_to_first_token_s']['p50'])}</td>"
             f"<td>{_fmt(m['feedback_to_swap_s']['p50'])}</td>"
             f"<td>{_fmt(bl['mean'])}</td><td>{_fmt(bl['max'])}</td><td>{_fmt(bl['held_s'])}</td>"
@@ -132,11 +134,14 @@ generated the token (the trajectory's spans), over all the run's steps. Feedback
 the feedback that completed a batch to the first answer returned whose first token came from the
 version trained on it (or a later one); feedback→first token stops at the earliest first text
 of such an answer (the version's first token to reach a user); feedback→swap when the server is first seen serving that version (sampled each
-second), before the new answer begins. Backlog: samples waiting for the learner (feedback posted
+second), before the new answer begins. Learner busy: the learner's step time over the span from
+its first step's start to its last version's commit; full batch waited: per step, seconds from
+the later of the previous commit and the batch's completion to the step's start. Backlog: samples waiting for the learner (feedback posted
 minus a batch per new version), sampled each second; held: seconds new requests waited for it.</p>
 <ul>{settings}</ul>
 <table><tr><th>method</th><th>mode</th><th>wall s</th><th>answers/s</th><th>staleness mean</th>
-<th>staleness p95</th><th>feedback→served p50 s</th><th>p95 s</th><th>feedback→first token p50 s</th>
+<th>staleness p95</th><th>feedback→served p50 s</th><th>p95 s</th><th>learner busy</th>
+<th>full batch waited p50 s</th><th>feedback→first token p50 s</th>
 <th>feedback→swap p50 s</th>
 <th>backlog mean</th>
 <th>backlog max</th><th>held s</th><th>learner steps</th><th>mean DIS kept</th></tr>{rows}</table>
@@ -168,7 +173,8 @@ def _seeds_html(schedule: Schedule, metrics: dict[str, Any]) -> str:
     per_seed = "".join(
         f"<tr><td>{e(name)}</td><td>{r['seed']}</td><td>{_fmt(r['auc'])}</td><td>{_fmt(r['last5_mean'])}</td>"
         f"<td>{e(str(r['adaptation_lag']))}</td><td>{_num(r.get('staleness_mean'))}</td>"
-        f"<td>{_num(r.get('feedback_to_served_p50'))}</td><td>{_num(r.get('step_time_median_s'))}</td>"
+        f"<td>{_num(r.get('feedback_to_served_p50'))}</td><td>{_num(r.get('learner_busy_fraction'))}</td>"
+        f"<td>{_num(r.get('step_time_median_s'))}</td>"
         f"<td>{_num(r.get('wall_s'))}</td></tr>"
         for name, m in metrics["methods"].items()
         for r in m.get("seeds", [])
@@ -179,7 +185,7 @@ def _seeds_html(schedule: Schedule, metrics: dict[str, Any]) -> str:
 first seed, except the reward bands.</p>
 <table><tr><th>method</th><th>seeds</th><th>AUC</th><th>last-5 mean</th>{switch_heads}</tr>{rows}</table>
 <table><tr><th>method</th><th>seed</th><th>AUC</th><th>last-5</th><th>lag</th><th>staleness mean</th>
-<th>feedback→served p50 (s)</th><th>learner step median (s)</th><th>wall (s)</th></tr>{per_seed}</table>
+<th>feedback→served p50 (s)</th><th>learner busy</th><th>learner step median (s)</th><th>wall (s)</th></tr>{per_seed}</table>
 """
 
 
@@ -211,6 +217,11 @@ def _finite(x: Any) -> Any:
     if isinstance(x, list | tuple):
         return [_finite(v) for v in x]
     return x
+
+
+def _with_utilisation(m: dict[str, Any], details: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``m`` with ``learner_utilisation`` of the run's learner steps (``judge.runstats``)."""
+    return m | {"learner_utilisation": learner_utilisation((details or {}).get("learner_steps") or [])}
 
 
 def write_report(
@@ -245,6 +256,8 @@ def write_report(
              returned), "feedback_to_first_token_s" (to the earliest first token of an answer
              begun by that version or a later one),
              "feedback_to_swap_s" (to the server seen serving it): (same),
+             "learner_utilisation": {"busy_fraction", "busy_s", "span_s", "steps",
+                 "full_wait_s": {"p50", "max", "total", "n"}} (``judge.runstats``),
              "learner_versions": [per step],
              "dis_kept_fraction", "mean_abs_log_ratio", "explained_variance", "critic_loss",
              "kl_ref", "staleness_mean_per_step", "step_time_s": [per learner step],
@@ -252,7 +265,8 @@ def write_report(
              "backlog": {"mean", "max", "final", "held_s"},
              "examples": [see example_answers], "wallclock": {"bin_s", "reward", "target_share"},
              with seeds: "seeds": [{"seed", "auc", "last5_mean", "adaptation_lag",
-                 "staleness_mean", "feedback_to_served_p50", "step_time_median_s", "wall_s"}],
+                 "staleness_mean", "feedback_to_served_p50", "learner_busy_fraction",
+                 "step_time_median_s", "wall_s"}],
              "seed_summary": {see seed_summary}}}}
 
     A step without answers (async runs only) has reward null; AUC and last-5 use the steps
@@ -270,7 +284,9 @@ def write_report(
     out.mkdir(parents=True, exist_ok=True)
     details = details or {}
     per_method = {
-        name: method_metrics(recs, sched, window, threshold, details.get(name))
+        name: _with_utilisation(
+            method_metrics(recs, sched, window, threshold, details.get(name)), details.get(name)
+        )
         for name, recs in methods.items()
     }
     seed_rewards: dict[str, list[list[float]]] = {}
@@ -279,7 +295,10 @@ def write_report(
             continue
         rows = []
         for run in runs:
-            m = method_metrics(run["records"], sched, window, threshold, run.get("details"))
+            m = _with_utilisation(
+                method_metrics(run["records"], sched, window, threshold, run.get("details")),
+                run.get("details"),
+            )
             rows.append(
                 {
                     "seed": run["seed"],
@@ -288,6 +307,7 @@ def write_report(
                     "adaptation_lag": m["adaptation_lag"],
                     "staleness_mean": m["staleness"]["mean"],
                     "feedback_to_served_p50": m["feedback_to_served_s"]["p50"],
+                    "learner_busy_fraction": m["learner_utilisation"]["busy_fraction"],
                     "step_time_median_s": _median(m["step_time_s"]),
                     "wall_s": m["wall_s"],
                 }

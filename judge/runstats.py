@@ -5,7 +5,8 @@ Pure functions over plain records (no I/O), used by ``judge.report`` and
 
 - learner steps: the learner's per-step metrics as ``GET /admin/learner`` returns them
   (``learner_steps`` rows): ``{"version": int, "staleness_hist": {"<versions>": tokens},
-  "completing_sample": trajectory id, "kept_fraction", "mean_abs_log_ratio", ...}``.
+  "completing_sample": trajectory id, "batch_completed_at": unix s, "step_time_s",
+  "created_at": the version's commit (ISO), "kept_fraction", "mean_abs_log_ratio", ...}``.
 - answer records of the async simulation (``judge.simulate``): ``{"id", "first_version",
   "t_first_token": s since the run started (the answer's first text chunk) or None,
   "t_answer": s (the answer complete), "t_feedback": s or None}``.
@@ -18,7 +19,9 @@ for its distribution per run, not only a per-step mean.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from datetime import UTC, datetime
+from itertools import pairwise
 from typing import Any
 
 
@@ -75,6 +78,18 @@ def staleness_distribution(steps: Sequence[Mapping[str, Any]]) -> dict[str, Any]
 SERVED_AT = ("t_answer", "t_first_token")
 
 
+def _completions(
+    steps: Sequence[Mapping[str, Any]], records: Sequence[Mapping[str, Any]]
+) -> Iterator[tuple[int, float]]:
+    """(version, ``t_feedback`` of its ``completing_sample``) per learner step, in step order,
+    for the steps whose completing sample has a record with a feedback time."""
+    by_id = {r["id"]: r for r in records if "id" in r}
+    for step in steps:
+        rec = by_id.get(step.get("completing_sample"))
+        if rec is not None and rec.get("t_feedback") is not None:
+            yield int(step["version"]), float(rec["t_feedback"])
+
+
 def feedback_to_served(
     steps: Sequence[Mapping[str, Any]], records: Sequence[Mapping[str, Any]], at: str = "t_answer"
 ) -> list[dict[str, Any]]:
@@ -94,22 +109,17 @@ def feedback_to_served(
     """
     if at not in SERVED_AT:
         raise ValueError(f"at must be one of {SERVED_AT}, got {at!r}")
-    by_id = {r["id"]: r for r in records if "id" in r}
     served_at: list[tuple[int, float]] = sorted(
         (int(r["first_version"]), float(r[at]))
         for r in records
         if r.get("first_version") is not None and r.get(at) is not None
     )
     out = []
-    for step in steps:
-        rec = by_id.get(step.get("completing_sample"))
-        if rec is None or rec.get("t_feedback") is None:
-            continue
-        v = int(step["version"])
+    for v, completed in _completions(steps, records):
         later = [t for fv, t in served_at if fv >= v]
         if not later:
             continue
-        completed, served = float(rec["t_feedback"]), min(later)
+        served = min(later)
         out.append({"version": v, "completed": completed, "served": served, "latency_s": served - completed})
     return out
 
@@ -126,21 +136,76 @@ def feedback_to_swap(
     Same omissions as ``feedback_to_served``; returns ``[{"version", "completed", "swapped",
     "latency_s"}]``.
     """
-    by_id = {r["id"]: r for r in records if "id" in r}
     out = []
-    for step in steps:
-        rec = by_id.get(step.get("completing_sample"))
-        if rec is None or rec.get("t_feedback") is None:
-            continue
-        v = int(step["version"])
+    for v, completed in _completions(steps, records):
         seen = [float(x["t"]) for x in timeline if int(x["version"]) >= v]
         if not seen:
             continue
-        completed, swapped = float(rec["t_feedback"]), min(seen)
+        swapped = min(seen)
         out.append(
             {"version": v, "completed": completed, "swapped": swapped, "latency_s": swapped - completed}
         )
     return out
+
+
+def _unix_s(value: Any) -> float:
+    """Unix seconds of a learner step's ``created_at`` (an ISO string as ``GET /admin/learner``
+    returns it, a datetime, or a number); a time without a zone is UTC, as the database stores it."""
+    if isinstance(value, int | float):
+        return float(value)
+    when = value if isinstance(value, datetime) else datetime.fromisoformat(str(value))
+    return (when if when.tzinfo else when.replace(tzinfo=UTC)).timestamp()
+
+
+def learner_utilisation(steps: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """How busy the learner was, from its steps' ``created_at`` (the version's commit),
+    ``step_time_s`` and ``batch_completed_at`` (unix s: the batch's last sample joined).
+
+    Each step is taken to run from ``created_at − step_time_s`` to ``created_at``; writing and
+    committing the version (before ``created_at``) counts as not busy. ``busy_fraction`` is the
+    steps' total time over the span from the first step's start to the last commit: 1 is a
+    learner that never waited. ``full_wait_s``, per step after the first that has
+    ``batch_completed_at``: seconds from the later of the previous commit and the batch's
+    completion to the step's start, that is while a full batch waited for a free learner (it
+    includes the previous version's announcement, checkpoint and the join that found the batch;
+    an upper bound on the poll loop's delay).
+
+    Returns ``{"busy_fraction", "busy_s", "span_s", "steps", "full_wait_s": {"p50", "max",
+    "total", "n"}}``; the figures are None (and ``n`` 0) without a timed step (for the waits,
+    without two). Raises ``ValueError`` for a negative step time.
+    """
+    timed = sorted(
+        (
+            (_unix_s(s["created_at"]), float(s["step_time_s"]), s.get("batch_completed_at"))
+            for s in steps
+            if s.get("created_at") is not None and isinstance(s.get("step_time_s"), int | float)
+        ),
+        key=lambda x: x[0],
+    )
+    if any(dt < 0 for _, dt, _ in timed):
+        raise ValueError("negative step_time_s")
+    waits = [
+        max(0.0, end - dt - max(prev_end, float(full)))
+        for (prev_end, _, _), (end, dt, full) in pairwise(timed)
+        if isinstance(full, int | float)
+    ]
+    wait = {
+        "p50": quantile(waits, 0.5) if waits else None,
+        "max": max(waits) if waits else None,
+        "total": sum(waits) if waits else None,
+        "n": len(waits),
+    }
+    if not timed:
+        return {"busy_fraction": None, "busy_s": None, "span_s": None, "steps": 0, "full_wait_s": wait}
+    busy = sum(dt for _, dt, _ in timed)
+    span = timed[-1][0] - (timed[0][0] - timed[0][1])
+    return {
+        "busy_fraction": busy / span if span > 0 else None,
+        "busy_s": busy,
+        "span_s": span,
+        "steps": len(timed),
+        "full_wait_s": wait,
+    }
 
 
 def latency_summary(latencies: Sequence[float]) -> dict[str, float | None]:

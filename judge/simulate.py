@@ -38,7 +38,7 @@ from pathlib import Path
 import httpx
 
 from core.evidence import uncertainty_weight
-from judge.base import Judge, JudgeFailure
+from judge.base import Judge, JudgeFailure, Judgement
 from judge.chatstream import ChatStream, StreamError
 from judge.pacing import pace_gap
 from judge.styles import Schedule, system_prompt, writing_requests
@@ -203,6 +203,35 @@ class Simulation:
     def _prompt_id(self, i: int) -> str:
         return f"sim-{i:04d}"
 
+    def _record(
+        self,
+        step: int,
+        i: int,
+        body: dict,
+        target: str,
+        j: Judgement,
+        answer: str,
+        versions: dict | None = None,
+        times: dict | None = None,
+    ) -> dict:
+        """The record of request ``i``'s judged answer (``SimulationResult.records``);
+        ``versions`` (first and last token's) and ``times`` are async mode's."""
+        return {
+            "step": step,
+            "id": body["id"],
+            "target_style": target,
+            "detected_style": j.style,
+            "reward": j.reward,
+            "quality": j.quality,
+            "policy_version": body["policy_version"],
+            **(versions or {}),
+            "finish_reason": body["choices"][0]["finish_reason"],
+            **(times or {}),
+            "prompt_id": self._prompt_id(i),
+            "request": self.requests[i],
+            "answer": answer,
+        }
+
     async def _pick(self, http: httpx.AsyncClient, n: int) -> list[int]:
         free = [
             i
@@ -319,19 +348,7 @@ class Simulation:
                 return None
             finally:
                 self.in_flight.discard(i)
-        return {
-            "step": step,
-            "id": body["id"],
-            "target_style": target,
-            "detected_style": j.style,
-            "reward": j.reward,
-            "quality": j.quality,
-            "policy_version": body["policy_version"],
-            "finish_reason": body["choices"][0]["finish_reason"],
-            "prompt_id": self._prompt_id(i),
-            "request": request,
-            "answer": answer,
-        }
+        return self._record(step, i, body, target, j, answer)
 
     async def run(self) -> SimulationResult:
         cfg = self.config
@@ -443,25 +460,16 @@ class Simulation:
         j = await self._judge(request, answer, target)
         if j is None:
             return False
-        rec = {
-            "step": step,
-            "id": body["id"],
-            "target_style": target,
-            "detected_style": j.style,
-            "reward": j.reward,
-            "quality": j.quality,
-            "policy_version": body["policy_version"],
-            "first_version": first,
-            "last_version": last,
-            "finish_reason": body["choices"][0]["finish_reason"],
-            "t_sent": sent,
-            "t_first_token": first_token,
-            "t_answer": answered,
-            "t_feedback": None,
-            "prompt_id": self._prompt_id(i),
-            "request": request,
-            "answer": answer,
-        }
+        rec = self._record(
+            step,
+            i,
+            body,
+            target,
+            j,
+            answer,
+            versions={"first_version": first, "last_version": last},
+            times={"t_sent": sent, "t_first_token": first_token, "t_answer": answered, "t_feedback": None},
+        )
         self.result.records.append(rec)
         self._per_step[step] = self._per_step.get(step, 0) + 1
         task = asyncio.create_task(self._late_feedback(http, body, rec))

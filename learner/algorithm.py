@@ -3,7 +3,9 @@
 ``learner.process`` drives any algorithm through ``Algorithm`` only: it builds one from the
 run's validated ``LearnerConfig`` (``learner.registry.build_algorithm``: the config's algorithm
 model names the class), calls ``step(batch)`` for the metrics of one update, publishes
-``policy_weights``, checkpoints ``state_dict`` and restores ``load_state_dict``. Adding an
+``policy_weights``, checkpoints ``state_dict`` and restores ``load_state_dict``. With a LoRA
+policy (``LearnerConfig.policy``, ``learner.lora``) the policy's published and checkpointed
+state is its adapter's, and only the adapter is trained (``attach_policy``). Adding an
 algorithm is a config model in ``learner.config``, a module with its ``Algorithm`` subclass, and
 one entry in ``learner.registry.ALGORITHMS``.
 """
@@ -17,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from learner.config import LoraPolicy
 from learner.precision import MixedPrecisionAdamW
 
 if TYPE_CHECKING:
@@ -24,20 +27,41 @@ if TYPE_CHECKING:
 
     from learner.batch import Batch
     from learner.config import LearnerConfig
+    from learner.lora import Adapter
 
 
 class Algorithm(ABC):
     """One policy-update algorithm on in-memory models.
 
     Attributes every implementation sets: ``config`` (the ``LearnerConfig`` it was built from),
-    ``policy`` (the float32 policy it trains), ``policy_opt`` (its optimizer) and ``steps``
+    ``policy`` (the float32 policy it trains), ``adapter`` (its ``learner.lora.Adapter`` with a
+    LoRA policy, else None) and ``policy_params`` (the tensors trained: all of the policy's, or
+    the adapter's), all three by ``attach_policy``; ``policy_opt`` (its optimizer) and ``steps``
     (updates done).
     """
 
     config: LearnerConfig
     policy: PreTrainedModel
+    adapter: Adapter | None
+    policy_params: list[torch.nn.Parameter]
     policy_opt: torch.optim.Optimizer
     steps: int
+
+    def attach_policy(self, policy: PreTrainedModel) -> None:
+        """Take ``policy`` (cast to float32 in place, eval mode) as the one to train: with a LoRA
+        ``config.policy`` its adapter is injected (``learner.lora.Adapter``: base weights frozen)
+        and ``policy_params`` are the adapter's, else every parameter that requires a gradient.
+        Raises ValueError from PEFT when a LoRA target module is not in the model."""
+        self.policy = policy.float().eval()
+        self.adapter = None
+        if isinstance(self.config.policy, LoraPolicy):
+            from learner.lora import Adapter
+
+            self.adapter = Adapter(self.policy, self.config.policy)
+            self.policy.eval()  # the injected layers are built in train mode
+            self.policy_params = self.adapter.parameters()
+        else:
+            self.policy_params = [p for p in self.policy.parameters() if p.requires_grad]
 
     @classmethod
     @abstractmethod
@@ -69,18 +93,58 @@ class Algorithm(ABC):
         return
 
     def load_policy_weights(self, weights: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
-        """Load published weights into the policy (``strict=False``: a tied tensor is stored
-        once) and, when the optimizer keeps float32 masters (``learner.precision``), into the
-        masters too; returns the missing and the unexpected keys."""
-        missing, unexpected = self.policy.load_state_dict(weights, strict=False)
+        """Load published weights into the policy and, when the optimizer keeps float32 masters
+        (``learner.precision``), into the masters too; returns the missing and the unexpected keys.
+
+        Full fine-tuning: the model's state dict (``strict=False``: a tied tensor is stored once).
+        LoRA: the adapter's tensors (``Adapter.load_state``, which raises ValueError on any
+        other key set or shape), so both lists are empty."""
+        if self.adapter is not None:
+            self.adapter.load_state(weights)
+            missing, unexpected = [], []
+        else:
+            missing, unexpected = self.policy.load_state_dict(weights, strict=False)
+        self._sync_masters()
+        return missing, unexpected
+
+    def reset_policy_to_base(self) -> None:
+        """Put a LoRA policy back to the base model (version 0: the initial adapter, B = 0).
+
+        Raises:
+            ValueError: the policy is trained in full (its base weights are a folder to load).
+        """
+        if self.adapter is None:
+            raise ValueError("a fully fine-tuned policy goes back to the base by loading its weights")
+        self.adapter.reset()
+        self._sync_masters()
+
+    def _sync_masters(self) -> None:
         if isinstance(self.policy_opt, MixedPrecisionAdamW):
             self.policy_opt.sync_from_model()
-        return missing, unexpected
 
     def reset_policy_optimizer(self) -> None:
         """Forget the policy optimizer's moments (a rollback abandons their updates)."""
         self.policy_opt.state.clear()
 
     def policy_weights(self, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
-        """A detached copy of the policy's state dict cast to ``dtype`` (for publishing)."""
-        return {k: v.detach().to(dtype=dtype, copy=True) for k, v in self.policy.state_dict().items()}
+        """A detached copy of the policy's state dict cast to ``dtype`` (for publishing); with
+        LoRA the adapter's tensors (``Adapter.state`` names)."""
+        state = self.adapter.state() if self.adapter is not None else self.policy.state_dict()
+        return {k: v.detach().to(dtype=dtype, copy=True) for k, v in state.items()}
+
+    def policy_state(self) -> dict[str, torch.Tensor]:
+        """The policy's part of a checkpoint: its state dict, or with LoRA only the adapter's
+        tensors (the base weights are version 0's, loaded again at start)."""
+        return self.adapter.state() if self.adapter is not None else self.policy.state_dict()
+
+    def load_policy_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore a ``policy_state()`` (the optimizer's masters are its own to restore).
+
+        Raises:
+            ValueError: an adapter state into a learner with another adapter, or with none.
+            RuntimeError: from torch, a full state that does not fit the policy.
+        """
+        if self.adapter is not None:
+            self.adapter.load_state(state)
+        else:
+            self.policy.load_state_dict(state)

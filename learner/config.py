@@ -13,11 +13,13 @@ papers 000/002); each model carries only its own fields, and ``learner.registry.
 maps each model to the class that runs it, so a new algorithm is a model here, its class and
 one registry entry. ``optimizer`` holds the AdamW settings every algorithm shares.
 ``correction`` is the off-policy correction of the policy loss (papers/004, docs/design.md §5.5).
+``policy`` says what the learner trains: every weight (``full``) or a LoRA adapter on the frozen
+base model (``lora``, ``learner.lora``, docs/lora.md).
 
 Presets (``PRESETS``): ``paper`` (the papers' numbers: SAO §3 setup, papers/003 §三(一)),
 ``cpu`` (the defaults of ``saoserve learn`` for the 135M model on CPU; the model defaults here)
-and ``demo`` (``saoserve demo``/``compare``: batch 16, policy lr 1e-4, critic lr 2e-4, AdamW
-β1 0.5, KL anchor 0.1; measured in docs/demo.md). A preset's algorithm fields apply to the
+and ``demo`` (``saoserve demo``/``compare``: the bf16 learner, batch 16, policy lr 1e-4, critic
+lr 2e-4, AdamW β1 0.5, KL anchor 0.1; measured in docs/demo.md). A preset's algorithm fields apply to the
 chosen algorithm where it has them (``demo`` with ``spo`` takes its batch and learning rate but
 has no KL anchor to set).
 """
@@ -31,7 +33,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from core.sequential import Decision, RuleParams
-from learner.gate import GateConfig
+from learner.gate_config import GateConfig
 
 _MODEL = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)
 
@@ -126,6 +128,54 @@ class OptimizerConfig(BaseModel):
     """AdamW weight decay (0: decay would pull pretrained weights to zero)."""
     grad_clip: float = Field(1.0, gt=0.0)
     """Max global L2 gradient norm per model."""
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The seven projections of a Llama-family decoder layer a LoRA adapter may target."""
+LORA_LR_FACTOR = 10.0
+"""A LoRA policy's default learning rate over the full fine-tuning one (``optimizer.policy_lr``):
+"LoRA Without Regret" (Schulman et al., 2025) found the best LoRA rate about 10x the full one."""
+
+
+class FullPolicy(BaseModel):
+    """Full fine-tuning: every policy weight is trained and each version publishes them all."""
+
+    model_config = _MODEL
+    kind: Literal["full"] = "full"
+    """Discriminator."""
+
+
+class LoraPolicy(BaseModel):
+    """A LoRA adapter ``W + (alpha/rank)·B·A`` on the frozen base model (``learner.lora``): only A
+    and B are trained and each version publishes the adapter in PEFT's layout (docs/lora.md)."""
+
+    model_config = _MODEL
+    kind: Literal["lora"] = "lora"
+    """Discriminator."""
+    rank: int = Field(8, ge=1, le=256)
+    """r, the inner dimension of B·A (8; rank 1 matches full fine-tuning in RL, "LoRA Without
+    Regret"). The serving engine's ``max_lora_rank`` must be at least this."""
+    alpha: float = Field(32.0, gt=0.0)
+    """α: the update is scaled by α/r (32, as "LoRA Without Regret", which keeps the best learning
+    rate nearly independent of the rank)."""
+    target_modules: tuple[Literal[LORA_TARGETS], ...] = Field(LORA_TARGETS, min_length=1)  # type: ignore[valid-type]
+    """Projections of every decoder layer that get an adapter (all seven by default; the paper
+    found attention-only adapters worse)."""
+    dropout: float = Field(0.0, ge=0.0, le=0.0)
+    """LoRA dropout; only 0: the learner computes in eval mode so that its log-probabilities match
+    the server's, where dropout never applies."""
+    lr: float | None = Field(None, gt=0.0)
+    """The adapter's AdamW learning rate (None: ``LORA_LR_FACTOR`` × ``optimizer.policy_lr``)."""
+
+    @model_validator(mode="after")
+    def _distinct_targets(self) -> LoraPolicy:
+        if len(set(self.target_modules)) != len(self.target_modules):
+            raise ValueError(f"target_modules names a projection twice: {list(self.target_modules)}")
+        return self
+
+
+PolicyConfig = Annotated[FullPolicy | LoraPolicy, Field(discriminator="kind")]
+POLICY_MODELS = {"full": FullPolicy, "lora": LoraPolicy}
 
 
 AlgorithmConfig = Annotated[SAOAlgorithm | RunningMeanAlgorithm | SPOAlgorithm, Field(discriminator="name")]
@@ -257,8 +307,16 @@ class LearnerConfig(BaseModel):
     """The off-policy correction of the policy loss (papers/004; ``dis``: SAO's, the default)."""
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     """AdamW settings (policy learning rate, β1, weight decay, gradient clip)."""
+    policy: PolicyConfig = Field(default_factory=FullPolicy)
+    """What the learner trains: every weight (``full``) or a LoRA adapter (``lora``)."""
     batch_size: int = Field(8, ge=1)
     """Samples (one rollout per prompt) per learner step."""
+    max_identity_share: float | None = Field(None, gt=0.0, le=1.0)
+    """The most of a batch one identity (API key, else ``user`` field) may contribute: at most
+    max(1, ⌊share·batch_size⌋) samples; the rest wait for later batches (``learner.identity_cap``,
+    docs/tenants.md). E.g. 0.25: one key moves at most a quarter of each step, and a batch needs
+    samples of 4 identities (anonymous samples each count as one). None (the default): no cap,
+    because a cap with fewer identities than 1/share in the traffic stops training."""
     autocast_bf16: bool = False
     """Run forward/backward under bf16 autocast (master weights stay float32)."""
     bf16: bool = False
@@ -298,6 +356,22 @@ class LearnerConfig(BaseModel):
             )
         return self
 
+    @model_validator(mode="after")
+    def _lora_fits(self) -> LearnerConfig:
+        if isinstance(self.policy, LoraPolicy) and self.correction.kind == "mis_ewma":
+            # The proxy averages parameters; the average of two adapters' factors A and B is not
+            # the average of their updates B·A.
+            raise ValueError("the mis_ewma correction averages weights and does not apply to a lora policy")
+        return self
+
+    @property
+    def policy_lr(self) -> float:
+        """The policy optimizer's learning rate: ``optimizer.policy_lr``, or with a LoRA policy its
+        ``lr`` (default ``LORA_LR_FACTOR`` × ``optimizer.policy_lr``)."""
+        if isinstance(self.policy, LoraPolicy):
+            return self.policy.lr if self.policy.lr is not None else LORA_LR_FACTOR * self.optimizer.policy_lr
+        return self.optimizer.policy_lr
+
     def to_json(self) -> str:
         """The config as JSON (what a spawned ``saoserve learn --config`` reads)."""
         return self.model_dump_json(indent=1)
@@ -328,7 +402,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     # batch 8 one or two rewarded answers a step carried too little signal to follow a switch;
     # without the KL anchor answer quality fell within a few steps of a switch; a policy lr of
     # 2e-4 collapsed the text; AdamW's usual β1 0.9 kept pushing the old style after a switch.
+    # bf16 took the demo-shaped step at batch 16 from 38 s to 12 s; compiled layers did not make
+    # it faster (the shared prefix's cached pass recompiles them) and cost a compile first.
     "demo": {
+        "bf16": True,
         "batch_size": 16,
         "optimizer": {"policy_lr": 1e-4, "adam_beta1": 0.5},
         "algorithm": {"critic_lr": 2e-4, "kl_coef": 0.1},
@@ -336,7 +413,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 """Named presets: overrides of the model defaults (which are the ``cpu`` preset)."""
 
-SECTIONS = ("algorithm", "correction", "optimizer", "guard")
+SECTIONS = ("algorithm", "correction", "optimizer", "guard", "policy")
 """The nested models of ``LearnerConfig``, merged field by field by ``overlay``."""
 
 
@@ -347,7 +424,12 @@ def overlay(base: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
     out = dict(base) | {k: v for k, v in fields.items() if k not in SECTIONS}
     for key in SECTIONS:
         if key in fields:
-            out[key] = dict(base.get(key) or {}) | dict(fields[key] or {})
+            prior, given = dict(base.get(key) or {}), dict(fields[key] or {})
+            if not given and key not in base:
+                continue  # nothing set: the model's default, not an empty section
+            if key == "policy" and given.get("kind", prior.get("kind")) != prior.get("kind", "full"):
+                prior = {}  # another kind of policy: the base's fields (a rank) are not its own
+            out[key] = prior | given
     return out
 
 
@@ -362,7 +444,7 @@ def _explain(exc: ValidationError) -> str:
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "union_tag_invalid":
             tag = err["ctx"]["tag"]
-            field = "algorithm" if loc.startswith("algorithm") else "correction"
+            field = loc.split(".")[0]
             parts.append(f"unknown {field} {tag!r}: choose {err['ctx']['expected_tags']}")
         else:
             parts.append(f"{loc}: {msg}" if loc else msg)

@@ -150,7 +150,3 @@ class ValueModel(torch.nn.Module):
         with torch.autocast(device_type=hidden.device.type, enabled=False):
             v = self.head(hidden[:, :-1].float()).squeeze(-1)
         return torch.cat([torch.zeros_like(v[:, :1]), v], dim=1)
-
-    def values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Same as calling the module: [B, T] float32 values, ``out[:, t] = V(s_t)``."""
-        return self(input_ids, attention_mask)

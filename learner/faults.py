@@ -17,6 +17,18 @@ Points, in the order of one cycle (``learner.process.Learner``):
 * ``after_checkpoint``: ``checkpoint.pt`` replaced (only on checkpoint steps);
 * ``after_policy_event``: the policy event appended to the log, its status not yet
   ``published``.
+
+Points of the version lifecycle (docs/guard.md), passed only when the guard acts:
+
+* ``after_gate_reject``: a version the gate rejected committed with its quarantine, the policy
+  not yet put back to the parent's weights (nor the version's folder deleted);
+* ``during_guard_promote``: the guard's promotion of the lineage written in its transaction,
+  not committed;
+* ``after_guard_promote``: that promotion committed;
+* ``during_guard_reject``: the guard's rejection of the lineage, the quarantine of its samples
+  and the new version restoring the promoted weights written in one transaction, not committed;
+* ``after_rollback_commit``: a rollback's new version committed (the guard's restore, or an
+  operator's), not yet announced.
 """
 
 from __future__ import annotations
@@ -29,7 +41,7 @@ FAULT_ENV = "SAOSERVE_FAULT_POINT"
 EXIT_CODE = 137
 """What a shell reports for a process killed by SIGKILL (128 + 9)."""
 
-POINTS = (
+CYCLE_POINTS = (
     "after_read",
     "after_join_commit",
     "during_step",
@@ -38,6 +50,18 @@ POINTS = (
     "after_checkpoint",
     "after_policy_event",
 )
+"""The points every training cycle passes."""
+
+LIFECYCLE_POINTS = (
+    "after_gate_reject",
+    "during_guard_promote",
+    "after_guard_promote",
+    "during_guard_reject",
+    "after_rollback_commit",
+)
+"""The points passed only when the gate rejects or the guard decides."""
+
+POINTS = CYCLE_POINTS + LIFECYCLE_POINTS
 
 
 def parse(value: str | None) -> tuple[str, int] | None:

@@ -67,6 +67,7 @@ from datetime import UTC, datetime, timedelta
 
 from pydantic import ValidationError
 
+from core.claims import claim_target, episode_key, record_key
 from core.dead_letters import Letter
 from core.logbus import LogEntry
 from core.records import TOPIC_FEEDBACK, TOPIC_TRAJECTORIES, FeedbackRecord, TrajectoryRecord
@@ -86,16 +87,6 @@ arrive within minutes."""
 
 Result = tuple[str, float, int]
 """An evidence result: (prompt id, reward in [0, 1], policy version credited)."""
-
-
-def episode_key(episode_id: str) -> str:
-    """The ``pending_joins`` key of an episode's tombstone."""
-    return f"e:{episode_id}"
-
-
-def feedback_target(fb: FeedbackRecord) -> str:
-    """The feedback claim's target: ``t:<trajectory id>`` or ``e:<episode id>``."""
-    return f"t:{fb.trajectory_id}" if fb.trajectory_id is not None else episode_key(fb.episode_id)
 
 
 def expiry_cutoff(now: datetime, expire_s: float) -> datetime:
@@ -184,7 +175,7 @@ class Records:
 
     def targets(self, unconfirmed: Iterable[FeedbackRecord] = ()) -> set[str]:
         """Claim targets of this read's feedback and of ``unconfirmed`` (``JoinState.claims``)."""
-        return {feedback_target(f) for f in [*self.feedback, *unconfirmed]}
+        return {claim_target(f.trajectory_id, f.episode_id) for f in [*self.feedback, *unconfirmed]}
 
     def listed_turns(self, unconfirmed: Iterable[FeedbackRecord] = ()) -> set[str]:
         """Trajectory ids the episode feedback of this read (or ``unconfirmed``) lists."""
@@ -273,7 +264,11 @@ def _aware(t: datetime) -> datetime:
     return t if t.tzinfo is not None else t.replace(tzinfo=UTC)
 
 
-def _join_single(rec: TrajectoryRecord, reward: float) -> tuple[Sample | None, Result | None, dict[str, int]]:
+Join = tuple[Sample | None, Result | None, dict[str, int]]
+"""A join's outcome: (sample or None, evidence result or None, counter increments)."""
+
+
+def _join_single(rec: TrajectoryRecord, reward: float) -> Join:
     """A trajectory and its reward → (sample or None, evidence result or None, counters)."""
     result = (rec.prompt_id, reward, answer_version(rec))
     try:
@@ -284,9 +279,7 @@ def _join_single(rec: TrajectoryRecord, reward: float) -> tuple[Sample | None, R
         return None, result, {str(exc): 1}
 
 
-def _join_episode(
-    episode_id: str, turns: list[TrajectoryRecord], reward: float, in_order: bool
-) -> tuple[Sample | None, Result | None, dict[str, int]]:
+def _join_episode(episode_id: str, turns: list[TrajectoryRecord], reward: float, in_order: bool) -> Join:
     """An episode's turns and its reward → (sample or None, evidence result or None, counters);
     ``in_order``: the turns are in the order the feedback lists them."""
     try:
@@ -305,7 +298,7 @@ def _confirmation(fb: FeedbackRecord, claims: Mapping[str, str | None]) -> str:
     docstring)."""
     if fb.feedback_id is None:
         return "confirmed"
-    target = feedback_target(fb)
+    target = claim_target(fb.trajectory_id, fb.episode_id)
     if target not in claims:
         return "void_feedback"
     held = claims[target]
@@ -314,8 +307,325 @@ def _confirmation(fb: FeedbackRecord, claims: Mapping[str, str | None]) -> str:
     return "confirmed" if held == fb.feedback_id else "void_feedback"
 
 
+def _verdict(fb: FeedbackRecord, state: JoinState, cutoff: datetime) -> str:
+    """What becomes of one feedback record before any join: ``forgotten`` (its target was
+    forgotten, the first rule), else :func:`_confirmation`'s verdict, where ``unconfirmed``
+    past ``cutoff`` (by ``received_at``) becomes ``expired_feedback``."""
+    if record_key(fb.trajectory_id, fb.episode_id) in state.forgotten:
+        return "forgotten"
+    verdict = _confirmation(fb, state.claims)
+    if verdict == "unconfirmed" and _aware(fb.received_at) < cutoff:
+        return "expired_feedback"
+    return verdict
+
+
+def _episode_incomplete(
+    fb: FeedbackRecord, listed: list[str], turns: list[TrajectoryRecord], expired_before: frozenset[str]
+) -> tuple[str, str] | None:
+    """Why episode feedback listing ``listed`` cannot join the ``turns`` found of them, as
+    (counter, dead-letter reason): ``episode_turns_missing`` (a listed turn is not pending) or
+    ``episode_turns_misnumbered`` (feedback logged before turn lists whose turns are not
+    numbered 0..n-1, each once); None when it can join."""
+    found = {r.id for r in turns}
+    if len(turns) < len(listed):
+        missing = [tid for tid in listed if tid not in found]
+        cause = (
+            "expired before the feedback came"
+            if all(tid in expired_before for tid in missing)
+            else "are not pending (expired earlier?)"
+        )
+        return (
+            "episode_turns_missing",
+            f"{len(missing)} of its {len(listed)} turns {cause}: {', '.join(missing[:5])}",
+        )
+    numbers = sorted(r.turn for r in turns if r.turn is not None)
+    if fb.turn_ids is None and numbers != list(range(len(turns))):
+        return (
+            "episode_turns_misnumbered",
+            f"logged before turn lists, and its {len(turns)} turns are numbered {numbers[:8]}, "
+            "not 0..n-1 each once",
+        )
+    return None
+
+
+@dataclass
+class _Draft:
+    """A plan being built by :func:`plan_join`'s phases, which append to it in the order they
+    run (the order of rows within the commit).
+
+    ``joined_now``: keys tombstoned by this plan; ``waiting``: trajectories of this read that
+    wait for feedback, by id; ``feedback_pending_now``: trajectory ids whose feedback this plan
+    files as pending; ``joins``: the outcome of each join, in join order.
+    """
+
+    now: datetime
+    expire_s: float
+    counters: Counter[str]
+    letters: list[Letter]
+    deletes: list[tuple[str, str]] = field(default_factory=list)
+    inserts: list[PendingRow] = field(default_factory=list)
+    joins: list[Join] = field(default_factory=list)
+    joined_now: set[str] = field(default_factory=set)
+    waiting: dict[str, TrajectoryRecord] = field(default_factory=dict)
+    feedback_pending_now: set[str] = field(default_factory=set)
+
+    @property
+    def cutoff(self) -> datetime:
+        return expiry_cutoff(self.now, self.expire_s)
+
+    def tombstone(self, key: str, prompt_id: str) -> None:
+        """Leave a ``joined`` tombstone on ``key``."""
+        self.joined_now.add(key)
+        self.inserts.append(PendingRow(key, "joined", prompt_id, "", self.now))
+
+    def set_aside(self, kind: str, fb: FeedbackRecord, why: str) -> None:
+        """Set ``fb`` aside as a dead letter of ``kind``."""
+        key = record_key(fb.trajectory_id, fb.episode_id)
+        self.letters.append(Letter(kind, why, key=key, prompt_id=fb.prompt_id, payload=fb.to_json().decode()))
+
+    def plan(self, records: Records, expired: list[str]) -> JoinPlan:
+        """The finished plan: each join's sample, result and counters, after every phase's."""
+        samples = [sample for sample, _, _ in self.joins if sample is not None]
+        results = [result for _, result, _ in self.joins if result is not None]
+        for _, _, reasons in self.joins:
+            self.counters.update(reasons)
+        return JoinPlan(
+            deletes=self.deletes,
+            expired=expired,
+            inserts=self.inserts,
+            samples=samples,
+            results=results,
+            counters={name: n for name, n in self.counters.items() if n},
+            offsets=dict(records.offsets),
+            forget_joined_before=self.now - TOMBSTONE_TTL,
+            dead_letters=self.letters,
+        )
+
+
+def _drop_unreadable(draft: _Draft, unreadable: Iterable[Unreadable]) -> None:
+    """Phase 1: delete each pending row that no longer parses and set it aside."""
+    for u in unreadable:
+        draft.deletes.append((u.key, u.kind))
+        draft.letters.append(
+            Letter(
+                "unreadable_pending",
+                f"a pending {u.kind} row that does not parse: {u.why}",
+                key=u.key,
+                prompt_id=u.prompt_id,
+                payload=u.payload,
+            )
+        )
+
+
+def _confirm(draft: _Draft, records: Records, state: JoinState) -> list[FeedbackRecord]:
+    """Phase 2: the feedback that may join, in order (the pending unconfirmed first, then this
+    read's). A re-sent copy of a record with an id is a ``duplicate_feedback``; each other
+    record gets its :func:`_verdict`: a pending unconfirmed row that is decided is deleted, a
+    new unconfirmed record is filed pending, the others are counted (``expired_feedback`` also
+    set aside)."""
+    confirmed: list[FeedbackRecord] = []
+    seen: set[str] = set()
+    for fb, held in [
+        *((f, True) for f in state.unconfirmed.values()),
+        *((f, False) for f in records.feedback),
+    ]:
+        if fb.feedback_id is not None:
+            if fb.feedback_id in seen:
+                # A re-sent copy of a record this poll has already decided (or that waits).
+                draft.counters["duplicate_feedback"] += 1
+                continue
+            seen.add(fb.feedback_id)
+        verdict = _verdict(fb, state, draft.cutoff)
+        if held and verdict != "unconfirmed":
+            draft.deletes.append((fb.feedback_id, "unconfirmed"))
+        if verdict == "confirmed":
+            confirmed.append(fb)
+        elif verdict == "unconfirmed":
+            if not held:
+                draft.inserts.append(
+                    PendingRow(
+                        fb.feedback_id, "unconfirmed", fb.prompt_id, fb.to_json().decode(), fb.received_at
+                    )
+                )
+        else:
+            draft.counters[verdict] += 1
+            if verdict == "expired_feedback":
+                draft.set_aside(
+                    "unconfirmed",
+                    fb,
+                    f"its claim was not marked received within expire_s ({draft.expire_s:g} s): the "
+                    "server may have answered 202 and failed to mark it, or crashed before answering",
+                )
+    return confirmed
+
+
+def _is_forgotten(rec: TrajectoryRecord, forgotten: frozenset[str]) -> bool:
+    """Whether ``rec`` or its episode was forgotten."""
+    return rec.id in forgotten or (rec.episode_id is not None and episode_key(rec.episode_id) in forgotten)
+
+
+def _is_duplicate(rec: TrajectoryRecord, state: JoinState, draft: _Draft) -> bool:
+    """Whether ``rec`` was joined, expired, is pending, or was read before in this read."""
+    return (
+        rec.id in state.joined
+        or rec.id in state.expired_before
+        or rec.id in draft.joined_now
+        or rec.id in state.trajectories
+        or rec.id in draft.waiting
+    )
+
+
+def _take_trajectory(draft: _Draft, rec: TrajectoryRecord, state: JoinState) -> None:
+    """Phase 3, one trajectory of the read: dropped (forgotten, duplicate, a turn of an
+    episode already joined), joined with its pending feedback, or left waiting. Pending
+    feedback naming an episode's turn is deleted and counted ``episode_turn_feedback``."""
+    if _is_forgotten(rec, state.forgotten):
+        draft.counters["forgotten"] += 1
+        return
+    if _is_duplicate(rec, state, draft):
+        draft.counters["duplicate_trajectories"] += 1
+        return
+    if rec.id in state.feedback:
+        draft.deletes.append((rec.id, "feedback"))
+        if rec.episode_id is None:
+            draft.joins.append(_join_single(rec, state.feedback[rec.id].reward))
+            draft.tombstone(rec.id, rec.prompt_id)
+            return
+        draft.counters["episode_turn_feedback"] += 1
+    if rec.episode_id is not None and episode_key(rec.episode_id) in state.joined:
+        # The server takes no turn once an episode is rated; one logged anyway cannot join.
+        draft.counters["late_episode_turns"] += 1
+        return
+    draft.waiting[rec.id] = rec
+
+
+def _episode_turns_present(draft: _Draft, fb: FeedbackRecord, state: JoinState) -> list[TrajectoryRecord]:
+    """The turns of ``fb``'s episode at hand: those waiting in this read (taken out of
+    :attr:`_Draft.waiting`), then the pending ones not joined by this plan (deleted)."""
+    present = [r for r in draft.waiting.values() if r.episode_id == fb.episode_id]
+    for r in present:
+        del draft.waiting[r.id]
+    for r in state.trajectories.values():
+        if r.prompt_id == fb.prompt_id and r.episode_id == fb.episode_id and r.id not in draft.joined_now:
+            present.append(r)
+            draft.deletes.append((r.id, "trajectory"))
+    return present
+
+
+def _join_episode_feedback(draft: _Draft, fb: FeedbackRecord, state: JoinState) -> None:
+    """Phase 4, confirmed feedback on an episode: joins the turns it lists (all present ones
+    for feedback logged before turn lists), tombstones them and the episode, or sets the
+    feedback aside when turns are none, missing or misnumbered (:func:`_episode_incomplete`)."""
+    key = episode_key(fb.episode_id)
+    if key in state.joined or key in draft.joined_now:
+        draft.counters["duplicate_feedback"] += 1
+        return
+    present = _episode_turns_present(draft, fb, state)
+    listed = fb.turn_ids if fb.turn_ids is not None else [r.id for r in present]
+    if not listed:
+        draft.counters["episode_feedback_without_turns"] += 1
+        draft.set_aside("episode_incomplete", fb, "the feedback lists no turn of the episode")
+        return
+    by_id = {r.id: r for r in present}
+    draft.counters["void_episode_turns"] += len(by_id.keys() - set(listed))
+    turns = [by_id[tid] for tid in listed if tid in by_id]
+    for r in turns:
+        draft.tombstone(r.id, r.prompt_id)
+    draft.tombstone(key, fb.prompt_id)
+    incomplete = _episode_incomplete(fb, listed, turns, state.expired_before)
+    if incomplete is not None:
+        counter, why = incomplete
+        draft.counters[counter] += 1
+        draft.set_aside("episode_incomplete", fb, why)
+    else:
+        # Listed turns are in the server's turn order, which records logged before turn
+        # numbers do not carry.
+        draft.joins.append(_join_episode(fb.episode_id, turns, fb.reward, fb.turn_ids is not None))
+
+
+def _join_trajectory_feedback(draft: _Draft, fb: FeedbackRecord, state: JoinState) -> None:
+    """Phase 4, confirmed feedback on one trajectory: joins it with its trajectory (waiting or
+    pending), or drops it (a duplicate, a turn of an episode, its trajectory expired: set
+    aside), or files it pending for a trajectory not yet read."""
+    tid = fb.trajectory_id
+    if tid in state.joined or tid in draft.joined_now:
+        draft.counters["duplicate_feedback"] += 1
+        return
+    known = draft.waiting.get(tid) or state.trajectories.get(tid)
+    if known is not None and known.episode_id is not None:
+        # Rated by its episode only; the turn stays where it is and waits for that feedback.
+        draft.counters["episode_turn_feedback"] += 1
+        return
+    rec = draft.waiting.pop(tid, None)
+    if rec is None and tid in state.trajectories:
+        rec = state.trajectories[tid]
+        draft.deletes.append((tid, "trajectory"))
+    if rec is not None:
+        draft.joins.append(_join_single(rec, fb.reward))
+        draft.tombstone(tid, rec.prompt_id)
+    elif tid in state.expired_before:
+        draft.counters["late_feedback"] += 1
+        draft.set_aside(
+            "trajectory_expired",
+            fb,
+            f"its trajectory had expired (no feedback within expire_s = {draft.expire_s:g} s) before "
+            "this feedback was read",
+        )
+    elif tid in state.feedback or tid in draft.feedback_pending_now:
+        # The first feedback already waits for this trajectory: first wins.
+        draft.counters["duplicate_feedback"] += 1
+    else:
+        draft.feedback_pending_now.add(tid)
+        draft.inserts.append(PendingRow(tid, "feedback", fb.prompt_id, fb.to_json().decode(), draft.now))
+
+
+def _park_waiting(draft: _Draft) -> None:
+    """Phase 5: each trajectory still waiting is filed pending, or expired (tombstone of
+    kind ``expired``) when created before the cutoff."""
+    for rec in draft.waiting.values():
+        if _aware(rec.created_at) < draft.cutoff:
+            draft.counters["expired"] += 1
+            draft.inserts.append(PendingRow(rec.id, "expired", rec.prompt_id, "", draft.now))
+        else:
+            draft.inserts.append(
+                PendingRow(rec.id, "trajectory", rec.prompt_id, rec.to_json().decode(), rec.created_at)
+            )
+
+
+def _expire_pending(draft: _Draft, state: JoinState) -> list[str]:
+    """Phase 5: the pending trajectories that expire (those past the cutoff that this plan
+    neither joined nor deleted as unreadable), sorted, each leaving a tombstone of expiry."""
+    consumed = {key for key, kind in draft.deletes if kind == "trajectory"}
+    expired = sorted(state.expired - consumed - {u.key for u in state.unreadable})
+    draft.counters["expired"] += len(expired)
+    draft.inserts.extend(PendingRow(key, "expired", "", "", draft.now) for key in expired)
+    return expired
+
+
+def _set_aside_stale_feedback(draft: _Draft, state: JoinState) -> None:
+    """Phase 5: pending feedback past the cutoff that this plan did not join is deleted,
+    counted ``late_feedback`` and set aside."""
+    consumed = {key for key, kind in draft.deletes if kind == "feedback"}
+    for tid, fb in sorted(state.stale_feedback.items()):
+        if tid not in consumed:
+            draft.deletes.append((tid, "feedback"))
+            draft.counters["late_feedback"] += 1
+            draft.set_aside(
+                "trajectory_expired",
+                fb,
+                f"no trajectory joined it within expire_s ({draft.expire_s:g} s): its trajectory had "
+                "expired before it came",
+            )
+
+
 def plan_join(records: Records, state: JoinState, now: datetime, expire_s: float) -> JoinPlan:
     """Join one read against the committed state (module docstring for the rules).
+
+    Phases, in order (each appends to one draft): unreadable pending rows are set aside;
+    feedback is confirmed against its claim; this read's trajectories join pending feedback or
+    wait (a prompt's trajectory precedes its feedback in the log); confirmed feedback joins
+    its episode's turns or its trajectory; what still waits is filed pending or expires, and
+    stale feedback is set aside.
 
     Args:
         records: what the read returned.
@@ -326,235 +636,17 @@ def plan_join(records: Records, state: JoinState, now: datetime, expire_s: float
     Returns:
         The :class:`JoinPlan`. Pure: no I/O, ``records`` and ``state`` are not modified.
     """
-    counters: Counter[str] = Counter(records.malformed)
-    deletes: list[tuple[str, str]] = []
-    inserts: list[PendingRow] = []
-    samples: list[Sample] = []
-    results: list[Result] = []
-    joined_now: set[str] = set()
-    feedback_pending_now: set[str] = set()
-    waiting: dict[str, TrajectoryRecord] = {}
-    joins: list[tuple[Sample | None, Result | None, dict[str, int]]] = []
-    letters: list[Letter] = list(records.rejected)
-
-    def tombstone(key: str, prompt_id: str) -> None:
-        joined_now.add(key)
-        inserts.append(PendingRow(key, "joined", prompt_id, "", now))
-
-    def set_aside(kind: str, fb: FeedbackRecord, why: str) -> None:
-        key = episode_key(fb.episode_id) if fb.episode_id is not None else fb.trajectory_id
-        letters.append(Letter(kind, why, key=key, prompt_id=fb.prompt_id, payload=fb.to_json().decode()))
-
-    for u in state.unreadable:
-        deletes.append((u.key, u.kind))
-        letters.append(
-            Letter(
-                "unreadable_pending",
-                f"a pending {u.kind} row that does not parse: {u.why}",
-                key=u.key,
-                prompt_id=u.prompt_id,
-                payload=u.payload,
-            )
-        )
-
-    cutoff = expiry_cutoff(now, expire_s)
-    confirmed: list[FeedbackRecord] = []
-    seen: set[str] = set()
-    for fb, held in [
-        *((f, True) for f in state.unconfirmed.values()),
-        *((f, False) for f in records.feedback),
-    ]:
-        if fb.feedback_id is not None:
-            if fb.feedback_id in seen:
-                # A re-sent copy of a record this poll has already decided (or that waits).
-                counters["duplicate_feedback"] += 1
-                continue
-            seen.add(fb.feedback_id)
-        if (fb.trajectory_id or episode_key(fb.episode_id)) in state.forgotten:
-            counters["forgotten"] += 1
-            if held:
-                deletes.append((fb.feedback_id, "unconfirmed"))
-            continue
-        verdict = _confirmation(fb, state.claims)
-        if verdict == "unconfirmed" and _aware(fb.received_at) < cutoff:
-            verdict = "expired_feedback"
-        if held and verdict != "unconfirmed":
-            deletes.append((fb.feedback_id, "unconfirmed"))
-        if verdict == "confirmed":
-            confirmed.append(fb)
-        elif verdict == "unconfirmed":
-            if not held:
-                inserts.append(
-                    PendingRow(
-                        fb.feedback_id, "unconfirmed", fb.prompt_id, fb.to_json().decode(), fb.received_at
-                    )
-                )
-        else:
-            counters[verdict] += 1
-            if verdict == "expired_feedback":
-                set_aside(
-                    "unconfirmed",
-                    fb,
-                    f"its claim was not marked received within expire_s ({expire_s:g} s): the server "
-                    "may have answered 202 and failed to mark it, or crashed before answering",
-                )
-
-    # Trajectories first: a prompt's trajectory precedes its feedback in the log.
+    draft = _Draft(now, expire_s, Counter(records.malformed), list(records.rejected))
+    _drop_unreadable(draft, state.unreadable)
+    confirmed = _confirm(draft, records, state)
     for rec in records.trajectories:
-        if rec.id in state.forgotten or (
-            rec.episode_id is not None and episode_key(rec.episode_id) in state.forgotten
-        ):
-            counters["forgotten"] += 1
-            continue
-        if (
-            rec.id in state.joined
-            or rec.id in state.expired_before
-            or rec.id in joined_now
-            or rec.id in state.trajectories
-            or rec.id in waiting
-        ):
-            counters["duplicate_trajectories"] += 1
-            continue
-        fb = state.feedback.get(rec.id)
-        if fb is not None and rec.episode_id is not None:
-            deletes.append((rec.id, "feedback"))
-            counters["episode_turn_feedback"] += 1
-        elif fb is not None:
-            joins.append(_join_single(rec, fb.reward))
-            deletes.append((rec.id, "feedback"))
-            tombstone(rec.id, rec.prompt_id)
-            continue
-        if rec.episode_id is not None and episode_key(rec.episode_id) in state.joined:
-            # The server takes no turn once an episode is rated; one logged anyway cannot join.
-            counters["late_episode_turns"] += 1
-            continue
-        waiting[rec.id] = rec
-
+        _take_trajectory(draft, rec, state)
     for fb in confirmed:
         if fb.episode_id is not None:
-            key = episode_key(fb.episode_id)
-            if key in state.joined or key in joined_now:
-                counters["duplicate_feedback"] += 1
-                continue
-            present = [r for r in waiting.values() if r.episode_id == fb.episode_id]
-            for r in present:
-                del waiting[r.id]
-            for r in state.trajectories.values():
-                if r.prompt_id == fb.prompt_id and r.episode_id == fb.episode_id and r.id not in joined_now:
-                    present.append(r)
-                    deletes.append((r.id, "trajectory"))
-            listed = fb.turn_ids if fb.turn_ids is not None else [r.id for r in present]
-            if not listed:
-                counters["episode_feedback_without_turns"] += 1
-                set_aside("episode_incomplete", fb, "the feedback lists no turn of the episode")
-                continue
-            by_id = {r.id: r for r in present}
-            counters["void_episode_turns"] += len(by_id.keys() - set(listed))
-            for tid in listed:
-                if tid in by_id:
-                    tombstone(tid, by_id[tid].prompt_id)
-            tombstone(key, fb.prompt_id)
-            turns = [by_id[tid] for tid in listed if tid in by_id]
-            numbers = sorted(r.turn for r in turns if r.turn is not None)
-            if len(turns) < len(listed):
-                counters["episode_turns_missing"] += 1
-                missing = [tid for tid in listed if tid not in by_id]
-                expired_first = all(tid in state.expired_before for tid in missing)
-                set_aside(
-                    "episode_incomplete",
-                    fb,
-                    f"{len(missing)} of its {len(listed)} turns "
-                    + (
-                        "expired before the feedback came"
-                        if expired_first
-                        else "are not pending (expired earlier?)"
-                    )
-                    + f": {', '.join(missing[:5])}",
-                )
-            elif fb.turn_ids is None and numbers != list(range(len(turns))):
-                counters["episode_turns_misnumbered"] += 1
-                set_aside(
-                    "episode_incomplete",
-                    fb,
-                    f"logged before turn lists, and its {len(turns)} turns are numbered {numbers[:8]}, "
-                    "not 0..n-1 each once",
-                )
-            else:
-                # Listed turns are in the server's turn order, which records logged before turn
-                # numbers do not carry.
-                joins.append(_join_episode(fb.episode_id, turns, fb.reward, fb.turn_ids is not None))
-            continue
-        tid = fb.trajectory_id
-        if tid in state.joined or tid in joined_now:
-            counters["duplicate_feedback"] += 1
-            continue
-        known = waiting.get(tid) or state.trajectories.get(tid)
-        if known is not None and known.episode_id is not None:
-            # Rated by its episode only; the turn stays where it is and waits for that feedback.
-            counters["episode_turn_feedback"] += 1
-            continue
-        rec = waiting.pop(tid, None)
-        if rec is None and tid in state.trajectories:
-            rec = state.trajectories[tid]
-            deletes.append((tid, "trajectory"))
-        if rec is None and tid in state.expired_before:
-            counters["late_feedback"] += 1
-            set_aside(
-                "trajectory_expired",
-                fb,
-                f"its trajectory had expired (no feedback within expire_s = {expire_s:g} s) before this "
-                "feedback was read",
-            )
-            continue
-        if rec is None:
-            if tid in state.feedback or tid in feedback_pending_now:
-                # The first feedback already waits for this trajectory: first wins.
-                counters["duplicate_feedback"] += 1
-                continue
-            feedback_pending_now.add(tid)
-            inserts.append(PendingRow(tid, "feedback", fb.prompt_id, fb.to_json().decode(), now))
-            continue
-        joins.append(_join_single(rec, fb.reward))
-        tombstone(tid, rec.prompt_id)
-
-    consumed = {key for key, kind in deletes if kind == "trajectory"}
-    expired = sorted(state.expired - consumed - {u.key for u in state.unreadable})
-    for rec in waiting.values():
-        if _aware(rec.created_at) < cutoff:
-            counters["expired"] += 1
-            inserts.append(PendingRow(rec.id, "expired", rec.prompt_id, "", now))
+            _join_episode_feedback(draft, fb, state)
         else:
-            inserts.append(
-                PendingRow(rec.id, "trajectory", rec.prompt_id, rec.to_json().decode(), rec.created_at)
-            )
-    counters["expired"] += len(expired)
-    inserts.extend(PendingRow(key, "expired", "", "", now) for key in expired)
-    consumed_feedback = {key for key, kind in deletes if kind == "feedback"}
-    for tid, fb in sorted(state.stale_feedback.items()):
-        if tid not in consumed_feedback:
-            deletes.append((tid, "feedback"))
-            counters["late_feedback"] += 1
-            set_aside(
-                "trajectory_expired",
-                fb,
-                f"no trajectory joined it within expire_s ({expire_s:g} s): its trajectory had expired "
-                "before it came",
-            )
-
-    for sample, result, reasons in joins:
-        if sample is not None:
-            samples.append(sample)
-        if result is not None:
-            results.append(result)
-        counters.update(reasons)
-    return JoinPlan(
-        deletes=deletes,
-        expired=expired,
-        inserts=inserts,
-        samples=samples,
-        results=results,
-        counters={name: n for name, n in counters.items() if n},
-        offsets=dict(records.offsets),
-        forget_joined_before=now - TOMBSTONE_TTL,
-        dead_letters=letters,
-    )
+            _join_trajectory_feedback(draft, fb, state)
+    _park_waiting(draft)
+    expired = _expire_pending(draft, state)
+    _set_aside_stale_feedback(draft, state)
+    return draft.plan(records, expired)

@@ -24,6 +24,7 @@ from datetime import datetime
 from sqlalchemy import delete, insert, or_, select, update
 from sqlalchemy.engine import Connection, Engine
 
+from core.claims import record_key
 from core.db import ConsumerOffset, FeedbackClaim, LearnerCounter, LearnerSample, PendingJoin
 from core.dead_letters import COUNTER as DEAD_LETTERS
 from core.dead_letters import MAX_TRIES, Letter, describe, is_outage, set_aside
@@ -36,7 +37,6 @@ from learner.join_plan import (
     JoinState,
     Records,
     Unreadable,
-    episode_key,
     expiry_cutoff,
     plan_join,
     why_invalid,
@@ -159,7 +159,7 @@ class Joiner:
         if isinstance(rec, TrajectoryRecord):
             key = rec.id
         elif isinstance(rec, FeedbackRecord):
-            key = rec.trajectory_id if rec.episode_id is None else episode_key(rec.episode_id)
+            key = record_key(rec.trajectory_id, rec.episode_id)
         else:
             key = e.key
         letter = Letter(
@@ -235,18 +235,15 @@ class Joiner:
                     unreadable.append(Unreadable(key, kind, prompt_id, payload, why_invalid(exc)))
             return out
 
+        def keys(kind: str, *where) -> frozenset[str]:
+            return frozenset(
+                conn.execute(select(PendingJoin.key).where(PendingJoin.kind == kind, *where)).scalars()
+            )
+
         with self.db.connect() as conn:
             unconfirmed = pending(FeedbackRecord, "unconfirmed")
             # Expiry is due whatever was read (also in a poll that read nothing).
-            expired = (
-                conn.execute(
-                    select(PendingJoin.key).where(
-                        PendingJoin.kind == "trajectory", PendingJoin.received_at < cutoff
-                    )
-                )
-                .scalars()
-                .all()
-            )
+            expired = keys("trajectory", PendingJoin.received_at < cutoff)
             stale = pending(FeedbackRecord, "feedback", PendingJoin.received_at < cutoff)
             if not records.offsets and not unconfirmed and not expired and not stale and not unreadable:
                 return JoinState()
@@ -261,40 +258,24 @@ class Joiner:
                     )
                 )
             }
-            joined = (
-                conn.execute(
-                    select(PendingJoin.key).where(
-                        PendingJoin.kind == "joined", PendingJoin.key.in_(ids | records.episode_keys(held))
-                    )
-                )
-                .scalars()
-                .all()
-            )
+            joined = keys("joined", PendingJoin.key.in_(ids | records.episode_keys(held)))
             trajectories = pending(
                 TrajectoryRecord,
                 "trajectory",
                 or_(PendingJoin.key.in_(ids), PendingJoin.prompt_id.in_(prompts)),
             )
             feedback = pending(FeedbackRecord, "feedback", PendingJoin.key.in_(ids))
-            expired_before = (
-                conn.execute(
-                    select(PendingJoin.key).where(
-                        PendingJoin.kind == "expired", PendingJoin.key.in_(ids | records.listed_turns(held))
-                    )
-                )
-                .scalars()
-                .all()
-            )
+            expired_before = keys("expired", PendingJoin.key.in_(ids | records.listed_turns(held)))
             forgotten = forgotten_among(conn, ids | records.episode_keys(held))
             return JoinState(
-                joined=frozenset(joined),
+                joined=joined,
                 trajectories=trajectories,
                 feedback=feedback,
-                expired=frozenset(expired),
+                expired=expired,
                 unconfirmed=unconfirmed,
                 claims=claims,
                 forgotten=forgotten,
-                expired_before=frozenset(expired_before),
+                expired_before=expired_before,
                 stale_feedback=stale,
                 unreadable=tuple({(u.key, u.kind): u for u in unreadable}.values()),
             )
@@ -318,7 +299,13 @@ class Joiner:
                 conn.execute(
                     insert(LearnerSample),
                     [
-                        dict(id=s.id, prompt_id=s.prompt_id, payload=json.dumps(s.to_json()), created_at=now)
+                        dict(
+                            id=s.id,
+                            prompt_id=s.prompt_id,
+                            payload=json.dumps(s.to_json()),
+                            created_at=now,
+                            identity=s.identity,
+                        )
                         for s in plan.samples
                     ],
                 )

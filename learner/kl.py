@@ -25,6 +25,8 @@ of KL(πθ ‖ π_ref).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -33,6 +35,12 @@ from learner.metrics import masked_mean
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
+
+    from learner.batch import Batch
+    from learner.lora import Adapter
+
+LogprobFn = Callable[["PreTrainedModel", "Batch", torch.Tensor], torch.Tensor]
+"""(model, batch, positions [B, T] bool) → [B, T] float32 logprobs at those positions."""
 
 #: |d| is clipped here before exp, and each token's k3 at MAX_K3 (verl's k3 clamps, ±20 and
 #: ±10): a token the reference finds e^20 times likelier would otherwise dominate the step's
@@ -89,15 +97,34 @@ class KLAnchor:
     Built only when ``LearnerConfig.algorithm.has_kl_anchor`` (``kl_coef > 0``); a learner
     without an anchor holds None, so nothing else asks whether the term is on.
 
+    The reference is the base model (version 0): with full fine-tuning a second copy of it
+    (+540 MB for 135M); with a LoRA policy (``adapter``) the policy itself with its adapter
+    switched off (``learner.lora.Adapter.disabled``), which computes exactly the base model and
+    costs no memory. ``reference_logprobs`` is the one way to evaluate it.
+
     Args (constructor):
         reference: the reference policy (the base model, version 0); cast to float32, put in eval
-            mode and frozen here (``requires_grad`` False), never updated.
+            mode and frozen here (``requires_grad`` False), never updated. With ``adapter``: the
+            LoRA policy itself, taken as it is (not cast, frozen or copied).
         coef: the weight ``kl_coef`` (> 0; validated by ``learner.config``).
+        adapter: the policy's LoRA adapter (``learner.lora.Adapter``), None with full fine-tuning.
     """
 
-    def __init__(self, reference: PreTrainedModel, coef: float) -> None:
-        self.reference = reference.float().eval().requires_grad_(False)
+    def __init__(self, reference: PreTrainedModel, coef: float, adapter: Adapter | None = None) -> None:
+        self.reference = reference if adapter is not None else reference.float().eval().requires_grad_(False)
         self.coef = coef
+        self._context = adapter.disabled if adapter is not None else contextlib.nullcontext
+
+    @property
+    def shares_policy(self) -> bool:
+        """Whether the reference is the policy with its adapter off (no model of its own)."""
+        return self._context is not contextlib.nullcontext
+
+    def reference_logprobs(self, logprobs: LogprobFn, batch: Batch, positions: torch.Tensor) -> torch.Tensor:
+        """[B, T] float32 ``log π_ref`` of ``batch``'s tokens at ``positions`` ([B, T] bool), no
+        grad: ``logprobs(reference, batch, positions)`` with the adapter off when it is the policy's."""
+        with torch.no_grad(), self._context():
+            return logprobs(self.reference, batch, positions)
 
     def penalty(
         self, logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor

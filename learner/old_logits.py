@@ -4,11 +4,16 @@ Source: papers/004 §5.1 (exact old logits from parameter snapshots kept in CPU 
 (the revised PPO-EWMA proxy with a reset), docs/design.md §5.5. Both keep one scratch copy of the
 policy's architecture to evaluate old parameters; the live policy is never modified here.
 
-- ``SnapshotOldPolicy``: ``on_version(v, policy)`` stores a CPU copy of version v's parameters
-  (``learner.offpolicy.SnapshotStore`` of the last W + 1 versions: the current one and W
-  older); ``logprobs`` evaluates each token with the snapshot of the version that generated
-  it, loading that snapshot into the scratch model (the "switch"). Rows with a token whose
-  version is no longer stored are reported, for the caller to drop.
+- ``SnapshotOldPolicy``: ``on_version(v, policy)`` stores a CPU copy of version v's trained
+  parameters (``learner.offpolicy.SnapshotStore`` of the last W + 1 versions: the current one
+  and W older); ``logprobs`` evaluates each token with the snapshot of the version that
+  generated it, loading that snapshot into the scratch model (the "switch"). Rows with a token
+  whose version is no longer stored are reported, for the caller to drop. Only parameters with
+  ``requires_grad`` are stored (the frozen ones never change, and the scratch copy has them):
+  with full fine-tuning every weight (540 MB per version for 135M in float32), with a LoRA policy
+  only the adapter (``learner.lora``: r·(in + out) per targeted projection, 9.8 MB at rank 8 on
+  all seven projections of the 135M model, 1.2 MB at rank 1), so W can be ~50x larger in the
+  same memory (docs/lora.md).
 - ``EWMAOldPolicy``: the proxy θ_prox starts at the policy and after every learner step becomes
   ``(β θ_prox + θ)/(β + 1)``, β = W/(W + 2), or θ itself when the step's active-token fraction
   ρ_t < τ (``reset``). Not checkpointed: after a restart the proxy starts again at the policy,
@@ -63,9 +68,10 @@ class SnapshotOldPolicy:
         self.resets = 0
 
     def on_version(self, version: int, policy: PreTrainedModel) -> None:
-        """Keep a CPU copy of ``policy``'s parameters as ``version`` (the newest)."""
+        """Keep a CPU copy of ``policy``'s trained parameters (``requires_grad``; a tied tensor
+        once) as ``version`` (the newest)."""
         t0 = time.perf_counter()
-        self.store.put(version, _distinct(policy.state_dict()))
+        self.store.put(version, {n: p for n, p in policy.named_parameters() if p.requires_grad})
         self.put_s = time.perf_counter() - t0
 
     def missing_rows(self, versions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -93,7 +99,8 @@ class SnapshotOldPolicy:
             if state is None:
                 raise KeyError(f"no snapshot of version {v}")
             t0 = time.perf_counter()
-            # strict=False: a tied tensor is stored once, under its first name.
+            # strict=False: a snapshot holds the trained parameters only, a tied one under its
+            # first name.
             self.scratch.load_state_dict(state, strict=False)
             switch_s += time.perf_counter() - t0
             switches += 1

@@ -90,8 +90,7 @@ class DISUpdate(PolicyUpdate):
             lp, batch.rollout_logprobs, advantages, mask, self.eps_low, self.eps_high, batch.token_staleness
         )
         if self.anchor is not None:
-            with torch.no_grad():
-                ref_lp = trainee.logprobs(self.anchor.reference, batch, mask)
+            ref_lp = self.anchor.reference_logprobs(trainee.logprobs, batch, mask)
             term, kl = self.anchor.penalty(lp, ref_lp, mask)
             loss = loss + term
             metrics["kl_ref"] = kl.item()
@@ -162,8 +161,7 @@ class MISUpdate(PolicyUpdate):
         extra = time.perf_counter() - t0 + self.old_policy.put_s
         ref_lp = None
         if self.anchor is not None:
-            with torch.no_grad():
-                ref_lp = trainee.logprobs(self.anchor.reference, batch, mask)
+            ref_lp = self.anchor.reference_logprobs(trainee.logprobs, batch, mask)
         parts = torch.arange(mask.shape[0], device=mask.device).chunk(corr.minibatches)
         totals: Counter = Counter()
         losses, norms, kls = [], [], []

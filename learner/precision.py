@@ -53,7 +53,10 @@ class MasterWeights:
 
     Memory per trainable parameter: 2 bytes (bf16 weight) + 2 (bf16 gradient, freed by
     ``grads_to_master``) + 4 (master) + 4 (master gradient) + 8 (AdamW moments), against 16 for a
-    float32 model; a frozen parameter costs 2 bytes instead of 4.
+    float32 model; a frozen parameter costs 2 bytes instead of 4. A LoRA policy (``learner.lora``)
+    is the extreme case: the base weights are frozen (bf16, no master, no gradient) and only the
+    adapter's A and B have masters and moments; they compute in bf16 like the base, and their
+    masters accumulate the updates smaller than a bf16 spacing of A's entries.
 
     Raises (constructor): ValueError if ``module`` has no trainable parameter or a name in
     ``keep_float32`` is not a submodule.

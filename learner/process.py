@@ -5,7 +5,8 @@ trajectory id, or by episode id for multi-turn episodes); in ONE database transa
 the new offsets, the pending joins, the produced samples and the prompt evidence of the joined
 results (SPO++ results enter the evidence when feedback is joined, attributed to the dispatch
 version). When ``batch_size`` samples are waiting and learning is not paused: one SAO step,
-write the new policy (safetensors in the servers' dtype, a directory per version, sha256), record the version
+write the new policy (safetensors in the servers' dtype, a directory per version: full weights, or a
+LoRA adapter in PEFT's layout; sha256), record the version
 and delete the consumed samples in one transaction, then publish a policy event that every
 server replica follows.
 
@@ -38,6 +39,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import asdict
 from datetime import UTC
 from pathlib import Path
 
@@ -46,7 +48,18 @@ from sqlalchemy import delete, func, insert, select, update
 from sqlalchemy.engine import Connection, Engine
 
 from core import lifecycle_store
-from core.control import GUARD_OFF, GUARD_PIN, PAUSED, ROLLBACK_TO, Flag, clear_if, get_flag, read_flag
+from core.control import (
+    GUARD_OFF,
+    GUARD_PIN,
+    GUARD_VERDICT,
+    PAUSED,
+    ROLLBACK_TO,
+    Flag,
+    clear_if,
+    get_flag,
+    read_flag,
+    set_flag,
+)
 from core.db import (
     LearnerSample,
     LearnerStep,
@@ -59,7 +72,7 @@ from core.dead_letters import COUNTER as DEAD_LETTERS
 from core.dead_letters import MAX_TRIES, Letter, describe, set_aside
 from core.lifecycle import GUARD, LEARNER, Stage, judge_lineage, lineage
 from core.logbus import LogTransport, open_log
-from core.policy_store import CHECKPOINT_FILE, WEIGHTS_FILE, layout, version_dir
+from core.policy_store import ADAPTER_FILE, CHECKPOINT_FILE, WEIGHTS_FILE, Layout, layout, version_dir
 from core.records import (
     TOPIC_POLICY,
     PolicyEvent,
@@ -71,6 +84,7 @@ from core.weights import weights_sha256
 from learner.algorithm import Algorithm
 from learner.config import LearnerConfig
 from learner.faults import ReadFaultLog, armed, fault_point
+from learner.identity_cap import identity_shares, select_batch
 from learner.joiner import Joiner, JoinStats, bump_counter
 from learner.registry import build_algorithm
 from learner.samples import Sample, collate
@@ -178,6 +192,9 @@ class Learner:
             # code, or a database restored from a backup): it claims updates that never were.
             log.warning("ignoring %s at version %d: the database is at %d", ckpt, state["version"], committed)
             state = None
+        kind = self.config.policy.kind
+        if state is not None and (state.get("config") or {}).get("policy", {}).get("kind", "full") != kind:
+            raise RuntimeError(f"{ckpt} is of another kind of policy than this learner's ({kind})")
         self.version = self.weights_version = 0
         if state is None:
             loaded = algorithm.warm_start(self.policy_dir)
@@ -220,10 +237,30 @@ class Learner:
         (self.policy_dir / (CHECKPOINT_FILE + ".tmp")).unlink(missing_ok=True)
 
     def _load_policy_weights(self, path: Path) -> None:
+        """Load the version folder at ``path`` into the policy: its full weights, or with a LoRA
+        policy its adapter (the base model's folder, version 0, is the initial adapter, B = 0).
+
+        Raises:
+            RuntimeError: the folder's layout is not the learner's (full weights, other than the
+                base's, for a LoRA learner, or an adapter for a full one; a policy cannot change
+                its kind in one policy directory), or its tensors do not match the model.
+        """
         from safetensors.torch import load_file
 
-        weights = {k: v.float() for k, v in load_file(path / WEIGHTS_FILE).items()}
-        missing, unexpected = self.algorithm.load_policy_weights(weights)
+        found = layout(path)
+        if self.algorithm.adapter is not None and found != Layout.ADAPTER:
+            if Path(path).resolve() != self.base_dir.resolve():
+                raise RuntimeError(f"{path} holds full weights; this learner trains a LoRA adapter")
+            self.algorithm.reset_policy_to_base()
+            return
+        if self.algorithm.adapter is None and found == Layout.ADAPTER:
+            raise RuntimeError(f"{path} holds a LoRA adapter; this learner trains the full weights")
+        name = ADAPTER_FILE if found == Layout.ADAPTER else WEIGHTS_FILE
+        weights = {k: v.float() for k, v in load_file(path / name).items()}
+        try:
+            missing, unexpected = self.algorithm.load_policy_weights(weights)
+        except ValueError as exc:
+            raise RuntimeError(f"the adapter at {path} does not match the policy's: {exc}") from exc
         if unexpected or [k for k in missing if k != "lm_head.weight"]:
             raise RuntimeError(f"policy weights at {path} do not match the model: {missing} {unexpected}")
 
@@ -297,6 +334,10 @@ class Learner:
     def _write_version(self, version: int) -> tuple[Path, str]:
         """Weights + config + tokenizer in a new directory; returns (path, sha256).
 
+        With a LoRA policy the directory holds the adapter alone, in PEFT's layout
+        (``core.policy_store``: ``adapter_model.safetensors``, ``adapter_config.json``, written by
+        ``learner.lora.Adapter.save``), in the serving dtype too.
+
         Weights are written in the dtype the servers serve in (``SAOSERVE_DTYPE``). Publishing
         bf16 while the learner keeps fp32 master weights made the served policy differ from
         the one the learner evaluates by 0.13-0.19 nats per token on average (max ~1 nat,
@@ -309,7 +350,13 @@ class Learner:
         tmp = out.with_name(out.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        weights = self.algorithm.policy_weights(getattr(torch, self.settings.dtype))
+        dtype = getattr(torch, self.settings.dtype)
+        if self.algorithm.adapter is not None:
+            self.algorithm.adapter.save(tmp, dtype)
+            shutil.rmtree(out, ignore_errors=True)
+            tmp.rename(out)
+            return out, weights_sha256(out)
+        weights = self.algorithm.policy_weights(dtype)
         if getattr(self.algorithm.policy.config, "tie_word_embeddings", False):
             weights.pop("lm_head.weight", None)
         save_file(
@@ -351,17 +398,8 @@ class Learner:
         (collating it or the update, not an outage of the commit) is set aside whole (dead
         letters of kind ``untrainable``, ``core.dead_letters``); None is returned then.
         """
-        with self.db.connect() as conn:
-            rows = conn.execute(
-                select(
-                    LearnerSample.id, LearnerSample.prompt_id, LearnerSample.payload, LearnerSample.created_at
-                )
-                # A quarantined sample trained a rejected version: never again (docs/guard.md).
-                .where(LearnerSample.id.not_in(select(QuarantinedSample.sample_id)))
-                .order_by(LearnerSample.created_at, LearnerSample.id)
-                .limit(self.config.batch_size)
-            ).all()
-        if len(rows) < self.config.batch_size:
+        rows, deferred = self._next_batch()
+        if rows is None:
             return None
         samples, unreadable = [], []
         for row in rows:
@@ -377,6 +415,8 @@ class Learner:
         try:
             batch = collate(samples, self.version)
             metrics = self._step(batch)
+            metrics |= identity_shares([r.identity for r in rows], [smp.reward for smp in samples])
+            metrics["identity_deferred"] = deferred
             # The newest sample of the batch, whose feedback completed it (judge.runstats).
             metrics["completing_sample"] = rows[-1].id
             # When that sample was joined (unix s, within a poll of its feedback's receipt): the
@@ -429,6 +469,7 @@ class Learner:
         gate_json = None if gate is None else storable(gate.model_dump(mode="json"))
         new_version = self._publish(parent, flat, record_step, stage, gate_json)
         if stage == Stage.REJECTED:
+            fault_point("after_gate_reject")
             self._back_to(parent)
             # Never served, never restored: only its figures (in the database) matter.
             shutil.rmtree(version_dir(self.policy_dir, new_version), ignore_errors=True)
@@ -513,10 +554,27 @@ class Learner:
                 ).scalar_one()
             from safetensors.torch import load_file
 
-            weights = {k: v.float() for k, v in load_file(Path(path) / WEIGHTS_FILE).items()}
+            if layout(path) == Layout.ADAPTER:
+                # The parent as full weights W + (α/r)·B·A, so that the gate's models stay plain.
+                weights = self._merged_adapter(Path(path))
+            else:
+                weights = {k: v.float() for k, v in load_file(Path(path) / WEIGHTS_FILE).items()}
             g["parent"].load_state_dict(weights, strict=False)
             g["at"] = parent_version
         return g["base"], g["parent"], g["tokenizer"]
+
+    def _merged_adapter(self, path: Path) -> dict[str, torch.Tensor]:
+        """The full float32 weights of the base model with the adapter at ``path`` merged in
+        (``learner.lora.Adapter.merged_weights``), built on a fresh base model."""
+        from safetensors.torch import load_file
+        from transformers import AutoModelForCausalLM
+
+        from learner.lora import Adapter
+
+        base = AutoModelForCausalLM.from_pretrained(self.base_dir, dtype=torch.float32)
+        adapter = Adapter(base, self.config.policy)
+        adapter.load_state(load_file(path / ADAPTER_FILE))
+        return adapter.merged_weights()
 
     def _back_to(self, version: int) -> None:
         """Put the policy back to ``version``'s published weights (its folder, as a rollback
@@ -532,6 +590,32 @@ class Learner:
             self.algorithm = None
             raise
         self.weights_version = version
+
+    def _next_batch(self) -> tuple[list | None, int]:
+        """The rows of the next batch and how many samples the identity cap deferred, or
+        ``(None, 0)`` while the waiting samples cannot fill one: the oldest ``batch_size``
+        samples that are not quarantined (a quarantined sample trained a rejected version:
+        never again, docs/guard.md) and that ``learner.identity_cap.select_batch`` admits. The
+        cap reads the identities of all waiting samples, and the payloads of the chosen only."""
+        n, cap = self.config.batch_size, self.config.max_identity_share
+        cols = (LearnerSample.id, LearnerSample.prompt_id, LearnerSample.payload, LearnerSample.created_at)
+        pool_query = (
+            select(LearnerSample.id, LearnerSample.identity)
+            .where(LearnerSample.id.not_in(select(QuarantinedSample.sample_id)))
+            .order_by(LearnerSample.created_at, LearnerSample.id)
+        )
+        with self.db.connect() as conn:
+            pool = conn.execute(pool_query if cap is not None else pool_query.limit(n)).all()
+            pick = select_batch([r.identity for r in pool], n, cap)
+            if not pick.full:
+                return None, 0
+            ids = [pool[i].id for i in pick.chosen]
+            found = conn.execute(select(*cols, LearnerSample.identity).where(LearnerSample.id.in_(ids))).all()
+        by_id = {r.id: r for r in found}
+        # A sample forgotten or expired between the two reads: the next iteration reads again.
+        if len(by_id) < n:
+            return None, 0
+        return [by_id[i] for i in ids], len(pick.deferred)
 
     def _step_failed(self, rows, exc: Exception) -> bool:
         """Count a failed step of the batch ``rows``; at the ``MAX_TRIES``-th failure in a row
@@ -730,6 +814,7 @@ class Learner:
             self.algorithm = None
             raise
         new_version = self._publish(version, {"rollback_to": version}, clear)
+        fault_point("after_rollback_commit")
         self._announce_latest()
         self._prune()
         log.info("rolled back to version %d: its weights are published as version %d", version, new_version)
@@ -776,15 +861,24 @@ class Learner:
                 self.config.guard.rule_params(),
                 elapsed_s=max((utcnow() - started).total_seconds(), 0.0),
             )
+        self._record_verdict(members, verdict)
         if verdict.decision == Decision.PROMOTE:
             now = utcnow()
             with self.db.begin() as conn:
                 for v in members:
                     lifecycle_store.transition(conn, v, Stage.PROMOTED, GUARD, verdict.reason, now)
+                fault_point("during_guard_promote")
+            fault_point("after_guard_promote")
             log.info("guard: versions %s promoted: %s", members, verdict.reason)
         elif verdict.decision == Decision.REJECT:
             self._reject_lineage(members, verdict.reason)
         return verdict.decision
+
+    def _record_verdict(self, members: list[int], verdict) -> None:
+        """Keep the verdict (bounds, counts, decision) on ``members`` as the ``guard_verdict``
+        flag, for /metrics and the dashboard: ``{"lineage": [...], "at": ISO time, **Verdict}``."""
+        record = {"lineage": members, "at": utcnow().isoformat()} | asdict(verdict)
+        set_flag(self.db, GUARD_VERDICT, json.dumps(storable(record)))
 
     def _reject_lineage(self, members: list[int], reason: str) -> int | None:
         """Reject ``members``, quarantine the samples of every rejected version after the
@@ -803,6 +897,7 @@ class Learner:
             trained = lifecycle_store.trained_sample_ids(conn, rejected)
             n = lifecycle_store.quarantine(conn, trained, f"trained the rejected lineage {rejected}", now)
             bump_counter(conn, lifecycle_store.QUARANTINED, n)
+            fault_point("during_guard_reject")
 
         new_version = self.rollback(target.version, actor=GUARD, also=also)
         log.warning(

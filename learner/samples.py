@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from core.records import WHOLE_ANSWER_FINISHES, TrajectoryRecord, answer_version
+from core.claims import episode_key
+from core.records import TrajectoryRecord, answer_version, is_whole_answer
 from learner.batch import Batch
 
 GREEDY_BELOW = 1e-5
@@ -40,7 +41,7 @@ class NotLearnable(ValueError):
 
 class NotWholeAnswer(NotLearnable):
     """A trajectory (or an episode turn) that is not a whole answer: aborted, errored, or
-    finished for a reason outside :data:`WHOLE_ANSWER_FINISHES`. Its reward is neither
+    finished for a reason outside ``core.records.WHOLE_ANSWER_FINISHES``. Its reward is neither
     trained nor added to the prompt's evidence. The reason is ``excluded_aborted``,
     ``excluded_error`` or ``excluded_unfinished``."""
 
@@ -60,6 +61,8 @@ class Sample:
     ``result_version``: the policy version credited with the result in the prompt's evidence:
     the version that generated the answer's first token (:func:`answer_version`; for an
     episode, its first turn's answer). The baseline stays the one frozen at dispatch.
+    ``identity``: who sent it (``TrajectoryRecord.identity``; an episode's first turn's), what
+    the identity cap counts (``learner.identity_cap``); None when the record had none.
     """
 
     id: str
@@ -72,6 +75,7 @@ class Sample:
     reward: float
     baseline_value: float | None
     result_version: int
+    identity: str | None = None
 
     @property
     def n_actions(self) -> int:
@@ -92,7 +96,7 @@ def expand_versions(token_versions: list[tuple[int, int]]) -> list[int]:
 
 def check_whole_answer(rec: TrajectoryRecord) -> None:
     """Raise NotWholeAnswer unless ``rec`` finished with ``stop`` or ``length`` (module docstring)."""
-    if rec.finish_reason not in WHOLE_ANSWER_FINISHES:
+    if not is_whole_answer(rec.finish_reason):
         raise NotWholeAnswer(_UNFINISHED_REASONS.get(rec.finish_reason, "excluded_unfinished"))
 
 
@@ -139,6 +143,7 @@ def single_turn_sample(rec: TrajectoryRecord, reward: float) -> Sample:
         reward=reward,
         baseline_value=rec.baseline.value if rec.baseline else None,
         result_version=answer_version(rec),
+        identity=rec.identity,
     )
 
 
@@ -196,7 +201,7 @@ def episode_sample(
     versions.extend(expand_versions(last.token_versions))
     first = turns[0]
     sample = Sample(
-        id=f"e:{episode_id}",
+        id=episode_key(episode_id),
         prompt_id=last.prompt_id,
         input_ids=seq,
         actions=actions,
@@ -206,6 +211,7 @@ def episode_sample(
         reward=reward,
         baseline_value=first.baseline.value if first.baseline else None,
         result_version=answer_version(first),
+        identity=first.identity,
     )
     return sample, misaligned
 

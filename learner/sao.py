@@ -27,7 +27,7 @@ from transformers import PreTrainedModel
 from learner.algorithm import Algorithm
 from learner.baselines import RunningMeanBaseline
 from learner.batch import Batch, policy_logprobs
-from learner.config import LearnerConfig, RunningMeanAlgorithm, SAOAlgorithm
+from learner.config import FullPolicy, LearnerConfig, LoraPolicy, RunningMeanAlgorithm, SAOAlgorithm
 from learner.critic import ValueModel
 from learner.gae import length_adaptive_lambda, step_gae, token_gae
 from learner.kl import KLAnchor
@@ -61,6 +61,11 @@ class SAOLearner(Algorithm):
            ``kl_coef · k3_kl(πθ, π_ref)`` over the action tokens when the algorithm has the KL
            anchor (``has_kl_anchor``).
 
+    LoRA (``config.policy`` ``lora``, ``learner.lora``): the adapter is injected into the policy
+    (``Algorithm.attach_policy``); the policy optimizer holds the adapter only, at
+    ``config.policy_lr``; the critic is the paper's (no adapter). With ``config.bf16`` the adapter
+    computes in bf16 like the frozen base and has float32 masters; in float32 all is float32.
+
     Master weights: the learner casts its models to float32 in place (a bf16 update of size 1e-6
     on a weight of order 1e-2 rounds to nothing); ``policy_weights(torch.bfloat16)`` gives a
     serving copy. With ``config.bf16`` the models compute in bf16 instead and the optimizers hold
@@ -76,11 +81,13 @@ class SAOLearner(Algorithm):
         policy: the policy to train.
         critic: the value model (``sao``); None for ``running_mean``.
         reference: the frozen policy of the KL anchor (the base model), exactly when
-            ``config.algorithm.has_kl_anchor``; cast to float32, eval mode, never updated.
+            ``config.algorithm.has_kl_anchor`` with a full policy; cast to float32, eval mode,
+            never updated. A LoRA policy (``config.policy``) takes none: its reference is itself
+            with the adapter off (``learner.kl.KLAnchor``), and only its adapter is trained.
 
     Raises (constructor): ValueError if the algorithm is not sao/running_mean, ``sao`` without a
-    critic, a critic with ``running_mean``, the KL anchor without a reference, or a reference
-    without the anchor.
+    critic, a critic with ``running_mean``, the KL anchor of a full policy without a reference, a
+    reference without the anchor or with a LoRA policy.
     """
 
     def __init__(
@@ -97,19 +104,27 @@ class SAOLearner(Algorithm):
             raise ValueError("the sao algorithm needs a critic")
         if isinstance(algo, RunningMeanAlgorithm) and critic is not None:
             raise ValueError("the running_mean baseline trains no critic; pass critic=None")
-        if algo.has_kl_anchor and reference is None:
+        lora = isinstance(config.policy, LoraPolicy)
+        if lora and reference is not None:
+            raise ValueError(
+                "a lora policy's KL reference is itself with the adapter off; pass reference=None"
+            )
+        if algo.has_kl_anchor and reference is None and not lora:
             raise ValueError("kl_coef > 0 needs a reference policy")
         if reference is not None and not algo.has_kl_anchor:
             raise ValueError("kl_coef = 0 uses no reference policy; pass reference=None")
         opt = config.optimizer
         self.config = config
-        self.policy = policy.float().eval()
+        self.attach_policy(policy)
         self.critic = critic.float().eval() if critic is not None else None
-        anchor = KLAnchor(reference, algo.kl_coef) if reference is not None else None
+        anchor = None
+        if self.adapter is not None and algo.has_kl_anchor:
+            anchor = KLAnchor(self.policy, algo.kl_coef, self.adapter)
+        elif reference is not None:
+            anchor = KLAnchor(reference, algo.kl_coef)
         self.device = next(policy.parameters()).device
-        self.policy_params = [p for p in self.policy.parameters() if p.requires_grad]
         self.policy_opt = make_optimizer(
-            self.policy, self.policy_params, opt.policy_lr, opt.weight_decay, opt.adam_beta1, config.bf16
+            self.policy, self.policy_params, config.policy_lr, opt.weight_decay, opt.adam_beta1, config.bf16
         )
         self.critic_opt = (
             make_optimizer(
@@ -124,9 +139,10 @@ class SAOLearner(Algorithm):
             if self.critic is not None
             else None
         )
-        if anchor is not None and config.bf16:
+        own_reference = anchor is not None and not anchor.shares_policy
+        if own_reference and config.bf16:
             anchor.reference.to(torch.bfloat16)
-        for model in (self.policy, self.critic, anchor.reference if anchor is not None else None):
+        for model in (self.policy, self.critic, anchor.reference if own_reference else None):
             if model is not None:
                 prepare_compute(model, config.bf16, config.compile_layers)
         self.baseline = (
@@ -142,8 +158,9 @@ class SAOLearner(Algorithm):
     @classmethod
     def build(cls, config: LearnerConfig, load_policy: Callable[[], PreTrainedModel]) -> SAOLearner:
         """Where the models are loaded: the policy, the critic (``sao``: a copy of the policy's
-        body with a value head) and, with the KL anchor, a second base policy as the reference
-        (the base model, version 0, also after a resume)."""
+        body with a value head, taken before a LoRA adapter is injected: the critic never has
+        one) and, with the KL anchor and full fine-tuning, a second base policy as the reference
+        (the base model, version 0, also after a resume; a LoRA policy is its own reference)."""
         algo = config.algorithm
         policy = load_policy()
         critic = (
@@ -151,7 +168,7 @@ class SAOLearner(Algorithm):
             if isinstance(algo, SAOAlgorithm)
             else None
         )
-        reference = load_policy() if algo.has_kl_anchor else None
+        reference = load_policy() if algo.has_kl_anchor and isinstance(config.policy, FullPolicy) else None
         return cls(config, policy, critic, reference)
 
     def on_version(self, version: int) -> None:
@@ -308,7 +325,7 @@ class SAOLearner(Algorithm):
         metrics.update(
             policy_loss=loss,
             policy_grad_norm=policy_norm,
-            policy_lr=self.config.optimizer.policy_lr,
+            policy_lr=self.config.policy_lr,
             advantage_mean=advantages[mask].mean().item(),
             reward_mean=batch.rewards.float().mean().item(),
             **throughput(batch, t0),
@@ -317,10 +334,11 @@ class SAOLearner(Algorithm):
         return metrics
 
     def state_dict(self) -> dict:
-        """Checkpoint: policy, critic, both optimizers, step count, running-mean history."""
+        """Checkpoint: policy (with LoRA its adapter, ``policy_state``), critic, both optimizers,
+        step count, running-mean history."""
         return {
             "step": self.steps,
-            "policy": self.policy.state_dict(),
+            "policy": self.policy_state(),
             "policy_optimizer": self.policy_opt.state_dict(),
             "critic": self.critic.state_dict() if self.critic is not None else None,
             "critic_optimizer": self.critic_opt.state_dict() if self.critic_opt is not None else None,
@@ -335,7 +353,7 @@ class SAOLearner(Algorithm):
         """
         if (state["critic"] is None) != (self.critic is None):
             raise ValueError("checkpoint and learner disagree on having a critic")
-        self.policy.load_state_dict(state["policy"])
+        self.load_policy_state(state["policy"])
         self.policy_opt.load_state_dict(state["policy_optimizer"])
         if self.critic is not None:
             self.critic.load_state_dict(state["critic"])

@@ -39,7 +39,8 @@ class SPOLearner(Algorithm):
 
     Args (constructor):
         config: a validated ``LearnerConfig`` whose algorithm is ``spo``.
-        policy: the policy to train; cast to float32 in place and put in eval mode.
+        policy: the policy to train; cast to float32 in place and put in eval mode; with a LoRA
+            ``config.policy`` only its adapter is trained (``Algorithm.attach_policy``).
 
     Raises (constructor): ValueError if the algorithm is not ``spo``.
     """
@@ -51,10 +52,9 @@ class SPOLearner(Algorithm):
             raise ValueError(f"SPOLearner runs the spo algorithm, not {config.algorithm.name}")
         opt = config.optimizer
         self.config = config
-        self.policy = policy.float().eval()
-        self.params = [p for p in self.policy.parameters() if p.requires_grad]
+        self.attach_policy(policy)
         self.policy_opt = make_optimizer(
-            self.policy, self.params, opt.policy_lr, opt.weight_decay, opt.adam_beta1, config.bf16
+            self.policy, self.policy_params, config.policy_lr, opt.weight_decay, opt.adam_beta1, config.bf16
         )
         prepare_compute(self.policy, config.bf16, config.compile_layers)
         self.steps = 0
@@ -109,7 +109,7 @@ class SPOLearner(Algorithm):
             algo.rollout_is_cap,
             algo.dual_clip,
         )
-        grad_norm = optimizer_step(self.policy_opt, loss, self.params, opt.grad_clip)
+        grad_norm = optimizer_step(self.policy_opt, loss, self.policy_params, opt.grad_clip)
         self.steps += 1
         # DIS-style diagnostics so the dashboard's kept fraction means the same thing; over the
         # tokens the loss used, so the metric stays finite.
@@ -120,7 +120,7 @@ class SPOLearner(Algorithm):
             **loss_stats,
             "policy_loss": loss.item(),
             "policy_grad_norm": grad_norm,
-            "policy_lr": opt.policy_lr,
+            "policy_lr": self.config.policy_lr,
             "kept_fraction": 1.0 - loss_stats["rollout_is_truncated_fraction"],
             "mean_abs_log_ratio": log_ratio.abs().mean().item() if log_ratio.numel() else 0.0,
             "reward_mean": batch.rewards.float().mean().item(),
@@ -130,15 +130,15 @@ class SPOLearner(Algorithm):
         }
 
     def state_dict(self) -> dict:
-        """Checkpoint: policy, its optimizer, step count."""
+        """Checkpoint: policy (with LoRA its adapter, ``policy_state``), its optimizer, step count."""
         return {
             "step": self.steps,
-            "policy": self.policy.state_dict(),
+            "policy": self.policy_state(),
             "policy_optimizer": self.policy_opt.state_dict(),
         }
 
     def load_state_dict(self, state: dict) -> None:
         """Restore a ``state_dict()``."""
-        self.policy.load_state_dict(state["policy"])
+        self.load_policy_state(state["policy"])
         self.policy_opt.load_state_dict(state["policy_optimizer"])
         self.steps = state["step"]

@@ -719,3 +719,77 @@ def quarantine(
         for r in body["samples"]:
             table.add_row(*map(shown, (r["sample_id"], r["version"], r["reason"], _when(r["at"]))))
         Console().print(table if body["samples"] else "no sample is quarantined")
+
+
+# ------------------------------------------------------------------ API keys and tenants
+keys_app = typer.Typer(
+    help="API keys of tenants (docs/tenants.md): create (the key is shown once), list, revoke. "
+    f"{EXIT_CODES_HELP}",
+    no_args_is_help=True,
+)
+admin_app.add_typer(keys_app, name="keys")
+
+
+@keys_app.command("create", epilog=EXIT_CODES_HELP)
+def keys_create(
+    tenant: Annotated[
+        str, typer.Argument(metavar="TENANT", help="The tenant the key belongs to (a-z, 0-9, '.', '_', '-').")
+    ],
+    url: UrlOption = None,
+    key: KeyOption = None,
+    json_out: JsonOption = False,
+) -> None:
+    """Create an API key of TENANT and print it: this is the only time it is shown (the server
+    keeps its hash). Exit 2 for a tenant name the server refuses."""
+    with reported():
+        _, body = client(url, key).call("POST", "/admin/keys", body={"tenant": tenant}, ok=(201,))
+        if json_out:
+            emit_json(body)
+            return
+        typer.echo(f"API key {visible(body['id'])} of tenant {visible(body['tenant'])}:")
+        typer.echo(visible(body["key"]))
+        typer.echo("keep it now: it is not stored and cannot be shown again")
+
+
+@keys_app.command("list", epilog=EXIT_CODES_HELP)
+def keys_list(
+    tenant: Annotated[str | None, typer.Option("--tenant", help="Only this tenant's keys.")] = None,
+    url: UrlOption = None,
+    key: KeyOption = None,
+    json_out: JsonOption = False,
+) -> None:
+    """The API keys, oldest first, revoked ones included (ids and tenants; never a key)."""
+    with reported():
+        params = {"tenant": tenant} if tenant else None
+        _, body = client(url, key).call("GET", "/admin/keys", params=params)
+        if json_out:
+            emit_json(body)
+            return
+        if not body["keys"]:
+            Console().print("no API keys")
+            return
+        table = Table(title=f"API keys ({len(body['keys'])})", box=box.SIMPLE_HEAD)
+        for col in ("id", "tenant", "created (UTC)", "revoked (UTC)"):
+            table.add_column(col)
+        for k in body["keys"]:
+            table.add_row(*map(shown, (k["id"], k["tenant"], _when(k["created_at"]), _when(k["revoked_at"]))))
+        Console().print(table)
+
+
+@keys_app.command("revoke", epilog=EXIT_CODES_HELP)
+def keys_revoke(
+    key_id: Annotated[str, typer.Argument(metavar="KEY_ID", help="The key's id (`keys list`).")],
+    url: UrlOption = None,
+    key: KeyOption = None,
+    json_out: JsonOption = False,
+) -> None:
+    """Revoke the key KEY_ID: its next request is refused (401). Exit 5 for an unknown id."""
+    with reported():
+        _, body = client(url, key).call("POST", f"/admin/keys/{quote(key_id, safe='')}/revoke")
+        if json_out:
+            emit_json(body)
+            return
+        typer.echo(
+            f"API key {visible(body['id'])} of tenant {visible(body['tenant'])} revoked at "
+            f"{_when(body['revoked_at'])} UTC"
+        )

@@ -79,7 +79,7 @@ LEARN_HELP = "Default: the preset's (see learner.config)."
 
 def _given(top: dict, **sections: dict) -> dict:
     """The learner config fields an option set (not None): ``top``'s, and each section's
-    (``optimizer``, ``algorithm``, ``correction``) as a dict of its fields."""
+    (``optimizer``, ``algorithm``, ``correction``, ``policy``) as a dict of its fields."""
     out = {k: v for k, v in top.items() if v is not None}
     return out | {
         name: {k: v for k, v in fields.items() if v is not None} for name, fields in sections.items()
@@ -117,6 +117,11 @@ def learn(
     ewma_reset: bool = typer.Option(
         None, "--ewma-reset/--no-ewma-reset", help="mis_ewma: the ρ_t < τ reset (on)."
     ),
+    policy: str = typer.Option(
+        None, help="What is trained: full (every weight) | lora (an adapter, docs/lora.md)."
+    ),
+    lora_rank: int = typer.Option(None, help="lora: the adapter's rank r (8)."),
+    lora_lr: float = typer.Option(None, help="lora: the adapter's learning rate (10 × the policy lr)."),
 ) -> None:
     """Join trajectories with feedback, train the policy, publish versions.
 
@@ -141,6 +146,7 @@ def learn(
         optimizer={"policy_lr": policy_lr, "adam_beta1": adam_beta1},
         algorithm=algo,
         correction=corr,
+        policy={"kind": policy, "rank": lora_rank, "lr": lora_lr},
     )
     try:
         if config is not None:
@@ -451,7 +457,7 @@ def _run_methods(
     """Check the options, build each method's ``LearnerConfig``, run them
     (``saoserve.demo.run_methods``) and print the summary.
 
-    ``learner``: the options batch_size, policy_lr, critic_lr, adam_beta1 and kl_coef, laid over
+    ``learner``: the options batch_size, policy_lr, critic_lr, adam_beta1, kl_coef and policy, laid over
     the ``demo`` preset (None: the preset's value); a field a method lacks, such as the critic's
     learning rate for running_mean, is left out. ``traffic``: ``_demo_traffic``'s options, at the
     configs' batch size."""
@@ -465,6 +471,7 @@ def _run_methods(
         {"batch_size": learner["batch_size"]},
         optimizer={"policy_lr": learner["policy_lr"], "adam_beta1": learner["adam_beta1"]},
         algorithm={"critic_lr": learner["critic_lr"], "kl_coef": learner["kl_coef"]},
+        policy={"kind": learner.get("policy")},
     )
     base = overlay(PRESETS["demo"], given)
     try:
@@ -495,7 +502,8 @@ def _run_methods(
         typer.echo(
             f"{m}: AUC {v['auc']:.3f}, last-5 mean {v['last5_mean']:.3f}, "
             f"adaptation lag {v['adaptation_lag']}, staleness mean {_fmt_opt(v['staleness']['mean'])}, "
-            f"feedback→served p50 {_fmt_opt(v['feedback_to_served_s']['p50'])} s"
+            f"feedback→served p50 {_fmt_opt(v['feedback_to_served_s']['p50'])} s, "
+            f"learner busy {_fmt_opt(v['learner_utilisation']['busy_fraction'])}"
         )
         for row in v.get("seeds", []):
             typer.echo(
@@ -540,6 +548,9 @@ KlCoefOpt = Annotated[
 KeepWeightsOpt = Annotated[
     bool, typer.Option(help="Keep the policy versions and checkpoint (GBs); the report never needs them.")
 ]
+PolicyOpt = Annotated[
+    str | None, typer.Option(help=f"Learner policy: full | lora (docs/lora.md). {PRESET_HELP}")
+]
 CorrectionOpt = Annotated[
     str, typer.Option(help="Learner off-policy correction: dis | mis_snapshot | mis_ewma (learner.config).")
 ]
@@ -573,6 +584,7 @@ def demo(
     critic_lr: CriticLrOpt = None,
     adam_beta1: AdamBeta1Opt = None,
     kl_coef: KlCoefOpt = None,
+    policy: PolicyOpt = None,
     keep_weights: KeepWeightsOpt = False,
     mode: ModeOpt = "async",
     concurrency: DemoConcurrencyOpt = None,
@@ -587,7 +599,7 @@ def demo(
 ) -> None:
     """Start server + learner (SAO) on embedded defaults, run the simulation, write the report."""
     learner = {"batch_size": batch_size, "policy_lr": policy_lr, "critic_lr": critic_lr}
-    learner |= {"adam_beta1": adam_beta1, "kl_coef": kl_coef}
+    learner |= {"adam_beta1": adam_beta1, "kl_coef": kl_coef, "policy": policy}
     traffic = {"mode": mode, "concurrency": concurrency, "rate": rate, "feedback_delay_s": feedback_delay_s}
     traffic |= {
         "max_seconds": max_seconds,
@@ -624,6 +636,7 @@ def compare(
     critic_lr: CriticLrOpt = None,
     adam_beta1: AdamBeta1Opt = None,
     kl_coef: KlCoefOpt = None,
+    policy: PolicyOpt = None,
     keep_weights: KeepWeightsOpt = False,
     mode: ModeOpt = "async",
     concurrency: DemoConcurrencyOpt = None,
@@ -641,7 +654,7 @@ def compare(
 ) -> None:
     """SAO vs the running-mean baseline on the same schedule, prompts and judge, side by side."""
     learner = {"batch_size": batch_size, "policy_lr": policy_lr, "critic_lr": critic_lr}
-    learner |= {"adam_beta1": adam_beta1, "kl_coef": kl_coef}
+    learner |= {"adam_beta1": adam_beta1, "kl_coef": kl_coef, "policy": policy}
     traffic = {"mode": mode, "concurrency": concurrency, "rate": rate, "feedback_delay_s": feedback_delay_s}
     traffic |= {
         "max_seconds": max_seconds,

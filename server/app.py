@@ -15,20 +15,21 @@ import contextlib
 import logging
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 
 from core.db import make_engine, migrate
 from core.evidence_store import EvidenceStore
 from core.logbus import LogTransport, open_log
 from core.records import FrozenBaseline
 from core.settings import Settings, get_settings
+from server.auth import authenticate
 from server.engine import PolicyEngine
 from server.errors import install_error_handlers
 from server.health import Health
 from server.limits import BodySizeLimit, max_body_bytes
 from server.metrics import ServerMetrics
 from server.policy_watch import PolicyWatcher
-from server.routes import admin, chat, feedback, ops
+from server.routes import admin, chat, feedback, keys, ops
 from server.spool import Spool
 from server.state import BaselineReader, ServerState
 from server.store import ServerStore
@@ -97,7 +98,11 @@ def create_app(
     )
     install_error_handlers(app)
     # Registration order is the OpenAPI document's order: the operators' pages, then the API.
-    for family in (ops, chat, feedback, admin):
+    # Chat and feedback take the caller's API key (server.auth; the model list does too, per route).
+    app.include_router(ops.router)
+    for family in (chat, feedback):
+        app.include_router(family.router, dependencies=[Depends(authenticate)])
+    for family in (admin, keys):
         app.include_router(family.router)
     state_limits_in_openapi(app, settings)
     return app

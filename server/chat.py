@@ -13,6 +13,7 @@ from collections.abc import Awaitable
 
 from fastapi.responses import JSONResponse, Response
 
+from core.claims import episode_token_subject
 from core.logbus import LogUnavailable
 from core.records import (
     SamplingRecord,
@@ -26,7 +27,7 @@ from server.errors import ApiError, internal_error
 from server.limits import max_message_chars
 from server.rollout import Rollout
 from server.schemas import ChatCompletionRequest
-from server.state import ServerState, episode_token_subject
+from server.state import ServerState
 
 log = logging.getLogger(__name__)
 
@@ -382,7 +383,13 @@ async def complete_chat(
 
     async def generate() -> None:
         async with contextlib.aclosing(
-            s.engine.generate(rollout.prompt_token_ids, sampling, rollout.id, top_logprobs=n_top)
+            s.engine.generate(
+                rollout.prompt_token_ids,
+                sampling,
+                rollout.id,
+                top_logprobs=n_top,
+                version=rollout.dispatch_version,
+            )
         ) as gen:
             async for d in gen:
                 rollout.add(d)
@@ -493,7 +500,13 @@ async def stream_chat(s: ServerState, req: ChatCompletionRequest, rollout: Rollo
             }
         )
         async with contextlib.aclosing(
-            s.engine.generate(rollout.prompt_token_ids, sampling, rollout.id, top_logprobs=n_top)
+            s.engine.generate(
+                rollout.prompt_token_ids,
+                sampling,
+                rollout.id,
+                top_logprobs=n_top,
+                version=rollout.dispatch_version,
+            )
         ) as gen:
             async for d in gen:
                 rollout.add(d)

@@ -4,20 +4,32 @@ The engine samples with ``logprobs_mode="processed_logprobs"`` so the logged log
 token is the one of the distribution it was actually drawn from (after temperature), which is
 what DIS needs as π_rollout (SAO §2.2; docs/design.md §5.1). Every output token carries the policy
 version that produced it (vLLM's weight-version spans).
+
+A version is full weights or a LoRA adapter (``core.policy_store.layout``). Full weights swap in
+place (pause, reload, resume). An adapter is served as ``settings.adapter_serving`` says: merged
+into the base weights and swapped in the same way, or (``ADAPTER``) added to vLLM with
+``add_lora`` and given to every request that starts afterwards, while requests in flight finish
+on the adapter they started with (``server.adapters``; docs/serving_adapters.md).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import shutil
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from core.settings import Settings
+from core import policy_store
+from core.policy_store import Layout
+from core.settings import AdapterServing, Settings
 from core.weights import WeightsLayout, WeightsMismatch, weights_sha256
+from server.adapter_files import AdapterMismatch, AdapterSpec, check_adapter, merge, stage
+from server.adapters import Adapter, AdapterTable, TableFull
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +69,13 @@ class SwapResult:
 
 @dataclass
 class PolicyEngine:
-    """One vLLM engine serving the current policy version; swaps are serialised by a lock."""
+    """One vLLM engine serving the current policy version; swaps are serialised by a lock.
+
+    ``path`` is the folder of the version served (as its policy event names it); ``weights_path``
+    the full weights the engine last loaded (the base model, a full version, or the merge of an
+    adapter in ``work_dir``), which a failed reload restores. ``adapters`` is the adapter table
+    when adapters are served as LoRA (``AdapterServing.ADAPTER``), else None.
+    """
 
     settings: Settings
     model_dir: Path
@@ -66,8 +84,16 @@ class PolicyEngine:
     version: int = 0
     path: Path | None = None
     layout: WeightsLayout | None = None
+    weights_path: Path | None = None
+    adapters: AdapterTable | None = None
+    work_dir: Path | None = None
     _swap_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     _byte_decoder: dict[str, int] | None = field(default=None, repr=False)
+    _removals: set[asyncio.Task] = field(default_factory=set, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.weights_path is None:
+            self.weights_path = self.path  # the version served is full weights until told otherwise
 
     @classmethod
     async def start(cls, settings: Settings, model_dir: Path | None = None) -> PolicyEngine:
@@ -79,6 +105,17 @@ class PolicyEngine:
         model_dir = Path(model_dir or settings.resolved_model_dir)
         if not (model_dir / "config.json").is_file():
             raise FileNotFoundError(f"no model at {model_dir}: run `saoserve prepare-model` first")
+        lora = settings.adapter_serving is AdapterServing.ADAPTER
+        lora_args = (
+            dict(
+                enable_lora=True,
+                max_loras=settings.max_loras,
+                max_lora_rank=settings.max_lora_rank,
+                max_cpu_loras=settings.max_cpu_loras,
+            )
+            if lora
+            else {}
+        )
         args = AsyncEngineArgs(
             model=str(model_dir),
             served_model_name=[settings.served_model_name],
@@ -94,11 +131,15 @@ class PolicyEngine:
             # under load would take the server down. Whole-prompt prefills avoid that path.
             enable_chunked_prefill=False,
             seed=0,
+            **lora_args,
         )
         layout = WeightsLayout.of_model(model_dir, settings.dtype)
         engine = AsyncLLM.from_engine_args(args)
         await engine.update_weight_version("0")
         tok = AutoTokenizer.from_pretrained(model_dir)
+        # Adapter copies and merged weights of this engine only (replicas may share a home).
+        work_dir = Path(settings.home) / "engine" / f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        work_dir.mkdir(parents=True)
         return cls(
             settings=settings,
             model_dir=model_dir,
@@ -106,6 +147,9 @@ class PolicyEngine:
             tokenizer=tok,
             path=model_dir,
             layout=layout,
+            weights_path=model_dir,
+            adapters=AdapterTable(settings.max_cpu_loras) if lora else None,
+            work_dir=work_dir,
         )
 
     def render(self, messages: list[dict]) -> list[int]:
@@ -149,71 +193,218 @@ class PolicyEngine:
         sampling,
         request_id: str | None = None,
         top_logprobs: int = 0,
+        version: int | None = None,
     ) -> AsyncIterator[GenerationDelta]:
         """Stream deltas of one request. Cancelling the iteration aborts it in the engine.
 
         ``top_logprobs`` (0..20, vLLM's ``max_logprobs``) asks for that many most likely
         tokens at each position besides the sampled one; all are processed logprobs.
+
+        With adapters served as LoRA, the request is served by one adapter from its first token
+        to its last: ``version``'s (the version at dispatch) while it is still loaded, else the
+        current one, held until the request ends; its deltas and spans carry that adapter's
+        version. Otherwise ``version`` is not used: the engine serves what it has loaded.
         """
         from vllm.sampling_params import RequestOutputKind
 
         sampling.output_kind = RequestOutputKind.DELTA
         sampling.logprobs = top_logprobs
         rid = request_id or uuid.uuid4().hex
-        async for out in self.engine.generate({"prompt_token_ids": prompt_token_ids}, sampling, rid):
-            c = out.outputs[0]
-            ids = list(c.token_ids)
-            lps = [c.logprobs[i][t].logprob for i, t in enumerate(ids)] if c.logprobs else []
-            tops: list[list[tuple[int, float]]] = []
-            if top_logprobs and c.logprobs:
-                for i in range(len(ids)):
-                    ranked = sorted(
-                        (lp.rank, tid, lp.logprob)
-                        for tid, lp in c.logprobs[i].items()
-                        if lp.rank is not None and 1 <= lp.rank <= top_logprobs
+        adapter = self.adapters.acquire(version) if self.adapters is not None else None
+        n_tokens = 0
+        try:
+            async for out in self.engine.generate(
+                {"prompt_token_ids": prompt_token_ids}, sampling, rid, lora_request=lora_request(adapter)
+            ):
+                c = out.outputs[0]
+                ids = list(c.token_ids)
+                n_tokens += len(ids)
+                lps = [c.logprobs[i][t].logprob for i, t in enumerate(ids)] if c.logprobs else []
+                tops: list[list[tuple[int, float]]] = []
+                if top_logprobs and c.logprobs:
+                    for i in range(len(ids)):
+                        ranked = sorted(
+                            (lp.rank, tid, lp.logprob)
+                            for tid, lp in c.logprobs[i].items()
+                            if lp.rank is not None and 1 <= lp.rank <= top_logprobs
+                        )
+                        tops.append([(tid, float(lp)) for _, tid, lp in ranked])
+                spans = None
+                if c.weight_versions is not None:
+                    # vLLM stamps the engine's weights; an adapter request's tokens are its adapter's.
+                    spans = (
+                        [(adapter.version, 0, n_tokens)]
+                        if adapter is not None
+                        else [(int(s.version), s.start, s.end) for s in c.weight_versions]
                     )
-                    tops.append([(tid, float(lp)) for _, tid, lp in ranked])
-            spans = None
-            if c.weight_versions is not None:
-                spans = [(int(s.version), s.start, s.end) for s in c.weight_versions]
-            yield GenerationDelta(
-                token_ids=ids,
-                logprobs=[float(x) for x in lps],
-                text=c.text,
-                version=self.version,
-                finish_reason=c.finish_reason,
-                weight_versions=spans,
-                top_logprobs=tops,
-            )
+                yield GenerationDelta(
+                    token_ids=ids,
+                    logprobs=[float(x) for x in lps],
+                    text=c.text,
+                    version=adapter.version if adapter is not None else self.version,
+                    finish_reason=c.finish_reason,
+                    weight_versions=spans,
+                    top_logprobs=tops,
+                )
+        finally:
+            if self.adapters is not None:
+                self._remove_later(self.adapters.release(adapter))
 
     async def swap(self, version: int, path: Path, sha256: str) -> SwapResult:
-        """Serve the weights in ``path`` as policy ``version`` without dropping requests.
+        """Serve the version in ``path`` (full weights or an adapter) as policy ``version``
+        without dropping requests; raises SwapRefused, with the old version serving on, for
+        anything that cannot be served. The swap runs to its end even if the caller is
+        cancelled (a half-loaded engine must not stay paused).
 
-        Before pausing, checks that the directory holds exactly the serving model's tensors
-        (names, shapes, dtypes from the safetensors headers) and that its checksum is
-        ``sha256``; otherwise raises SwapRefused and the old version keeps serving. Then: pause
-        in keep mode (in-flight requests freeze) and clear the KV and prefix caches (KV
-        computed by the old weights would give wrong logprobs), reload in place, stamp the
-        version, resume: frozen requests recompute their KV under the new weights and carry
-        two version spans (docs/design.md §7). If the reload or the stamp fails, the old weights and
-        version are restored (SwapRefused); the engine resumes whatever fails. The swap runs
-        to its end even if the caller is cancelled (a half-loaded engine must not stay paused).
+        Full weights: before pausing, checks that the directory holds exactly the serving
+        model's tensors (names, shapes, dtypes from the safetensors headers) and that its
+        checksum is ``sha256``. Then: pause in keep mode (in-flight requests freeze) and clear
+        the KV and prefix caches (KV computed by the old weights would give wrong logprobs),
+        reload in place, stamp the version, resume: frozen requests recompute their KV under
+        the new weights and carry two version spans (docs/design.md §7). If the reload or the
+        stamp fails, the old weights and version are restored; the engine resumes whatever
+        fails. With adapters served as LoRA, the reload drops every adapter from vLLM, and new
+        requests are served by the new full weights.
+
+        An adapter: its files are copied to ``work_dir`` and checked there (config, shapes,
+        rank, checksum: ``server.adapter_files``). Merged, it is swapped in as the full
+        weights ``W + scale·B·A`` as above. As LoRA, it takes a slot of the adapter table and is
+        added to vLLM with no pause; requests that start afterwards are served by it. A version
+        below the current adapter's is refused (versions only go forward), and the current
+        version again with the same checksum is served as it is.
         """
         return await asyncio.shield(self._swap(version, Path(path), sha256))
 
     async def _swap(self, version: int, path: Path, sha256: str) -> SwapResult:
+        if policy_store.layout(path) is not Layout.ADAPTER:
+            # Full weights, or nothing servable: the full-weight checks say what is wrong.
+            return await self._swap_full(version, path, sha256)
+        if self.adapters is not None:
+            return await self._add_adapter(version, path, sha256)
+        return await self._swap_merged(version, path, sha256)
+
+    async def _swap_full(self, version: int, path: Path, sha256: str) -> SwapResult:
         t0 = time.perf_counter()
         async with self._swap_lock:
             await asyncio.to_thread(self._check_weights, path, sha256)
             t1 = time.perf_counter()
-            try:
-                await self.engine.pause_generation(mode="keep", clear_cache=True)
-                await self._reload(version, path)
-            finally:
-                await self.engine.resume_generation()
+            await self._paused_reload(version, path, path)
             t2 = time.perf_counter()
+            if self.adapters is not None:
+                self._remove_later(self.adapters.clear_current())
         log.info("policy version %d loaded from %s in %.2fs", version, path, t2 - t0)
         return SwapResult(version=version, seconds=t2 - t0, paused_seconds=t2 - t1)
+
+    async def _swap_merged(self, version: int, path: Path, sha256: str) -> SwapResult:
+        t0 = time.perf_counter()
+        async with self._swap_lock:
+            name = f"v{version}-{uuid.uuid4().hex[:8]}"
+            staged, merged = self.work_dir / f"adapter-{name}", self.work_dir / f"merged-{name}"
+            try:
+                await asyncio.to_thread(self._stage_and_merge, path, sha256, staged, merged)
+                t1 = time.perf_counter()
+                await self._paused_reload(version, path, merged)
+            except BaseException:
+                shutil.rmtree(merged, ignore_errors=True)
+                raise
+            finally:
+                shutil.rmtree(staged, ignore_errors=True)
+            t2 = time.perf_counter()
+        log.info("policy version %d (adapter %s) merged and loaded in %.2fs", version, path, t2 - t0)
+        return SwapResult(version=version, seconds=t2 - t0, paused_seconds=t2 - t1)
+
+    def _stage_and_merge(self, path: Path, sha256: str, staged: Path, merged: Path) -> None:
+        spec = self._stage_adapter(path, sha256, staged)
+        try:
+            merge(self.model_dir, staged, spec, merged, self.settings.dtype)
+        except OSError as exc:  # a full disk, the base model unreadable
+            raise SwapRefused(f"merging adapter version at {path} failed: {exc}") from exc
+
+    def _stage_adapter(self, path: Path, sha256: str, staged: Path) -> AdapterSpec:
+        """Copy the adapter at ``path`` to ``staged`` and check the copy (SwapRefused, nothing
+        left behind, if it cannot be served)."""
+        try:
+            stage(path, staged, sha256)
+            return check_adapter(staged, self.layout, self.settings.max_lora_rank)
+        except AdapterMismatch as exc:
+            shutil.rmtree(staged, ignore_errors=True)
+            raise SwapRefused(str(exc)) from exc
+
+    async def _add_adapter(self, version: int, path: Path, sha256: str) -> SwapResult:
+        t0 = time.perf_counter()
+        async with self._swap_lock:
+            table = self.adapters
+            cur = table.current
+            if cur is not None and version < cur.version:
+                raise SwapRefused(
+                    f"version {version} is older than the adapter serving (version {cur.version})"
+                )
+            if cur is not None and cur.version == version and cur.sha256 == sha256:
+                self.path = path
+                return SwapResult(version=version, seconds=time.perf_counter() - t0, paused_seconds=0.0)
+            if self.weights_path != self.model_dir:
+                raise SwapRefused(
+                    f"adapter version {version} applies to the base model, and the engine serves the "
+                    f"full weights of {self.weights_path}"
+                )
+            if table.occupied() >= table.capacity:
+                await self.removals_done()  # a slot being given back is a slot
+            try:
+                lora_id = table.reserve()
+            except TableFull as exc:
+                raise SwapRefused(f"adapter version {version} not loaded: {exc}") from exc
+            staged = self.work_dir / f"adapter-v{version}-{lora_id}"
+            try:
+                await asyncio.to_thread(self._stage_adapter, path, sha256, staged)
+                request = lora_request(Adapter(version, lora_id, staged, sha256))
+                try:
+                    added = await self.engine.add_lora(request)
+                except Exception as exc:  # vLLM's own checks (PEFTHelper, shapes), raised back by its core
+                    raise SwapRefused(f"vLLM refused adapter version {version} at {path}: {exc}") from exc
+                if not added:
+                    raise SwapRefused(f"vLLM did not add adapter version {version} (id {lora_id})")
+            except BaseException:
+                table.cancel(lora_id)
+                shutil.rmtree(staged, ignore_errors=True)
+                raise
+            adapter, removable = table.loaded(lora_id, version, staged, sha256)
+            if table.current is adapter:
+                self.version, self.path = version, path
+            self._remove_later(removable)
+            t1 = time.perf_counter()
+        log.info("policy version %d (adapter %s) added as LoRA %d in %.3fs", version, path, lora_id, t1 - t0)
+        return SwapResult(version=version, seconds=t1 - t0, paused_seconds=0.0)
+
+    def _remove_later(self, adapters: list[Adapter]) -> None:
+        """Remove ``adapters`` (already out of the table's use) from vLLM in a task of their own:
+        a request's end, which frees them, may be a cancellation."""
+        if adapters:
+            task = asyncio.ensure_future(self._remove(adapters))
+            self._removals.add(task)
+            task.add_done_callback(self._removals.discard)
+
+    async def _remove(self, adapters: list[Adapter]) -> None:
+        for a in adapters:
+            try:
+                await self.engine.remove_lora(a.lora_id)
+            except Exception:
+                log.exception("removing adapter %s from vLLM failed", a.name)
+            finally:
+                shutil.rmtree(a.path, ignore_errors=True)
+                self.adapters.removed(a.lora_id)
+            log.info("adapter %s removed", a.name)
+
+    async def removals_done(self) -> None:
+        """Wait until every adapter removal under way has ended (tests, benchmarks, shutdown)."""
+        while self._removals:
+            await asyncio.gather(*self._removals, return_exceptions=True)
+
+    def pin(self, version: int, pinned: bool = True) -> None:
+        """Keep the adapter of ``version`` loaded even when it is not current and unused (or let
+        it go). Raises KeyError if it is not loaded, RuntimeError without adapter serving."""
+        if self.adapters is None:
+            raise RuntimeError("adapters are not served as LoRA by this engine")
+        self._remove_later(self.adapters.pin(version, pinned))
 
     def _check_weights(self, path: Path, sha256: str) -> None:
         """Raise SwapRefused unless ``path`` holds the serving model's tensors with checksum
@@ -229,26 +420,47 @@ class PolicyEngine:
         if actual != sha256:
             raise SwapRefused(f"checksum mismatch for {path}: expected {sha256}, found {actual}")
 
-    async def _reload(self, version: int, path: Path) -> None:
-        """Load ``path`` as ``version`` into the paused engine; on failure restore the serving
-        version's weights and stamp, then raise SwapRefused (or the restore's own error)."""
+    async def _paused_reload(self, version: int, path: Path, weights: Path) -> None:
         try:
-            await self.engine.collective_rpc("reload_policy", kwargs={"weights_path": str(path)})
+            await self.engine.pause_generation(mode="keep", clear_cache=True)
+            await self._reload(version, path, weights)
+        finally:
+            await self.engine.resume_generation()
+
+    async def _reload(self, version: int, path: Path, weights: Path) -> None:
+        """Load the full weights in ``weights`` as ``version`` (published at ``path``) into the
+        paused engine; on failure restore the serving version's weights and stamp, then raise
+        SwapRefused (or the restore's own error)."""
+        try:
+            await self.engine.collective_rpc("reload_policy", kwargs={"weights_path": str(weights)})
             await self.engine.update_weight_version(str(version))
         except Exception as exc:
             log.error(
                 "reload of %s as version %d failed (%s); restoring version %d",
-                path,
+                weights,
                 version,
                 exc,
                 self.version,
             )
-            await self.engine.collective_rpc("reload_policy", kwargs={"weights_path": str(self.path)})
+            await self.engine.collective_rpc("reload_policy", kwargs={"weights_path": str(self.weights_path)})
             await self.engine.update_weight_version(str(self.version))
             raise SwapRefused(f"reload of {path} failed, version {self.version} serves on: {exc}") from exc
-        self.version, self.path = version, path
+        old, self.version, self.path, self.weights_path = self.weights_path, version, path, weights
+        if old is not None and old != weights and old.parent == self.work_dir:
+            shutil.rmtree(old, ignore_errors=True)  # the merge of the adapter served until now
 
     def shutdown(self) -> None:
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
+        if self.work_dir is not None:
+            shutil.rmtree(self.work_dir, ignore_errors=True)
+
+
+def lora_request(adapter: Adapter | None):
+    """vLLM's ``LoRARequest`` for ``adapter`` (None for the base weights)."""
+    if adapter is None:
+        return None
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(adapter.name, adapter.lora_id, str(adapter.path))

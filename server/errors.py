@@ -77,7 +77,8 @@ class ApiError(Exception):
 ERROR_TEXT = {
     400: "Invalid request (OpenAI answers 400 for a bad body or parameter; `param` names it): "
     "invalid_json (a body that is not a JSON object), invalid_value, unsupported_parameter",
-    401: "Missing or wrong admin key",
+    401: "Missing or wrong admin key; on the API: a missing (keys required), invalid or revoked API "
+    "key (invalid_api_key)",
     403: "Forbidden: wrong token, an episode started by another party, or admin routes disabled",
     404: "Unknown model, completion, episode, trajectory or policy version",
     408: "Request headers or body not received in time (request_timeout); the connection is closed",

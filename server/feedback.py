@@ -8,13 +8,13 @@ import asyncio
 import logging
 import uuid
 
+from core.claims import episode_key, episode_token_subject, trajectory_target
 from core.logbus import LogUnavailable
-from core.records import TOPIC_FEEDBACK, FeedbackRecord, check_feedback_token, utcnow
+from core.records import TOPIC_FEEDBACK, FeedbackRecord, check_feedback_token, is_whole_answer, utcnow
 from server.errors import ApiError
 from server.responses import FeedbackAccepted
 from server.schemas import FeedbackRequest
-from server.state import ServerState, episode_token_subject
-from server.store import NOT_WHOLE
+from server.state import ServerState
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ async def accept_feedback(s: ServerState, body: FeedbackRequest) -> FeedbackAcce
         if traj is None:
             s.metrics.feedback.labels("unknown").inc()
             raise ApiError(404, f"no completion with id {body.id!r}", code="not_found", param="id")
-        subject, prompt_id, target = body.id, traj.prompt_id, f"t:{body.id}"
+        subject, prompt_id, target = body.id, traj.prompt_id, trajectory_target(body.id)
         what = f"completion {body.id!r}"
     else:
         prompt_id = await asyncio.to_thread(s.store.episode_prompt_id, body.episode_id)
@@ -50,7 +50,7 @@ async def accept_feedback(s: ServerState, body: FeedbackRequest) -> FeedbackAcce
             raise ApiError(
                 404, f"no episode with id {body.episode_id!r}", code="not_found", param="episode_id"
             )
-        subject, target = episode_token_subject(body.episode_id), f"e:{body.episode_id}"
+        subject, target = episode_token_subject(body.episode_id), episode_key(body.episode_id)
         what = f"episode {body.episode_id!r}"
     if not check_feedback_token(s.settings.feedback_secret, subject, body.feedback_token):
         s.metrics.feedback.labels("bad_token").inc()
@@ -70,7 +70,7 @@ async def accept_feedback(s: ServerState, body: FeedbackRequest) -> FeedbackAcce
             param="id",
             code="rate_the_episode",
         )
-    if body.id is not None and traj.finish_reason in NOT_WHOLE:
+    if body.id is not None and not is_whole_answer(traj.finish_reason):
         s.metrics.feedback.labels("not_whole").inc()
         raise not_whole(f"{what} ended with finish_reason {traj.finish_reason!r}")
     feedback_id = str(uuid.uuid4())

@@ -2,34 +2,61 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import time
+from dataclasses import dataclass
+from datetime import datetime
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from sqlalchemy import select
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 
-from core.db import LearnerCounter
+from core import lifecycle_store
+from core.control import GUARD_OFF, GUARD_PIN, GUARD_VERDICT
+from core.db import ControlFlag, LearnerCounter, LearnerStep
+from core.lifecycle import Stage, lineage, promoted
 
 log = logging.getLogger(__name__)
+
+
+IDENTITY_GAUGES = {
+    "identity_top_share": "Largest share of the newest learner batch's reward from one identity (key or user).",
+    "identity_top_sample_share": "Largest share of the newest learner batch's samples from one identity.",
+    "identity_count": "Distinct identities in the newest learner batch (anonymous samples each one).",
+    "identity_deferred": "Samples the identity cap held back at the newest learner step (still waiting).",
+}
+"""The identity cap's step metrics (learner/identity_cap.py) exported as
+``saoserve_learner_<name>`` gauges."""
 
 
 class LearnerEvents:
     """A collector of the learner's counters (``learner_counters``, which the learner bumps in its
     commits: ``expired``, ``dead_letters``, ``excluded_*``...) as
-    ``saoserve_learner_events_total{event=<counter>}``: the values of the last ``read``."""
+    ``saoserve_learner_events_total{event=<counter>}``, and of the newest step's identity
+    figures (``IDENTITY_GAUGES``, absent before a step has them): the values of the last ``read``."""
 
     def __init__(self) -> None:
         self.values: dict[str, int] = {}
+        self.identity: dict[str, float] = {}
 
     def read(self, db: Engine) -> None:
-        """Take the counters from the database; while it does not answer, keep the last ones."""
+        """Take the counters and the newest step's identity figures from the database; while it
+        does not answer, keep the last ones."""
         try:
             with db.connect() as conn:
                 self.values = dict(conn.execute(select(LearnerCounter.name, LearnerCounter.value)).all())
+                newest = conn.execute(
+                    select(LearnerStep.metrics).order_by(LearnerStep.id.desc()).limit(1)
+                ).scalar_one_or_none()
         except Exception as exc:
             log.warning("learner counters not read for /metrics: %s", exc.__class__.__name__)
+            return
+        figures = newest if isinstance(newest, dict) else {}
+        self.identity = {
+            k: float(figures[k]) for k in IDENTITY_GAUGES if isinstance(figures.get(k), int | float)
+        }
 
     def collect(self):
         family = CounterMetricFamily(
@@ -40,6 +67,159 @@ class LearnerEvents:
         for name, value in sorted(self.values.items()):
             family.add_metric([name], value)
         yield family
+        for name, value in self.identity.items():
+            yield GaugeMetricFamily(f"saoserve_learner_{name}", IDENTITY_GAUGES[name], value=value)
+
+
+@dataclass(frozen=True)
+class LifecycleState:
+    """The version lifecycle as /metrics and the dashboard show it (docs/guard.md, "Where the
+    lifecycle shows").
+
+    ``stages``: how many versions are in each stage (every stage, 0 included); ``promoted``: the
+    promoted version (None before the learner recorded version 0); ``lineage``: the versions on
+    probation, oldest first; ``guard_on``: the operators' switch (``guard_off`` not set; the
+    learner's config may still have the guard off); ``pinned``: the version an operator pinned,
+    or None; ``verdict``: the learner's last verdict on *this* lineage (``guard_verdict``: the
+    lineage judged, ``at`` ISO time, ``decision``, ``lower``/``upper`` on Δ = μ_candidate −
+    μ_promoted, the arms' ``candidate``/``promoted`` ``{n, mean, lower, upper}``, ``timed_out``,
+    ``reason``), None when none was computed since the lineage began."""
+
+    stages: dict[str, int]
+    promoted: int | None
+    lineage: list[int]
+    guard_on: bool
+    pinned: int | None
+    verdict: dict | None
+
+
+def read_lifecycle(conn: Connection) -> LifecycleState:
+    """The lifecycle's state from the database, in the caller's connection."""
+    st = lifecycle_store.stages(conn)
+    flags = dict(
+        conn.execute(
+            select(ControlFlag.name, ControlFlag.value).where(
+                ControlFlag.name.in_((GUARD_OFF, GUARD_PIN, GUARD_VERDICT))
+            )
+        ).all()
+    )
+    has_promoted = any(v.stage == Stage.PROMOTED for v in st)
+    members = lineage(st) if has_promoted else []
+    verdict = None
+    try:
+        verdict = json.loads(flags.get(GUARD_VERDICT) or "null")
+    except ValueError:
+        log.warning("the guard_verdict flag is not JSON; not shown")
+    # A verdict on an earlier lineage (promoted or rejected since) says nothing of this one.
+    if not (isinstance(verdict, dict) and members and (verdict.get("lineage") or [None])[0] == members[0]):
+        verdict = None
+    pin = flags.get(GUARD_PIN)
+    return LifecycleState(
+        stages={str(s): sum(v.stage == s for v in st) for s in Stage},
+        promoted=promoted(st) if has_promoted else None,
+        lineage=members,
+        guard_on=flags.get(GUARD_OFF) != "1",
+        pinned=int(pin) if pin is not None and pin.isdigit() else None,
+        verdict=verdict,
+    )
+
+
+class LifecycleGauges:
+    """A collector of the lifecycle's state (``read_lifecycle``) as gauges of bounded cardinality
+    (no label takes a version number): the values of the last ``read``.
+
+    ``saoserve_policy_versions{stage}`` (the four stages), ``saoserve_policy_promoted_version``,
+    ``saoserve_policy_candidate_version`` (the newest version on probation; absent when none),
+    ``saoserve_policy_lineage_versions``, ``saoserve_guard_enabled`` (1/0),
+    ``saoserve_guard_pinned_version`` (absent unless pinned); and, once the learner has judged
+    the current lineage, ``saoserve_guard_delta_bound{bound=lower|upper}``,
+    ``saoserve_guard_ratings{arm=candidate|promoted}``, ``saoserve_guard_arm_mean{arm}``,
+    ``saoserve_guard_decision{decision=continue|promote|reject}`` (1 for the verdict's) and
+    ``saoserve_guard_verdict_timestamp_seconds``."""
+
+    def __init__(self) -> None:
+        self.state: LifecycleState | None = None
+
+    def read(self, db: Engine) -> None:
+        """Take the state from the database; while it does not answer, keep the last one."""
+        try:
+            with db.connect() as conn:
+                self.state = read_lifecycle(conn)
+        except Exception as exc:
+            log.warning("lifecycle not read for /metrics: %s", exc.__class__.__name__)
+
+    def collect(self):
+        st = self.state
+        if st is None:
+            return
+        by_stage = GaugeMetricFamily(
+            "saoserve_policy_versions", "Policy versions by lifecycle stage.", labels=["stage"]
+        )
+        for stage, n in st.stages.items():
+            by_stage.add_metric([stage], n)
+        yield by_stage
+        if st.promoted is not None:
+            yield GaugeMetricFamily(
+                "saoserve_policy_promoted_version", "The promoted policy version.", value=st.promoted
+            )
+        if st.lineage:
+            yield GaugeMetricFamily(
+                "saoserve_policy_candidate_version",
+                "The newest policy version on probation (canary or candidate).",
+                value=st.lineage[-1],
+            )
+        yield GaugeMetricFamily(
+            "saoserve_policy_lineage_versions", "Versions in the lineage on probation.", value=len(st.lineage)
+        )
+        yield GaugeMetricFamily(
+            "saoserve_guard_enabled", "1 unless an operator turned the guard off.", value=int(st.guard_on)
+        )
+        if st.pinned is not None:
+            yield GaugeMetricFamily(
+                "saoserve_guard_pinned_version",
+                "The version an operator pinned as promoted.",
+                value=st.pinned,
+            )
+        v = st.verdict
+        if v is None:
+            return
+        bounds = GaugeMetricFamily(
+            "saoserve_guard_delta_bound",
+            "The decision rule's confidence bounds on reward(lineage) - reward(promoted), in [-1, 1].",
+            labels=["bound"],
+        )
+        ratings = GaugeMetricFamily(
+            "saoserve_guard_ratings", "Rated answers in each arm of the decision rule.", labels=["arm"]
+        )
+        means = GaugeMetricFamily(
+            "saoserve_guard_arm_mean", "Mean reward of each arm, in [0, 1].", labels=["arm"]
+        )
+        for side in ("lower", "upper"):
+            if v.get(side) is not None:
+                bounds.add_metric([side], v[side])
+        for arm in ("candidate", "promoted"):
+            a = v.get(arm) or {}
+            if a.get("n") is not None:
+                ratings.add_metric([arm], a["n"])
+            if a.get("mean") is not None:
+                means.add_metric([arm], a["mean"])
+        decision = GaugeMetricFamily(
+            "saoserve_guard_decision",
+            "1 for the decision of the last verdict on the lineage.",
+            labels=["decision"],
+        )
+        for d in ("continue", "promote", "reject"):
+            decision.add_metric([d], int(v.get("decision") == d))
+        yield from (bounds, ratings, means, decision)
+        try:
+            at = datetime.fromisoformat(v["at"]).timestamp()
+        except (KeyError, TypeError, ValueError):
+            return
+        yield GaugeMetricFamily(
+            "saoserve_guard_verdict_timestamp_seconds",
+            "Unix time of the last verdict on the lineage.",
+            value=at,
+        )
 
 
 def label_counts(counter: Counter, label: str) -> dict[str, int]:
@@ -52,6 +232,13 @@ def label_counts(counter: Counter, label: str) -> dict[str, int]:
                 key = sample.labels[label]
                 out[key] = out.get(key, 0) + int(sample.value)
     return out
+
+
+NO_TENANT = "-"
+"""The ``tenant`` label of requests without an API key."""
+OTHER_TENANTS = "other"
+"""The ``tenant`` label of every tenant past the first ``MAX_TENANT_LABELS`` one process saw."""
+MAX_TENANT_LABELS = 100
 
 
 class ServerMetrics:
@@ -105,6 +292,8 @@ class ServerMetrics:
         self.in_flight = Gauge("saoserve_requests_in_flight", "Chat requests being served.", registry=r)
         self.learner = LearnerEvents()
         r.register(self.learner)
+        self.lifecycle = LifecycleGauges()
+        r.register(self.lifecycle)
         self.feedback_to_served = Histogram(
             "saoserve_feedback_to_served_seconds",
             "From the join of the feedback that completed a learner batch to the first whole answer "
@@ -114,6 +303,37 @@ class ServerMetrics:
         )
         # Published versions awaiting their first answer: version -> batch_completed_at (unix s).
         self._awaiting_answer: dict[int, float] = {}
+        # Per tenant (docs/tenants.md): the label comes from the key registry, never the request.
+        self.tenant_trajectories = Counter(
+            "saoserve_tenant_trajectories_logged_total",
+            "Trajectory records made durable, by the tenant of the API key that sent them.",
+            ["tenant", "finish_reason"],
+            registry=r,
+        )
+        self.tenant_tokens = Counter(
+            "saoserve_tenant_generated_tokens_total",
+            "Response tokens generated, by the tenant of the API key that asked for them.",
+            ["tenant"],
+            registry=r,
+        )
+        self.tenant_feedback = Counter(
+            "saoserve_tenant_feedback_accepted_total",
+            "Feedback accepted, by the tenant of the API key that sent it.",
+            ["tenant"],
+            registry=r,
+        )
+        self._tenants: set[str] = set()
+
+    def tenant_label(self, tenant: str | None) -> str:
+        """The ``tenant`` label of a request: its key's tenant (the registry's name), ``-``
+        without a key; past ``MAX_TENANT_LABELS`` distinct tenants in this process, ``other``,
+        so the series stay bounded whatever the registry holds."""
+        if tenant is None:
+            return NO_TENANT
+        if tenant not in self._tenants and len(self._tenants) >= MAX_TENANT_LABELS:
+            return OTHER_TENANTS
+        self._tenants.add(tenant)
+        return tenant
 
     def serving(self, version: int) -> None:
         """Record that ``version`` serves from now on (both gauges in one step, no await between,

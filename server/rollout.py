@@ -47,6 +47,9 @@ class Rollout:
     turn: int | None = None
     train: bool = True
     user: str | None = None
+    # Who sent it and the key's tenant (TrajectoryRecord.identity, .tenant; docs/tenants.md).
+    identity: str | None = None
+    tenant: str | None = None
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     delta_versions: list[tuple[int, int]] = field(default_factory=list)
@@ -93,4 +96,6 @@ class Rollout:
             finish_reason=finish_reason or self.finish_reason or "abort",
             train=self.train,
             user=self.user,
+            identity=self.identity,
+            tenant=self.tenant,
         )

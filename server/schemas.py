@@ -30,9 +30,6 @@ from pydantic_core import CoreSchema, PydanticCustomError
 
 from core.limits import EPISODE_ID_CHARS, ID_CHARS, MAX_EPISODE_TURNS, PROMPT_ID_CHARS
 
-# ``developer`` is OpenAI's newer name for the system role: rendered as ``system``.
-ROLES = ("system", "developer", "user", "assistant", "tool")
-
 # PostgreSQL INTEGER columns (policy versions) and vLLM's int32 sampling tensors.
 MAX_INT32 = 2**31 - 1
 MAX_NAME_CHARS = 256
@@ -184,6 +181,7 @@ class ChatMessage(EdgeModel):
 
     model_config = ConfigDict(extra="allow", json_schema_extra={"additionalProperties": EMPTY_VALUE})
     text_fields: ClassVar[frozenset[str]] = frozenset({"content"})
+    # ``developer`` is OpenAI's newer name for the system role: rendered as ``system``.
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: StoredStr | None = Field(None, max_length=MAX_NAME_CHARS)

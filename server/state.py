@@ -14,10 +14,10 @@ from sqlalchemy.exc import IntegrityError
 from core.logbus import LogTransport, LogUnavailable
 from core.records import (
     TOPIC_TRAJECTORIES,
-    WHOLE_ANSWER_FINISHES,
     FrozenBaseline,
     TrajectoryRecord,
     answer_version,
+    is_whole_answer,
 )
 from core.settings import Settings
 from server.engine import PolicyEngine
@@ -32,11 +32,6 @@ log = logging.getLogger(__name__)
 DEFERRED_RETRY_S = 1.0
 
 BaselineReader = Callable[[str, int], Awaitable[FrozenBaseline | None]]
-
-
-def episode_token_subject(episode_id: str) -> str:
-    """What an episode's feedback token signs (distinct from any completion id)."""
-    return f"episode:{episode_id}"
 
 
 @dataclass
@@ -128,7 +123,10 @@ class ServerState:
                 self._retry(self.store.index_trajectory, rec, part, off)
         self.metrics.trajectories.labels(rec.finish_reason).inc()
         self.metrics.tokens.inc(len(rec.response_token_ids))
-        if rec.finish_reason in WHOLE_ANSWER_FINISHES:
+        tenant = self.metrics.tenant_label(rec.tenant)
+        self.metrics.tenant_trajectories.labels(tenant, rec.finish_reason).inc()
+        self.metrics.tenant_tokens.labels(tenant).inc(len(rec.response_token_ids))
+        if is_whole_answer(rec.finish_reason):
             self.metrics.answered(answer_version(rec))
 
     async def mark_received(self, target: str, reward: float, feedback_id: str | None = None) -> None:

@@ -10,6 +10,7 @@ from sqlalchemy import delete, func, insert, select, update
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 
+from core.claims import episode_key
 from core.db import (
     Episode,
     EpisodeTurn,
@@ -19,16 +20,13 @@ from core.db import (
     PolicyVersion,
     TrajectoryIndex,
 )
-from core.records import TrajectoryRecord, utcnow
+from core.limits import MAX_EPISODE_TURNS
+from core.records import TrajectoryRecord, is_whole_answer, utcnow
 
 CLAIM_TIMEOUT = timedelta(seconds=30)
 # A dispatched episode turn not indexed after this long never will be (the server died while
 # answering it): it no longer holds the episode's feedback back, and its number may be sent again.
 TURN_TIMEOUT = timedelta(minutes=5)
-# Turns of one episode (numbered 0 .. MAX_EPISODE_TURNS - 1), as server.schemas states it.
-MAX_EPISODE_TURNS = 1024
-# Finish reasons of records that are not whole answers: never rated, never trained as answers.
-NOT_WHOLE = ("abort", "error")
 
 
 @dataclass(frozen=True)
@@ -233,7 +231,7 @@ class ServerStore:
         with self.engine.connect() as conn:
             return (
                 conn.execute(
-                    select(FeedbackClaim.target).where(FeedbackClaim.target == f"e:{episode_id}")
+                    select(FeedbackClaim.target).where(FeedbackClaim.target == episode_key(episode_id))
                 ).first()
                 is not None
             )
@@ -332,7 +330,7 @@ class ServerStore:
             prompt_id = conn.execute(
                 select(TrajectoryIndex.prompt_id).where(TrajectoryIndex.episode_id == episode_id).limit(1)
             ).scalar_one_or_none()
-        not_whole = sum(finish in NOT_WHOLE for _, finish in turns)
+        not_whole = sum(not is_whole_answer(finish) for _, finish in turns)
         return EpisodeState(prompt_id, not_whole, in_flight, tuple(tid for tid, _ in turns))
 
     def claim(self, target: str, feedback_id: str | None = None) -> bool:

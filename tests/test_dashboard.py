@@ -1,21 +1,26 @@
 """The operators' dashboard (issue 23): ``GET /dashboard/state`` on a database written by hand
 (SQLite here, PostgreSQL in the integration tier), and the page in headless Chromium against
 the real server with one learner step, a rollback version, learning paused and a rollback
-pending; screenshots in /tmp/dash_*.png."""
+pending; screenshots in /tmp/dash_*.png. The lifecycle (issue 22) on both and on ``/metrics``:
+version 1 rejected and version 2 restoring version 0, then versions 3 and 4 on probation with
+the learner's verdict on them."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+from dataclasses import asdict
 from datetime import timedelta
 from types import SimpleNamespace
 
 import httpx
 import pytest
 from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import insert
 from starlette.testclient import TestClient
 
-from core.control import PAUSED, ROLLBACK_TO, set_flag
+from core.control import GUARD_OFF, GUARD_PIN, GUARD_VERDICT, PAUSED, ROLLBACK_TO, set_flag
 from core.db import (
     FeedbackClaim,
     LearnerCounter,
@@ -26,6 +31,7 @@ from core.db import (
     make_engine,
 )
 from core.records import utcnow
+from core.sequential import RuleParams, decide
 from server.metrics import label_counts
 from tests import test_chat_page
 from tests.conftest import ADMIN, make_settings, running_server
@@ -50,18 +56,27 @@ STEP = {
 }
 
 
+def verdict_flag(lineage: list[int], candidate: list[float], promoted: list[float]) -> tuple[str, object]:
+    """The ``guard_verdict`` flag as ``Learner._record_verdict`` writes it, for the rule's
+    verdict on these rewards (default parameters), and that verdict."""
+    verdict = decide(candidate, promoted, RuleParams())
+    record = {"lineage": lineage, "at": utcnow().isoformat()} | asdict(verdict)
+    return json.dumps(record), verdict
+
+
 def populate(db_url: str) -> None:
-    """Versions 0 (base), 1 (learner step 1) and 2 (a rollback to 0); that one learner step;
-    learning paused and a rollback to 1 pending; 3 samples waiting; counters; the trajectories
-    and claims above."""
+    """Versions 0 (base, promoted), 1 (learner step 1, rejected) and 2 (a rollback to 0,
+    promoted); that one learner step; learning paused and a rollback to 1 pending; 3 samples
+    waiting; counters; the trajectories and claims above; a verdict on the lineage [1], which
+    is no longer the lineage (none is on probation)."""
     now = utcnow()
     db = make_engine(db_url)
     try:
         with db.begin() as conn:
-            for v, parent, metrics in (
-                (0, None, None),
-                (1, 0, {"reward_mean": 0.75}),
-                (2, 0, {"rollback_to": 0}),
+            for v, parent, metrics, stage in (
+                (0, None, None, "promoted"),
+                (1, 0, {"reward_mean": 0.75}, "rejected"),
+                (2, 0, {"rollback_to": 0}, "promoted"),
             ):
                 conn.execute(
                     insert(PolicyVersion).values(
@@ -72,6 +87,7 @@ def populate(db_url: str) -> None:
                         parent_version=parent,
                         metrics=metrics,
                         created_at=now - timedelta(seconds=300 - 100 * v),
+                        lifecycle=stage,
                     )
                 )
             conn.execute(
@@ -112,8 +128,56 @@ def populate(db_url: str) -> None:
             )
         set_flag(db, PAUSED, "1")
         set_flag(db, ROLLBACK_TO, "1")
+        set_flag(db, GUARD_VERDICT, verdict_flag([1], [0.0] * 30, [1.0] * 30)[0])
     finally:
         db.dispose()
+
+
+def add_lineage(db_url: str):
+    """Versions 3 and 4 on probation (canary) after the promoted version 2, the learner's verdict
+    on them (10 ratings of the lineage, 30 of the promoted: under min_samples 20, so continue),
+    the guard turned off and version 2 pinned; returns the verdict."""
+    now = utcnow()
+    db = make_engine(db_url)
+    try:
+        with db.begin() as conn:
+            for v in (3, 4):
+                conn.execute(
+                    insert(PolicyVersion).values(
+                        version=v,
+                        path=f"/policies/{v}",
+                        sha256="0" * 64,
+                        status="published",
+                        parent_version=v - 1,
+                        metrics={},
+                        created_at=now - timedelta(seconds=10 - v),
+                        lifecycle="canary",
+                    )
+                )
+        flag, verdict = verdict_flag([3, 4], [1.0] * 10, [1.0] * 30)
+        set_flag(db, GUARD_VERDICT, flag)
+        set_flag(db, GUARD_OFF, "1")
+        set_flag(db, GUARD_PIN, "2")
+    finally:
+        db.dispose()
+    return verdict
+
+
+def scrape(client) -> dict:
+    """``/metrics`` as {(name, labels as a sorted tuple): value} for the lifecycle's gauges."""
+    families = text_string_to_metric_families(client.get("/metrics").text)
+    return {
+        (m.name, tuple(sorted(m.labels.items()))): m.value
+        for f in families
+        for m in f.samples
+        if m.name.startswith(
+            ("saoserve_policy_versions", "saoserve_policy_promoted", "saoserve_policy_candidate")
+        )
+        or m.name.startswith(("saoserve_policy_lineage", "saoserve_guard_"))
+    }
+
+
+STAGES_AFTER_POPULATE = {"candidate": 0, "canary": 0, "promoted": 2, "rejected": 1}
 
 
 def refuse_some(post) -> None:
@@ -136,11 +200,22 @@ EXPECTED_STATE = {
 
 def check_state(body: dict) -> None:
     assert {k: body[k] for k in EXPECTED_STATE} == EXPECTED_STATE
-    assert [(v["version"], v["parent_version"], v["rollback_to"]) for v in body["versions"]] == [
-        (0, None, None),
-        (1, 0, None),
-        (2, 0, 0),
+    assert [
+        (v["version"], v["parent_version"], v["rollback_to"], v["lifecycle"]) for v in body["versions"]
+    ] == [
+        (0, None, None, "promoted"),
+        (1, 0, None, "rejected"),
+        (2, 0, 0, "promoted"),
     ]
+    # The verdict on [1] is not shown: version 1 was rejected, nothing is on probation.
+    assert body["guard"] == {
+        "on": True,
+        "pinned": None,
+        "promoted": 2,
+        "lineage": [],
+        "stages": STAGES_AFTER_POPULATE,
+        "verdict": None,
+    }
     assert all(v["created_at"].endswith("+00:00") for v in body["versions"])
     assert [(r["version"], r["n"]) for r in body["reward_by_version"]] == [(0, 3), (2, 1)]
     assert [r["reward_mean"] for r in body["reward_by_version"]] == pytest.approx([2 / 3, 1.0])
@@ -177,6 +252,48 @@ def test_dashboard_state(tmp_path, database, request):
         db.dispose()
         after = client.get("/dashboard/state").json()
         assert (after["learning"], after["rollback_to"]) == ("running", None)
+        assert scrape(client) == {
+            **{("saoserve_policy_versions", (("stage", k),)): n for k, n in STAGES_AFTER_POPULATE.items()},
+            ("saoserve_policy_promoted_version", ()): 2,
+            ("saoserve_policy_lineage_versions", ()): 0,
+            ("saoserve_guard_enabled", ()): 1,
+        }
+        verdict = add_lineage(settings.resolved_database_url)
+        guard = client.get("/dashboard/state").json()["guard"]
+        assert (guard["on"], guard["pinned"], guard["promoted"], guard["lineage"]) == (False, 2, 2, [3, 4])
+        assert guard["stages"] == STAGES_AFTER_POPULATE | {"canary": 2}
+        v = guard["verdict"]
+        assert (v["lineage"], v["decision"], v["candidate"]["n"], v["promoted"]["n"]) == (
+            [3, 4],
+            "continue",
+            10,
+            30,
+        )
+        assert (v["lower"], v["upper"]) == (verdict.lower, verdict.upper)
+        # Both arms all wins: means 1.0 each.
+        assert (v["candidate"]["mean"], v["promoted"]["mean"]) == (1.0, 1.0)
+        gauges = scrape(client)
+        assert gauges.pop(("saoserve_guard_verdict_timestamp_seconds", ())) > 0
+        assert gauges == {
+            **{
+                ("saoserve_policy_versions", (("stage", k),)): n
+                for k, n in (STAGES_AFTER_POPULATE | {"canary": 2}).items()
+            },
+            ("saoserve_policy_promoted_version", ()): 2,
+            ("saoserve_policy_candidate_version", ()): 4,
+            ("saoserve_policy_lineage_versions", ()): 2,
+            ("saoserve_guard_enabled", ()): 0,
+            ("saoserve_guard_pinned_version", ()): 2,
+            ("saoserve_guard_delta_bound", (("bound", "lower"),)): verdict.lower,
+            ("saoserve_guard_delta_bound", (("bound", "upper"),)): verdict.upper,
+            ("saoserve_guard_ratings", (("arm", "candidate"),)): 10,
+            ("saoserve_guard_ratings", (("arm", "promoted"),)): 30,
+            ("saoserve_guard_arm_mean", (("arm", "candidate"),)): 1.0,
+            ("saoserve_guard_arm_mean", (("arm", "promoted"),)): 1.0,
+            ("saoserve_guard_decision", (("decision", "continue"),)): 1,
+            ("saoserve_guard_decision", (("decision", "promote"),)): 0,
+            ("saoserve_guard_decision", (("decision", "reject"),)): 0,
+        }
 
 
 # --------------------------------------------------------------------------- the page in Chromium
@@ -222,6 +339,14 @@ TEXTS = (
     "feedback-refused",
     "feedback-refused-by",
     "other-counters",
+    "guard",
+    "served-stage",
+    "promoted-version",
+    "candidate-version",
+    "lineage",
+    "stage-counts",
+    "decision",
+    "decision-detail",
 )
 CHARTS = ("c-reward", "c-version", "c-version-reward", "c-kept", "c-ev", "c-rps")
 
@@ -288,11 +413,18 @@ async def test_dashboard_in_chromium(tmp_path, browser):
                     ],
                 )
             db.dispose()
+            verdict = add_lineage(settings.resolved_database_url)
             running = await asyncio.to_thread(look, browser, url, "running")
 
     # Nothing recorded: every chart says so, under its axis labels.
     assert empty["learning"] == "learning running" and empty["rollback-pending"] == ""
     assert (empty["newest-version"], empty["learner-steps"], empty["dead-letters"]) == ("none", "none", "0")
+    assert (empty["guard"], empty["promoted-version"], empty["candidate-version"]) == (
+        "guard on",
+        "none",
+        "none",
+    )
+    assert (empty["decision"], empty["decision-detail"], empty["lineage"]) == ("–", "", "")
     assert all(c["empty"] for k, c in empty["charts"].items() if k != "c-rps")
     assert empty["charts"]["c-reward"]["x_label"] == "learner step"
 
@@ -314,6 +446,14 @@ async def test_dashboard_in_chromium(tmp_path, browser):
     assert (paused["chat-refused"], paused["chat-refused-by"]) == ("1", "invalid_request 1")
     assert (paused["feedback-refused"], paused["feedback-refused-by"]) == ("1", "unknown 1")
     assert paused["other-counters"] == "other learner counters: expired 3"
+    # The lifecycle: version 1 rejected (and served by this replica until it swaps), 2 promoted.
+    assert (paused["guard"], paused["served-stage"], paused["promoted-version"]) == (
+        "guard on",
+        "rejected",
+        "2",
+    )
+    assert (paused["candidate-version"], paused["lineage"], paused["decision"]) == ("none", "", "–")
+    assert paused["stage-counts"] == "promoted 2 · canary 0 · candidate 0 · rejected 1"
     reward = paused["charts"]["c-reward"]
     assert (reward["x_label"], reward["y_label"]) == ("learner step", "reward (0–1)")
     # One step: the x range is step 1 ± 1, its point in the middle of the plot (x: 56 + 388/2);
@@ -327,9 +467,10 @@ async def test_dashboard_in_chromium(tmp_path, browser):
     assert ev["y_ticks"] == ["0.28", "0.30", "0.32"] and len(ev["points"]) == 1
     version = paused["charts"]["c-version"]
     assert (version["x_label"], version["y_label"]) == ("time (local)", "policy version")
-    # Versions 0 and 1 (served) as points, version 2 (the rollback to 0) marked.
+    # Versions 0 and 1 (served) as points, version 2 (the rollback to 0) marked; drawn by stage,
+    # promoted (0, 2) before rejected (1).
     assert (
-        len(version["points"]) == 2 and version["rollbacks"] == 1 and version["labels"] == ["served", "↩ v0"]
+        len(version["points"]) == 2 and version["rollbacks"] == 1 and version["labels"] == ["↩ v0", "served"]
     )
     by_version = paused["charts"]["c-version-reward"]
     assert len(by_version["points"]) == 1 and by_version["rollbacks"] == 1
@@ -340,3 +481,17 @@ async def test_dashboard_in_chromium(tmp_path, browser):
     assert running["learning"] == "learning running" and running["rollback-pending"] == ""
     assert running["dead-letters"] == "5" and running["learner-steps"] == "40"
     assert len(running["charts"]["c-reward"]["points"]) == 40
+    # Versions 3 and 4 on probation, the guard off and version 2 pinned, the verdict shown.
+    assert running["guard"] == "GUARD OFF · pinned to version 2"
+    assert (running["candidate-version"], running["lineage"]) == ("4", "lineage: versions 3, 4")
+    assert running["stage-counts"] == "promoted 2 · canary 2 · candidate 0 · rejected 1"
+    assert running["decision"] == "continue"
+    assert running["decision-detail"].startswith(
+        f"Δ (lineage − promoted) in [{verdict.lower:.3f}, {verdict.upper:.3f}]; "
+        "ratings: lineage 10 (mean 1.000), promoted 30 (mean 1.000); at "
+    )
+    # Five versions, one point each; the rollback (version 2) as a diamond, the rest circles.
+    assert (
+        len(running["charts"]["c-version"]["points"]) == 4
+        and running["charts"]["c-version"]["rollbacks"] == 1
+    )

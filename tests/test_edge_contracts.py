@@ -30,7 +30,9 @@ import pytest
 from pydantic import ValidationError
 from sqlalchemy import create_engine, select, text, update
 
+from core.claims import episode_token_subject
 from core.db import EpisodeTurn, LearnerSample, make_engine, migrate
+from core.limits import MAX_EPISODE_TURNS
 from core.logbus import LogTransport, LogUnavailable, SqlLog, open_log
 from core.records import TOPIC_TRAJECTORIES, FeedbackRecord, TrajectoryRecord, feedback_token, utcnow
 from server.chat import start_episode_turn
@@ -38,8 +40,8 @@ from server.errors import ApiError
 from server.feedback import accept_feedback
 from server.metrics import ServerMetrics
 from server.schemas import ChatCompletionRequest, FeedbackRequest
-from server.state import ServerState, episode_token_subject
-from server.store import MAX_EPISODE_TURNS, ServerStore, Slot, plan_turn
+from server.state import ServerState
+from server.store import ServerStore, Slot, plan_turn
 from tests.conftest import ADMIN, make_settings, running_server
 from tests.logutil import logged_trajectories, read_topic
 from tests.test_edges import edge_app, post_raw, record

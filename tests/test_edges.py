@@ -18,13 +18,13 @@ import pytest
 from pydantic import ValidationError
 from sqlalchemy import func, select
 
+from core.claims import episode_token_subject
 from core.db import Episode, TrajectoryIndex, make_engine, migrate
 from core.logbus import open_log
 from core.records import SamplingRecord, TrajectoryRecord, feedback_token, utcnow
 from server.limits import BodySizeLimit, max_body_bytes, max_message_chars
 from server.metrics import ServerMetrics
 from server.schemas import ChatCompletionRequest, FeedbackRequest, LoadPolicyRequest, RollbackRequest
-from server.state import episode_token_subject
 from server.store import ServerStore
 from tests.conftest import ADMIN, make_settings, running_server
 from tests.logutil import logged_trajectories, read_topic

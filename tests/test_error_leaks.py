@@ -198,8 +198,8 @@ async def test_the_openai_sdk_sends_a_final_409_once(feedback_server):
 async def test_a_409_a_retry_can_fix_does_not_say_no_retry(tmp_path):
     """Episode feedback while a turn is still being answered: 409 ``episode_in_progress``, which
     the same request sent again once the turn is logged turns into a 202."""
+    from core.claims import episode_token_subject
     from core.db import make_engine as db_engine
-    from server.state import episode_token_subject
 
     settings = make_settings(tmp_path)
     async with running_server(settings, FakeEngine(), watch_policy=False) as url:

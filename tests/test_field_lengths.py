@@ -60,6 +60,10 @@ COLUMNS = {
     ("episode_turns", "trajectory_id"): limits.ID_CHARS,
     ("episode_turns", "episode_id"): limits.EPISODE_ID_CHARS,
     ("forgotten_records", "key"): limits.KEY_CHARS,
+    ("learner_samples", "identity"): limits.IDENTITY_CHARS,
+    ("api_keys", "id"): limits.NAME_CHARS,
+    ("api_keys", "tenant"): limits.NAME_CHARS,
+    ("api_keys", "key_sha256"): limits.SHA256_CHARS,
 }
 
 P = len("e:")  # the kind prefix of a key made from an id (limits.KEY_PREFIX_CHARS)
@@ -112,6 +116,11 @@ REACHES = [
         (ChatCompletionRequest, "user"),
         (TrajectoryRecord, "user"),
         [(("trajectory_index", "user_id"), 0)],
+    ),
+    (
+        (ChatCompletionRequest, "user"),
+        (TrajectoryRecord, "identity"),
+        [(("learner_samples", "identity"), 0)],
     ),
 ]
 # Made by the server, not sent by a client: the record's bound and the columns.
@@ -168,7 +177,11 @@ def test_the_admin_path_parameters_are_bounded_like_the_columns(tmp_path):
         for p in op.get("parameters", [])
         if p["in"] == "path" and "maxLength" in p["schema"]
     }
-    assert bounds == {"trajectory_id": limits.ID_CHARS, "prompt_id": limits.PROMPT_ID_CHARS}
+    assert bounds == {
+        "trajectory_id": limits.ID_CHARS,
+        "prompt_id": limits.PROMPT_ID_CHARS,
+        "key_id": limits.NAME_CHARS,  # api_keys.id
+    }
 
 
 def migrated_lengths(url: str) -> dict[tuple[str, str], int]:

@@ -12,6 +12,11 @@ seven more is sent SIGKILL at a random moment.
 
 ``SAOSERVE_FAULT_KILLS`` sets the point kills per database (default 70: 10 per point); figures
 for larger counts are in docs/reliability.md.
+
+The lifecycle's points (``learner.faults.LIFECYCLE_POINTS``) are passed only when the gate or
+the guard acts: three scenarios make them act on every version (a gate that rejects every
+candidate; ratings that make the guard reject, or promote, every lineage), each killed at its
+points and audited for the lifecycle too (``run_lifecycle_harness``).
 """
 
 from __future__ import annotations
@@ -27,28 +32,34 @@ import threading
 import time
 import traceback
 from collections import Counter
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from sqlalchemy import func, select
+from sqlalchemy import func, insert, select
 
 from core.control import PAUSED, ROLLBACK_TO, get_flag, set_flag
 from core.db import (
     ConsumerOffset,
     DeadLetter,
+    FeedbackClaim,
     LearnerCounter,
     LearnerSample,
     LearnerStep,
     LogRecord,
     PendingJoin,
     PolicyVersion,
+    QuarantinedSample,
+    TrajectoryIndex,
+    VersionStatusEvent,
     make_engine,
     migrate,
 )
+from core.lifecycle import ALLOWED, Stage
 from core.logbus import open_log
-from core.policy_store import CHECKPOINT_FILE, WEIGHTS_FILE
+from core.policy_store import CHECKPOINT_FILE, WEIGHTS_FILE, Layout, layout
 from core.records import (
     TOPIC_FEEDBACK,
     TOPIC_POLICY,
@@ -57,7 +68,7 @@ from core.records import (
     TrajectoryRecord,
     utcnow,
 )
-from learner.faults import EXIT_CODE, POINTS, parse
+from learner.faults import CYCLE_POINTS, EXIT_CODE, POINTS, parse
 from learner.process import Learner, LearnerConfig, storable
 from tests.conftest import ROOT
 from tests.logutil import read_topic
@@ -87,26 +98,26 @@ def tiny_model_dir(path: Path) -> Path:
     return path
 
 
-def feed(log, n: int, start: int, duplicate_feedback: bool = False) -> list[str]:
+def feed(log, n: int, start: int, duplicate_feedback: bool = False, vocab: int = VOCAB) -> list[str]:
     """Append ``n`` trajectories (ids ``t<start>``…) and a feedback for each; returns the ids.
 
-    Rollout logprobs are −log(VOCAB) ≈ −6.24, near what the random model gives, so DIS keeps
-    most tokens and the steps move the weights.
+    Rollout logprobs are −log(vocab) (≈ −6.24 for 512), near what the random model gives, so DIS
+    keeps most tokens and the steps move the weights.
     """
     ids = []
     g = torch.Generator().manual_seed(start)
     for i in range(start, start + n):
         tid = f"t{i:05d}"
         prompt_id = f"p{i % 7}"
-        response = torch.randint(0, VOCAB, (4,), generator=g).tolist()
+        response = torch.randint(0, vocab, (4,), generator=g).tolist()
         rec = TrajectoryRecord(
             id=tid,
             prompt_id=prompt_id,
             created_at=utcnow(),
             model="tiny",
-            prompt_token_ids=torch.randint(0, VOCAB, (5,), generator=g).tolist(),
+            prompt_token_ids=torch.randint(0, vocab, (5,), generator=g).tolist(),
             response_token_ids=response,
-            rollout_logprobs=[-math.log(VOCAB)] * len(response),
+            rollout_logprobs=[-math.log(vocab)] * len(response),
             token_versions=[(0, len(response))],
             dispatch_version=0,
             sampling={"temperature": 1.0, "max_tokens": 8},
@@ -123,7 +134,8 @@ def feed(log, n: int, start: int, duplicate_feedback: bool = False) -> list[str]
 
 
 def caught_up(engine) -> bool:
-    """Every log record joined, no sample waiting, the latest version published."""
+    """Every log record joined, no sample waiting, the newest version not rejected published
+    (a rejected version is never announced)."""
     with engine.connect() as conn:
         ends = dict(
             conn.execute(select(LogRecord.topic, func.max(LogRecord.offset)).group_by(LogRecord.topic)).all()
@@ -137,7 +149,10 @@ def caught_up(engine) -> bool:
         )
         waiting = conn.execute(select(func.count()).select_from(LearnerSample)).scalar_one()
         status = conn.execute(
-            select(PolicyVersion.status).order_by(PolicyVersion.version.desc()).limit(1)
+            select(PolicyVersion.status)
+            .where(PolicyVersion.lifecycle != Stage.REJECTED.value)
+            .order_by(PolicyVersion.version.desc())
+            .limit(1)
         ).scalar()
     joined = all(offsets.get(t, 0) > ends[t] for t in (TOPIC_TRAJECTORIES, TOPIC_FEEDBACK) if t in ends)
     return joined and waiting == 0 and status == "published"
@@ -161,6 +176,8 @@ def _child(job: dict) -> None:
         checkpoint_every=2,
         poll_s=0.02,
         keep_versions=3,
+        **({"guard": job["guard"]} if job.get("guard") else {}),
+        **({"policy": job["policy"]} if job.get("policy") else {}),
     )
     learner = Learner(settings, config)
     stop = threading.Event()
@@ -168,7 +185,12 @@ def _child(job: dict) -> None:
     def watch() -> None:
         engine = make_engine(job["db"])
         while not stop.wait(0.05):
-            if learner.algorithm is not None and caught_up(engine):
+            # With the guard acting: also until nothing is left on probation (it decides each).
+            if (
+                learner.algorithm is not None
+                and caught_up(engine)
+                and (not job.get("guard") or settled(engine))
+            ):
                 stop.set()
 
     threading.Thread(target=watch, daemon=True).start()
@@ -284,7 +306,7 @@ def audit(engine, log, policy_dir: Path, fed: list[str], malformed: list[int]) -
     return {"versions": top, "samples": len(fed), "dead_letters": len(letters)}
 
 
-def run_harness(tmp_path: Path, db_url: str, estimator: str, kills: int) -> dict:
+def run_harness(tmp_path: Path, db_url: str, estimator: str, kills: int, policy: dict | None = None) -> dict:
     migrate(db_url)
     model_dir = tiny_model_dir(tmp_path / "model")
     policy_dir = tmp_path / "policies"
@@ -294,6 +316,7 @@ def run_harness(tmp_path: Path, db_url: str, estimator: str, kills: int) -> dict
         model_dir=str(model_dir),
         policy_dir=str(policy_dir),
         estimator=estimator,
+        policy=policy,
     )
     log = open_log(db_url)
     engine = make_engine(db_url)
@@ -303,10 +326,10 @@ def run_harness(tmp_path: Path, db_url: str, estimator: str, kills: int) -> dict
     lives = Lives(job)
     try:
         for i in range(kills):
-            point = POINTS[i % len(POINTS)]
+            point = CYCLE_POINTS[i % len(CYCLE_POINTS)]
             # 4 new samples = 2 steps of work: the step points are passed at least twice.
             n = (
-                1 + (i // len(POINTS)) % 2
+                1 + (i // len(CYCLE_POINTS)) % 2
                 if point not in ("after_read", "after_join_commit", "after_checkpoint")
                 else 1
             )
@@ -317,7 +340,7 @@ def run_harness(tmp_path: Path, db_url: str, estimator: str, kills: int) -> dict
             outcomes[point] += 1
         # kill -9 at random moments too: one life in seven, after 0.2-2 s (fixed seed).
         rng = random.Random(13)
-        for _ in range(kills // len(POINTS)):
+        for _ in range(kills // len(CYCLE_POINTS)):
             fed += feed(log, 4, len(fed))
             rc = lives.run(None, kill_after_s=rng.uniform(0.2, 2.0))
             assert rc in (-signal.SIGKILL, 0)
@@ -337,26 +360,261 @@ KILLS = int(os.environ.get("SAOSERVE_FAULT_KILLS", "70"))
 @pytest.mark.slow
 def test_kill_at_every_point_sqlite_sao(tmp_path):
     figures = run_harness(tmp_path, f"sqlite:///{tmp_path / 'db.sqlite'}", "sao", KILLS)
-    assert sum(figures["kills"][p] for p in POINTS) == KILLS and all(figures["kills"][p] for p in POINTS)
+    assert sum(figures["kills"][p] for p in CYCLE_POINTS) == KILLS
+    assert all(figures["kills"][p] for p in CYCLE_POINTS)
     print(figures)
 
 
 @pytest.mark.slow
 def test_kill_at_every_point_postgres_spo(tmp_path, pg_url):
     figures = run_harness(tmp_path, pg_url, "spo", KILLS)
-    assert sum(figures["kills"][p] for p in POINTS) == KILLS and all(figures["kills"][p] for p in POINTS)
+    assert sum(figures["kills"][p] for p in CYCLE_POINTS) == KILLS
+    assert all(figures["kills"][p] for p in CYCLE_POINTS)
     print(figures)
 
 
+@pytest.mark.slow
+def test_kill_at_every_point_sqlite_sao_lora(tmp_path):
+    """The adapter path (issue 20): versions publish LoRA adapters, checkpoints hold them; two
+    kills per point."""
+    kills = 2 * len(CYCLE_POINTS)
+    policy = {"kind": "lora", "rank": 2}
+    figures = run_harness(tmp_path, f"sqlite:///{tmp_path / 'db.sqlite'}", "sao", kills, policy)
+    assert all(figures["kills"][p] == 2 for p in CYCLE_POINTS)
+    assert all(layout(d) == Layout.ADAPTER for d in (tmp_path / "policies").glob("v[0-9]*"))
+    print(figures)
+
+
+# ------------------------------------------------------------------------ the lifecycle's points
+GATE_VOCAB = 258
+"""The byte tokenizer's vocabulary (tests/test_gate.py): the gate needs a tokenizer."""
+
+
+def gate_model_dir(path: Path) -> Path:
+    """tests/test_gate.py's tiny Llama (vocabulary 258) with its byte tokenizer, saved as a
+    model folder the learner and its gate load."""
+    from tests.test_gate import byte_tokenizer, tiny_base
+
+    tiny_base().save_pretrained(path, safe_serialization=True)
+    byte_tokenizer().save_pretrained(path)
+    return path
+
+
+def settled(engine) -> bool:
+    """Nothing on probation: no version is a candidate or a canary."""
+    with engine.connect() as conn:
+        return not conn.execute(
+            select(func.count())
+            .select_from(PolicyVersion)
+            .where(PolicyVersion.lifecycle.in_((Stage.CANDIDATE.value, Stage.CANARY.value)))
+        ).scalar_one()
+
+
+def rate_versions(engine, versions, reward: float, n: int, at) -> None:
+    """``n`` rated single-turn answers with ``reward`` for each of ``versions``, dispatched at
+    ``at`` (what the server's trajectory index and feedback claims hold; the guard reads them)."""
+    with engine.begin() as conn:
+        for v in versions:
+            for i in range(n):
+                tid = f"r{v}-{i}"
+                conn.execute(
+                    insert(TrajectoryIndex).values(
+                        id=tid,
+                        prompt_id="p",
+                        dispatch_version=v,
+                        last_version=v,
+                        n_response_tokens=4,
+                        finish_reason="stop",
+                        log_partition=0,
+                        log_offset=0,
+                        created_at=at,
+                    )
+                )
+                conn.execute(
+                    insert(FeedbackClaim).values(
+                        target=f"t:{tid}", state="received", reward=reward, claimed_at=at, received_at=at
+                    )
+                )
+
+
+# Each scenario: the guard's config, the points its lives die at (each twice), and the stage of
+# every trained version at the end. ``ratings``: (versions, reward, count, hours from now).
+LIFECYCLE_SCENARIOS = {
+    # min_length_ratio 100: no answer is 100 times the base's length, so every candidate is
+    # rejected by the gate (deterministically, unlike a KL bound at the noise floor).
+    "gate_rejects": dict(
+        guard={"gate": {"min_length_ratio": 100.0, "max_new_tokens": 8}, "check_s": 0.0},
+        points=("after_gate_reject", "after_commit", "during_step"),
+        trained=Stage.REJECTED,
+        ratings=(),
+    ),
+    # 30 wins of version 0 an hour ago against 30 losses of each later version (dated a day
+    # ahead, so never in a promoted version's window): upper(Δ) < 0 at once, every lineage
+    # is rejected and version 0's weights published again (tests/test_lifecycle_learner.py).
+    "guard_rejects": dict(
+        guard={"check_s": 0.0},
+        points=("during_guard_reject", "after_rollback_commit", "after_policy_event"),
+        trained=Stage.REJECTED,
+        ratings=(([0], 1.0, 30, -1), (range(1, 60), 0.0, 30, 24)),
+    ),
+    # 60 wins each, δ = 0.5: lower(Δ) > −δ at once, every lineage is promoted.
+    "guard_promotes": dict(
+        guard={"check_s": 0.0, "delta": 0.5},
+        points=("during_guard_promote", "after_guard_promote"),
+        trained=Stage.PROMOTED,
+        ratings=(([0], 1.0, 60, -1), (range(1, 40), 1.0, 60, 24)),
+    ),
+}
+
+
+def run_lifecycle_harness(tmp_path: Path, db_url: str, scenario: str) -> dict:
+    """Lives killed twice at each of the scenario's points (4 new samples each), then one that
+    runs until everything is trained and decided; returns ``lifecycle_audit``'s figures."""
+    case = LIFECYCLE_SCENARIOS[scenario]
+    migrate(db_url)
+    model_dir = gate_model_dir(tmp_path / "model")
+    policy_dir = tmp_path / "policies"
+    job = dict(
+        home=str(tmp_path),
+        db=db_url,
+        model_dir=str(model_dir),
+        policy_dir=str(policy_dir),
+        estimator="sao",
+        guard=case["guard"],
+    )
+    log = open_log(db_url)
+    engine = make_engine(db_url)
+    now = utcnow()
+    for versions, reward, n, hours in case["ratings"]:
+        rate_versions(engine, versions, reward, n, now + timedelta(hours=hours))
+    fed: list[str] = []
+    kills: Counter = Counter()
+    lives = Lives(job)
+    try:
+        for point in [p for p in case["points"] for _ in range(2)]:
+            fed += feed(log, 4, len(fed), vocab=GATE_VOCAB)
+            rc = lives.run(f"{point}:1")
+            assert rc == EXIT_CODE, f"a life armed at {point} ended with {rc}, not there"
+            kills[point] += 1
+        assert lives.run(None) == 0
+    finally:
+        lives.close()
+    figures = lifecycle_audit(engine, log, fed, case["trained"])
+    engine.dispose()
+    log.close()
+    return figures | {"kills": dict(kills)}
+
+
+def lifecycle_audit(engine, log, fed: list[str], trained_stage: Stage) -> dict:
+    """What must hold after the lives of a lifecycle scenario: nothing lost or trained twice,
+    every version's stage the end of a valid path of recorded transitions (no transition twice),
+    nothing on probation, the quarantine exactly the samples of the rejected versions, every
+    rejected lineage restored once, and only versions not rejected announced."""
+    with engine.connect() as conn:
+        versions = conn.execute(
+            select(*PolicyVersion.__table__.columns).order_by(PolicyVersion.version)
+        ).all()
+        steps = dict(conn.execute(select(LearnerStep.version, LearnerStep.metrics)).all())
+        events = conn.execute(
+            select(
+                VersionStatusEvent.version, VersionStatusEvent.from_status, VersionStatusEvent.to_status
+            ).order_by(VersionStatusEvent.id)
+        ).all()
+        quarantined = dict(conn.execute(select(QuarantinedSample.sample_id, QuarantinedSample.version)).all())
+        waiting = conn.execute(select(func.count()).select_from(LearnerSample)).scalar_one()
+        counter = conn.execute(
+            select(LearnerCounter.value).where(LearnerCounter.name == "quarantined")
+        ).scalar_one_or_none()
+    top = versions[-1].version
+    assert [v.version for v in versions] == list(range(top + 1)) and waiting == 0
+    # Nothing lost or trained twice: each fed sample in exactly one step.
+    trained = Counter(i for m in steps.values() for i in m["sample_ids"])
+    assert set(trained) == set(fed) and set(trained.values()) == {1}
+    # Each version's transitions: one path from nothing, each move allowed, none recorded twice,
+    # ending at its stage.
+    assert len(set(events)) == len(events)
+    for v in versions:
+        path = [(f, t) for ver, f, t in events if ver == v.version]
+        assert path and path[0][0] is None
+        for (_, before), (after_from, after_to) in zip(path, path[1:], strict=False):
+            assert after_from == before and Stage(after_to) in ALLOWED[Stage(before)]
+        assert path[-1][1] == v.lifecycle
+    # Nothing on probation, and every trained version ended as the scenario decides it.
+    rows = {v.version: v for v in versions}
+    assert {rows[v].lifecycle for v in steps} == {trained_stage.value}
+    assert all(v.lifecycle in (Stage.PROMOTED, Stage.REJECTED) for v in versions)
+    # The quarantine: exactly the samples of the rejected versions, each with its version, counted.
+    rejected = [v.version for v in versions if v.lifecycle == Stage.REJECTED]
+    assert quarantined == {i: v for v in rejected for i in steps[v]["sample_ids"]}
+    assert (counter or 0) == len(quarantined)
+    # A restore (rollback_to) after each lineage the guard rejected, never two; the gate's
+    # rejections restore nothing (the learner goes back to the parent in memory).
+    restores = [v for v in versions if (v.metrics or {}).get("rollback_to") is not None]
+    assert all(
+        r.lifecycle == Stage.PROMOTED and r.parent_version == r.metrics["rollback_to"] for r in restores
+    )
+    # A trained version's parent is the newest version not rejected before it.
+    for v in steps:
+        assert rows[v].parent_version == max(u for u in range(v) if rows[u].lifecycle != Stage.REJECTED)
+    # Announced and published: every version (version 0 excepted) but those the gate rejected,
+    # which never are (the guard rejects versions that served on probation).
+    announced = {json.loads(e.value)["version"] for e in read_topic(log, TOPIC_POLICY)}
+    by_gate = {ver for ver, f, t in events if (f, t) == (Stage.CANDIDATE, Stage.REJECTED)}
+    shown = {v.version for v in versions[1:]} - by_gate
+    assert announced == shown and all(rows[v].status == "published" for v in shown)
+    assert all(rows[v].status == "committed" for v in by_gate)
+    return {
+        "versions": top,
+        "samples": len(fed),
+        "rejected_by_gate": len(by_gate),
+        "rejected": len(rejected),
+        "restores": len(restores),
+        "quarantined": len(quarantined),
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scenario", list(LIFECYCLE_SCENARIOS))
+def test_kill_at_the_lifecycle_points_sqlite(tmp_path, scenario):
+    figures = run_lifecycle_harness(tmp_path, f"sqlite:///{tmp_path / 'db.sqlite'}", scenario)
+    points = LIFECYCLE_SCENARIOS[scenario]["points"]
+    assert figures["kills"] == {p: 2 for p in points}
+    n_steps = figures["samples"] // BATCH  # 4 samples a life, BATCH 2: 2 steps a killed life
+    if scenario == "gate_rejects":
+        # Every step rejected by the gate: versions 1..n, no restore, all its samples quarantined.
+        assert (figures["versions"], figures["rejected"], figures["restores"]) == (n_steps, n_steps, 0)
+        assert figures["rejected_by_gate"] == n_steps and figures["quarantined"] == figures["samples"]
+    elif scenario == "guard_rejects":
+        # Each step's version rejected by the guard (after serving on probation) and followed by
+        # one restore of the promoted version's weights (version 0's, republished).
+        assert figures["rejected_by_gate"] == 0
+        assert (figures["versions"], figures["rejected"], figures["restores"]) == (
+            2 * n_steps,
+            n_steps,
+            n_steps,
+        )
+        assert figures["quarantined"] == figures["samples"]
+    else:
+        assert (figures["versions"], figures["rejected"], figures["quarantined"]) == (n_steps, 0, 0)
+    print(figures)
+
+
+@pytest.mark.slow
+def test_kill_at_the_guards_rejection_postgres(tmp_path, pg_url):
+    figures = run_lifecycle_harness(tmp_path, pg_url, "guard_rejects")
+    assert figures["restores"] == figures["rejected"] == figures["samples"] // BATCH
+
+
 # ------------------------------------------------------------------------- in-process tests
-def in_process(tmp_path: Path, db_url: str, **config) -> Learner:
+def in_process(tmp_path: Path, db_url: str, model_dir: Path | None = None, **config) -> Learner:
+    """A loaded learner on ``model_dir`` (default: ``tiny_model_dir``) and ``db_url``."""
     from core.settings import Settings
 
     migrate(db_url)
     settings = Settings(
         home=tmp_path,
         database_url=db_url,
-        model_dir=tiny_model_dir(tmp_path / "model"),
+        model_dir=model_dir or tiny_model_dir(tmp_path / "model"),
         policy_dir=tmp_path / "policies",
     )
     learner = Learner(settings, LearnerConfig(batch_size=BATCH, poll_s=0.01, **config))
@@ -385,6 +643,7 @@ def trained_ids(learner: Learner) -> Counter:
 def test_fault_point_spec_is_checked():
     assert parse("after_commit:3") == ("after_commit", 3) and parse("during_step") == ("during_step", 1)
     assert parse("") is None and parse(None) is None
+    assert [parse(p) for p in POINTS] == [(p, 1) for p in POINTS] and len(set(POINTS)) == 12
     for bad in ("after_lunch:1", "after_commit:0", "after_commit:x"):
         with pytest.raises(ValueError):
             parse(bad)

@@ -2,10 +2,13 @@
 served, the reset to the parent and the quarantine; the guard's verdict on probation (rollback
 to the promoted version, promotion); a restart mid-probation. The tiny random Llama and the
 hand-fed records of tests/test_learner_faults.py; the gate's verdict is made from figures
-(``learner.gate.decide``), since the tiny model has no tokenizer to answer probes with."""
+(``learner.gate.decide``), since that model has no tokenizer to answer probes with, except in
+the test of the gate as the learner runs it (tests/test_gate.py's tiny model and byte
+tokenizer). The verdict the guard records for /metrics and the dashboard."""
 
 from __future__ import annotations
 
+import copy
 from collections import Counter
 from datetime import timedelta
 
@@ -28,12 +31,15 @@ from core.sequential import Decision
 from learner.config import GuardConfig
 from learner.gate import GateConfig, GateResult, decide
 from learner.process import Learner
+from server.metrics import read_lifecycle
 from tests.logutil import read_topic
 from tests.test_learner_faults import (
     BATCH,
+    GATE_VOCAB,
     assert_policy_is,
     committed_weights,
     feed,
+    gate_model_dir,
     in_process,
     trained_ids,
 )
@@ -250,6 +256,20 @@ def test_a_lineage_not_worse_is_promoted_and_a_restart_mid_probation_resumes_it(
     learner.train_step()
     rate(learner, 1, [1.0] * 10, utcnow())
     assert learner.guard_check() == Decision.CONTINUE  # 10 < min_samples 20
+    # The verdict is kept for /metrics and the dashboard: the lineage [1], 10 against 60 ratings,
+    # all wins (means 1.0).
+    with learner.db.connect() as conn:
+        shown = read_lifecycle(conn)
+    assert (shown.promoted, shown.lineage, shown.stages["canary"]) == (0, [1], 1)
+    v = shown.verdict
+    assert (v["lineage"], v["decision"], v["timed_out"]) == ([1], "continue", False)
+    assert (v["candidate"]["n"], v["promoted"]["n"], v["candidate"]["mean"], v["promoted"]["mean"]) == (
+        10,
+        60,
+        1.0,
+        1.0,
+    )
+    assert -1.0 <= v["lower"] <= v["upper"] <= 1.0
     # A restart mid-probation: the same stage, weights and verdict (the state is the database's).
     restarted = Learner(learner.settings, learner.config)
     restarted.load()
@@ -261,6 +281,10 @@ def test_a_lineage_not_worse_is_promoted_and_a_restart_mid_probation_resumes_it(
     assert restarted.guard_check() == Decision.PROMOTE
     assert lifecycles(restarted) == {0: "promoted", 1: "promoted"}
     assert events(restarted)[-1] == (1, "canary", "promoted", "guard")
+    # Promoted: the lineage is empty, and its verdict is no longer shown.
+    with restarted.db.connect() as conn:
+        shown = read_lifecycle(conn)
+    assert (shown.promoted, shown.lineage, shown.verdict) == (1, [], None)
     learner.db.dispose()
     restarted.db.dispose()
 
@@ -280,3 +304,49 @@ def test_an_operator_rejecting_the_version_serving_rolls_it_back_even_with_the_g
     assert sorted(step_sample_ids(learner, 1)) == sorted(fed)
     assert [(e.version, e.lifecycle) for e in announced(learner)] == [(1, "canary"), (2, "promoted")]
     assert events(learner)[-2:] == [(1, "canary", "rejected", "alice"), (2, None, "promoted", "guard")]
+
+
+def test_the_gate_as_the_learner_runs_it_computes_the_reference_once(tmp_path, monkeypatch):
+    """Two steps, two gates (against the base, then against version 1): the base's answers are
+    generated once, and each verdict is the one ``run_gate`` gives without them."""
+    import learner.gate as gate
+
+    cfg = GateConfig(max_kl_base=100.0, max_kl_promoted=100.0, max_new_tokens=8)
+    learner = in_process(
+        tmp_path,
+        f"sqlite:///{tmp_path / 'db.sqlite'}",
+        model_dir=gate_model_dir(tmp_path / "model"),
+        guard=GuardConfig(gate=cfg),
+    )
+    references, gates = [], []
+    real_reference, real_gate = gate.reference_answers, gate.run_gate
+
+    def counted_reference(*args):
+        references.append(real_reference(*args))
+        return references[-1]
+
+    def kept_gate(candidate, base, promoted, tokenizer, config, judge=None, reference=None):
+        result = real_gate(candidate, base, promoted, tokenizer, config, judge=judge, reference=reference)
+        # The models as the gate saw them: the policy trains on, the parent is reloaded.
+        gates.append(
+            (copy.deepcopy(candidate), base, copy.deepcopy(promoted), tokenizer, config, reference, result)
+        )
+        return result
+
+    monkeypatch.setattr(gate, "reference_answers", counted_reference)
+    monkeypatch.setattr(gate, "run_gate", kept_gate)
+    feed(open_log(learner.settings.resolved_database_url), 2 * BATCH, 0, vocab=GATE_VOCAB)
+    learner.poll_once()
+    assert learner.train_step() is not None and learner.train_step() is not None
+    assert len(references) == 1 and len(gates) == 2
+    (first_promoted, second_promoted) = (g[2] for g in gates)
+    assert first_promoted is None and second_promoted is not None  # the base, then version 1
+    assert all(g[5] is references[0] for g in gates)
+    with learner.db.connect() as conn:
+        stored = dict(conn.execute(select(PolicyVersion.version, PolicyVersion.gate)).all())
+    for version, (candidate, base, promoted, tokenizer, config, _, result) in enumerate(gates, start=1):
+        alone = real_gate(candidate, base, promoted, tokenizer, config)
+        assert result.model_dump(exclude={"elapsed_s"}) == alone.model_dump(exclude={"elapsed_s"})
+        assert result.passed and stored[version]["kl_base"] == result.kl_base
+    assert lifecycles(learner) == {0: "promoted", 1: "canary", 2: "canary"}
+    learner.db.dispose()

@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 from sqlalchemy import func, select, update
 from typer.testing import CliRunner
 
+from core.claims import claim_target
 from core.db import (
     DeadLetter,
     Episode,
@@ -239,7 +240,7 @@ def logged(store: ServerStore, log: SqlLog, rec: TrajectoryRecord) -> int:
 def rated(store: ServerStore, log: SqlLog, f: FeedbackRecord, mark: bool = True) -> int:
     """Claim, log and (``mark``) confirm feedback as the server does; returns its offset."""
     f = f.model_copy(update={"feedback_id": str(uuid.uuid4()), "received_at": utcnow()})
-    target = f"t:{f.trajectory_id}" if f.trajectory_id else f"e:{f.episode_id}"
+    target = claim_target(f.trajectory_id, f.episode_id)
     assert store.claim(target, f.feedback_id)
     _, off = log.append(TOPIC_FEEDBACK, f.prompt_id, f.to_json())
     if mark:

@@ -337,10 +337,11 @@ def test_report_over_seeds(tmp_path: Path) -> None:
     assert m == metrics["methods"]["sao"]
     # Seed 0: AUC 0.5, last-5 0.5, lag [1] (test_write_report), no details; seed 1 all zero: 0,
     # 0, [None]; staleness (0·3 + 1·1 + 1·4) / 8 tokens = 0.625; step median (2 + 9) / 2 = 5.5 s;
-    # no completing samples, so no feedback→served.
+    # no completing samples, so no feedback→served; no commit times, so no busy fraction.
     none = {
         "staleness_mean": None,
         "feedback_to_served_p50": None,
+        "learner_busy_fraction": None,
         "step_time_median_s": None,
         "wall_s": None,
     }
@@ -353,6 +354,7 @@ def test_report_over_seeds(tmp_path: Path) -> None:
             "adaptation_lag": [None],
             "staleness_mean": 0.625,
             "feedback_to_served_p50": None,
+            "learner_busy_fraction": None,
             "step_time_median_s": 5.5,
             "wall_s": 12.5,
         },
@@ -367,7 +369,7 @@ def test_report_over_seeds(tmp_path: Path) -> None:
     assert m["seed_summary"]["adaptation_lag"] == [{"crossed": 1, "of": 2, "mean": 1.0, "min": 1, "max": 1}]
     assert (tmp_path / "seeds.png").stat().st_size > 0
     page = (tmp_path / "index.html").read_text()
-    assert "Over seeds" in page and "<td>0.62</td><td>—</td><td>5.50</td><td>12.50</td>" in page
+    assert "Over seeds" in page and "<td>0.62</td><td>—</td><td>—</td><td>5.50</td><td>12.50</td>" in page
 
 
 def test_target_share_after_a_switch_pools_only_the_new_segment() -> None:

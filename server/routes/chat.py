@@ -5,6 +5,8 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
+from core.keys import identity_of
+from server.auth import caller_of
 from server.chat import complete_chat, extension_headers, prepare_rollout, stream_chat
 from server.errors import CHAT_PATH, ApiError, errors
 from server.routes import state_of
@@ -27,7 +29,7 @@ async def client_gone(request: Request) -> None:
         pass
 
 
-@router.post(CHAT_PATH, responses=CHAT_200 | errors(400, 403, 404, 408, 409, 413, 500, 503))
+@router.post(CHAT_PATH, responses=CHAT_200 | errors(400, 401, 403, 404, 408, 409, 413, 500, 503))
 async def chat(req: ChatCompletionRequest, request: Request):
     s = state_of(request)
     try:
@@ -35,6 +37,8 @@ async def chat(req: ChatCompletionRequest, request: Request):
     except ApiError as exc:
         s.metrics.failed_before_generation.labels(exc.code or "invalid").inc()
         raise
+    caller = caller_of(request)
+    rollout.identity, rollout.tenant = identity_of(caller.key_id, req.user), caller.tenant
     if req.stream:
         return StreamingResponse(
             stream_chat(s, req, rollout, sampling),

@@ -8,7 +8,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Literal
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -16,10 +16,13 @@ from pydantic import BaseModel
 from sqlalchemy import String, func, literal, select
 from sqlalchemy.engine import Engine
 
+from core.claims import TRAJECTORY_PREFIX
 from core.control import PAUSED, ROLLBACK_TO
 from core.db import ControlFlag, FeedbackClaim, LearnerSample, LearnerStep, PolicyVersion, TrajectoryIndex
+from server.auth import authenticate
 from server.errors import ApiError, errors
 from server.health import RETRY_AFTER_S
+from server.metrics import read_lifecycle
 from server.responses import DashboardData, Liveness, ModelCard, ModelList, Readiness
 from server.routes import state_of
 
@@ -50,12 +53,14 @@ DASHBOARD_VERSIONS = 500
 
 
 class VersionPoint(BaseModel):
-    """A policy version; ``rollback_to``: the version whose weights this one republished (a
-    rollback), else None. ``created_at``: ISO 8601 with offset."""
+    """A policy version; ``lifecycle``: its stage (candidate, canary, promoted, rejected);
+    ``rollback_to``: the version whose weights this one republished (a rollback), else None.
+    ``created_at``: ISO 8601 with offset."""
 
     version: int
     parent_version: int | None
     status: str
+    lifecycle: str
     rollback_to: int | None
     created_at: str
 
@@ -66,6 +71,20 @@ class VersionReward(BaseModel):
     version: int
     reward_mean: float
     n: int
+
+
+class GuardState(BaseModel):
+    """The lifecycle's state (``server.metrics.LifecycleState``): versions per stage, the
+    promoted version, the lineage on probation, the operators' switches, and the learner's last
+    verdict on this lineage (bounds on Δ, each arm's ratings and mean, the decision; None until
+    it judged it)."""
+
+    on: bool
+    pinned: int | None
+    promoted: int | None
+    lineage: list[int]
+    stages: dict[str, int]
+    verdict: dict | None
 
 
 class DashboardState(BaseModel):
@@ -81,6 +100,7 @@ class DashboardState(BaseModel):
     reward_by_version: list[VersionReward]
     requests_per_s_last_minute: float
     outcomes: dict[str, dict[str, int]]
+    guard: GuardState
 
 
 def aware(t: datetime) -> datetime:
@@ -96,8 +116,8 @@ def learner_overview(db: Engine, n_versions: int) -> dict:
     ``n_versions`` (oldest first) and ``newest_version``; ``samples_waiting`` (joined, not trained
     yet) and ``samples_trained`` (the samples every recorded step trained, from its
     ``sample_ids``); ``reward_by_version``: completion feedback received, by the version that
-    began the answer, for the versions shown (episode feedback is not in it). docs/design.md §2
-    (operators).
+    began the answer, for the versions shown (episode feedback is not in it); ``guard``: the
+    lifecycle (``GuardState``). docs/design.md §2 (operators), docs/guard.md.
     """
     with db.connect() as conn:
         flags = dict(
@@ -110,6 +130,7 @@ def learner_overview(db: Engine, n_versions: int) -> dict:
                 PolicyVersion.version,
                 PolicyVersion.parent_version,
                 PolicyVersion.status,
+                PolicyVersion.lifecycle,
                 PolicyVersion.metrics["rollback_to"].as_integer(),
                 PolicyVersion.created_at,
             )
@@ -124,14 +145,24 @@ def learner_overview(db: Engine, n_versions: int) -> dict:
         oldest = rows[-1].version if rows else 0
         rewards = conn.execute(
             select(TrajectoryIndex.dispatch_version, func.avg(FeedbackClaim.reward), func.count())
-            .join(FeedbackClaim, FeedbackClaim.target == literal("t:", String) + TrajectoryIndex.id)
+            .join(
+                FeedbackClaim, FeedbackClaim.target == literal(TRAJECTORY_PREFIX, String) + TrajectoryIndex.id
+            )
             .where(FeedbackClaim.state == "received", TrajectoryIndex.dispatch_version >= oldest)
             .group_by(TrajectoryIndex.dispatch_version)
             .order_by(TrajectoryIndex.dispatch_version)
         ).all()
+        lc = read_lifecycle(conn)
     versions = [
-        VersionPoint(version=v, parent_version=p, status=st, rollback_to=rb, created_at=aware(c).isoformat())
-        for v, p, st, rb, c in reversed(rows)
+        VersionPoint(
+            version=v,
+            parent_version=p,
+            status=st,
+            lifecycle=stage,
+            rollback_to=rb,
+            created_at=aware(c).isoformat(),
+        )
+        for v, p, st, stage, rb, c in reversed(rows)
     ]
     target = flags.get(ROLLBACK_TO)
     return {
@@ -142,6 +173,14 @@ def learner_overview(db: Engine, n_versions: int) -> dict:
         "samples_waiting": waiting,
         "samples_trained": int(trained),
         "reward_by_version": [VersionReward(version=v, reward_mean=r, n=n) for v, r, n in rewards],
+        "guard": GuardState(
+            on=lc.guard_on,
+            pinned=lc.pinned,
+            promoted=lc.promoted,
+            lineage=lc.lineage,
+            stages=lc.stages,
+            verdict=lc.verdict,
+        ),
     }
 
 
@@ -170,6 +209,7 @@ async def metrics(request: Request) -> Response:
     s = state_of(request)
     # The learner's counters are in the database it commits to: read them for this scrape.
     await asyncio.to_thread(s.metrics.learner.read, s.store.engine)
+    await asyncio.to_thread(s.metrics.lifecycle.read, s.store.engine)
     return Response(generate_latest(s.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
@@ -182,12 +222,12 @@ def model_card(request: Request) -> ModelCard:
     )
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", dependencies=[Depends(authenticate)], responses=errors(401))
 async def models(request: Request) -> ModelList:
     return ModelList(data=[model_card(request)])
 
 
-@router.get("/v1/models/{model:path}", responses=errors(404))
+@router.get("/v1/models/{model:path}", dependencies=[Depends(authenticate)], responses=errors(401, 404))
 async def model(model: str, request: Request) -> ModelCard:
     """OpenAI's ``models.retrieve``: the served model's card; 404 ``model_not_found`` for any
     other name (a model name may hold ``/``, as ``org/name`` does)."""
@@ -227,8 +267,9 @@ async def dashboard_data(request: Request) -> DashboardData:
 
 @router.get("/dashboard/state", responses=errors(503))
 async def dashboard_state(request: Request) -> DashboardState:
-    """Learning running or paused, a pending rollback, the versions (rollbacks marked), sample
-    counts, reward by version, requests/s over the last 60 s and this replica's request
+    """Learning running or paused, a pending rollback, the versions (their stages, rollbacks
+    marked), the lifecycle (promoted version, lineage, the guard's switches and last verdict),
+    sample counts, reward by version, requests/s over the last 60 s and this replica's request
     outcomes; aggregates only, like ``/dashboard/data``."""
     s = state_of(request)
     overview = await asyncio.to_thread(learner_overview, s.store.engine, DASHBOARD_VERSIONS)

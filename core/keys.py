@@ -1,0 +1,175 @@
+"""API keys and tenants: a key belongs to a tenant; the server stores only its hash (docs/tenants.md).
+
+A key as shown to its holder, once, at creation: ``sao-<key id>.<secret>``, where the key id is
+``k`` + 16 hex digits (64 random bits, public: it names the key in listings, on trajectory
+records and in revocations) and the secret is 48 hex digits (192 random bits from ``secrets``).
+The table ``api_keys`` (``core.db.ApiKey``) holds the id, the tenant and the sha256 of the whole
+key. A presented key is looked up by its id and its hash compared with ``hmac.compare_digest``,
+so the comparison takes the same time whatever the bytes that differ; the lookup by id reveals
+only whether an id exists, which a key id never keeps secret.
+
+Why sha256 and not bcrypt/scrypt/argon2: those are slow on purpose so that a leaked hash of a
+*human-chosen* password cannot be brute-forced. A key here is 192 random bits: no guess list
+exists, and 2^192 sha256 evaluations are out of reach at any speed. A slow hash would add tens
+of milliseconds of CPU to every chat and feedback request (each one authenticates) and protect
+nothing more.
+
+Nothing is cached: each request reads its key's row (a primary-key read), so a key revoked on
+any replica is refused on its next request everywhere.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+import secrets
+from dataclasses import dataclass
+from datetime import datetime
+
+from sqlalchemy import insert, select, update
+from sqlalchemy.engine import Engine
+
+from core.db import ApiKey
+from core.limits import NAME_CHARS
+
+KEY_PREFIX = "sao-"
+"""How every saoserve key begins: a bearer token without it is not one of ours (docs/tenants.md)."""
+
+KEY_ID_HEX = 16
+SECRET_HEX = 48
+
+TENANT_REGEX = rf"^[a-z0-9][a-z0-9._-]{{0,{NAME_CHARS - 1}}}$"
+TENANT_PATTERN = re.compile(TENANT_REGEX)
+"""A tenant name: 1 to ``NAME_CHARS`` characters, lower-case letters, digits, ``.``, ``_``, ``-``,
+beginning with a letter or digit (it becomes a metrics label and a path segment)."""
+
+_KEY_SHAPE = re.compile(rf"{KEY_PREFIX}(k[0-9a-f]{{{KEY_ID_HEX}}})\.([0-9a-f]{{{SECRET_HEX}}})")
+
+
+class BadTenant(ValueError):
+    """A tenant name that `check_tenant` refuses; the message says why."""
+
+
+@dataclass(frozen=True)
+class KeyInfo:
+    """A key as listed: never its secret or its hash. ``revoked_at`` None while it is valid."""
+
+    id: str
+    tenant: str
+    created_at: datetime
+    revoked_at: datetime | None
+
+    @property
+    def revoked(self) -> bool:
+        return self.revoked_at is not None
+
+    def to_json(self) -> dict:
+        return {
+            "id": self.id,
+            "tenant": self.tenant,
+            "created_at": self.created_at.isoformat(),
+            "revoked_at": None if self.revoked_at is None else self.revoked_at.isoformat(),
+        }
+
+
+@dataclass(frozen=True)
+class Check:
+    """The outcome of presenting a key: ``ok`` (``key`` set), ``revoked`` (``key`` set: the
+    presenter holds the secret of a revoked key), ``invalid`` (malformed, unknown id, or a
+    secret that does not match)."""
+
+    outcome: str
+    key: KeyInfo | None = None
+
+
+def check_tenant(name: str) -> str:
+    """``name`` if it is a valid tenant name (``TENANT_PATTERN``); raises BadTenant otherwise."""
+    if not TENANT_PATTERN.fullmatch(name):
+        raise BadTenant(
+            f"tenant {name!r} is not a valid name: 1 to {NAME_CHARS} characters of a-z, 0-9, '.', '_', '-', "
+            "beginning with a letter or digit"
+        )
+    return name
+
+
+def key_hash(key: str) -> str:
+    """sha256 of the whole presented key, hex (64 characters)."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def looks_like_key(token: str) -> bool:
+    """Whether a bearer token claims to be a saoserve key (begins with ``KEY_PREFIX``)."""
+    return token.startswith(KEY_PREFIX)
+
+
+def identity_of(key_id: str | None, user: str | None) -> str | None:
+    """Who sent a request (``TrajectoryRecord.identity``): ``key:<key id>`` when a key
+    authenticated it, else ``user:<user field>`` when the request gave one, else None."""
+    if key_id is not None:
+        return f"key:{key_id}"
+    if user is not None:
+        return f"user:{user}"
+    return None
+
+
+def _info(row) -> KeyInfo:
+    return KeyInfo(id=row.id, tenant=row.tenant, created_at=row.created_at, revoked_at=row.revoked_at)
+
+
+class KeyStore:
+    """The key registry in the database (``api_keys``)."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    def create(self, tenant: str, now: datetime) -> tuple[KeyInfo, str]:
+        """A new key of ``tenant`` (BadTenant for a bad name): its listing and the key itself,
+        which is not stored and cannot be shown again."""
+        check_tenant(tenant)
+        key_id = "k" + secrets.token_hex(KEY_ID_HEX // 2)
+        key = f"{KEY_PREFIX}{key_id}.{secrets.token_hex(SECRET_HEX // 2)}"
+        with self.engine.begin() as conn:
+            conn.execute(
+                insert(ApiKey).values(id=key_id, tenant=tenant, key_sha256=key_hash(key), created_at=now)
+            )
+        return KeyInfo(id=key_id, tenant=tenant, created_at=now, revoked_at=None), key
+
+    def listed(self, tenant: str | None = None) -> list[KeyInfo]:
+        """Every key (of ``tenant``), oldest first, revoked ones included."""
+        q = select(ApiKey.id, ApiKey.tenant, ApiKey.created_at, ApiKey.revoked_at)
+        if tenant is not None:
+            q = q.where(ApiKey.tenant == tenant)
+        with self.engine.connect() as conn:
+            return [_info(r) for r in conn.execute(q.order_by(ApiKey.created_at, ApiKey.id)).all()]
+
+    def revoke(self, key_id: str, now: datetime) -> KeyInfo | None:
+        """Revoke ``key_id`` (idempotent: a revoked key keeps its first revocation time); None
+        for an unknown id."""
+        with self.engine.begin() as conn:
+            conn.execute(
+                update(ApiKey).where(ApiKey.id == key_id, ApiKey.revoked_at.is_(None)).values(revoked_at=now)
+            )
+            row = conn.execute(
+                select(ApiKey.id, ApiKey.tenant, ApiKey.created_at, ApiKey.revoked_at).where(
+                    ApiKey.id == key_id
+                )
+            ).one_or_none()
+        return None if row is None else _info(row)
+
+    def check(self, presented: str) -> Check:
+        """Authenticate a presented key (module docstring: lookup by id, constant-time hash
+        comparison)."""
+        m = _KEY_SHAPE.fullmatch(presented)
+        if m is None:
+            return Check("invalid")
+        with self.engine.connect() as conn:
+            row = conn.execute(
+                select(
+                    ApiKey.id, ApiKey.tenant, ApiKey.created_at, ApiKey.revoked_at, ApiKey.key_sha256
+                ).where(ApiKey.id == m.group(1))
+            ).one_or_none()
+        if row is None or not hmac.compare_digest(key_hash(presented).encode(), row.key_sha256.encode()):
+            return Check("invalid")
+        info = _info(row)
+        return Check("revoked" if info.revoked else "ok", info)

@@ -1,0 +1,71 @@
+"""Who calls the API: the API key a chat, feedback or model-list request presents, checked
+against the key registry (``core/keys.py``; docs/tenants.md).
+
+``Authorization: Bearer <token>``: a token that begins with ``core.keys.KEY_PREFIX`` is a
+saoserve key and must be valid, whether or not keys are required (an unknown, wrong or revoked
+key is 401 on its next request). Any other token (the ``api_key="EMPTY"`` an OpenAI client must
+send when keys are off) and no header at all are anonymous: served when ``require_keys`` is off,
+401 when it is on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from core.keys import KeyStore, looks_like_key
+from server.errors import ApiError
+from server.routes import state_of
+
+
+@dataclass(frozen=True)
+class Caller:
+    """The authenticated key's id and tenant, or both None (anonymous)."""
+
+    key_id: str | None = None
+    tenant: str | None = None
+
+
+ANONYMOUS = Caller()
+
+
+def unauthorized(message: str) -> ApiError:
+    """The 401 of a request without a valid key (OpenAI's ``invalid_api_key``)."""
+    return ApiError(401, message, "authentication_error", code="invalid_api_key")
+
+
+def bearer(request: Request) -> str | None:
+    """The request's bearer token, or None without an ``Authorization: Bearer`` header."""
+    given = request.headers.get("authorization", "")
+    return given[7:].strip() if given.startswith("Bearer ") else None
+
+
+async def authenticate(request: Request) -> Caller:
+    """The route dependency of chat, feedback and the model list: the caller, also kept as
+    ``request.state.caller``. Raises ApiError 401 (module docstring); a database that does not
+    answer is a 503 like any storage failure (``server.errors``)."""
+    s = state_of(request)
+    token = bearer(request)
+    if token is None or not looks_like_key(token):
+        if s.settings.require_keys:
+            raise unauthorized(
+                "this server requires an API key: send 'Authorization: Bearer <API key>' "
+                "(keys are made with `saoserve admin keys create TENANT`)"
+            )
+        request.state.caller = ANONYMOUS
+        return ANONYMOUS
+    checked = await asyncio.to_thread(KeyStore(s.store.engine).check, token)
+    if checked.outcome == "revoked":
+        raise unauthorized(f"API key {checked.key.id} is revoked")
+    if checked.outcome != "ok":
+        raise unauthorized("invalid API key: not a key of this server")
+    caller = Caller(key_id=checked.key.id, tenant=checked.key.tenant)
+    request.state.caller = caller
+    return caller
+
+
+def caller_of(request: Request) -> Caller:
+    """The caller ``authenticate`` found for this request (anonymous if it did not run)."""
+    return getattr(request.state, "caller", ANONYMOUS)

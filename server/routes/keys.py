@@ -1,0 +1,64 @@
+"""``/admin/keys``: create, list and revoke API keys (behind the admin key, as every ``/admin``
+route; ``saoserve admin keys`` is their client). ``core/keys.py`` holds the registry;
+docs/tenants.md the model."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi import Path as PathParam
+from pydantic import ConfigDict, Field
+
+from core.keys import TENANT_REGEX, KeyStore
+from core.limits import NAME_CHARS
+from core.records import utcnow
+from server.errors import ApiError, errors
+from server.routes import state_of
+from server.routes.admin import ADMIN_ERRORS, require_admin
+from server.schemas import EdgeModel, EdgeStr
+
+router = APIRouter(prefix="/admin/keys", dependencies=[Depends(require_admin)])
+
+
+class CreateKey(EdgeModel):
+    """``POST /admin/keys``: the tenant the new key belongs to (``core.keys.TENANT_PATTERN``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    tenant: str = Field(pattern=TENANT_REGEX, max_length=NAME_CHARS)
+
+
+def store_of(request: Request) -> KeyStore:
+    return KeyStore(state_of(request).store.engine)
+
+
+@router.post("", status_code=201, responses=ADMIN_ERRORS | errors(413))
+async def create_key(body: CreateKey, request: Request) -> dict:
+    """A new key of ``tenant``: ``key`` is the key itself, shown this once (only its hash is
+    stored); ``id`` names it from now on."""
+    info, key = await asyncio.to_thread(store_of(request).create, body.tenant, utcnow())
+    return info.to_json() | {"key": key}
+
+
+@router.get("", responses=ADMIN_ERRORS)
+async def list_keys(
+    request: Request,
+    tenant: Annotated[str | None, Query(pattern=TENANT_REGEX, max_length=NAME_CHARS)] = None,
+) -> dict:
+    """Every key (of ``tenant``), oldest first, revoked ones included: ids, tenants, times;
+    never a key or its hash."""
+    keys = await asyncio.to_thread(store_of(request).listed, tenant)
+    return {"keys": [k.to_json() for k in keys]}
+
+
+@router.post("/{key_id}/revoke", responses=ADMIN_ERRORS | errors(404))
+async def revoke_key(
+    key_id: Annotated[EdgeStr, PathParam(min_length=1, max_length=NAME_CHARS)], request: Request
+) -> dict:
+    """Revoke a key: its next request is refused (401), on every replica. Idempotent (a revoked
+    key keeps its first ``revoked_at``); 404 for an unknown id."""
+    info = await asyncio.to_thread(store_of(request).revoke, key_id, utcnow())
+    if info is None:
+        raise ApiError(404, f"no API key {key_id!r}", code="not_found", param="key_id")
+    return info.to_json()

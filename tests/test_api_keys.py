@@ -1,0 +1,298 @@
+"""API keys and tenants (core/keys.py, server/auth.py, server/routes/keys.py, saoserve admin keys):
+created, listed and revoked through the CLI and the routes; stored as a hash; a revoked key
+refused on its next request (also mid-episode, for feedback); ``require_keys`` on and off; the
+key's identity and tenant on the trajectory record; the tenant label on /metrics.
+
+The real app under uvicorn with ``tests.fake_engine.FakeEngine``; where a chat must be answered,
+``ScriptedEngine`` below answers every request with the same two tokens (no vLLM engine)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+from dataclasses import dataclass
+
+import httpx
+import pytest
+from sqlalchemy import select, text
+from typer.testing import CliRunner
+
+from core.db import ApiKey, make_engine
+from core.keys import BadTenant, KeyStore, check_tenant, identity_of
+from core.records import utcnow
+from saoserve.cli import app as cli_app
+from server.engine import GenerationDelta
+from tests.conftest import ADMIN, make_settings, running_server
+from tests.fake_engine import FakeEngine
+
+runner = CliRunner()
+KEY = "test-admin-key"
+# The first chat imports vLLM (its SamplingParams) inside the server's loop: tens of seconds here.
+TIMEOUT_S = 120.0
+CHAT = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
+
+
+@dataclass
+class ScriptedEngine(FakeEngine):
+    """FakeEngine that answers: every prompt renders as 3 tokens and every answer is the two
+    tokens 7, 8 (logprobs -0.5, -0.25), finished with ``stop``, at the served version."""
+
+    tokenizer: tuple = tuple(range(100))  # only its length is read (the top-k bound)
+
+    def render(self, messages: list[dict]) -> list[int]:
+        return [1, 2, 3]
+
+    async def generate(self, prompt_ids, sampling, request_id=None, top_logprobs=0, **_):
+        yield GenerationDelta([7], [-0.5], "hi", self.version)
+        yield GenerationDelta([8], [-0.25], "!", self.version, "stop", [(self.version, 0, 2)])
+
+
+def admin(url: str, *args: str):
+    return runner.invoke(cli_app, ["admin", *args, "--url", url, "--key", KEY], env={"COLUMNS": "200"})
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+async def create_key(http: httpx.AsyncClient, tenant: str) -> dict:
+    r = await http.post("/admin/keys", json={"tenant": tenant}, headers=ADMIN)
+    assert r.status_code == 201, r.text
+    return r.json()
+
+
+def refusal(r: httpx.Response) -> tuple[int, str, str, str]:
+    err = r.json()["error"]
+    return r.status_code, err["type"], err["code"], err["message"]
+
+
+# ------------------------------------------------------------------ the registry (pure database)
+def test_tenant_names(tmp_path):
+    assert check_tenant("acme-corp.eu_1") == "acme-corp.eu_1"
+    for bad in ("", "Acme", "-acme", "a b", "a\n", "x" * 65, 'tenant="x"'):
+        with pytest.raises(BadTenant, match="is not a valid name"):
+            check_tenant(bad)
+
+
+def test_identity_of():
+    assert identity_of("k1", "bob") == "key:k1"  # the key wins over the user field
+    assert identity_of(None, "bob") == "user:bob"
+    assert identity_of(None, None) is None
+
+
+# ------------------------------------------------------------------ CLI and routes
+async def test_keys_created_listed_and_revoked_through_the_cli(tmp_path):
+    settings = make_settings(tmp_path)
+    async with running_server(settings, FakeEngine(), watch_policy=False) as url:
+
+        def run(*args):
+            return asyncio.to_thread(admin, url, *args)
+
+        made = await run("keys", "create", "acme", "--json")
+        assert made.exit_code == 0, made.output
+        key = json.loads(made.output)
+        assert key["tenant"] == "acme" and key["revoked_at"] is None
+        assert key["key"].startswith(f"sao-{key['id']}.") and len(key["key"]) == 4 + 17 + 1 + 48
+        shown = await run("keys", "create", "beta")
+        assert shown.exit_code == 0 and "cannot be shown again" in shown.output
+        listed = await run("keys", "list", "--json")
+        rows = json.loads(listed.output)["keys"]
+        assert [(k["id"], k["tenant"]) for k in rows][0] == (key["id"], "acme")
+        assert [k["tenant"] for k in rows] == ["acme", "beta"]
+        assert all("key" not in k and "key_sha256" not in k for k in rows)
+        only = json.loads((await run("keys", "list", "--tenant", "beta", "--json")).output)["keys"]
+        assert [k["tenant"] for k in only] == ["beta"]
+        table = await run("keys", "list")
+        assert key["id"] in table.output and key["key"] not in table.output
+        revoked = await run("keys", "revoke", key["id"])
+        assert revoked.exit_code == 0 and f"API key {key['id']} of tenant acme revoked" in revoked.output
+        again = json.loads((await run("keys", "revoke", key["id"], "--json")).output)
+        first = json.loads((await run("keys", "list", "--json")).output)["keys"][0]["revoked_at"]
+        assert again["revoked_at"] == first  # idempotent: the first revocation time stays
+        unknown = await run("keys", "revoke", "k0000000000000000")
+        bad = await run("keys", "create", "Not A Tenant")
+    assert unknown.exit_code == 5 and "no API key 'k0000000000000000'" in unknown.output
+    assert bad.exit_code == 2 and "refused the request (400)" in bad.output
+
+    # Stored: the sha256 of the key, never the key itself.
+    db = make_engine(settings.resolved_database_url)
+    with db.connect() as conn:
+        stored = conn.execute(select(ApiKey.key_sha256).where(ApiKey.id == key["id"])).scalar_one()
+        dump = "\n".join(str(tuple(r)) for r in conn.execute(text("SELECT * FROM api_keys")).all())
+    db.dispose()
+    assert stored == hashlib.sha256(key["key"].encode()).hexdigest()
+    assert key["key"] not in dump and key["key"].split(".")[1] not in dump
+
+
+async def test_key_routes_need_the_admin_key(tmp_path):
+    async with running_server(make_settings(tmp_path), FakeEngine(), watch_policy=False) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT_S) as http:
+            no_admin = await http.post("/admin/keys", json={"tenant": "acme"})
+            api_key = (await create_key(http, "acme"))["key"]
+            with_api_key = await http.get("/admin/keys", headers=bearer(api_key))
+    assert no_admin.status_code == 401 and with_api_key.status_code == 401
+
+
+# ------------------------------------------------------------------ require_keys
+async def test_require_keys_refuses_chat_feedback_and_models_without_a_valid_key(tmp_path):
+    settings = make_settings(tmp_path, require_keys=True)
+    async with running_server(settings, ScriptedEngine(), watch_policy=False) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT_S) as http:
+            key = await create_key(http, "acme")
+            missing = {
+                "chat": await http.post("/v1/chat/completions", json=CHAT),
+                "models": await http.get("/v1/models"),
+                "model": await http.get("/v1/models/smollm2-135m-instruct"),
+                "feedback": await http.post(
+                    "/v1/feedback", json={"id": "chatcmpl-x", "reward": 1.0, "feedback_token": "x"}
+                ),
+                # An OpenAI client's placeholder key is no key.
+                "placeholder": await http.post("/v1/chat/completions", json=CHAT, headers=bearer("EMPTY")),
+            }
+            wrong = await http.post(
+                "/v1/chat/completions", json=CHAT, headers=bearer(key["key"][:-4] + "0000")
+            )
+            models = await http.get("/v1/models", headers=bearer(key["key"]))
+            answered = await http.post("/v1/chat/completions", json=CHAT, headers=bearer(key["key"]))
+            health = await http.get("/readyz")
+    for name, r in missing.items():
+        assert refusal(r)[:3] == (401, "authentication_error", "invalid_api_key"), name
+        assert "this server requires an API key" in refusal(r)[3], name
+        assert r.headers["x-should-retry"] == "false", name
+    assert refusal(wrong) == (
+        401,
+        "authentication_error",
+        "invalid_api_key",
+        "invalid API key: not a key of this server",
+    )
+    # The list shape of today: the served model.
+    assert models.status_code == 200
+    assert [(m["id"], m["object"]) for m in models.json()["data"]] == [("smollm2-135m-instruct", "model")]
+    assert models.json()["object"] == "list"
+    assert answered.status_code == 200, answered.text
+    assert health.status_code == 200  # operators' pages need no key
+
+
+async def test_without_require_keys_anonymous_chat_works_and_a_revoked_key_is_still_refused(tmp_path):
+    settings = make_settings(tmp_path)
+    async with running_server(settings, ScriptedEngine(), watch_policy=False) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT_S) as http:
+            anonymous = await http.post("/v1/chat/completions", json=CHAT)
+            placeholder = await http.post("/v1/chat/completions", json=CHAT, headers=bearer("sk-anything"))
+            models = await http.get("/v1/models")
+            key = await create_key(http, "acme")
+            keyed = await http.post("/v1/chat/completions", json=CHAT, headers=bearer(key["key"]))
+            await http.post(f"/admin/keys/{key['id']}/revoke", headers=ADMIN)
+            after = await http.post("/v1/chat/completions", json=CHAT, headers=bearer(key["key"]))
+            made_up = await http.get("/v1/models", headers=bearer("sao-knotakey.123"))
+    assert [r.status_code for r in (anonymous, placeholder, models, keyed)] == [200, 200, 200, 200]
+    assert refusal(after) == (
+        401,
+        "authentication_error",
+        "invalid_api_key",
+        f"API key {key['id']} is revoked",
+    )
+    assert refusal(made_up)[0] == 401
+
+
+async def test_a_key_revoked_mid_episode_is_refused_on_its_next_turn_and_its_feedback(tmp_path):
+    settings = make_settings(tmp_path, require_keys=True)
+    async with running_server(settings, ScriptedEngine(), watch_policy=False) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT_S) as http:
+            key = await create_key(http, "acme")
+            turn0 = await http.post(
+                "/v1/chat/completions", json=CHAT | {"episode_id": "ep-1"}, headers=bearer(key["key"])
+            )
+            token = turn0.json()["episode_feedback_token"]
+            one = await http.post(
+                "/v1/chat/completions",
+                json=CHAT | {"episode_id": "ep-1", "episode_token": token},
+                headers=bearer(key["key"]),
+            )
+            assert turn0.status_code == one.status_code == 200, one.text
+            revoked = await http.post(f"/admin/keys/{key['id']}/revoke", headers=ADMIN)
+            assert revoked.status_code == 200
+            turn2 = await http.post(
+                "/v1/chat/completions",
+                json=CHAT | {"episode_id": "ep-1", "episode_token": token},
+                headers=bearer(key["key"]),
+            )
+            rating = {"episode_id": "ep-1", "reward": 1.0, "feedback_token": token}
+            feedback = await http.post("/v1/feedback", json=rating, headers=bearer(key["key"]))
+            # The tenant's new key may still rate the episode: the feedback token binds it.
+            fresh = await create_key(http, "acme")
+            rated = await http.post("/v1/feedback", json=rating, headers=bearer(fresh["key"]))
+    revoked_msg = (401, "authentication_error", "invalid_api_key", f"API key {key['id']} is revoked")
+    assert refusal(turn2) == revoked_msg
+    assert refusal(feedback) == revoked_msg
+    assert rated.status_code == 202, rated.text
+
+
+# ------------------------------------------------------------------ identity, tenant, metrics
+async def test_the_record_carries_the_key_id_and_tenant_and_metrics_the_tenant(tmp_path):
+    settings = make_settings(tmp_path)
+    async with running_server(settings, ScriptedEngine(), watch_policy=False) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT_S) as http:
+            key = await create_key(http, "acme")
+            keyed = await http.post(
+                "/v1/chat/completions", json=CHAT | {"user": "alice"}, headers=bearer(key["key"])
+            )
+            user = await http.post("/v1/chat/completions", json=CHAT | {"user": "bob"})
+            nobody = await http.post("/v1/chat/completions", json=CHAT)
+            records = {}
+            for name, r in (("keyed", keyed), ("user", user), ("nobody", nobody)):
+                got = await http.get(f"/admin/trajectories/{r.json()['id']}", headers=ADMIN)
+                records[name] = got.json()
+            rated = await http.post(
+                "/v1/feedback",
+                json={
+                    "id": keyed.json()["id"],
+                    "reward": 1.0,
+                    "feedback_token": keyed.json()["feedback_token"],
+                },
+                headers=bearer(key["key"]),
+            )
+            assert rated.status_code == 202
+            page = (await http.get("/metrics")).text
+    assert (records["keyed"]["identity"], records["keyed"]["tenant"]) == (f"key:{key['id']}", "acme")
+    assert records["keyed"]["user"] == "alice"  # still what `admin forget` finds
+    assert key["key"] not in json.dumps(records["keyed"])
+    assert (records["user"]["identity"], records["user"]["tenant"]) == ("user:bob", None)
+    assert (records["nobody"]["identity"], records["nobody"]["tenant"]) == (None, None)
+    # One keyed answer of 2 tokens for acme; two anonymous answers (4 tokens) under "-".
+    assert 'saoserve_tenant_trajectories_logged_total{finish_reason="stop",tenant="acme"} 1.0' in page
+    assert 'saoserve_tenant_trajectories_logged_total{finish_reason="stop",tenant="-"} 2.0' in page
+    assert 'saoserve_tenant_generated_tokens_total{tenant="acme"} 2.0' in page
+    assert 'saoserve_tenant_generated_tokens_total{tenant="-"} 4.0' in page
+    assert 'saoserve_tenant_feedback_accepted_total{tenant="acme"} 1.0' in page
+
+
+def test_the_tenant_label_is_bounded():
+    from server.metrics import MAX_TENANT_LABELS, ServerMetrics
+
+    m = ServerMetrics()
+    labels = [m.tenant_label(f"t{i}") for i in range(MAX_TENANT_LABELS + 5)]
+    assert labels[:MAX_TENANT_LABELS] == [f"t{i}" for i in range(MAX_TENANT_LABELS)]
+    assert labels[MAX_TENANT_LABELS:] == ["other"] * 5
+    assert m.tenant_label("t0") == "t0" and m.tenant_label(None) == "-"
+
+
+def test_a_revoked_key_checked_in_the_store(tmp_path):
+    """The store alone: the same secret is ok, then revoked; a key of the right shape with a
+    wrong secret, or an unknown id, is invalid (the hash compared in constant time)."""
+    from core.db import migrate
+
+    url = f"sqlite:///{tmp_path / 'k.db'}"
+    migrate(url)
+    store = KeyStore(make_engine(url))
+    info, key = store.create("acme", utcnow())
+    assert store.check(key).outcome == "ok" and store.check(key).key.tenant == "acme"
+    wrong = key[:-1] + ("0" if key[-1] != "0" else "1")
+    assert store.check(wrong).outcome == "invalid"
+    assert store.check("sao-k0000000000000000." + "0" * 48).outcome == "invalid"
+    assert store.check("not-a-key").outcome == "invalid"
+    store.revoke(info.id, utcnow())
+    assert store.check(key).outcome == "revoked"
+    assert store.revoke("k-unknown", utcnow()) is None
+    store.engine.dispose()

@@ -56,13 +56,23 @@ def version_dirs(policy_dir: Path) -> list[tuple[int, Path]]:
     return sorted((v, d) for v, d in found if v is not None)
 
 
+def is_file(path: Path) -> bool:
+    """Whether ``path`` is a regular file; False also where the operating system refuses to look
+    (a name too long, a component not searchable: ``Path.is_file`` raises those ``OSError``s),
+    as a path an operator typed may be any string."""
+    try:
+        return Path(path).is_file()
+    except OSError:
+        return False
+
+
 def layout(path: Path) -> Layout | None:
     """The layout of the version folder at ``path``: ``ADAPTER`` when it holds both adapter files,
-    ``FULL`` when it holds the weights file, None when it holds neither (deleted, pruned, or a
-    folder that is not a version)."""
+    ``FULL`` when it holds the weights file, None when it holds neither (deleted, pruned, a
+    folder that is not a version, or a path the system cannot look at: ``is_file``)."""
     path = Path(path)
-    if (path / ADAPTER_FILE).is_file() and (path / ADAPTER_CONFIG).is_file():
+    if is_file(path / ADAPTER_FILE) and is_file(path / ADAPTER_CONFIG):
         return Layout.ADAPTER
-    if (path / WEIGHTS_FILE).is_file():
+    if is_file(path / WEIGHTS_FILE):
         return Layout.FULL
     return None

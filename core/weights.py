@@ -15,6 +15,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from core.policy_store import is_file
+
 # A safetensors header is a little-endian u64 length, then that many bytes of JSON. Real
 # headers of this model are ~25 kB; the bound keeps a corrupt length from allocating gigabytes.
 MAX_HEADER_BYTES = 100 << 20
@@ -169,6 +171,6 @@ def _tied(model_dir: Path) -> bool:
     """Whether the model's config ties the LM head to the input embeddings (default: yes, as
     transformers' ``PretrainedConfig``)."""
     config = Path(model_dir) / "config.json"
-    if not config.is_file():
+    if not is_file(config):
         return False
     return bool(json.loads(config.read_text()).get("tie_word_embeddings", True))

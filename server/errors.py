@@ -20,6 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from core.logbus import LogUnavailable
@@ -140,9 +141,23 @@ def storage_unavailable(what: str, exc: BaseException) -> ApiError:
     )
 
 
-async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+def allowed_methods(request: Request) -> str:
+    """The ``Allow`` header of a 405: the methods of every route on the request's path. Starlette
+    names only the first matching route's, so a path served by two routes (``GET`` and ``POST
+    /admin/keys``) would hide one (RFC 9110 §15.5.6 asks for all)."""
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        match, _ = route.matches(request.scope)
+        if match != Match.NONE:
+            methods |= getattr(route, "methods", None) or set()
+    return ", ".join(sorted(methods))
+
+
+async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     err = ApiError(exc.status_code, str(exc.detail), "invalid_request_error")
     headers = refusal_headers(exc.status_code) | (exc.headers or {})
+    if exc.status_code == 405:
+        headers["Allow"] = allowed_methods(request)
     return JSONResponse(err.body(), status_code=exc.status_code, headers=headers)
 
 

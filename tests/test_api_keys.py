@@ -134,6 +134,17 @@ async def test_key_routes_need_the_admin_key(tmp_path):
     assert no_admin.status_code == 401 and with_api_key.status_code == 401
 
 
+async def test_a_405_on_the_keys_path_names_both_of_its_methods(tmp_path):
+    """GET and POST /admin/keys are two routes; Starlette's own 405 names only the first one's
+    method (schemathesis found ``Allow: POST``); ``server.errors.allowed_methods`` names both."""
+    async with running_server(make_settings(tmp_path), FakeEngine(), watch_policy=False) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT_S) as http:
+            r = await http.put("/admin/keys", headers=bearer(KEY))
+            single = await http.get("/admin/keys/k1/revoke", headers=bearer(KEY))
+    assert r.status_code == 405 and r.headers["allow"] == "GET, POST"
+    assert single.status_code == 405 and single.headers["allow"] == "POST"
+
+
 # ------------------------------------------------------------------ require_keys
 async def test_require_keys_refuses_chat_feedback_and_models_without_a_valid_key(tmp_path):
     settings = make_settings(tmp_path, require_keys=True)

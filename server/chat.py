@@ -340,6 +340,21 @@ def not_recorded(exc: BaseException) -> ApiError:
 CLIENT_GONE = 499
 
 
+def generation(s: ServerState, rollout: Rollout, sampling, n_top: int):
+    """The engine's stream of deltas for ``rollout`` (at its dispatch version, with ``n_top``
+    top logprobs per token), closed when the caller's ``async with`` ends (an abort then reaches
+    the engine)."""
+    return contextlib.aclosing(
+        s.engine.generate(
+            rollout.prompt_token_ids,
+            sampling,
+            rollout.id,
+            top_logprobs=n_top,
+            version=rollout.dispatch_version,
+        )
+    )
+
+
 async def until_done_or_gone(work: Awaitable[None], gone: Awaitable[None] | None) -> bool:
     """Run ``work`` to its end and return True; if ``gone`` (the client disconnecting) completes
     first, cancel ``work`` (the engine aborts its request) and return False. Exceptions of
@@ -382,15 +397,7 @@ async def complete_chat(
     n_top = top_logprobs_of(req)
 
     async def generate() -> None:
-        async with contextlib.aclosing(
-            s.engine.generate(
-                rollout.prompt_token_ids,
-                sampling,
-                rollout.id,
-                top_logprobs=n_top,
-                version=rollout.dispatch_version,
-            )
-        ) as gen:
+        async with generation(s, rollout, sampling, n_top) as gen:
             async for d in gen:
                 rollout.add(d)
                 text_parts.append(d.text)
@@ -499,15 +506,7 @@ async def stream_chat(s: ServerState, req: ChatCompletionRequest, rollout: Rollo
                 ],
             }
         )
-        async with contextlib.aclosing(
-            s.engine.generate(
-                rollout.prompt_token_ids,
-                sampling,
-                rollout.id,
-                top_logprobs=n_top,
-                version=rollout.dispatch_version,
-            )
-        ) as gen:
+        async with generation(s, rollout, sampling, n_top) as gen:
             async for d in gen:
                 rollout.add(d)
                 last = d

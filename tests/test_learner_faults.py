@@ -38,13 +38,12 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from sqlalchemy import func, insert, select
+from sqlalchemy import func, select
 
 from core.control import PAUSED, ROLLBACK_TO, get_flag, set_flag
 from core.db import (
     ConsumerOffset,
     DeadLetter,
-    FeedbackClaim,
     LearnerCounter,
     LearnerSample,
     LearnerStep,
@@ -52,7 +51,6 @@ from core.db import (
     PendingJoin,
     PolicyVersion,
     QuarantinedSample,
-    TrajectoryIndex,
     VersionStatusEvent,
     make_engine,
     migrate,
@@ -72,6 +70,7 @@ from learner.faults import CYCLE_POINTS, EXIT_CODE, POINTS, parse
 from learner.process import Learner, LearnerConfig, storable
 from tests.conftest import ROOT
 from tests.logutil import read_topic
+from tests.ratings import add_rated
 
 VOCAB = 512
 BATCH = 2
@@ -306,18 +305,23 @@ def audit(engine, log, policy_dir: Path, fed: list[str], malformed: list[int]) -
     return {"versions": top, "samples": len(fed), "dead_letters": len(letters)}
 
 
-def run_harness(tmp_path: Path, db_url: str, estimator: str, kills: int, policy: dict | None = None) -> dict:
-    migrate(db_url)
-    model_dir = tiny_model_dir(tmp_path / "model")
-    policy_dir = tmp_path / "policies"
-    job = dict(
+def harness_job(tmp_path: Path, db_url: str, model_dir: Path, estimator: str, **extra) -> dict:
+    """What a learner life of the harness is given (``Lives``): its home, database, model, the
+    policy folder ``tmp_path/policies``, the estimator and ``extra`` (``policy``, ``guard``)."""
+    return dict(
         home=str(tmp_path),
         db=db_url,
         model_dir=str(model_dir),
-        policy_dir=str(policy_dir),
+        policy_dir=str(tmp_path / "policies"),
         estimator=estimator,
-        policy=policy,
+        **extra,
     )
+
+
+def run_harness(tmp_path: Path, db_url: str, estimator: str, kills: int, policy: dict | None = None) -> dict:
+    migrate(db_url)
+    policy_dir = tmp_path / "policies"
+    job = harness_job(tmp_path, db_url, tiny_model_dir(tmp_path / "model"), estimator, policy=policy)
     log = open_log(db_url)
     engine = make_engine(db_url)
     fed: list[str] = []
@@ -416,25 +420,7 @@ def rate_versions(engine, versions, reward: float, n: int, at) -> None:
     with engine.begin() as conn:
         for v in versions:
             for i in range(n):
-                tid = f"r{v}-{i}"
-                conn.execute(
-                    insert(TrajectoryIndex).values(
-                        id=tid,
-                        prompt_id="p",
-                        dispatch_version=v,
-                        last_version=v,
-                        n_response_tokens=4,
-                        finish_reason="stop",
-                        log_partition=0,
-                        log_offset=0,
-                        created_at=at,
-                    )
-                )
-                conn.execute(
-                    insert(FeedbackClaim).values(
-                        target=f"t:{tid}", state="received", reward=reward, claimed_at=at, received_at=at
-                    )
-                )
+                add_rated(conn, f"r{v}-{i}", v, reward, at)
 
 
 # Each scenario: the guard's config, the points its lives die at (each twice), and the stage of
@@ -472,16 +458,7 @@ def run_lifecycle_harness(tmp_path: Path, db_url: str, scenario: str) -> dict:
     runs until everything is trained and decided; returns ``lifecycle_audit``'s figures."""
     case = LIFECYCLE_SCENARIOS[scenario]
     migrate(db_url)
-    model_dir = gate_model_dir(tmp_path / "model")
-    policy_dir = tmp_path / "policies"
-    job = dict(
-        home=str(tmp_path),
-        db=db_url,
-        model_dir=str(model_dir),
-        policy_dir=str(policy_dir),
-        estimator="sao",
-        guard=case["guard"],
-    )
+    job = harness_job(tmp_path, db_url, gate_model_dir(tmp_path / "model"), "sao", guard=case["guard"])
     log = open_log(db_url)
     engine = make_engine(db_url)
     now = utcnow()

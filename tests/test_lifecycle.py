@@ -10,10 +10,8 @@ import pytest
 from sqlalchemy import insert, select
 
 from core.db import (
-    FeedbackClaim,
     LearnerStep,
     PolicyVersion,
-    TrajectoryIndex,
     VersionStatusEvent,
     make_engine,
     migrate,
@@ -37,6 +35,7 @@ from core.lifecycle_store import (
 )
 from core.records import utcnow
 from core.sequential import Decision, RuleParams
+from tests.ratings import add_rated
 
 C, P, R, X = Stage.CANDIDATE, Stage.CANARY, Stage.PROMOTED, Stage.REJECTED
 
@@ -167,27 +166,6 @@ def add_version(conn, version: int, lifecycle: str = "canary", at=None) -> None:
             metrics={},
             created_at=at or utcnow(),
             lifecycle=lifecycle,
-        )
-    )
-
-
-def add_rated(conn, tid: str, version: int, reward: float | None, at, state: str = "received") -> None:
-    conn.execute(
-        insert(TrajectoryIndex).values(
-            id=tid,
-            prompt_id="p",
-            dispatch_version=version,
-            last_version=version,
-            n_response_tokens=3,
-            finish_reason="stop",
-            log_partition=0,
-            log_offset=0,
-            created_at=at,
-        )
-    )
-    conn.execute(
-        insert(FeedbackClaim).values(
-            target=f"t:{tid}", state=state, reward=reward, claimed_at=at, received_at=at
         )
     )
 

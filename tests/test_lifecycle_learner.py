@@ -17,12 +17,10 @@ from sqlalchemy import insert, select
 
 from core.control import PAUSED, set_flag
 from core.db import (
-    FeedbackClaim,
     LearnerCounter,
     LearnerSample,
     PolicyVersion,
     QuarantinedSample,
-    TrajectoryIndex,
     VersionStatusEvent,
 )
 from core.logbus import open_log
@@ -33,6 +31,7 @@ from learner.gate import GateConfig, GateResult, decide
 from learner.process import Learner
 from server.metrics import read_lifecycle
 from tests.logutil import read_topic
+from tests.ratings import add_rated
 from tests.test_learner_faults import (
     BATCH,
     GATE_VOCAB,
@@ -192,26 +191,7 @@ def rate(learner: Learner, version: int, rewards: list[float], at, first: int = 
     trajectory index and feedback claims hold)."""
     with learner.db.begin() as conn:
         for i, r in enumerate(rewards, start=first):
-            tid = f"r{version}-{i}"
-            t = at + timedelta(milliseconds=i)
-            conn.execute(
-                insert(TrajectoryIndex).values(
-                    id=tid,
-                    prompt_id="p",
-                    dispatch_version=version,
-                    last_version=version,
-                    n_response_tokens=4,
-                    finish_reason="stop",
-                    log_partition=0,
-                    log_offset=0,
-                    created_at=t,
-                )
-            )
-            conn.execute(
-                insert(FeedbackClaim).values(
-                    target=f"t:{tid}", state="received", reward=r, claimed_at=t, received_at=t
-                )
-            )
+            add_rated(conn, f"r{version}-{i}", version, r, at + timedelta(milliseconds=i))
 
 
 def test_a_lineage_worse_than_the_promoted_record_is_rejected_and_rolled_back_while_paused(learner):

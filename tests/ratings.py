@@ -1,0 +1,33 @@
+"""One rated single-turn answer as the server records it (its trajectory index row and its
+received feedback claim): what the guard's decision rule reads. Shared by the lifecycle tests
+and the fault harness."""
+
+from __future__ import annotations
+
+from sqlalchemy import insert
+
+from core.claims import trajectory_target
+from core.db import FeedbackClaim, TrajectoryIndex
+
+
+def add_rated(conn, tid: str, version: int, reward: float | None, at, state: str = "received") -> None:
+    """Insert trajectory ``tid`` dispatched and finished by ``version`` at ``at`` (3 tokens,
+    ``stop``) and its feedback claim in ``state`` with ``reward``, in the caller's transaction."""
+    conn.execute(
+        insert(TrajectoryIndex).values(
+            id=tid,
+            prompt_id="p",
+            dispatch_version=version,
+            last_version=version,
+            n_response_tokens=3,
+            finish_reason="stop",
+            log_partition=0,
+            log_offset=0,
+            created_at=at,
+        )
+    )
+    conn.execute(
+        insert(FeedbackClaim).values(
+            target=trajectory_target(tid), state=state, reward=reward, claimed_at=at, received_at=at
+        )
+    )

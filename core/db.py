@@ -74,6 +74,9 @@ class TrajectoryIndex(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     # The request's ``user`` (TrajectoryRecord.user): what ``saoserve admin forget`` looks up.
     user_id: Mapped[str | None] = mapped_column(String(USER_CHARS), index=True)
+    # The canary arm the request was routed to (core/lifecycle.py ``Arm``): ``canary`` or
+    # ``control`` while a canary share splits the traffic, NULL otherwise (probation, guard off).
+    arm: Mapped[str | None] = mapped_column(String(STATE_CHARS))
 
 
 class FeedbackClaim(Base):

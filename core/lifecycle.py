@@ -5,9 +5,10 @@ Pure: rows in, decisions out; the database side is ``core/lifecycle_store.py``. 
 docs/design.md §9.1 and docs/guard.md, "The lifecycle".
 
 Stages. A new version is a ``candidate`` until the gate (``learner.gate``) has run on it: it
-fails → ``rejected`` (never announced, never served); it passes → ``canary``. With a single
-full-weight engine (this deployment) a canary serves all traffic under *probation*: it stays
-under watch until the decision rule promotes it (``promoted``) or rejects it (``rejected``).
+fails → ``rejected`` (never announced, never served); it passes → ``canary``. An engine that
+serves adapters gives a canary its share of the requests (below); a single full-weight engine
+serves it to all traffic under *probation*. Either way it stays under watch until the decision
+rule promotes it (``promoted``) or rejects it (``rejected``).
 A rejected version never serves again; ``rejected`` is final. An operator may also reject a
 promoted version (other than the base, version 0, the last resort every deployment has).
 
@@ -25,6 +26,13 @@ target style, of the prompt mix, of the judge) is confounded with the version's 
 can make a good lineage look worse or a bad one better; the rule's α does not cover that. A
 canary share served beside the promoted version takes both arms from one window and is not
 confounded this way (docs/guard.md, "The decision rule").
+
+The canary share (``CanarySplit``, ``route``). An engine that serves versions as LoRA adapters
+holds the promoted version and the lineage's newest side by side, so each new request draws its
+arm: the lineage with probability ``share`` (``canary``), else the promoted version
+(``control``). The arm is logged with the trajectory; when the lineage's rated answers carry
+arms, the verdict compares the lineage's canary arm with the control arm of the same window
+(both drawn from one stream of requests, so drift reaches both alike).
 """
 
 from __future__ import annotations
@@ -54,6 +62,14 @@ ALLOWED: dict[Stage, frozenset[Stage]] = {
     Stage.REJECTED: frozenset(),
 }
 """The moves allowed from each stage; ``rejected`` is final."""
+
+
+class Arm(StrEnum):
+    """The arm of a canary share a request was routed to (``route``)."""
+
+    CANARY = "canary"
+    CONTROL = "control"
+
 
 GUARD = "guard"
 """The actor of the decision rule's transitions (operators are recorded by name)."""
@@ -144,3 +160,55 @@ def judge_lineage(
         ValueError: a reward outside [0, 1] or not finite, a negative ``elapsed_s``.
     """
     return decide(lineage_rewards, promoted_rewards, params, elapsed_s=elapsed_s)
+
+
+@dataclass(frozen=True)
+class CanarySplit:
+    """A canary share in effect on one engine.
+
+    ``lineage``: the versions of the candidate lineage (any may be the engine's current
+    version); ``control``: the promoted version, held loaded beside them (0: the base weights);
+    ``share``: the probability in (0, 1] that a new request goes to the lineage.
+
+    Raises ValueError for a share outside (0, 1], an empty lineage, or a control version inside
+    the lineage.
+    """
+
+    lineage: frozenset[int]
+    control: int
+    share: float
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.share <= 1.0:
+            raise ValueError(f"a canary share is in (0, 1], not {self.share!r}")
+        if not self.lineage:
+            raise ValueError("a canary split needs a lineage")
+        if self.control in self.lineage:
+            raise ValueError(f"the control version {self.control} is in the lineage {sorted(self.lineage)}")
+
+
+def route(split: CanarySplit | None, current: int, draw: float) -> tuple[int, Arm | None]:
+    """The version a new request is dispatched at, and its arm.
+
+    Args:
+        split: the canary share in effect, or None (no split: probation, the guard off, an
+            engine without adapters).
+        current: the version the engine serves new requests with (its newest loaded).
+        draw: a uniform number in [0, 1), drawn once per request.
+
+    Returns:
+        ``(current, None)`` without a split or when ``current`` is not in the split's lineage
+        (the engine has moved past it: a promotion or a rollback the split has not seen yet);
+        else ``(current, Arm.CANARY)`` when ``draw < share``, ``(control, Arm.CONTROL)``
+        otherwise. So over n requests the canary's count is Binomial(n, share).
+
+    Raises:
+        ValueError: ``draw`` outside [0, 1).
+    """
+    if not 0.0 <= draw < 1.0:
+        raise ValueError(f"a draw is in [0, 1), not {draw!r}")
+    if split is None or current not in split.lineage:
+        return current, None
+    if draw < split.share:
+        return current, Arm.CANARY
+    return split.control, Arm.CONTROL

@@ -23,7 +23,7 @@ from core.db import (
     TrajectoryIndex,
     VersionStatusEvent,
 )
-from core.lifecycle import Stage, VersionStage, check_transition
+from core.lifecycle import Arm, Stage, VersionStage, check_transition
 from core.limits import NAME_CHARS
 
 QUARANTINED = "quarantined"
@@ -81,14 +81,20 @@ def transition(
 
 
 def rated_rewards(
-    conn: Connection, versions: Iterable[int], before: datetime | None = None, limit: int | None = None
+    conn: Connection,
+    versions: Iterable[int],
+    before: datetime | None = None,
+    limit: int | None = None,
+    since: datetime | None = None,
+    arm: Arm | None = None,
 ) -> list[float]:
     """Rewards of the rated single-turn answers that ``versions`` dispatched (the version of the
     first token, ``trajectory_index.dispatch_version``), oldest rating first.
 
-    ``before``: only answers dispatched before this time; ``limit``: only the newest ``limit``
-    ratings (still returned oldest first). Episodes' feedback rates several answers at once and
-    is not counted (docs/guard.md, "The lifecycle").
+    ``before`` / ``since``: only answers dispatched before / at or after this time; ``arm``:
+    only answers a canary split routed to that arm (``trajectory_index.arm``); ``limit``: only
+    the newest ``limit`` ratings (still returned oldest first). Episodes' feedback rates several
+    answers at once and is not counted (docs/guard.md, "The lifecycle").
     """
     wanted = list(versions)
     if not wanted:
@@ -104,6 +110,10 @@ def rated_rewards(
     )
     if before is not None:
         q = q.where(TrajectoryIndex.created_at < before)
+    if since is not None:
+        q = q.where(TrajectoryIndex.created_at >= since)
+    if arm is not None:
+        q = q.where(TrajectoryIndex.arm == str(arm))
     q = q.order_by(FeedbackClaim.received_at.desc(), FeedbackClaim.target.desc())
     if limit is not None:
         q = q.limit(limit)

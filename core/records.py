@@ -16,6 +16,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from core.lifecycle import Arm
 from core.limits import (
     EPISODE_ID_CHARS,
     ID_CHARS,
@@ -113,6 +114,9 @@ class TrajectoryRecord(BaseModel):
     # Both None on records logged before them.
     identity: str | None = Field(None, max_length=IDENTITY_CHARS)
     tenant: str | None = Field(None, max_length=NAME_CHARS)
+    # The canary arm the request was routed to (core.lifecycle.route) while a canary share
+    # split the traffic; None otherwise and on records logged before the field.
+    arm: Arm | None = None
 
     @model_validator(mode="after")
     def _aligned(self) -> TrajectoryRecord:

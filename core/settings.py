@@ -110,6 +110,14 @@ class Settings(BaseSettings):
         description="adapter serving: adapters kept loaded at once (vLLM's max_cpu_loras, at least "
         "max_loras): the current one, pinned ones and those requests in flight still use.",
     )
+    canary_share: float = Field(
+        0.2,
+        gt=0.0,
+        le=1.0,
+        description="adapter serving: the share of new requests the guard's candidate lineage gets "
+        "while it is on canary (the promoted version serves the rest); an operator's "
+        "`saoserve admin canary` overrides it. Engines without adapters have no share: probation.",
+    )
     log_required: bool = Field(
         True,
         description="If the log is down: True fails the request (503) so no trajectory is lost; "

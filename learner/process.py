@@ -70,7 +70,7 @@ from core.db import (
 )
 from core.dead_letters import COUNTER as DEAD_LETTERS
 from core.dead_letters import MAX_TRIES, Letter, describe, set_aside
-from core.lifecycle import GUARD, LEARNER, Stage, judge_lineage, lineage
+from core.lifecycle import GUARD, LEARNER, Arm, Stage, judge_lineage, lineage
 from core.logbus import LogTransport, open_log
 from core.policy_store import ADAPTER_FILE, CHECKPOINT_FILE, WEIGHTS_FILE, Layout, layout, version_dir
 from core.records import (
@@ -828,7 +828,10 @@ class Learner:
         rolled back, guard on or off: the promoted version's weights are published as a new
         version. Then, unless
         the guard is off or an operator pinned the promoted version, the lineage's rated answers
-        are compared with the promoted versions' from before the lineage (``judge_lineage``):
+        are compared with the promoted versions' (``judge_lineage``): when a canary split served
+        the lineage (its answers carry the canary arm), its canary-arm answers against the
+        promoted versions' control-arm answers since the lineage started; on probation, all its
+        answers against the promoted versions' from before it:
         ``promote`` moves every version of the lineage to ``promoted``; ``reject`` moves them to
         ``rejected``, quarantines the samples that trained them and publishes the promoted
         version's weights as a new, promoted version, all in one transaction.
@@ -853,11 +856,18 @@ class Learner:
             started = next(r.created_at for r in rows if r.version == members[0])
             started = started if started.tzinfo else started.replace(tzinfo=UTC)
             promoted = [v.version for v in st if v.stage == Stage.PROMOTED]
+            canary = lifecycle_store.rated_rewards(conn, members, arm=Arm.CANARY)
+            if canary:  # a canary split served the lineage: both arms of one window
+                arms = canary, lifecycle_store.rated_rewards(conn, promoted, since=started, arm=Arm.CONTROL)
+            else:  # probation: against the promoted record from before the lineage
+                arms = (
+                    lifecycle_store.rated_rewards(conn, members),
+                    lifecycle_store.rated_rewards(
+                        conn, promoted, before=started, limit=self.config.guard.promoted_window
+                    ),
+                )
             verdict = judge_lineage(
-                lifecycle_store.rated_rewards(conn, members),
-                lifecycle_store.rated_rewards(
-                    conn, promoted, before=started, limit=self.config.guard.promoted_window
-                ),
+                *arms,
                 self.config.guard.rule_params(),
                 elapsed_s=max((utcnow() - started).total_seconds(), 0.0),
             )

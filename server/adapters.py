@@ -92,16 +92,20 @@ class AdapterTable:
         """The load of ``lora_id`` failed: its slot is free again."""
         self.loading.discard(lora_id)
 
-    def loaded(self, lora_id: int, version: int, path: Path, sha256: str) -> tuple[Adapter, list[Adapter]]:
+    def loaded(
+        self, lora_id: int, version: int, path: Path, sha256: str, hold: bool = False
+    ) -> tuple[Adapter, list[Adapter]]:
         """The load reserved as ``lora_id`` is done: the adapter, and those now removable.
 
         It becomes current unless a higher version is current (a load that lost a race to a
-        newer one is then removable at once). Raises KeyError if ``lora_id`` was not reserved.
+        newer one is then removable at once). ``hold``: a load kept beside the current one (a
+        canary split's control arm): pinned, and never current. Raises KeyError if ``lora_id``
+        was not reserved.
         """
         self.loading.remove(lora_id)
-        adapter = Adapter(version=version, lora_id=lora_id, path=Path(path), sha256=sha256)
+        adapter = Adapter(version=version, lora_id=lora_id, path=Path(path), sha256=sha256, pinned=hold)
         self.adapters[lora_id] = adapter
-        if self.current is None or version >= self.current.version:
+        if not hold and (self.current is None or version >= self.current.version):
             self.current = adapter
         return adapter, self._collect()
 

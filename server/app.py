@@ -23,6 +23,7 @@ from core.logbus import LogTransport, open_log
 from core.records import FrozenBaseline
 from core.settings import Settings, get_settings
 from server.auth import authenticate
+from server.canary import CanaryRouter
 from server.engine import PolicyEngine
 from server.errors import install_error_handlers
 from server.health import Health
@@ -67,6 +68,9 @@ def create_app(
             health.policy = watcher
             await watcher.catch_up()
             tasks.append(asyncio.create_task(watcher.run()))
+        if watcher is not None and eng.adapters is not None:
+            state.canary = CanaryRouter(db, eng, state.metrics, settings.canary_share)
+            tasks.append(asyncio.create_task(state.canary.run(settings.policy_poll_s)))
         if spool is not None:
             tasks.append(asyncio.create_task(spool.run()))
         try:

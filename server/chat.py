@@ -137,7 +137,7 @@ async def prepare_rollout(s: ServerState, req: ChatCompletionRequest):
     # Storage known down: refuse now (503) rather than generate an answer that cannot be recorded.
     await s.require_storage()
     prompt_id = req.prompt_id or prompt_id_for(task_messages(msgs, req.episode_id is not None))
-    version = s.engine.version
+    version, arm = s.dispatch()
     baseline = await s.read_baseline(prompt_id, version) if s.read_baseline else None
     rollout_id = f"chatcmpl-{uuid.uuid4().hex}"
     turn = await start_episode_turn(s, req, rollout_id) if req.episode_id is not None else None
@@ -156,6 +156,7 @@ async def prepare_rollout(s: ServerState, req: ChatCompletionRequest):
         turn=turn,
         train=trains(req),
         user=req.user,
+        arm=arm,
     )
     return rollout, sampling
 

@@ -73,8 +73,9 @@ class PolicyEngine:
 
     ``path`` is the folder of the version served (as its policy event names it); ``weights_path``
     the full weights the engine last loaded (the base model, a full version, or the merge of an
-    adapter in ``work_dir``), which a failed reload restores. ``adapters`` is the adapter table
-    when adapters are served as LoRA (``AdapterServing.ADAPTER``), else None.
+    adapter in ``work_dir``), which a failed reload restores, and ``weights_version`` the version
+    those full weights are (what a request served with no adapter is stamped with). ``adapters``
+    is the adapter table when adapters are served as LoRA (``AdapterServing.ADAPTER``), else None.
     """
 
     settings: Settings
@@ -85,6 +86,7 @@ class PolicyEngine:
     path: Path | None = None
     layout: WeightsLayout | None = None
     weights_path: Path | None = None
+    weights_version: int = 0
     adapters: AdapterTable | None = None
     work_dir: Path | None = None
     _swap_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -200,17 +202,18 @@ class PolicyEngine:
         ``top_logprobs`` (0..20, vLLM's ``max_logprobs``) asks for that many most likely
         tokens at each position besides the sampled one; all are processed logprobs.
 
-        With adapters served as LoRA, the request is served by one adapter from its first token
-        to its last: ``version``'s (the version at dispatch) while it is still loaded, else the
-        current one, held until the request ends; its deltas and spans carry that adapter's
-        version. Otherwise ``version`` is not used: the engine serves what it has loaded.
+        With adapters served as LoRA, the request is served by one version from its first token
+        to its last: ``version``'s (the version at dispatch) while it is still loaded (its
+        adapter, or the full weights when ``version`` is ``weights_version``), else the current
+        adapter, held until the request ends; its deltas and spans carry that version.
+        Otherwise ``version`` is not used: the engine serves what it has loaded.
         """
         from vllm.sampling_params import RequestOutputKind
 
         sampling.output_kind = RequestOutputKind.DELTA
         sampling.logprobs = top_logprobs
         rid = request_id or uuid.uuid4().hex
-        adapter = self.adapters.acquire(version) if self.adapters is not None else None
+        adapter = self._acquire(version)
         n_tokens = 0
         try:
             async for out in self.engine.generate(
@@ -241,7 +244,7 @@ class PolicyEngine:
                     token_ids=ids,
                     logprobs=[float(x) for x in lps],
                     text=c.text,
-                    version=adapter.version if adapter is not None else self.version,
+                    version=adapter.version if adapter is not None else self.weights_version,
                     finish_reason=c.finish_reason,
                     weight_versions=spans,
                     top_logprobs=tops,
@@ -249,6 +252,15 @@ class PolicyEngine:
         finally:
             if self.adapters is not None:
                 self._remove_later(self.adapters.release(adapter))
+
+    def _acquire(self, version: int | None) -> Adapter | None:
+        """The adapter a starting request dispatched at ``version`` is served with (None: the
+        full weights), counted as used until ``release``."""
+        if self.adapters is None:
+            return None
+        if version == self.weights_version and self.adapters.find(version) is None:
+            return None
+        return self.adapters.acquire(version)
 
     async def swap(self, version: int, path: Path, sha256: str) -> SwapResult:
         """Serve the version in ``path`` (full weights or an adapter) as policy ``version``
@@ -330,6 +342,21 @@ class PolicyEngine:
             shutil.rmtree(staged, ignore_errors=True)
             raise SwapRefused(str(exc)) from exc
 
+    async def hold(self, version: int, path: Path, sha256: str) -> None:
+        """Keep the adapter of ``version`` (published at ``path`` with checksum ``sha256``)
+        loaded and pinned beside the current one, loading it if it is not registered, without
+        making it current: the control arm of a canary split (``server.canary``). Raises
+        SwapRefused (nothing held) if it cannot be loaded, RuntimeError without adapter serving.
+        """
+        if self.adapters is None:
+            raise RuntimeError("adapters are not served as LoRA by this engine")
+        async with self._swap_lock:
+            if self.adapters.find(version) is not None:
+                self._remove_later(self.adapters.pin(version))
+                return
+            await self._load_adapter(version, path, sha256, hold=True)
+        log.info("policy version %d (adapter %s) held beside the current version", version, path)
+
     async def _add_adapter(self, version: int, path: Path, sha256: str) -> SwapResult:
         t0 = time.perf_counter()
         async with self._swap_lock:
@@ -342,38 +369,46 @@ class PolicyEngine:
             if cur is not None and cur.version == version and cur.sha256 == sha256:
                 self.path = path
                 return SwapResult(version=version, seconds=time.perf_counter() - t0, paused_seconds=0.0)
-            if self.weights_path != self.model_dir:
-                raise SwapRefused(
-                    f"adapter version {version} applies to the base model, and the engine serves the "
-                    f"full weights of {self.weights_path}"
-                )
-            if table.occupied() >= table.capacity:
-                await self.removals_done()  # a slot being given back is a slot
-            try:
-                lora_id = table.reserve()
-            except TableFull as exc:
-                raise SwapRefused(f"adapter version {version} not loaded: {exc}") from exc
-            staged = self.work_dir / f"adapter-v{version}-{lora_id}"
-            try:
-                await asyncio.to_thread(self._stage_adapter, path, sha256, staged)
-                request = lora_request(Adapter(version, lora_id, staged, sha256))
-                try:
-                    added = await self.engine.add_lora(request)
-                except Exception as exc:  # vLLM's own checks (PEFTHelper, shapes), raised back by its core
-                    raise SwapRefused(f"vLLM refused adapter version {version} at {path}: {exc}") from exc
-                if not added:
-                    raise SwapRefused(f"vLLM did not add adapter version {version} (id {lora_id})")
-            except BaseException:
-                table.cancel(lora_id)
-                shutil.rmtree(staged, ignore_errors=True)
-                raise
-            adapter, removable = table.loaded(lora_id, version, staged, sha256)
-            if table.current is adapter:
-                self.version, self.path = version, path
-            self._remove_later(removable)
+            lora_id = await self._load_adapter(version, path, sha256, hold=False)
             t1 = time.perf_counter()
         log.info("policy version %d (adapter %s) added as LoRA %d in %.3fs", version, path, lora_id, t1 - t0)
         return SwapResult(version=version, seconds=t1 - t0, paused_seconds=0.0)
+
+    async def _load_adapter(self, version: int, path: Path, sha256: str, hold: bool) -> int:
+        """Stage, check and add the adapter of ``version`` to vLLM under the swap lock; returns
+        its vLLM id. ``hold``: pinned and never current (``hold``), else current unless a higher
+        version is. Raises SwapRefused with its slot given back."""
+        table = self.adapters
+        if self.weights_path != self.model_dir:
+            raise SwapRefused(
+                f"adapter version {version} applies to the base model, and the engine serves the "
+                f"full weights of {self.weights_path}"
+            )
+        if table.occupied() >= table.capacity:
+            await self.removals_done()  # a slot being given back is a slot
+        try:
+            lora_id = table.reserve()
+        except TableFull as exc:
+            raise SwapRefused(f"adapter version {version} not loaded: {exc}") from exc
+        staged = self.work_dir / f"adapter-v{version}-{lora_id}"
+        try:
+            await asyncio.to_thread(self._stage_adapter, path, sha256, staged)
+            request = lora_request(Adapter(version, lora_id, staged, sha256))
+            try:
+                added = await self.engine.add_lora(request)
+            except Exception as exc:  # vLLM's own checks (PEFTHelper, shapes), raised back by its core
+                raise SwapRefused(f"vLLM refused adapter version {version} at {path}: {exc}") from exc
+            if not added:
+                raise SwapRefused(f"vLLM did not add adapter version {version} (id {lora_id})")
+        except BaseException:
+            table.cancel(lora_id)
+            shutil.rmtree(staged, ignore_errors=True)
+            raise
+        adapter, removable = table.loaded(lora_id, version, staged, sha256, hold=hold)
+        if table.current is adapter:
+            self.version, self.path = version, path
+        self._remove_later(removable)
+        return lora_id
 
     def _remove_later(self, adapters: list[Adapter]) -> None:
         """Remove ``adapters`` (already out of the table's use) from vLLM in a task of their own:
@@ -443,9 +478,10 @@ class PolicyEngine:
                 self.version,
             )
             await self.engine.collective_rpc("reload_policy", kwargs={"weights_path": str(self.weights_path)})
-            await self.engine.update_weight_version(str(self.version))
+            await self.engine.update_weight_version(str(self.weights_version))
             raise SwapRefused(f"reload of {path} failed, version {self.version} serves on: {exc}") from exc
         old, self.version, self.path, self.weights_path = self.weights_path, version, path, weights
+        self.weights_version = version
         if old is not None and old != weights and old.parent == self.work_dir:
             shutil.rmtree(old, ignore_errors=True)  # the merge of the adapter served until now
 

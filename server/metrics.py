@@ -290,6 +290,17 @@ class ServerMetrics:
             registry=r,
         )
         self.in_flight = Gauge("saoserve_requests_in_flight", "Chat requests being served.", registry=r)
+        self.canary_requests = Counter(
+            "saoserve_canary_requests_total",
+            "Chat requests a canary split routed, by arm (canary: the lineage; control: the promoted version).",
+            ["arm"],
+            registry=r,
+        )
+        self.canary_share = Gauge(
+            "saoserve_canary_share",
+            "The share of new requests this replica routes to the canary lineage (0: no split in effect).",
+            registry=r,
+        )
         self.learner = LearnerEvents()
         r.register(self.learner)
         self.lifecycle = LifecycleGauges()

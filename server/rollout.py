@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import datetime
 
+from core.lifecycle import Arm
 from core.records import FrozenBaseline, SamplingRecord, TrajectoryRecord
 from server.engine import GenerationDelta
 
@@ -50,6 +51,8 @@ class Rollout:
     # Who sent it and the key's tenant (TrajectoryRecord.identity, .tenant; docs/tenants.md).
     identity: str | None = None
     tenant: str | None = None
+    # The canary arm it was routed to (core.lifecycle.route; TrajectoryRecord.arm).
+    arm: Arm | None = None
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     delta_versions: list[tuple[int, int]] = field(default_factory=list)
@@ -98,4 +101,5 @@ class Rollout:
             user=self.user,
             identity=self.identity,
             tenant=self.tenant,
+            arm=self.arm,
         )

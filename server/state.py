@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from sqlalchemy.exc import IntegrityError
 
+from core.lifecycle import Arm
 from core.logbus import LogTransport, LogUnavailable
 from core.records import (
     TOPIC_TRAJECTORIES,
@@ -20,6 +21,7 @@ from core.records import (
     is_whole_answer,
 )
 from core.settings import Settings
+from server.canary import CanaryRouter
 from server.engine import PolicyEngine
 from server.health import Health, is_storage_error
 from server.metrics import ServerMetrics
@@ -46,6 +48,8 @@ class ServerState:
     spool: Spool | None
     read_baseline: BaselineReader | None = None
     health: Health | None = None
+    # The canary split of an engine serving adapters (None: every request gets the engine's version).
+    canary: CanaryRouter | None = None
     background: set[asyncio.Task] = field(default_factory=set)
     deferred_writes: set[asyncio.Task] = field(default_factory=set)
     # Appends wait for the log through short outages (up to 30 s each): they get threads of
@@ -57,6 +61,12 @@ class ServerState:
 
     async def _in_log_pool(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.log_pool, fn, *args)
+
+    def dispatch(self) -> tuple[int, Arm | None]:
+        """The version a new request is dispatched at and its canary arm (None: no split)."""
+        if self.canary is None:
+            return self.engine.version, None
+        return self.canary.dispatch()
 
     async def require_storage(self) -> None:
         """Refuse (DatabaseUnavailable / LogUnavailable, answered 503) before any work while

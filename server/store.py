@@ -161,6 +161,7 @@ class ServerStore:
                     log_offset=offset,
                     created_at=rec.created_at,
                     user_id=rec.user,
+                    arm=None if rec.arm is None else str(rec.arm),
                 )
             )
 

@@ -24,6 +24,7 @@ class FakeEngine:
     version: int = 0
     path: Path | None = None
     engine: object = True  # /readyz: the engine runs
+    adapters: None = None  # a full-weight engine: no adapter table, no canary split
     swaps: list[tuple[int, Path, str]] = field(default_factory=list)
 
     async def swap(self, version: int, path: Path, sha256: str) -> SwapResult:

@@ -10,9 +10,12 @@ from core.claims import trajectory_target
 from core.db import FeedbackClaim, TrajectoryIndex
 
 
-def add_rated(conn, tid: str, version: int, reward: float | None, at, state: str = "received") -> None:
+def add_rated(
+    conn, tid: str, version: int, reward: float | None, at, state: str = "received", arm: str | None = None
+) -> None:
     """Insert trajectory ``tid`` dispatched and finished by ``version`` at ``at`` (3 tokens,
-    ``stop``) and its feedback claim in ``state`` with ``reward``, in the caller's transaction."""
+    ``stop``, routed to the canary ``arm``) and its feedback claim in ``state`` with ``reward``,
+    in the caller's transaction."""
     conn.execute(
         insert(TrajectoryIndex).values(
             id=tid,
@@ -24,6 +27,7 @@ def add_rated(conn, tid: str, version: int, reward: float | None, at, state: str
             log_partition=0,
             log_offset=0,
             created_at=at,
+            arm=arm,
         )
     )
     conn.execute(

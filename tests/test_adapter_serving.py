@@ -455,3 +455,98 @@ async def test_merged_mode_serves_the_adapters_logprobs(
     assert spans == [(1, 0, 24)] and merged_ids == lora_ids
     record_property("merged_vs_adapter_nats", max_gap(merged_lps, lora_lps))
     assert max_gap(merged_lps, lora_lps) < MERGED_VS_ADAPTER_NATS
+
+
+@pytest.mark.engine
+async def test_a_canary_split_serves_the_lineage_and_the_promoted_adapter_side_by_side(
+    lora_engine, adapters, model_dir, tmp_path
+):
+    """The canary share on the real engine (docs/guard.md, "The canary share"): the promoted
+    version's adapter is held beside the lineage's, each request is served wholly by its arm's
+    version and logged with its arm; once the lineage is promoted every request gets it."""
+    from sqlalchemy import insert, select
+
+    from core.db import PolicyVersion, make_engine
+    from core.logbus import open_log
+    from core.records import TOPIC_POLICY, PolicyEvent, utcnow
+
+    eng = lora_engine
+    await eng.removals_done()
+    settings = make_settings(tmp_path, policy_poll_s=0.05)
+    promoted_v, canary_v = eng.version + 1, eng.version + 2
+    folders = {}
+    for v, name in ((promoted_v, "a"), (canary_v, "b")):
+        folders[v] = version_dir(tmp_path / "policies", v)
+        shutil.copytree(adapters[name][0], folders[v])
+    async with running_server(settings, eng) as url, httpx.AsyncClient(base_url=url, timeout=120) as http:
+        db = make_engine(settings.resolved_database_url)
+        with db.begin() as conn:
+            known = set(conn.execute(select(PolicyVersion.version)).scalars())
+            rows = [(0, model_dir, weights_sha256(model_dir), "promoted")] * (0 not in known) + [
+                (promoted_v, folders[promoted_v], adapters["a"][1], "promoted"),
+                (canary_v, folders[canary_v], adapters["b"][1], "canary"),
+            ]
+            for v, path, sha, stage in rows:
+                conn.execute(
+                    insert(PolicyVersion).values(
+                        version=v,
+                        path=str(path),
+                        sha256=sha,
+                        status="published",
+                        created_at=utcnow(),
+                        lifecycle=stage,
+                    )
+                )
+        db.dispose()
+        event = PolicyEvent(
+            version=canary_v,
+            path=str(folders[canary_v]),
+            sha256=adapters["b"][1],
+            created_at=datetime.now(UTC),
+            parent_version=promoted_v,
+            lifecycle="canary",
+        )
+        await asyncio.to_thread(
+            open_log(settings.resolved_log_url).append, TOPIC_POLICY, "policy", event.to_json()
+        )
+        r = await http.post("/admin/lifecycle/canary", json={"share": 0.5}, headers=ADMIN)
+        assert r.status_code == 200 and r.json()["applied"] and r.json()["mode"] == "canary"
+        for _ in range(400):
+            split = (await http.get("/admin/lifecycle", headers=ADMIN)).json()["split"]
+            if split is not None and eng.version == canary_v:
+                break
+            await asyncio.sleep(0.05)
+        assert split == {"lineage": [canary_v], "control": promoted_v, "share": 0.5}
+        body = {"messages": PROMPT, "max_tokens": 4, "temperature": 1.0, "logprobs": True}
+        served = []
+        for i in range(40):
+            r = await http.post("/v1/chat/completions", json=body | {"seed": i})
+            assert r.status_code == 200
+            rec = (await http.get(f"/admin/trajectories/{r.json()['id']}", headers=ADMIN)).json()
+            served.append((r.json()["policy_version"], rec["arm"], rec["token_versions"], rec))
+        # Each answer is wholly its arm's version: canary ↔ the lineage, control ↔ the promoted.
+        for version, arm, token_versions, _ in served:
+            assert (version, arm) in {(canary_v, "canary"), (promoted_v, "control")}
+            assert token_versions == [[version, 4]]
+        n_canary = sum(1 for _, arm, _, _ in served if arm == "canary")
+        assert 8 <= n_canary <= 32  # Binomial(40, 0.5): mean 20, σ ≈ 3.2
+        # A control answer's logprobs are the promoted adapter's, not the lineage's.
+        rec = next(rec for _, arm, _, rec in served if arm == "control")
+        ref = peft_logprobs(
+            model_dir, folders[promoted_v], rec["prompt_token_ids"], rec["response_token_ids"]
+        )
+        assert max_gap(rec["rollout_logprobs"], ref) < 1e-4
+        metrics = (await http.get("/metrics")).text
+        assert f'saoserve_canary_requests_total{{arm="canary"}} {float(n_canary)}' in metrics
+        # The lineage is promoted: the split ends and the held adapter is let go.
+        r = await http.post("/admin/lifecycle/promote", json={"version": canary_v}, headers=ADMIN)
+        assert r.status_code == 200
+        for _ in range(400):
+            if (await http.get("/admin/lifecycle", headers=ADMIN)).json()["split"] is None:
+                break
+            await asyncio.sleep(0.05)
+        r = await http.post("/v1/chat/completions", json=body | {"seed": 99})
+        rec = (await http.get(f"/admin/trajectories/{r.json()['id']}", headers=ADMIN)).json()
+        assert (r.json()["policy_version"], rec["arm"]) == (canary_v, None)
+        await eng.removals_done()
+        assert eng.adapters.find(promoted_v) is None

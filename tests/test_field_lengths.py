@@ -28,6 +28,7 @@ COLUMNS = {
     ("trajectory_index", "prompt_id"): limits.PROMPT_ID_CHARS,
     ("trajectory_index", "episode_id"): limits.EPISODE_ID_CHARS,
     ("trajectory_index", "finish_reason"): limits.FINISH_REASON_CHARS,
+    ("trajectory_index", "arm"): limits.STATE_CHARS,
     ("trajectory_index", "user_id"): limits.USER_CHARS,
     ("feedback_claims", "target"): limits.KEY_CHARS,
     ("feedback_claims", "state"): limits.STATE_CHARS,

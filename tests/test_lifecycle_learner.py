@@ -9,13 +9,14 @@ tokenizer). The verdict the guard records for /metrics and the dashboard."""
 from __future__ import annotations
 
 import copy
+import json
 from collections import Counter
 from datetime import timedelta
 
 import pytest
 from sqlalchemy import insert, select
 
-from core.control import PAUSED, set_flag
+from core.control import GUARD_VERDICT, PAUSED, get_flag, set_flag
 from core.db import (
     LearnerCounter,
     LearnerSample,
@@ -186,12 +187,39 @@ def test_a_restart_after_a_gate_rejection_trains_from_the_parent(learner, monkey
     ]  # the rejected version 2 is not announced at start
 
 
-def rate(learner: Learner, version: int, rewards: list[float], at, first: int = 0) -> None:
+def rate(
+    learner: Learner, version: int, rewards: list[float], at, first: int = 0, arm: str | None = None
+) -> None:
     """Record rated single-turn answers dispatched by ``version`` at ``at`` (what the server's
-    trajectory index and feedback claims hold)."""
+    trajectory index and feedback claims hold), routed to the canary ``arm``."""
     with learner.db.begin() as conn:
         for i, r in enumerate(rewards, start=first):
-            add_rated(conn, f"r{version}-{i}", version, r, at + timedelta(milliseconds=i))
+            add_rated(conn, f"r{version}-{arm}-{i}", version, r, at + timedelta(milliseconds=i), arm=arm)
+
+
+def test_a_lineage_served_by_a_canary_split_is_judged_against_the_control_arm_of_its_window(learner):
+    feed(open_log(learner.settings.resolved_database_url), BATCH, 0)
+    learner.poll_once()
+    # The promoted version's record before the lineage: 30 losses. On probation a lineage that
+    # also lost every rating would be as good as that record (not rejected).
+    rate(learner, 0, [0.0] * 30, utcnow() - timedelta(hours=1))
+    learner.train_step()
+    assert lifecycles(learner) == {0: "promoted", 1: "canary"}
+    # The split: the lineage's canary arm lost 30 times while the control arm of the same
+    # window (version 0 beside it) won 30 times; an answer of version 0 with no arm after the
+    # start (in flight at the swap) and a control answer before it count for neither arm.
+    now = utcnow()
+    rate(learner, 1, [0.0] * 30, now, arm="canary")
+    rate(learner, 0, [1.0] * 30, now, arm="control")
+    rate(learner, 0, [0.0] * 5, now, first=100)
+    rate(learner, 0, [0.0] * 5, now - timedelta(hours=2), first=200, arm="control")
+    # 30 losses against 30 wins, each arm n = 30: upper(Δ) < 0 (tests/test_lifecycle.py).
+    assert learner.guard_check() == Decision.REJECT
+    verdict = json.loads(get_flag(learner.db, GUARD_VERDICT))
+    assert verdict["lineage"] == [1] and verdict["decision"] == "reject"
+    assert (verdict["candidate"]["n"], verdict["candidate"]["mean"]) == (30, 0.0)
+    assert (verdict["promoted"]["n"], verdict["promoted"]["mean"]) == (30, 1.0)
+    assert lifecycles(learner) == {0: "promoted", 1: "rejected", 2: "promoted"}
 
 
 def test_a_lineage_worse_than_the_promoted_record_is_rejected_and_rolled_back_while_paused(learner):

@@ -415,23 +415,37 @@ async def admin_guard(body: GuardSwitch, request: Request) -> dict:
     return await asyncio.to_thread(switch)
 
 
+def serving_mode(s) -> str:
+    """``canary`` when this replica's engine serves adapters (a canary share splits the traffic),
+    else ``probation`` (a single full-weight engine: the newest version serves all of it)."""
+    return "canary" if s.engine.adapters is not None else "probation"
+
+
 @router.post("/lifecycle/canary", responses=ADMIN_ERRORS)
 async def admin_canary(body: CanaryShare, request: Request) -> dict:
-    """Store the canary share. A single full-weight engine has no canary: the newest version
-    serves all traffic on probation; the share applies to adapter deployments."""
+    """Set the canary share: the share of new requests the candidate lineage gets on replicas
+    that serve adapters (from their next read of the lifecycle, ``policy_poll_s``). A replica
+    with a full-weight engine has no canary: the newest version serves all traffic on
+    probation, and the share is only stored."""
     s, who = state_of(request), operator_of(request)
+    mode = serving_mode(s)
 
     def store() -> dict:
         set_flag(s.store.engine, CANARY_SHARE, repr(body.share))
-        _note(
-            s.store.engine, who, f"canary share set to {body.share:g} (stored; probation mode has no share)"
+        stored = "" if mode == "canary" else " (stored; probation mode has no share)"
+        _note(s.store.engine, who, f"canary share set to {body.share:g}{stored}")
+        message = (
+            f"new requests go to the candidate lineage with probability {body.share:g}, to the "
+            "promoted version otherwise"
+            if mode == "canary"
+            else "a single full-weight engine has no canary share: each new version serves all "
+            "traffic on probation; the share is stored for adapter deployments"
         )
         return {
             "canary_share": body.share,
-            "mode": "probation",
-            "applied": False,
-            "message": "a single full-weight engine has no canary share: each new version serves all "
-            "traffic on probation; the share is stored for adapter deployments",
+            "mode": mode,
+            "applied": mode == "canary",
+            "message": message,
             "actor": who,
         }
 
@@ -440,9 +454,12 @@ async def admin_canary(body: CanaryShare, request: Request) -> dict:
 
 @router.get("/lifecycle", responses=ADMIN_ERRORS)
 async def admin_lifecycle(request: Request, limit: Annotated[int, Query(ge=1, le=1000)] = 20) -> dict:
-    """The promoted version, the lineage on probation, the guard's switches and the newest
-    ``limit`` transitions (who and when)."""
-    db = state_of(request).store.engine
+    """The promoted version, the lineage under watch, the guard's switches, this replica's
+    canary split (``split``: lineage, control version and share; None when none is in effect)
+    and the newest ``limit`` transitions (who and when)."""
+    s = state_of(request)
+    db = s.store.engine
+    split = s.canary.split if s.canary is not None else None
 
     def read() -> dict:
         with db.connect() as conn:
@@ -450,12 +467,15 @@ async def admin_lifecycle(request: Request, limit: Annotated[int, Query(ge=1, le
             recent = lifecycle_store.events(conn, limit)
         pin, share = get_flag(db, GUARD_PIN), get_flag(db, CANARY_SHARE)
         return {
-            "mode": "probation",
+            "mode": serving_mode(s),
             "guard": "off" if get_flag(db, GUARD_OFF) == "1" else "on",
             "promoted": promoted(st) if st else None,
             "lineage": lineage(st) if st else [],
             "pinned": None if pin is None else int(pin),
             "canary_share": None if share is None else float(share),
+            "split": None
+            if split is None
+            else {"lineage": sorted(split.lineage), "control": split.control, "share": split.share},
             "events": recent,
         }
 

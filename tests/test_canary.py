@@ -1,0 +1,233 @@
+"""The canary share: routing each request to an arm (core.lifecycle.route), the arms in the
+trajectory index (core.lifecycle_store.rated_rewards), the held control adapter
+(server.adapters) and the router that follows the lifecycle in the database (server.canary).
+The real engine's side is tests/test_adapter_serving.py; the learner's verdict on the arms is
+tests/test_lifecycle_learner.py."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from sqlalchemy import insert
+
+from core.control import CANARY_SHARE, GUARD_OFF, set_flag
+from core.db import PolicyVersion, make_engine, migrate
+from core.lifecycle import Arm, CanarySplit, route
+from core.lifecycle_store import rated_rewards
+from core.policy_store import ADAPTER_CONFIG, ADAPTER_FILE
+from core.records import utcnow
+from server.adapters import AdapterTable
+from server.canary import CanaryRouter, read_plan
+from server.engine import SwapRefused
+from server.metrics import ServerMetrics
+from tests.ratings import add_rated
+
+SPLIT = CanarySplit(lineage=frozenset({6, 7}), control=5, share=0.2)
+
+
+def test_route_sends_draws_below_the_share_to_the_lineage_and_the_rest_to_control():
+    assert route(SPLIT, 7, 0.0) == (7, Arm.CANARY)
+    assert route(SPLIT, 7, 0.1999) == (7, Arm.CANARY)
+    assert route(SPLIT, 7, 0.2) == (5, Arm.CONTROL)  # draw < share is strict
+    assert route(SPLIT, 6, 0.9) == (5, Arm.CONTROL)  # the engine has not loaded 7 yet
+    # The engine moved past the lineage (a promotion or rollback the split has not read yet):
+    # every request gets the engine's version, no arm.
+    assert route(SPLIT, 8, 0.0) == (8, None)
+    assert route(None, 3, 0.5) == (3, None)
+    # share 1: the lineage takes every draw in [0, 1).
+    assert route(CanarySplit(frozenset({2}), 0, 1.0), 2, 0.999) == (2, Arm.CANARY)
+
+
+@pytest.mark.parametrize("draw", [-0.1, 1.0, float("nan")])
+def test_route_refuses_a_draw_outside_the_unit_interval(draw):
+    with pytest.raises(ValueError, match="a draw is in"):
+        route(SPLIT, 7, draw)
+
+
+@pytest.mark.parametrize(
+    "lineage, control, share, message",
+    [
+        ({6}, 5, 0.0, "a canary share is in"),
+        ({6}, 5, 1.5, "a canary share is in"),
+        (set(), 5, 0.2, "needs a lineage"),
+        ({5, 6}, 5, 0.2, "the control version 5 is in the lineage"),
+    ],
+)
+def test_a_split_refuses_what_cannot_be_one(lineage, control, share, message):
+    with pytest.raises(ValueError, match=message):
+        CanarySplit(frozenset(lineage), control, share)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("share", [0.1, 0.2, 0.5])
+def test_the_share_holds_within_three_points_over_a_thousand_requests(seed, share):
+    # Binomial(1000, share): σ ≤ √(1000·0.25) ≈ 15.8 requests, so ±30 (3 points) is ≥ 1.9σ.
+    rng = random.Random(seed)
+    split = CanarySplit(frozenset({7}), 5, share)
+    arms = [route(split, 7, rng.random())[1] for _ in range(1000)]
+    canary = arms.count(Arm.CANARY)
+    assert canary + arms.count(Arm.CONTROL) == 1000
+    assert abs(canary - 1000 * share) <= 30
+
+
+@pytest.fixture
+def db(tmp_path):
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    migrate(url)
+    engine = make_engine(url)
+    yield engine
+    engine.dispose()
+
+
+def add_version(conn, version: int, lifecycle: str, path: str = "/p", at=None) -> None:
+    conn.execute(
+        insert(PolicyVersion).values(
+            version=version,
+            path=f"{path}/v{version}",
+            sha256=f"{version:064d}",
+            status="published",
+            parent_version=version - 1 if version else None,
+            metrics={},
+            created_at=at or utcnow(),
+            lifecycle=lifecycle,
+        )
+    )
+
+
+def test_rated_rewards_of_one_arm_since_the_lineage_started(db):
+    t0 = utcnow()
+    with db.begin() as conn:
+        add_rated(conn, "old", 5, 1.0, t0 - timedelta(seconds=10), arm="control")  # an earlier split
+        add_rated(conn, "a", 5, 1.0, t0, arm="control")
+        add_rated(conn, "b", 6, 0.0, t0 + timedelta(seconds=1), arm="canary")
+        add_rated(conn, "c", 5, 0.0, t0 + timedelta(seconds=2), arm="control")
+        add_rated(conn, "d", 6, 1.0, t0 + timedelta(seconds=3))  # probation: no arm
+    with db.connect() as conn:
+        assert rated_rewards(conn, [6], arm=Arm.CANARY) == [0.0]  # b (d has no arm)
+        assert rated_rewards(conn, [5], arm=Arm.CONTROL, since=t0) == [1.0, 0.0]  # a, c; not old
+        assert rated_rewards(conn, [5], arm=Arm.CONTROL) == [1.0, 1.0, 0.0]
+        assert rated_rewards(conn, [5, 6], since=t0 + timedelta(seconds=1)) == [0.0, 0.0, 1.0]  # b, c, d
+
+
+def test_a_held_adapter_is_pinned_never_current_and_let_go_by_unpinning():
+    table = AdapterTable(3)
+    cur, _ = table.loaded(table.reserve(), 7, Path("/a7"), "7")
+    held, removable = table.loaded(table.reserve(), 5, Path("/a5"), "5", hold=True)
+    assert table.current is cur and held.pinned and removable == []
+    # A request dispatched at the control version is served by the held adapter.
+    assert table.acquire(5) is held and held.users == 1
+    assert table.release(held) == []  # still pinned
+    assert table.pin(5, pinned=False) == [held]  # unused, not current, not pinned: removable
+    # A held load of a version newer than the current one still never becomes current.
+    newer, _ = table.loaded(table.reserve(), 9, Path("/a9"), "9", hold=True)
+    assert table.current is cur and newer.pinned
+
+
+def test_read_plan_follows_the_lineage_the_guard_switch_and_the_share_flag(db):
+    assert read_plan(db, 0.2) is None  # no versions
+    with db.begin() as conn:
+        add_version(conn, 0, "promoted")
+        add_version(conn, 5, "promoted")
+        add_version(conn, 6, "canary")
+        add_version(conn, 7, "candidate")
+        add_version(conn, 8, "rejected")
+    plan = read_plan(db, 0.2)
+    assert (plan.lineage, plan.control, plan.path, plan.sha256, plan.share) == (
+        frozenset({6, 7}),
+        5,
+        Path("/p/v5"),
+        f"{5:064d}",
+        0.2,
+    )
+    set_flag(db, CANARY_SHARE, "0.35")
+    assert read_plan(db, 0.2).share == 0.35
+    for bad in ("0", "1.5", "lots"):  # not a share in (0, 1]: the default applies
+        set_flag(db, CANARY_SHARE, bad)
+        assert read_plan(db, 0.2).share == 0.2
+    set_flag(db, GUARD_OFF, "1")
+    assert read_plan(db, 0.2) is None
+
+
+class FakeEngine:
+    """The part of ``server.engine.PolicyEngine`` the router uses: the version new requests get,
+    the full weights' version, and holding/unpinning an adapter (recorded, not loaded)."""
+
+    def __init__(self, version: int, refuse: bool = False):
+        self.version = version
+        self.weights_version = 0
+        self.adapters = AdapterTable(4)
+        self.refuse = refuse
+        self.held: list[int] = []
+        self.unpinned: list[int] = []
+
+    async def hold(self, version: int, path: Path, sha256: str) -> None:
+        if self.refuse:
+            raise SwapRefused("no such files")
+        self.held.append(version)
+
+    def pin(self, version: int, pinned: bool = True) -> None:
+        assert not pinned
+        self.unpinned.append(version)
+
+
+def adapter_folder(root: Path, version: int) -> None:
+    d = root / f"v{version}"
+    d.mkdir(parents=True)
+    (d / ADAPTER_FILE).write_bytes(b"")
+    (d / ADAPTER_CONFIG).write_text("{}")
+
+
+def test_the_router_holds_the_promoted_version_and_routes_by_the_share(db, tmp_path):
+    with db.begin() as conn:
+        add_version(conn, 0, "promoted", str(tmp_path))
+        add_version(conn, 5, "promoted", str(tmp_path))
+        add_version(conn, 6, "canary", str(tmp_path))
+    adapter_folder(tmp_path, 5)
+    engine, metrics = FakeEngine(version=6), ServerMetrics()
+    router = CanaryRouter(db, engine, metrics, 0.25, rng=random.Random(0))
+    asyncio.run(router.refresh())
+    assert router.split == CanarySplit(frozenset({6}), 5, 0.25) and engine.held == [5]
+    assert router.held == 5 and metrics.canary_share._value.get() == 0.25
+    picks = [router.dispatch() for _ in range(400)]
+    canary = sum(1 for p in picks if p == (6, Arm.CANARY))
+    assert canary + sum(1 for p in picks if p == (5, Arm.CONTROL)) == 400
+    assert abs(canary - 100) <= 20  # Binomial(400, 0.25): σ ≈ 8.7
+    assert metrics.canary_requests.labels("canary")._value.get() == canary
+    # The guard promotes the lineage: no split, the held version is let go.
+    with db.begin() as conn:
+        conn.execute(PolicyVersion.__table__.update().values(lifecycle="promoted"))
+    asyncio.run(router.refresh())
+    assert router.split is None and router.held is None and engine.unpinned == [5]
+    assert metrics.canary_share._value.get() == 0.0
+    assert router.dispatch() == (6, None)
+
+
+def test_the_base_as_control_needs_no_hold_and_a_refused_hold_means_no_split(db, tmp_path):
+    with db.begin() as conn:
+        add_version(conn, 0, "promoted", str(tmp_path))
+        add_version(conn, 1, "canary", str(tmp_path))
+    engine = FakeEngine(version=1)
+    router = CanaryRouter(db, engine, ServerMetrics(), 0.5, rng=random.Random(0))
+    asyncio.run(router.refresh())
+    # Version 0 is the full weights the engine serves: nothing to hold.
+    assert router.split == CanarySplit(frozenset({1}), 0, 0.5) and engine.held == [] and router.held is None
+    # Promoted version 5 without adapter files (pruned, or full weights): refused, no split.
+    with db.begin() as conn:
+        add_version(conn, 5, "promoted", str(tmp_path))
+        add_version(conn, 6, "canary", str(tmp_path))
+    engine.version = 6
+    asyncio.run(router.refresh())
+    assert router.split is None and engine.held == []
+    # The files exist but the engine refuses them: still no split.
+    adapter_folder(tmp_path, 5)
+    engine.refuse = True
+    asyncio.run(router.refresh())
+    assert router.split is None
+    # An engine that serves no adapters never splits (probation).
+    engine.refuse, engine.adapters = False, None
+    asyncio.run(router.refresh())
+    assert router.split is None and engine.held == []

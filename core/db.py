@@ -12,6 +12,7 @@ from pathlib import Path
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     DateTime,
     Float,
     Index,
@@ -23,6 +24,7 @@ from sqlalchemy import (
     create_engine,
     event,
     make_url,
+    true,
 )
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -363,7 +365,8 @@ class ForgottenRecord(Base):
 
 class ApiKey(Base):
     """An API key of a tenant (``core/keys.py``): the sha256 of the key, never the key itself.
-    ``revoked_at`` is NULL while the key is valid."""
+    ``revoked_at`` is NULL while the key is valid; ``train`` false: the key opts out of training
+    (docs/privacy.md)."""
 
     __tablename__ = "api_keys"
     id: Mapped[str] = mapped_column(String(NAME_CHARS), primary_key=True)
@@ -371,3 +374,4 @@ class ApiKey(Base):
     key_sha256: Mapped[str] = mapped_column(String(SHA256_CHARS))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    train: Mapped[bool] = mapped_column(Boolean, server_default=true())

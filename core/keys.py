@@ -15,7 +15,8 @@ of milliseconds of CPU to every chat and feedback request (each one authenticate
 nothing more.
 
 Nothing is cached: each request reads its key's row (a primary-key read), so a key revoked on
-any replica is refused on its next request everywhere.
+any replica is refused on its next request everywhere, and a key's training opt-out
+(``KeyInfo.train``, docs/privacy.md) holds from its next request.
 """
 
 from __future__ import annotations
@@ -53,12 +54,15 @@ class BadTenant(ValueError):
 
 @dataclass(frozen=True)
 class KeyInfo:
-    """A key as listed: never its secret or its hash. ``revoked_at`` None while it is valid."""
+    """A key as listed: never its secret or its hash. ``revoked_at`` None while it is valid;
+    ``train`` False: the key opts out of training, every answer it is sent is logged marked
+    ``train: false`` (docs/privacy.md)."""
 
     id: str
     tenant: str
     created_at: datetime
     revoked_at: datetime | None
+    train: bool
 
     @property
     def revoked(self) -> bool:
@@ -70,6 +74,7 @@ class KeyInfo:
             "tenant": self.tenant,
             "created_at": self.created_at.isoformat(),
             "revoked_at": None if self.revoked_at is None else self.revoked_at.isoformat(),
+            "train": self.train,
         }
 
 
@@ -113,8 +118,13 @@ def identity_of(key_id: str | None, user: str | None) -> str | None:
     return None
 
 
+_LISTED = (ApiKey.id, ApiKey.tenant, ApiKey.created_at, ApiKey.revoked_at, ApiKey.train)
+
+
 def _info(row) -> KeyInfo:
-    return KeyInfo(id=row.id, tenant=row.tenant, created_at=row.created_at, revoked_at=row.revoked_at)
+    return KeyInfo(
+        id=row.id, tenant=row.tenant, created_at=row.created_at, revoked_at=row.revoked_at, train=row.train
+    )
 
 
 class KeyStore:
@@ -123,21 +133,24 @@ class KeyStore:
     def __init__(self, engine: Engine):
         self.engine = engine
 
-    def create(self, tenant: str, now: datetime) -> tuple[KeyInfo, str]:
-        """A new key of ``tenant`` (BadTenant for a bad name): its listing and the key itself,
-        which is not stored and cannot be shown again."""
+    def create(self, tenant: str, now: datetime, train: bool = True) -> tuple[KeyInfo, str]:
+        """A new key of ``tenant`` (BadTenant for a bad name), opted out of training when
+        ``train`` is False: its listing and the key itself, which is not stored and cannot be
+        shown again."""
         check_tenant(tenant)
         key_id = "k" + secrets.token_hex(KEY_ID_HEX // 2)
         key = f"{KEY_PREFIX}{key_id}.{secrets.token_hex(SECRET_HEX // 2)}"
         with self.engine.begin() as conn:
             conn.execute(
-                insert(ApiKey).values(id=key_id, tenant=tenant, key_sha256=key_hash(key), created_at=now)
+                insert(ApiKey).values(
+                    id=key_id, tenant=tenant, key_sha256=key_hash(key), created_at=now, train=train
+                )
             )
-        return KeyInfo(id=key_id, tenant=tenant, created_at=now, revoked_at=None), key
+        return KeyInfo(id=key_id, tenant=tenant, created_at=now, revoked_at=None, train=train), key
 
     def listed(self, tenant: str | None = None) -> list[KeyInfo]:
         """Every key (of ``tenant``), oldest first, revoked ones included."""
-        q = select(ApiKey.id, ApiKey.tenant, ApiKey.created_at, ApiKey.revoked_at)
+        q = select(*_LISTED)
         if tenant is not None:
             q = q.where(ApiKey.tenant == tenant)
         with self.engine.connect() as conn:
@@ -150,11 +163,16 @@ class KeyStore:
             conn.execute(
                 update(ApiKey).where(ApiKey.id == key_id, ApiKey.revoked_at.is_(None)).values(revoked_at=now)
             )
-            row = conn.execute(
-                select(ApiKey.id, ApiKey.tenant, ApiKey.created_at, ApiKey.revoked_at).where(
-                    ApiKey.id == key_id
-                )
-            ).one_or_none()
+            row = conn.execute(select(*_LISTED).where(ApiKey.id == key_id)).one_or_none()
+        return None if row is None else _info(row)
+
+    def set_train(self, key_id: str, train: bool) -> KeyInfo | None:
+        """Opt ``key_id`` out of training (``train`` False) or back in; its next request on any
+        replica follows the setting (nothing is cached). Idempotent; a revoked key may be set
+        too (it changes nothing while the key is refused). None for an unknown id."""
+        with self.engine.begin() as conn:
+            conn.execute(update(ApiKey).where(ApiKey.id == key_id).values(train=train))
+            row = conn.execute(select(*_LISTED).where(ApiKey.id == key_id)).one_or_none()
         return None if row is None else _info(row)
 
     def check(self, presented: str) -> Check:
@@ -165,9 +183,7 @@ class KeyStore:
             return Check("invalid")
         with self.engine.connect() as conn:
             row = conn.execute(
-                select(
-                    ApiKey.id, ApiKey.tenant, ApiKey.created_at, ApiKey.revoked_at, ApiKey.key_sha256
-                ).where(ApiKey.id == m.group(1))
+                select(*_LISTED, ApiKey.key_sha256).where(ApiKey.id == m.group(1))
             ).one_or_none()
         if row is None or not hmac.compare_digest(key_hash(presented).encode(), row.key_sha256.encode()):
             return Check("invalid")

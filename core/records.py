@@ -102,7 +102,7 @@ class TrajectoryRecord(BaseModel):
     sampling: SamplingRecord
     baseline: FrozenBaseline | None = None
     finish_reason: str
-    # False: the request opted out of training (``store: false``; later also its API key's
+    # False: the request opted out of training (``store: false``, or its API key's ``train``
     # setting): logged for audit and metrics, never trained, never evidence (docs/privacy.md).
     # Records logged before this field have none and are trained as before.
     train: bool = True

@@ -1,10 +1,10 @@
 """``saoserve admin``: operators' commands over a running server's admin routes.
 
-Each command makes one to three blocking HTTP calls to the server at ``Settings.server_url``
-(``/readyz`` and ``/admin/*`` with ``Authorization: Bearer <Settings.admin_key>``; ``--url`` and
-``--key`` override both), prints rich tables, or with ``--json`` the JSON a script reads, and
-exits with a code naming the outcome (the ``EXIT_*`` constants). A failure is one line on
-stderr, ``error: ...``, and nothing on stdout.
+Each command makes one to four blocking HTTP calls to the server at ``Settings.server_url``
+(``/readyz``, ``/dashboard/state`` and ``/admin/*`` with ``Authorization: Bearer
+<Settings.admin_key>``; ``--url`` and ``--key`` override both), prints rich tables, or with
+``--json`` the JSON a script reads, and exits with a code naming the outcome (the ``EXIT_*``
+constants). A failure is one line on stderr, ``error: ...``, and nothing on stdout.
 
 The server's answers (server/routes/admin.py, server/responses.py) are printed as given; this
 module only chooses columns and formats numbers. Text in them may come from any client (a
@@ -235,7 +235,8 @@ def status(
     json_out: JsonOption = False,
     steps: Annotated[int, typer.Option("--steps", min=1, max=1000, help="Learner steps to show.")] = 5,
 ) -> None:
-    """Readiness, the version served, learning running or paused, the last learner steps.
+    """Readiness, the version served, learning running or paused, the guard and its last verdict
+    on the lineage on probation, the last learner steps.
 
     Exit 6 when /readyz says the server is not ready (the report is printed first).
     """
@@ -246,6 +247,9 @@ def status(
         try:
             _, versions = c.call("GET", "/admin/policy_versions")
             _, learner = c.call("GET", "/admin/learner", params={"limit": steps})
+            # The lifecycle as the dashboard reads it (server.metrics.read_lifecycle): the verdict
+            # is the learner's last one on *this* lineage, none once it was promoted or rejected.
+            _, dashboard = c.call("GET", "/dashboard/state", admin=False)
         except AdminError as exc:
             # A storage outage fails the admin routes too: name what /readyz found down.
             if code == 200 or exc.code != EXIT_SERVER:
@@ -262,6 +266,7 @@ def status(
             "learning": learner["learning"],
             "rollback_to": learner["rollback_to"],
             "counters": learner["counters"],
+            "guard": dashboard["guard"],
             "steps": learner["steps"],
         }
         if json_out:
@@ -300,6 +305,8 @@ def _print_status(r: dict) -> None:
     grid.add_row("learning", shown(learning))
     counters = ", ".join(f"{k} {v}" for k, v in sorted(r["counters"].items())) or "none"
     grid.add_row("counters", shown(counters))
+    for label, line in _guard_lines(r["guard"]):
+        grid.add_row(label, shown(line))
     console.print(grid)
     if not r["steps"]:
         console.print("no learner steps yet")
@@ -324,6 +331,47 @@ def _print_status(r: dict) -> None:
             )
         )
     console.print(table)
+
+
+def _versions(vs: list) -> str:
+    return ", ".join(map(str, vs))
+
+
+def _guard_lines(g: dict) -> list[tuple[str, str]]:
+    """The rows of the guard's state (``GuardState`` of /dashboard/state; docs/guard.md): the
+    switches, the promoted version, the lineage, and the last verdict on it (the decision, its
+    time, the bounds on Δ = mean(lineage) − mean(promoted), each arm's ratings, the reason).
+    Any value the learner stored as null (a non-finite bound) prints as ``-``."""
+    promoted = "none" if g["promoted"] is None else f"version {g['promoted']}"
+    state = f"{'on' if g['on'] else 'OFF'}; promoted {promoted}"
+    if g["pinned"] is not None:
+        state += f"; pinned to version {g['pinned']}"
+    lineage = g["lineage"]
+    state += f"; on probation: versions {_versions(lineage)}" if lineage else "; nothing on probation"
+    rows = [("guard", state)]
+    v = g["verdict"]
+    if v is None:
+        rows.append(("verdict", "none on this lineage yet" if lineage else "-"))
+        return rows
+    timed_out = "; timed out" if v.get("timed_out") else ""
+    rows.append(
+        (
+            "verdict",
+            f"{v.get('decision')} on versions {_versions(v.get('lineage') or [])} at "
+            f"{_when(v.get('at'))} UTC{timed_out}",
+        )
+    )
+    rows.append(("", f"Δ (lineage − promoted) in [{_num(v.get('lower'))}, {_num(v.get('upper'))}]"))
+    arms = []
+    for name, key in (("lineage", "candidate"), ("promoted", "promoted")):
+        a = v.get(key) or {}
+        arms.append(
+            f"{name} {_num(a.get('n'))} (mean {_num(a.get('mean'))}, "
+            f"in [{_num(a.get('lower'))}, {_num(a.get('upper'))}])"
+        )
+    rows.append(("", "ratings: " + "; ".join(arms)))
+    rows.append(("", f"reason: {v.get('reason')}"))
+    return rows
 
 
 @admin_app.command(epilog=EXIT_CODES_HELP)
@@ -692,7 +740,8 @@ def canary(
     key: KeyOption = None,
     json_out: JsonOption = False,
 ) -> None:
-    """Store the canary share; a single full-weight engine has none (probation) and says so."""
+    """Set the canary share: replicas serving adapters give the lineage that share of new requests;
+    a single full-weight engine has none (probation) and says so."""
     if not 0.0 < share <= 1.0:
         raise typer.BadParameter(f"the share must be in (0, 1], got {share:g}", param_hint="'SHARE'")
     _lifecycle_call(
@@ -723,8 +772,8 @@ def quarantine(
 
 # ------------------------------------------------------------------ API keys and tenants
 keys_app = typer.Typer(
-    help="API keys of tenants (docs/tenants.md): create (the key is shown once), list, revoke. "
-    f"{EXIT_CODES_HELP}",
+    help="API keys of tenants (docs/tenants.md): create (the key is shown once), list, revoke, and "
+    f"opt a key out of training or back in (docs/privacy.md). {EXIT_CODES_HELP}",
     no_args_is_help=True,
 )
 admin_app.add_typer(keys_app, name="keys")
@@ -735,6 +784,14 @@ def keys_create(
     tenant: Annotated[
         str, typer.Argument(metavar="TENANT", help="The tenant the key belongs to (a-z, 0-9, '.', '_', '-').")
     ],
+    train: Annotated[
+        bool,
+        typer.Option(
+            "--train/--no-train",
+            help="--no-train: the key opts out of training; every answer it is sent is logged "
+            "marked train: false and never trained (docs/privacy.md).",
+        ),
+    ] = True,
     url: UrlOption = None,
     key: KeyOption = None,
     json_out: JsonOption = False,
@@ -742,11 +799,14 @@ def keys_create(
     """Create an API key of TENANT and print it: this is the only time it is shown (the server
     keeps its hash). Exit 2 for a tenant name the server refuses."""
     with reported():
-        _, body = client(url, key).call("POST", "/admin/keys", body={"tenant": tenant}, ok=(201,))
+        _, body = client(url, key).call(
+            "POST", "/admin/keys", body={"tenant": tenant, "train": train}, ok=(201,)
+        )
         if json_out:
             emit_json(body)
             return
-        typer.echo(f"API key {visible(body['id'])} of tenant {visible(body['tenant'])}:")
+        opted = "" if body["train"] else " (opted out of training)"
+        typer.echo(f"API key {visible(body['id'])} of tenant {visible(body['tenant'])}{opted}:")
         typer.echo(visible(body["key"]))
         typer.echo("keep it now: it is not stored and cannot be shown again")
 
@@ -758,7 +818,8 @@ def keys_list(
     key: KeyOption = None,
     json_out: JsonOption = False,
 ) -> None:
-    """The API keys, oldest first, revoked ones included (ids and tenants; never a key)."""
+    """The API keys, oldest first, revoked ones included (ids, tenants, whether the answers they
+    are sent are trained; never a key)."""
     with reported():
         params = {"tenant": tenant} if tenant else None
         _, body = client(url, key).call("GET", "/admin/keys", params=params)
@@ -769,10 +830,12 @@ def keys_list(
             Console().print("no API keys")
             return
         table = Table(title=f"API keys ({len(body['keys'])})", box=box.SIMPLE_HEAD)
-        for col in ("id", "tenant", "created (UTC)", "revoked (UTC)"):
+        for col in ("id", "tenant", "train", "created (UTC)", "revoked (UTC)"):
             table.add_column(col)
         for k in body["keys"]:
-            table.add_row(*map(shown, (k["id"], k["tenant"], _when(k["created_at"]), _when(k["revoked_at"]))))
+            train = "yes" if k["train"] else "no (opted out)"
+            row = (k["id"], k["tenant"], train, _when(k["created_at"]), _when(k["revoked_at"]))
+            table.add_row(*map(shown, row))
         Console().print(table)
 
 
@@ -793,3 +856,26 @@ def keys_revoke(
             f"API key {visible(body['id'])} of tenant {visible(body['tenant'])} revoked at "
             f"{_when(body['revoked_at'])} UTC"
         )
+
+
+@keys_app.command("train", epilog=EXIT_CODES_HELP)
+def keys_train(
+    key_id: Annotated[str, typer.Argument(metavar="KEY_ID", help="The key's id (`keys list`).")],
+    state: Annotated[str, typer.Argument(metavar="on|off")],
+    url: UrlOption = None,
+    key: KeyOption = None,
+    json_out: JsonOption = False,
+) -> None:
+    """Opt the key KEY_ID out of training (off) or back in (on), from its next request; answers
+    logged before keep their setting (docs/privacy.md). Exit 5 for an unknown id."""
+    if state not in ("on", "off"):
+        raise typer.BadParameter(f"expected on or off, got {state!r}", param_hint="'on|off'")
+    with reported():
+        _, body = client(url, key).call(
+            "PATCH", f"/admin/keys/{quote(key_id, safe='')}", body={"train": state == "on"}
+        )
+        if json_out:
+            emit_json(body)
+            return
+        now = "trained" if body["train"] else "opted out of training: its answers are never trained"
+        typer.echo(f"API key {visible(body['id'])} of tenant {visible(body['tenant'])}: {now}")

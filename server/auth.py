@@ -6,6 +6,10 @@ saoserve key and must be valid, whether or not keys are required (an unknown, wr
 key is 401 on its next request). Any other token (the ``api_key="EMPTY"`` an OpenAI client must
 send when keys are off) and no header at all are anonymous: served when ``require_keys`` is off,
 401 when it is on.
+
+The key's training setting (``core.keys.KeyInfo.train``) is read with it, on every request: a
+key opted out of training makes each answer it is sent ``train: false`` (``server.chat.trains``;
+docs/privacy.md).
 """
 
 from __future__ import annotations
@@ -22,10 +26,12 @@ from server.routes import state_of
 
 @dataclass(frozen=True)
 class Caller:
-    """The authenticated key's id and tenant, or both None (anonymous)."""
+    """The authenticated key's id and tenant, or both None (anonymous); ``train`` False when the
+    key opts out of training (anonymous callers: True, their ``store`` field decides alone)."""
 
     key_id: str | None = None
     tenant: str | None = None
+    train: bool = True
 
 
 ANONYMOUS = Caller()
@@ -61,7 +67,7 @@ async def authenticate(request: Request) -> Caller:
         raise unauthorized(f"API key {checked.key.id} is revoked")
     if checked.outcome != "ok":
         raise unauthorized("invalid API key: not a key of this server")
-    caller = Caller(key_id=checked.key.id, tenant=checked.key.tenant)
+    caller = Caller(key_id=checked.key.id, tenant=checked.key.tenant, train=checked.key.train)
     request.state.caller = caller
     return caller
 

@@ -23,6 +23,7 @@ from core.records import (
     prompt_id_for,
     utcnow,
 )
+from server.auth import Caller
 from server.errors import ApiError, internal_error
 from server.limits import max_message_chars
 from server.rollout import Rollout
@@ -53,15 +54,16 @@ def task_messages(msgs: list[dict], episodic: bool) -> list[dict]:
     return msgs
 
 
-def trains(req: ChatCompletionRequest) -> bool:
+def trains(req: ChatCompletionRequest, caller: Caller) -> bool:
     """Whether the learner may train on this request's answer: ``store: false`` (OpenAI's
-    field) opts out; the answer is still logged, marked ``train: false`` (docs/privacy.md). The
-    one place that decides, so an API key's opt-out joins the request's here."""
-    return req.store is not False
+    field) opts out, and so does the caller's API key when its ``train`` setting is off; the
+    answer is still logged, marked ``train: false`` (docs/privacy.md). The one place that decides."""
+    return req.store is not False and caller.train
 
 
-async def prepare_rollout(s: ServerState, req: ChatCompletionRequest):
-    """Validate against the model, render the prompt, freeze the dispatch state."""
+async def prepare_rollout(s: ServerState, req: ChatCompletionRequest, caller: Caller):
+    """Validate against the model, render the prompt, freeze the dispatch state; ``caller``: the
+    authenticated key (``server.auth``), whose training setting joins the request's."""
     from jinja2 import TemplateError
     from vllm import SamplingParams
     from vllm.exceptions import VLLMValidationError
@@ -154,7 +156,7 @@ async def prepare_rollout(s: ServerState, req: ChatCompletionRequest):
         baseline=baseline,
         episode_id=req.episode_id,
         turn=turn,
-        train=trains(req),
+        train=trains(req, caller),
         user=req.user,
         arm=arm,
     )

@@ -307,3 +307,189 @@ def test_a_revoked_key_checked_in_the_store(tmp_path):
     assert store.check(key).outcome == "revoked"
     assert store.revoke("k-unknown", utcnow()) is None
     store.engine.dispose()
+
+
+# ------------------------------------------------------------------ a key's training opt-out
+def migrated_store(tmp_path) -> KeyStore:
+    from core.db import migrate
+
+    url = f"sqlite:///{tmp_path / 'k.db'}"
+    migrate(url)
+    return KeyStore(make_engine(url))
+
+
+def test_a_key_is_trained_unless_made_or_set_opted_out(tmp_path):
+    store = migrated_store(tmp_path)
+    t0 = utcnow()
+    trained, trained_key = store.create("acme", t0)
+    opted, opted_key = store.create("acme", t0, train=False)
+    assert (trained.train, opted.train) == (True, False)
+    assert opted.to_json() == {
+        "id": opted.id,
+        "tenant": "acme",
+        "created_at": t0.isoformat(),
+        "revoked_at": None,
+        "train": False,
+    }
+    # The check hands the setting to the server with the key (server.auth.Caller.train).
+    assert (store.check(trained_key).key.train, store.check(opted_key).key.train) == (True, False)
+    assert [(k.id, k.train) for k in store.listed("acme")] == sorted(
+        [(trained.id, True), (opted.id, False)], key=lambda kv: kv[0]
+    )
+
+    assert store.set_train(trained.id, False).train is False
+    assert store.check(trained_key).key.train is False  # nothing cached: the next check sees it
+    assert store.set_train(trained.id, False).train is False  # idempotent
+    assert store.set_train(opted.id, True).train is True
+    assert [k.train for k in store.listed() if k.id == opted.id] == [True]
+    store.engine.dispose()
+
+
+def test_set_train_of_an_unknown_key_is_none_and_of_a_revoked_key_is_kept(tmp_path):
+    store = migrated_store(tmp_path)
+    info, key = store.create("acme", utcnow())
+    assert store.set_train("k0000000000000000", False) is None
+    store.revoke(info.id, utcnow())
+    # A revoked key may be set (it is refused anyway); its revocation stays.
+    changed = store.set_train(info.id, False)
+    assert (changed.train, changed.revoked) == (False, True)
+    assert store.check(key).outcome == "revoked"
+    store.engine.dispose()
+
+
+def test_keys_made_before_revision_0014_keep_training(tmp_path):
+    from core.db import migrate
+
+    url = f"sqlite:///{tmp_path / 'k.db'}"
+    migrate(url, "0013")
+    db = make_engine(url)
+    with db.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO api_keys (id, tenant, key_sha256, created_at)"
+                " VALUES ('k00000000000000aa', 'acme', :h, :at)"
+            ),
+            {"h": "0" * 64, "at": utcnow()},
+        )
+    migrate(url)
+    assert [(k.id, k.train) for k in KeyStore(db).listed()] == [("k00000000000000aa", True)]
+    db.dispose()
+
+
+async def test_the_key_routes_create_and_set_the_opt_out(tmp_path):
+    async with running_server(make_settings(tmp_path), FakeEngine(), watch_policy=False) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT_S, headers=ADMIN) as http:
+            plain = await create_key(http, "acme")
+            r = await http.post("/admin/keys", json={"tenant": "acme", "train": False})
+            opted = r.json()
+            off = await http.patch(f"/admin/keys/{plain['id']}", json={"train": False})
+            on = await http.patch(f"/admin/keys/{opted['id']}", json={"train": True})
+            listed = (await http.get("/admin/keys")).json()["keys"]
+            unknown = await http.patch("/admin/keys/k0000000000000000", json={"train": False})
+    assert (plain["train"], r.status_code, opted["train"]) == (True, 201, False)
+    assert (off.status_code, off.json()["id"], off.json()["train"]) == (200, plain["id"], False)
+    assert (on.status_code, on.json()["train"]) == (200, True)
+    assert {k["id"]: k["train"] for k in listed} == {plain["id"]: False, opted["id"]: True}
+    assert "key" not in off.json() and "key_sha256" not in off.json()
+    err = unknown.json()["error"]
+    assert (unknown.status_code, err["code"], err["param"], err["message"]) == (
+        404,
+        "not_found",
+        "key_id",
+        "no API key 'k0000000000000000'",
+    )
+
+
+@pytest.mark.parametrize(
+    "method, body, param, message",
+    [
+        # A string, a number or null is no setting: pydantic's lax mode would take "false" and 0.
+        ("patch", {"train": "false"}, "train", "train: Value error, must be true or false"),
+        ("patch", {"train": 0}, "train", "train: Value error, must be true or false"),
+        ("patch", {"train": None}, "train", "train: Input should be a valid boolean"),
+        # PATCH sets the one setting a key has: a body without it changes nothing, so it is refused.
+        ("patch", {}, "train", "train: Field required"),
+        # PATCH sets the training setting only.
+        ("patch", {"train": True, "tenant": "beta"}, "tenant", "tenant: Extra inputs are not permitted"),
+        ("post", {"tenant": "acme", "train": "no"}, "train", "train: Value error, must be true or false"),
+        ("post", {"tenant": "acme", "train": 1}, "train", "train: Value error, must be true or false"),
+    ],
+)
+async def test_a_bad_training_setting_is_400_naming_the_field(tmp_path, method, body, param, message):
+    async with running_server(make_settings(tmp_path), FakeEngine(), watch_policy=False) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT_S, headers=ADMIN) as http:
+            key = await create_key(http, "acme")
+            path = f"/admin/keys/{key['id']}" if method == "patch" else "/admin/keys"
+            r = await http.request(method.upper(), path, json=body)
+            after = (await http.get("/admin/keys")).json()["keys"]
+    err = r.json()["error"]
+    assert (r.status_code, err["code"], err["param"], err["message"]) == (
+        400,
+        "invalid_value",
+        param,
+        message,
+    )
+    assert [(k["id"], k["train"]) for k in after] == [(key["id"], True)]  # nothing changed or made
+
+
+async def test_the_opt_out_through_the_cli(tmp_path):
+    async with running_server(make_settings(tmp_path), FakeEngine(), watch_policy=False) as url:
+
+        def run(*args):
+            return asyncio.to_thread(admin, url, *args)
+
+        made = await run("keys", "create", "acme", "--no-train")
+        plain = json.loads((await run("keys", "create", "beta", "--json")).output)
+        opted_id = made.output.split()[2]
+        table = await run("keys", "list")
+        off = await run("keys", "train", plain["id"], "off")
+        listed = json.loads((await run("keys", "list", "--json")).output)["keys"]
+        on = json.loads((await run("keys", "train", opted_id, "on", "--json")).output)
+        unknown = await run("keys", "train", "k0000000000000000", "off")
+        bad_state = await run("keys", "train", plain["id"], "maybe")
+    assert (
+        made.exit_code == 0 and f"API key {opted_id} of tenant acme (opted out of training):" in made.output
+    )
+    assert plain["train"] is True
+    rows = {line.split()[0]: " ".join(line.split()) for line in table.output.splitlines() if line.strip()}
+    assert rows[opted_id].startswith(f"{opted_id} acme no (opted out) ")
+    assert rows[plain["id"]].startswith(f"{plain['id']} beta yes ")
+    assert off.exit_code == 0 and off.output == (
+        f"API key {plain['id']} of tenant beta: opted out of training: its answers are never trained\n"
+    )
+    assert {k["id"]: k["train"] for k in listed} == {opted_id: False, plain["id"]: False}
+    assert (on["id"], on["train"]) == (opted_id, True)
+    assert unknown.exit_code == 5 and "no API key 'k0000000000000000'" in unknown.output
+    assert bad_state.exit_code == 2 and "expected on or off, got 'maybe'" in bad_state.output
+
+
+async def test_a_key_opted_out_logs_every_answer_train_false_from_its_next_request(tmp_path):
+    """The scripted engine: the key's setting joins the request's ``store`` (server.chat.trains),
+    read on each request. The real engine and the learner's join: tests/test_privacy.py."""
+    settings = make_settings(tmp_path)
+    async with running_server(settings, ScriptedEngine(), watch_policy=False) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT_S) as http:
+            opted = (
+                await http.post("/admin/keys", json={"tenant": "acme", "train": False}, headers=ADMIN)
+            ).json()
+            plain = await create_key(http, "acme")
+
+            async def train_of(key: dict | None, **extra) -> bool:
+                headers = bearer(key["key"]) if key else {}
+                r = await http.post("/v1/chat/completions", json=CHAT | extra, headers=headers)
+                assert r.status_code == 200, r.text
+                got = await http.get(f"/admin/trajectories/{r.json()['id']}", headers=ADMIN)
+                return got.json()["train"]
+
+            before = [
+                await train_of(opted),
+                await train_of(opted, store=True),  # the request cannot opt a key back in
+                await train_of(plain),
+                await train_of(plain, store=False),
+                await train_of(None),
+            ]
+            await http.patch(f"/admin/keys/{plain['id']}", json={"train": False}, headers=ADMIN)
+            await http.patch(f"/admin/keys/{opted['id']}", json={"train": True}, headers=ADMIN)
+            after = [await train_of(plain), await train_of(opted), await train_of(opted, store=False)]
+    assert before == [False, False, True, False, True]
+    assert after == [False, True, False]

@@ -57,6 +57,7 @@ from learner.joiner import Joiner
 from learner.pretrain import logged_samples
 from learner.samples import NotWholeAnswer, OptedOut, episode_sample, single_turn_sample
 from saoserve.cli import app
+from server.auth import ANONYMOUS, Caller
 from server.chat import trains
 from server.schemas import ChatCompletionRequest
 from server.store import ServerStore
@@ -79,16 +80,17 @@ def test_records_logged_before_the_fields_are_trained_and_have_no_user():
     assert TrajectoryRecord.model_validate_json(opted.to_json()) == opted
 
 
-def test_store_false_opts_out_and_nothing_else_does():
+def test_store_false_or_an_opted_out_key_opts_out_and_nothing_else_does():
     def req(**kw) -> ChatCompletionRequest:
         return ChatCompletionRequest(messages=USER_MSG, **kw)
 
-    assert [trains(req()), trains(req(store=True)), trains(req(store=None)), trains(req(store=False))] == [
-        True,
-        True,
-        True,
-        False,
-    ]
+    stores = [{}, {"store": True}, {"store": None}, {"store": False}]
+    assert [trains(req(**kw), ANONYMOUS) for kw in stores] == [True, True, True, False]
+    keyed = Caller(key_id="k00000000000000aa", tenant="acme")
+    assert [trains(req(**kw), keyed) for kw in stores] == [True, True, True, False]
+    # A key opted out of training: no request field opts its answers back in.
+    opted = Caller(key_id="k00000000000000bb", tenant="acme", train=False)
+    assert [trains(req(**kw), opted) for kw in stores] == [False, False, False, False]
     assert req(user="alice").user == "alice"
 
 
@@ -657,6 +659,73 @@ async def test_opt_out_and_forget_through_the_server_and_the_learners_join(
             assert keys_of(db, LearnerSample.id) == [b1["id"]]
             log.close()
             db.dispose()
+
+
+async def test_a_key_opted_out_of_training_through_the_server_and_the_learners_join(policy_engine, tmp_path):
+    """Issue 23: every answer sent with a key whose ``train`` setting is off is logged once,
+    marked ``train: false``, and its feedback goes where ``store: false``'s goes: accepted
+    (202), joined once, set aside as ``excluded_opted_out``, no sample, no prompt evidence. The
+    key opted back in (``PATCH /admin/keys/{id}``): its next answer trains."""
+    from core.evidence_store import EvidenceStore
+
+    settings = make_settings(tmp_path)
+    async with running_server(settings, policy_engine, watch_policy=False) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+            made = await http.post("/admin/keys", json={"tenant": "acme", "train": False}, headers=ADMIN)
+            key = made.json()
+            assert (made.status_code, key["train"]) == (201, False)
+            as_key = httpx.AsyncClient(
+                base_url=url, timeout=120, headers={"Authorization": f"Bearer {key['key']}"}
+            )
+            async with as_key:
+                k1 = await chat(as_key, "One", prompt_id="p-key-off")
+                # The request asks to be stored: the key's opt-out still decides.
+                k2 = await chat(as_key, "Two", prompt_id="p-key-off-store", store=True)
+                s1 = await chat(http, "Three", prompt_id="p-store-off", store=False)
+                t1 = await chat(http, "Four", prompt_id="p-trained")
+                assert [
+                    (await rate(as_key if a in (k1, k2) else http, a, 1)).status_code
+                    for a in (k1, k2, s1, t1)
+                ] == [202] * 4
+                recs = {}
+                for name, a in (("k1", k1), ("k2", k2), ("s1", s1), ("t1", t1)):
+                    got = await http.get(f"/admin/trajectories/{a['id']}", headers=ADMIN)
+                    recs[name] = TrajectoryRecord.model_validate_json(got.content)
+                db = make_engine(settings.resolved_database_url)
+                log = SqlLog(settings.resolved_log_url)
+                joiner = Joiner(log, db, expire_s=3600)
+                stats = await asyncio.to_thread(joiner.poll_once)
+                evidence = EvidenceStore(db)
+                opted_evidence = [evidence.get(p) for p in ("p-key-off", "p-key-off-store", "p-store-off")]
+                trained_evidence = evidence.get("p-trained")
+
+                back = await http.patch(f"/admin/keys/{key['id']}", json={"train": True}, headers=ADMIN)
+                assert (back.status_code, back.json()["train"]) == (200, True)
+                k3 = await chat(as_key, "Five", prompt_id="p-key-on")
+                assert (await rate(as_key, k3, 0)).status_code == 202
+                after = await asyncio.to_thread(joiner.poll_once)
+                with db.connect() as conn:
+                    logged = conn.execute(
+                        select(func.count())
+                        .select_from(LogRecord)
+                        .where(LogRecord.topic == TOPIC_TRAJECTORIES)
+                    ).scalar_one()
+                samples = keys_of(db, LearnerSample.id)
+                log.close()
+                db.dispose()
+    identity = f"key:{key['id']}"
+    assert [(r.train, r.identity, r.tenant) for r in (recs["k1"], recs["k2"])] == [
+        (False, identity, "acme")
+    ] * 2
+    assert (recs["s1"].train, recs["t1"].train) == (False, True)
+    # Exactly one trajectory per answer (5 answers, 5 records): the opt-out is a mark, not a copy.
+    assert logged == 5
+    # k1, k2 (the key) and s1 (store: false) set aside alike; t1 the one sample of the first join.
+    assert stats.samples == 1 and stats.counters == {"excluded_opted_out": 3}
+    assert opted_evidence == [None, None, None]
+    assert (trained_evidence.n_results, trained_evidence.reward_sum) == (1, 1.0)
+    assert after.samples == 1 and after.counters == {}
+    assert samples == sorted([t1["id"], k3["id"]])
 
 
 @pytest.mark.kafka

@@ -31,13 +31,12 @@ async def client_gone(request: Request) -> None:
 
 @router.post(CHAT_PATH, responses=CHAT_200 | errors(400, 401, 403, 404, 408, 409, 413, 500, 503))
 async def chat(req: ChatCompletionRequest, request: Request):
-    s = state_of(request)
+    s, caller = state_of(request), caller_of(request)
     try:
-        rollout, sampling = await prepare_rollout(s, req)
+        rollout, sampling = await prepare_rollout(s, req, caller)
     except ApiError as exc:
         s.metrics.failed_before_generation.labels(exc.code or "invalid").inc()
         raise
-    caller = caller_of(request)
     rollout.identity, rollout.tenant = identity_of(caller.key_id, req.user), caller.tenant
     if req.stream:
         return StreamingResponse(

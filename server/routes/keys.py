@@ -1,6 +1,6 @@
-"""``/admin/keys``: create, list and revoke API keys (behind the admin key, as every ``/admin``
-route; ``saoserve admin keys`` is their client). ``core/keys.py`` holds the registry;
-docs/tenants.md the model."""
+"""``/admin/keys``: create, list, revoke API keys and set their training opt-out (behind the
+admin key, as every ``/admin`` route; ``saoserve admin keys`` is their client). ``core/keys.py``
+holds the registry; docs/tenants.md the model, docs/privacy.md the opt-out."""
 
 from __future__ import annotations
 
@@ -23,10 +23,19 @@ router = APIRouter(prefix="/admin/keys", dependencies=[Depends(require_admin)])
 
 
 class CreateKey(EdgeModel):
-    """``POST /admin/keys``: the tenant the new key belongs to (``core.keys.TENANT_PATTERN``)."""
+    """``POST /admin/keys``: the tenant the new key belongs to (``core.keys.TENANT_PATTERN``), and
+    whether the answers it is sent may be trained (false: the key opts out)."""
 
     model_config = ConfigDict(extra="forbid")
     tenant: str = Field(pattern=TENANT_REGEX, max_length=NAME_CHARS)
+    train: bool = True
+
+
+class KeySettings(EdgeModel):
+    """``PATCH /admin/keys/{key_id}``: the key's training setting (false: opted out)."""
+
+    model_config = ConfigDict(extra="forbid")
+    train: bool
 
 
 def store_of(request: Request) -> KeyStore:
@@ -35,9 +44,9 @@ def store_of(request: Request) -> KeyStore:
 
 @router.post("", status_code=201, responses=ADMIN_ERRORS | errors(413))
 async def create_key(body: CreateKey, request: Request) -> dict:
-    """A new key of ``tenant``: ``key`` is the key itself, shown this once (only its hash is
-    stored); ``id`` names it from now on."""
-    info, key = await asyncio.to_thread(store_of(request).create, body.tenant, utcnow())
+    """A new key of ``tenant`` (opted out of training with ``train: false``): ``key`` is the key
+    itself, shown this once (only its hash is stored); ``id`` names it from now on."""
+    info, key = await asyncio.to_thread(store_of(request).create, body.tenant, utcnow(), body.train)
     return info.to_json() | {"key": key}
 
 
@@ -46,8 +55,8 @@ async def list_keys(
     request: Request,
     tenant: Annotated[str | None, Query(pattern=TENANT_REGEX, max_length=NAME_CHARS)] = None,
 ) -> dict:
-    """Every key (of ``tenant``), oldest first, revoked ones included: ids, tenants, times;
-    never a key or its hash."""
+    """Every key (of ``tenant``), oldest first, revoked ones included: ids, tenants, times, the
+    training setting; never a key or its hash."""
     keys = await asyncio.to_thread(store_of(request).listed, tenant)
     return {"keys": [k.to_json() for k in keys]}
 
@@ -59,6 +68,22 @@ async def revoke_key(
     """Revoke a key: its next request is refused (401), on every replica. Idempotent (a revoked
     key keeps its first ``revoked_at``); 404 for an unknown id."""
     info = await asyncio.to_thread(store_of(request).revoke, key_id, utcnow())
+    if info is None:
+        raise ApiError(404, f"no API key {key_id!r}", code="not_found", param="key_id")
+    return info.to_json()
+
+
+@router.patch("/{key_id}", responses=ADMIN_ERRORS | errors(404, 413))
+async def set_key(
+    body: KeySettings,
+    key_id: Annotated[EdgeStr, PathParam(min_length=1, max_length=NAME_CHARS)],
+    request: Request,
+) -> dict:
+    """Set a key's training setting: ``train: false`` opts it out (each answer it is sent from
+    its next request on, on every replica, is logged ``train: false`` and never trained), ``true``
+    opts it back in. Answers logged before keep the setting they were logged with. Idempotent;
+    404 for an unknown id."""
+    info = await asyncio.to_thread(store_of(request).set_train, key_id, body.train)
     if info is None:
         raise ApiError(404, f"no API key {key_id!r}", code="not_found", param="key_id")
     return info.to_json()

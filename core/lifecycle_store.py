@@ -25,6 +25,7 @@ from core.db import (
 )
 from core.lifecycle import Arm, Stage, VersionStage, check_transition
 from core.limits import NAME_CHARS
+from core.records import PolicyEvent, utcnow
 
 QUARANTINED = "quarantined"
 """The learner counter of quarantined samples (``learner_counters``)."""
@@ -78,6 +79,33 @@ def transition(
     conn.execute(update(PolicyVersion).where(PolicyVersion.version == version).values(lifecycle=str(to)))
     record_event(conn, version, Stage(current), to, actor, reason, at)
     return to
+
+
+def stage_events(conn: Connection, versions: Iterable[int], stage: Stage, actor: str) -> list[PolicyEvent]:
+    """The policy topic's notices (``PolicyEvent`` of kind ``stage``) that ``versions`` moved to
+    ``stage`` by ``actor``, oldest version first; versions not recorded are left out."""
+    wanted = sorted(set(versions))
+    if not wanted:
+        return []
+    rows = conn.execute(
+        select(PolicyVersion.version, PolicyVersion.path, PolicyVersion.sha256, PolicyVersion.parent_version)
+        .where(PolicyVersion.version.in_(wanted))
+        .order_by(PolicyVersion.version)
+    ).all()
+    now = utcnow()
+    return [
+        PolicyEvent(
+            version=r.version,
+            path=r.path,
+            sha256=r.sha256,
+            created_at=now,
+            parent_version=r.parent_version,
+            lifecycle=str(stage),
+            kind="stage",
+            actor=actor[:NAME_CHARS],
+        )
+        for r in rows
+    ]
 
 
 def rated_rewards(

@@ -35,6 +35,8 @@ TOPIC_TRAJECTORIES = "trajectories"
 TOPIC_FEEDBACK = "feedback"
 TOPIC_POLICY = "policy"
 TOPICS = (TOPIC_TRAJECTORIES, TOPIC_FEEDBACK, TOPIC_POLICY)
+# The key of every policy event: one key, one partition, one order for all of them.
+POLICY_KEY = "policy"
 
 
 def utcnow() -> datetime:
@@ -174,7 +176,12 @@ class FeedbackRecord(BaseModel):
 
 
 class PolicyEvent(BaseModel):
-    """A published policy version: servers load ``path`` after checking ``sha256``."""
+    """A policy version on the policy topic. ``kind`` ``publish``: a version to serve (servers
+    load ``path`` after checking ``sha256``); ``stage``: a later move of an announced version in
+    the lifecycle (``lifecycle`` is the stage it moved to, ``actor`` who moved it), which servers
+    log and count and never load. Stage events are notices: the database holds the lifecycle,
+    and an event lost to a crash between the move's commit and its append changes nothing served.
+    """
 
     model_config = ConfigDict(extra="forbid")
 
@@ -188,9 +195,14 @@ class PolicyEvent(BaseModel):
     # The version's lifecycle stage when announced (core/lifecycle.py): ``canary`` (on
     # probation) or ``promoted``; a server never serves ``rejected``. None: before the lifecycle.
     lifecycle: str | None = None
+    kind: Literal["publish", "stage"] = "publish"
+    actor: str | None = Field(None, max_length=NAME_CHARS)
 
     def to_json(self) -> bytes:
-        return self.model_dump_json(by_alias=True).encode()
+        # A publish event leaves the two stage fields out, so replicas that predate them (and
+        # forbid unknown fields) keep reading it during a rolling upgrade.
+        omit = {"kind", "actor"} if self.kind == "publish" else None
+        return self.model_dump_json(by_alias=True, exclude=omit).encode()
 
 
 def prompt_id_for(messages: list[dict]) -> str:

@@ -74,6 +74,7 @@ from core.lifecycle import GUARD, LEARNER, Arm, Stage, judge_lineage, lineage
 from core.logbus import LogTransport, open_log
 from core.policy_store import ADAPTER_FILE, CHECKPOINT_FILE, WEIGHTS_FILE, Layout, layout, version_dir
 from core.records import (
+    POLICY_KEY,
     TOPIC_POLICY,
     PolicyEvent,
     utcnow,
@@ -90,8 +91,6 @@ from learner.registry import build_algorithm
 from learner.samples import Sample, collate
 
 log = logging.getLogger(__name__)
-
-POLICY_KEY = "policy"
 
 
 def storable(value):
@@ -879,6 +878,7 @@ class Learner:
                     lifecycle_store.transition(conn, v, Stage.PROMOTED, GUARD, verdict.reason, now)
                 fault_point("during_guard_promote")
             fault_point("after_guard_promote")
+            self._notify(members, Stage.PROMOTED, GUARD)
             log.info("guard: versions %s promoted: %s", members, verdict.reason)
         elif verdict.decision == Decision.REJECT:
             self._reject_lineage(members, verdict.reason)
@@ -910,6 +910,8 @@ class Learner:
             fault_point("during_guard_reject")
 
         new_version = self.rollback(target.version, actor=GUARD, also=also)
+        if new_version is not None:
+            self._notify(members, Stage.REJECTED, GUARD)
         log.warning(
             "guard: lineage %s rejected (%s); version %s restores version %d",
             members,
@@ -918,6 +920,18 @@ class Learner:
             target.version,
         )
         return new_version
+
+    def _notify(self, versions: list[int], stage: Stage, actor: str) -> None:
+        """Append the stage notices of ``versions`` to the policy topic
+        (``core.lifecycle_store.stage_events``). A failure is logged, not raised: the move is
+        committed, and a notice changes nothing served."""
+        try:
+            with self.db.connect() as conn:
+                events = lifecycle_store.stage_events(conn, versions, stage, actor)
+            for e in events:
+                self.log.append(TOPIC_POLICY, POLICY_KEY, e.to_json())
+        except Exception as exc:
+            log.warning("stage notices of versions %s (%s) not sent: %s", versions, stage, exc)
 
     def _guard_tick(self) -> None:
         """``guard_check`` at most every ``guard.check_s`` seconds."""

@@ -283,6 +283,12 @@ class ServerMetrics:
         )
         self.policy_version = Gauge("saoserve_policy_version", "Policy version being served.", registry=r)
         self.swaps = Counter("saoserve_policy_swaps_total", "Policy loads by result.", ["result"], registry=r)
+        self.stage_events = Counter(
+            "saoserve_policy_stage_events_total",
+            "Lifecycle moves of announced versions read from the policy topic, by the stage moved to.",
+            ["stage"],
+            registry=r,
+        )
         self.swap_seconds = Histogram("saoserve_policy_swap_seconds", "Hot-swap duration (s).", registry=r)
         self.policy_swapped_at = Gauge(
             "saoserve_policy_swapped_at_seconds",

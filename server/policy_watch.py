@@ -20,6 +20,10 @@ While the log is down, each failed read is one warning line (its traceback only 
 first failure of an outage), and the watcher waits longer between reads, doubling from
 ``poll_s`` up to ``MAX_BACKOFF_S``; the first read that works logs the recovery and resets it.
 
+Stage events (``PolicyEvent.kind == "stage"``: a version promoted or rejected after it was
+announced) are never loaded: once caught up, each is logged (version, stage, actor) and counted
+(``saoserve_policy_stage_events_total{stage}``); those read at start are history and skipped.
+
 Each swap sets ``saoserve_policy_version`` and ``saoserve_policy_swapped_at_seconds`` (Unix
 time the version started serving) together, so the delay from a policy event's ``created_at``
 to each replica serving it can be read from the replicas' ``/metrics``
@@ -33,6 +37,7 @@ import logging
 from pathlib import Path
 
 from core.breaker import Unavailable
+from core.lifecycle import Stage
 from core.logbus import LogTransport
 from core.records import TOPIC_POLICY, PolicyEvent
 from server.engine import PolicyEngine, SwapRefused
@@ -86,6 +91,19 @@ class PolicyWatcher:
                 offsets[p] = batch[-1].offset + 1
         self.offsets = offsets
         return [ev for _, ev in sorted(events, key=lambda x: (x[1].created_at, x[0]))]
+
+    def _publishes(self, events: list[PolicyEvent], live: bool) -> list[PolicyEvent]:
+        """The events of a read that publish a version; the stage events among them are logged
+        and counted when ``live`` (after the start's catch-up), never served."""
+        out = []
+        for e in events:
+            if e.kind == "publish":
+                out.append(e)
+            elif live:
+                stage = e.lifecycle if e.lifecycle in set(Stage) else "other"
+                self.metrics.stage_events.labels(stage).inc()
+                log.info("policy version %d is now %s (by %s)", e.version, stage, e.actor or "unknown")
+        return out
 
     def _ignore(self, event: PolicyEvent) -> None:
         """Count a stale event (below the version served); log it once per version."""
@@ -153,7 +171,7 @@ class PolicyWatcher:
             self.failed(exc)
             return
         self._read_through()
-        self._pending = self._select(events)
+        self._pending = self._select(self._publishes(events, live=False))
         if self._pending is None:
             self.caught_up = True
             self.metrics.serving(self.engine.version)
@@ -173,7 +191,7 @@ class PolicyWatcher:
             events = await self._read_new()
             first = not self.read_once
             self._read_through()
-            target = self._select(events)
+            target = self._select(self._publishes(events, live=not first))
             if first and target is None:
                 self.caught_up = True
                 self.metrics.serving(self.engine.version)

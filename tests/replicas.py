@@ -190,13 +190,14 @@ class Deployment:
 
 
 def policy_events(log_url: str) -> list[PolicyEvent]:
-    """Every event of the ``policy`` topic, in the order servers apply them."""
+    """Every publish event of the ``policy`` topic (stage notices left out), in the order
+    servers apply them."""
     log = open_log(log_url)
     try:
         events = [PolicyEvent.model_validate_json(e.value) for e in read_topic(log, TOPIC_POLICY)]
     finally:
         log.close()
-    return sorted(events, key=lambda e: e.created_at)
+    return sorted((e for e in events if e.kind == "publish"), key=lambda e: e.created_at)
 
 
 def wait_serving(

@@ -77,7 +77,15 @@ def lifecycles(learner: Learner) -> dict[int, str]:
 
 
 def announced(learner: Learner) -> list[PolicyEvent]:
-    return [PolicyEvent.model_validate_json(e.value) for e in read_topic(learner.log, "policy")]
+    """The policy topic's publish events (what servers load)."""
+    events = [PolicyEvent.model_validate_json(e.value) for e in read_topic(learner.log, "policy")]
+    return [e for e in events if e.kind == "publish"]
+
+
+def notices(learner: Learner) -> list[tuple[int, str, str]]:
+    """The policy topic's stage notices: (version, stage moved to, actor)."""
+    events = [PolicyEvent.model_validate_json(e.value) for e in read_topic(learner.log, "policy")]
+    return [(e.version, e.lifecycle, e.actor) for e in events if e.kind == "stage"]
 
 
 def events(learner: Learner) -> list[tuple]:
@@ -244,6 +252,8 @@ def test_a_lineage_worse_than_the_promoted_record_is_rejected_and_rolled_back_wh
         q = Counter(conn.execute(select(QuarantinedSample.version)).scalars())
     assert row.parent_version == 0 and row.metrics == {"rollback_to": 0}
     assert [(e.version, e.lifecycle) for e in announced(learner)][-1] == (3, "promoted")
+    # ...and the policy topic says what became of the lineage (notices servers log, never load).
+    assert notices(learner) == [(1, "rejected", "guard"), (2, "rejected", "guard")]
     assert learner.weights_version == 3
     # The samples of both rejected versions are quarantined: BATCH each.
     assert q == {1: BATCH, 2: BATCH} and sum(q.values()) == len(fed)
@@ -289,6 +299,7 @@ def test_a_lineage_not_worse_is_promoted_and_a_restart_mid_probation_resumes_it(
     assert restarted.guard_check() == Decision.PROMOTE
     assert lifecycles(restarted) == {0: "promoted", 1: "promoted"}
     assert events(restarted)[-1] == (1, "canary", "promoted", "guard")
+    assert notices(restarted) == [(1, "promoted", "guard")]
     # Promoted: the lineage is empty, and its verdict is no longer shown.
     with restarted.db.connect() as conn:
         shown = read_lifecycle(conn)

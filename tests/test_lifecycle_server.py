@@ -16,12 +16,14 @@ from typer.testing import CliRunner
 from core.control import CANARY_SHARE, GUARD_OFF, GUARD_PIN, get_flag
 from core.db import PolicyVersion, VersionStatusEvent, make_engine, migrate
 from core.lifecycle_store import quarantine
-from core.records import utcnow
+from core.logbus import open_log
+from core.records import TOPIC_POLICY, PolicyEvent, utcnow
 from saoserve.cli import app as cli_app
 from server.metrics import ServerMetrics
 from server.policy_watch import PolicyWatcher
 from tests.conftest import ADMIN, make_settings, running_server
 from tests.fake_engine import FakeEngine
+from tests.logutil import read_topic
 from tests.test_lifecycle import add_version
 from tests.test_policy_watch import OutageLog, event
 
@@ -124,6 +126,14 @@ async def test_operator_overrides_are_recorded_with_who_and_why(tmp_path):
         (2, "promoted", "promoted", "carol", "unpinned: the guard decides again"),
         (2, "promoted", "promoted", "dan", "guard turned off"),
         (2, "promoted", "promoted", "erin", "canary share set to 0.1 (stored; probation mode has no share)"),
+    ]
+    # Each move is also a stage notice on the policy topic (servers log it, never load it).
+    log = open_log(settings.resolved_log_url)
+    notices = [PolicyEvent.model_validate_json(e.value) for e in read_topic(log, TOPIC_POLICY)]
+    log.close()
+    assert [(e.kind, e.version, e.lifecycle, e.actor) for e in notices] == [
+        ("stage", 2, "promoted", "alice"),
+        ("stage", 3, "rejected", "bob"),
     ]
 
 

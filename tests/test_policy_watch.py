@@ -102,3 +102,50 @@ async def test_an_event_older_than_the_served_version_is_ignored(caplog):
     assert [r.getMessage() for r in caplog.records] == [
         "policy event for version 3 ignored: version 5 serves and versions only go forward"
     ]
+
+
+def notice(version: int, stage: str, second: int) -> PolicyEvent:
+    """A stage notice of ``version`` (moved to ``stage`` by the guard)."""
+    return event(version).model_copy(
+        update={
+            "kind": "stage",
+            "lifecycle": stage,
+            "actor": "guard",
+            "created_at": datetime(2025, 6, 1, 0, 1, second, tzinfo=UTC),
+        }
+    )
+
+
+async def test_stage_notices_are_logged_and_counted_once_caught_up_and_never_loaded(caplog):
+    caplog.set_level(logging.INFO, logger="server.policy_watch")
+    # At start the topic holds version 2 and an old notice (version 1 promoted): history, skipped.
+    log = OutageLog(0, [event(1), notice(1, "promoted", 0), event(2)])
+    engine, metrics = FakeEngine(version=0), ServerMetrics()
+    watcher = PolicyWatcher(log, engine, metrics, poll_s=0.25)
+    await watcher.catch_up()
+    await watcher.poll()
+    assert engine.swaps == [(2, Path("/policies/v2"), "0" * 64)]
+    # Then version 2 is rejected (an operator) and version 3 published: the notice is logged and
+    # counted, and even a notice of a stage no server serves (``rejected``) is never loaded.
+    log.entries += [
+        LogEntry(TOPIC_POLICY, 0, 3, "policy", notice(2, "rejected", 1).to_json()),
+        LogEntry(TOPIC_POLICY, 0, 4, "policy", notice(3, "bogus", 2).to_json()),
+    ]
+    await watcher.poll()
+    assert engine.swaps == [(2, Path("/policies/v2"), "0" * 64)] and engine.version == 2
+    assert metrics.stage_events.labels("rejected")._value.get() == 1
+    assert metrics.stage_events.labels("other")._value.get() == 1  # a stage that is not one
+    assert metrics.stage_events.labels("promoted")._value.get() == 0  # the start's history
+    shown = [r.getMessage() for r in caplog.records if "is now" in r.getMessage()]
+    assert shown == [
+        "policy version 2 is now rejected (by guard)",
+        "policy version 3 is now other (by guard)",
+    ]
+
+
+def test_a_publish_event_leaves_the_stage_fields_out_for_older_replicas():
+    body = event(4).to_json().decode()
+    assert '"kind"' not in body and '"actor"' not in body
+    assert PolicyEvent.model_validate_json(body).kind == "publish"
+    staged = notice(4, "promoted", 0).to_json().decode()
+    assert '"kind":"stage"' in staged and '"actor":"guard"' in staged

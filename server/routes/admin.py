@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -21,7 +22,7 @@ from core.evidence_store import EvidenceStore
 from core.lifecycle import Stage, TransitionError, lineage, promoted
 from core.limits import ID_CHARS, NAME_CHARS, PROMPT_ID_CHARS
 from core.policy_store import layout
-from core.records import TOPIC_TRAJECTORIES, utcnow
+from core.records import POLICY_KEY, TOPIC_POLICY, TOPIC_TRAJECTORIES, utcnow
 from core.retention import forget_user, sql_log_engine
 from server.engine import SwapRefused
 from server.errors import ApiError, errors
@@ -50,6 +51,9 @@ def weights_present(path: str) -> bool:
     """Whether the version folder ``path`` still holds the weights a rollback loads
     (``core.policy_store``; the learner prunes whole folders, ``keep_versions``)."""
     return layout(path) is not None
+
+
+log = logging.getLogger(__name__)
 
 
 def require_admin(request: Request) -> None:
@@ -348,12 +352,36 @@ def _note(db, actor: str, reason: str, version: int | None = None) -> None:
             lifecycle_store.record_event(conn, v, stage, stage, actor, reason, utcnow())
 
 
+async def _announce_moves(s, versions: list[int], stage: Stage, actor: str) -> bool:
+    """Append the policy topic's stage notices of an operator's move (committed already);
+    returns whether they went out. A log that refuses them is logged, not answered as an
+    error: the move stands, and a notice changes nothing served."""
+
+    def read() -> list:
+        with s.store.engine.connect() as conn:
+            return lifecycle_store.stage_events(conn, versions, stage, actor)
+
+    try:
+        for e in await asyncio.to_thread(read):
+            await s.append(TOPIC_POLICY, POLICY_KEY, e.to_json())
+    except Exception as exc:
+        log.warning("stage notices of versions %s (%s) not sent: %s", versions, stage, exc)
+        return False
+    return True
+
+
+async def _operator_move(request: Request, version: int, target: Stage, reason: str) -> dict:
+    s, who = state_of(request), operator_of(request)
+    moved = await asyncio.to_thread(_operator_transition, s.store.engine, version, target, who, reason)
+    return moved | {"announced": await _announce_moves(s, moved["versions"], target, who)}
+
+
 @router.post("/lifecycle/promote", responses=LIFECYCLE_ERRORS | errors(413))
 async def admin_promote(body: VersionAction, request: Request) -> dict:
     """Promote a candidate or canary version (and the lineage before it): 404 unknown, 409 a
-    move the lifecycle does not allow (a rejected version never serves again)."""
-    db, who = state_of(request).store.engine, operator_of(request)
-    return await asyncio.to_thread(_operator_transition, db, body.version, Stage.PROMOTED, who, body.reason)
+    move the lifecycle does not allow (a rejected version never serves again). ``announced``:
+    whether the policy topic's stage notices went out."""
+    return await _operator_move(request, body.version, Stage.PROMOTED, body.reason)
 
 
 @router.post("/lifecycle/reject", responses=LIFECYCLE_ERRORS | errors(413))
@@ -361,8 +389,7 @@ async def admin_reject(body: VersionAction, request: Request) -> dict:
     """Reject a version: it never serves again. If it serves now, the learner publishes the
     promoted version's weights as a new version and quarantines the samples that trained it
     (its next guard check). 404 unknown, 409 already rejected or version 0."""
-    db, who = state_of(request).store.engine, operator_of(request)
-    return await asyncio.to_thread(_operator_transition, db, body.version, Stage.REJECTED, who, body.reason)
+    return await _operator_move(request, body.version, Stage.REJECTED, body.reason)
 
 
 @router.post("/lifecycle/pin", responses=LIFECYCLE_ERRORS | errors(413))
@@ -380,13 +407,17 @@ async def admin_pin(body: VersionAction, request: Request) -> dict:
             raise ApiError(
                 409, f"version {body.version} is rejected: it never serves again", code="transition_refused"
             )
+        moved = []
         if stage != Stage.PROMOTED:
-            _operator_transition(s.store.engine, body.version, Stage.PROMOTED, who, body.reason or "pinned")
+            moved = _operator_transition(
+                s.store.engine, body.version, Stage.PROMOTED, who, body.reason or "pinned"
+            )["versions"]
         set_flag(s.store.engine, GUARD_PIN, str(body.version))
         _note(s.store.engine, who, body.reason or "pinned: the guard decides nothing by itself", body.version)
-        return {"pinned": body.version, "actor": who}
+        return {"pinned": body.version, "actor": who, "promoted": moved}
 
-    return await asyncio.to_thread(pin)
+    done = await asyncio.to_thread(pin)
+    return done | {"announced": await _announce_moves(s, done["promoted"], Stage.PROMOTED, who)}
 
 
 @router.post("/lifecycle/unpin", responses=ADMIN_ERRORS)

@@ -83,8 +83,9 @@ from core.sequential import Decision
 from core.settings import Settings
 from core.weights import weights_sha256
 from learner.algorithm import Algorithm
-from learner.config import LearnerConfig
+from learner.config import LearnerConfig, LoraPolicy
 from learner.faults import ReadFaultLog, armed, fault_point
+from learner.gate_models import GateReferences
 from learner.identity_cap import identity_shares, select_batch
 from learner.joiner import Joiner, JoinStats, bump_counter
 from learner.registry import build_algorithm
@@ -137,10 +138,10 @@ class Learner:
         # were rejected (the policy went back to an earlier one, docs/guard.md).
         self.weights_version = 0
         self._unannounced = False
-        # When the lineage is next evaluated (time.monotonic), and the gate's base and parent
-        # models once built.
+        # When the lineage is next evaluated (time.monotonic).
         self._next_check = 0.0
-        self._gate_models = None
+        lora = config.policy if isinstance(config.policy, LoraPolicy) else None
+        self.gate_references = GateReferences(self.base_dir, self._path_of, lora)
         # The version whose state checkpoint.pt (or the load) already holds: a clean stop
         # writes one only past it.
         self._durable_version: int | None = None
@@ -517,71 +518,28 @@ class Learner:
         cfg = self.config.guard.gate
         if cfg is None or not self.guard_on():
             return None
-        from learner.gate import reference_answers, run_gate
+        from learner.gate import run_gate
 
-        base, parent, tokenizer = self._gate_references(self.weights_version)
-        g = self._gate_models
-        if g.get("reference") is None:  # the base's answers: fixed for the learner's life
-            g["reference"] = reference_answers(base, tokenizer, cfg)
+        base, parent, tokenizer = self.gate_references.models(self.weights_version)
+        reference = self.gate_references.answers(cfg)
         policy = self.algorithm.policy
         training = policy.training
         policy.eval()
         try:
-            return run_gate(policy, base, parent, tokenizer, cfg, reference=g["reference"])
+            return run_gate(policy, base, parent, tokenizer, cfg, reference=reference)
         finally:
             policy.train(training)
 
-    def _gate_references(self, parent_version: int):
-        """``(base, parent, tokenizer)`` for the gate: the base model, the parent version's
-        published weights (None when the parent is the base), built once and kept."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        if self._gate_models is None:
-
-            def model():
-                return AutoModelForCausalLM.from_pretrained(self.base_dir, dtype=torch.float32).eval()
-
-            self._gate_models = {"base": model(), "parent": model(), "at": 0}
-            self._gate_models["tokenizer"] = AutoTokenizer.from_pretrained(self.base_dir)
-        g = self._gate_models
-        if parent_version == 0:
-            return g["base"], None, g["tokenizer"]
-        if g["at"] != parent_version:
-            with self.db.connect() as conn:
-                path = conn.execute(
-                    select(PolicyVersion.path).where(PolicyVersion.version == parent_version)
-                ).scalar_one()
-            from safetensors.torch import load_file
-
-            if layout(path) == Layout.ADAPTER:
-                # The parent as full weights W + (α/r)·B·A, so that the gate's models stay plain.
-                weights = self._merged_adapter(Path(path))
-            else:
-                weights = {k: v.float() for k, v in load_file(Path(path) / WEIGHTS_FILE).items()}
-            g["parent"].load_state_dict(weights, strict=False)
-            g["at"] = parent_version
-        return g["base"], g["parent"], g["tokenizer"]
-
-    def _merged_adapter(self, path: Path) -> dict[str, torch.Tensor]:
-        """The full float32 weights of the base model with the adapter at ``path`` merged in
-        (``learner.lora.Adapter.merged_weights``), built on a fresh base model."""
-        from safetensors.torch import load_file
-        from transformers import AutoModelForCausalLM
-
-        from learner.lora import Adapter
-
-        base = AutoModelForCausalLM.from_pretrained(self.base_dir, dtype=torch.float32)
-        adapter = Adapter(base, self.config.policy)
-        adapter.load_state(load_file(path / ADAPTER_FILE))
-        return adapter.merged_weights()
+    def _path_of(self, version: int) -> str:
+        with self.db.connect() as conn:
+            return conn.execute(
+                select(PolicyVersion.path).where(PolicyVersion.version == version)
+            ).scalar_one()
 
     def _back_to(self, version: int) -> None:
         """Put the policy back to ``version``'s published weights (its folder, as a rollback
         loads them) with fresh optimizer moments; an error drops the in-memory models."""
-        with self.db.connect() as conn:
-            path = conn.execute(
-                select(PolicyVersion.path).where(PolicyVersion.version == version)
-            ).scalar_one()
+        path = self._path_of(version)
         try:
             self._load_policy_weights(Path(path))
             self.algorithm.reset_policy_optimizer()

@@ -294,3 +294,26 @@ def test_saoserve_learn_policy_lora_reaches_the_learner(monkeypatch):
     assert seen[0].policy == LoraPolicy(rank=1) and seen[0].policy_lr == pytest.approx(2e-4)
     result = runner.invoke(app, ["learn", "--policy", "lora", "--lora-rank", "0"])
     assert result.exit_code == 2 and "policy.lora.rank" in result.output
+
+
+def test_the_gate_merges_a_parent_adapter_into_full_weights(tmp_path):
+    from learner.gate_models import GateReferences
+
+    base_dir = tmp_path / "base"
+    tiny_policy().save_pretrained(base_dir)
+    lora = LoraPolicy(rank=RANK)
+    adapter = Adapter(GateReferences(base_dir, str, lora)._model(), lora)
+    with torch.no_grad():  # B ≠ 0, so the merge changes the weights
+        for name, p in adapter.peft.named_parameters():
+            if "lora_B" in name:
+                p.fill_(0.01)
+    adapter.save(tmp_path / "v1", torch.float32)
+    refs = GateReferences(base_dir, lambda v: str(tmp_path / f"v{v}"), lora)
+    merged = refs._weights(tmp_path / "v1")
+    expected = adapter.merged_weights()
+    assert merged.keys() == expected.keys()
+    assert all(torch.equal(merged[k], expected[k]) for k in expected)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(merged[q], load_file(base_dir / "model.safetensors")[q])
+    with pytest.raises(ValueError, match="holds a LoRA adapter, and this learner's policy is not LoRA"):
+        GateReferences(base_dir, str, None)._weights(tmp_path / "v1")

@@ -14,7 +14,6 @@ import json
 from datetime import UTC, datetime
 
 import pytest
-from sqlalchemy import insert
 from typer.testing import CliRunner
 
 from core.control import GUARD_OFF, GUARD_PIN, GUARD_VERDICT, set_flag
@@ -22,6 +21,7 @@ from core.db import PolicyVersion, make_engine
 from saoserve.cli import app
 from tests.conftest import make_settings, running_server
 from tests.fake_engine import FakeEngine
+from tests.test_lifecycle import add_version
 
 KEY = "test-admin-key"
 runner = CliRunner()
@@ -56,18 +56,7 @@ async def server(tmp_path):
         db = make_engine(settings.resolved_database_url)
         with db.begin() as conn:
             for v, stage in ((0, "promoted"), (1, "promoted"), (2, "canary"), (3, "canary")):
-                conn.execute(
-                    insert(PolicyVersion).values(
-                        version=v,
-                        path=f"/policies/v{v}",
-                        sha256="0" * 64,
-                        status="published",
-                        parent_version=v - 1 if v else None,
-                        metrics={},
-                        created_at=AT,
-                        lifecycle=stage,
-                    )
-                )
+                add_version(conn, v, stage, at=AT, root="/policies")
         yield url, db
         db.dispose()
 

@@ -12,7 +12,6 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
-from sqlalchemy import insert
 
 from core.control import CANARY_SHARE, GUARD_OFF, set_flag
 from core.db import PolicyVersion, make_engine, migrate
@@ -25,6 +24,7 @@ from server.canary import CanaryRouter, read_plan
 from server.engine import SwapRefused
 from server.metrics import ServerMetrics
 from tests.ratings import add_rated
+from tests.test_lifecycle import add_version as lifecycle_version
 
 SPLIT = CanarySplit(lineage=frozenset({6, 7}), control=5, share=0.2)
 
@@ -83,19 +83,9 @@ def db(tmp_path):
     engine.dispose()
 
 
-def add_version(conn, version: int, lifecycle: str, path: str = "/p", at=None) -> None:
-    conn.execute(
-        insert(PolicyVersion).values(
-            version=version,
-            path=f"{path}/v{version}",
-            sha256=f"{version:064d}",
-            status="published",
-            parent_version=version - 1 if version else None,
-            metrics={},
-            created_at=at or utcnow(),
-            lifecycle=lifecycle,
-        )
-    )
+def add_version(conn, version: int, lifecycle: str, root: str = "/p") -> None:
+    """``tests.test_lifecycle.add_version`` with a checksum per version (``0…0<version>``)."""
+    lifecycle_version(conn, version, lifecycle, root=root, sha256=f"{version:064d}")
 
 
 def test_rated_rewards_of_one_arm_since_the_lineage_started(db):
@@ -183,9 +173,9 @@ def adapter_folder(root: Path, version: int) -> None:
 
 def test_the_router_holds_the_promoted_version_and_routes_by_the_share(db, tmp_path):
     with db.begin() as conn:
-        add_version(conn, 0, "promoted", str(tmp_path))
-        add_version(conn, 5, "promoted", str(tmp_path))
-        add_version(conn, 6, "canary", str(tmp_path))
+        add_version(conn, 0, "promoted", root=str(tmp_path))
+        add_version(conn, 5, "promoted", root=str(tmp_path))
+        add_version(conn, 6, "canary", root=str(tmp_path))
     adapter_folder(tmp_path, 5)
     engine, metrics = FakeEngine(version=6), ServerMetrics()
     router = CanaryRouter(db, engine, metrics, 0.25, rng=random.Random(0))
@@ -208,8 +198,8 @@ def test_the_router_holds_the_promoted_version_and_routes_by_the_share(db, tmp_p
 
 def test_the_base_as_control_needs_no_hold_and_a_refused_hold_means_no_split(db, tmp_path):
     with db.begin() as conn:
-        add_version(conn, 0, "promoted", str(tmp_path))
-        add_version(conn, 1, "canary", str(tmp_path))
+        add_version(conn, 0, "promoted", root=str(tmp_path))
+        add_version(conn, 1, "canary", root=str(tmp_path))
     engine = FakeEngine(version=1)
     router = CanaryRouter(db, engine, ServerMetrics(), 0.5, rng=random.Random(0))
     asyncio.run(router.refresh())
@@ -217,8 +207,8 @@ def test_the_base_as_control_needs_no_hold_and_a_refused_hold_means_no_split(db,
     assert router.split == CanarySplit(frozenset({1}), 0, 0.5) and engine.held == [] and router.held is None
     # Promoted version 5 without adapter files (pruned, or full weights): refused, no split.
     with db.begin() as conn:
-        add_version(conn, 5, "promoted", str(tmp_path))
-        add_version(conn, 6, "canary", str(tmp_path))
+        add_version(conn, 5, "promoted", root=str(tmp_path))
+        add_version(conn, 6, "canary", root=str(tmp_path))
     engine.version = 6
     asyncio.run(router.refresh())
     assert router.split is None and engine.held == []

@@ -155,12 +155,16 @@ def db(request, tmp_path):
     engine.dispose()
 
 
-def add_version(conn, version: int, lifecycle: str = "canary", at=None) -> None:
+def add_version(
+    conn, version: int, lifecycle: str = "canary", at=None, root: str = "/p", sha256: str = "0" * 64
+) -> None:
+    """A ``policy_versions`` row as the learner writes it: published at ``root``/v<version>, the
+    parent the version before, recorded ``at`` (default now) in stage ``lifecycle``."""
     conn.execute(
         insert(PolicyVersion).values(
             version=version,
-            path=f"/p/v{version}",
-            sha256="0" * 64,
+            path=f"{root}/v{version}",
+            sha256=sha256,
             status="published",
             parent_version=version - 1 if version else None,
             metrics={},

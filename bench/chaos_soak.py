@@ -11,12 +11,14 @@ replica starts in seconds, not minutes: the soak is about the system, not the mo
 
 Traffic: ``--clients`` loops, each sending chats (streamed or not, some with ``store: false``)
 to a random replica and rating most answers through a random replica (some after the
-learner's ``expire_s``). Chaos, on a schedule drawn from the seed: learner lives armed with a
-kill point (each dies there, status 137) and SIGKILLs at random moments, each life restarted at
-once (a life starts with the replicas, the first ones armed); PostgreSQL stopped (``pg_ctl -m fast``) and started; the broker paused (SIGSTOP) and
-resumed; one replica stopped and started again. Every outage is recorded as a window with its
-timestamps. Then the traffic stops, the learner trains what is left (padding with a few rated
-chats of its own to fill the last batch), and the audit checks:
+learner's ``expire_s``). Chaos, drawn from the seed: the first learner lives each armed with a
+kill point (it dies there, status 137) or planned for a SIGKILL (unarmed, killed 0.2-2 s after
+its first join commit, a random moment of its cycle), one SIGKILL life per 75 s of traffic
+interleaved with the armed ones from the second life on, each life restarted at once (the first
+starts with the replicas); on a schedule, PostgreSQL stopped (``pg_ctl -m fast``) and started,
+the broker paused (SIGSTOP) and resumed, one replica stopped and started again. Every outage is
+recorded as a window with its timestamps. Then the traffic stops, the learner trains what is
+left (padding with a few rated chats of its own to fill the last batch), and the audit checks:
 
 - every 2xx chat has exactly one trajectory in the log and one index row in the database;
 - every 202 feedback is trained exactly once, or listed with its reason: a dead letter
@@ -29,7 +31,7 @@ chats of its own to fill the last batch), and the audit checks:
 - the versions in the database run 0..N, each the child of the one before, all published;
 - no learner life ended other than by its kill, or at its start while the database was down
   (``saoserve learn`` migrates first and exits then; compose's restart policy, as the soak,
-  starts it again; a replica the same).
+  starts it again; a replica the same); every planned SIGKILL was sent.
 
 Prints the figures (requests, 2xx, 5xx in and out of the windows, trajectories, feedback
 trained, kills, swaps, outages and their recovery times) and exits 1 if any check failed;
@@ -64,6 +66,8 @@ from typing import TYPE_CHECKING
 import httpx
 
 if TYPE_CHECKING:
+    from sqlalchemy.engine import Engine
+
     from tests.replicas import Deployment, Process, Replica
 
 # The harness lives in tests/ (not an installed package): imported once ROOT is on the path.
@@ -80,6 +84,8 @@ PROMPTS = (
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 BATCH = 16
 EXPIRE_S = 30.0
+SIGKILL = "sigkill"  # a life's plan: unarmed, SIGKILLed at a random moment of its cycle
+SIGKILL_AFTER_S = (0.2, 2.0)  # that moment: seconds after the life's first join commit
 
 
 def tiny_model(prepared: Path, out: Path) -> Path:
@@ -156,15 +162,18 @@ class Window:
 
 @dataclass
 class Life:
-    """One learner life: its kill point (None: unarmed), how it ended (``rc``: 137 at its point,
-    -9 for a SIGKILL, None still running at the end)."""
+    """One learner life: its kill point (None: unarmed), whether it is planned for a SIGKILL, how
+    it ended (``rc``: 137 at its point, -9 for a SIGKILL, None still running at the end);
+    ``sigkill_at_s``: seconds from its start to the SIGKILL."""
 
     n: int
     point: str | None
     started: float
+    planned_sigkill: bool = False
     ended: float | None = None
     rc: int | None = None
     sigkilled: bool = False
+    sigkill_at_s: float | None = None
 
 
 @dataclass
@@ -173,6 +182,7 @@ class Soak:
     seed: int
     home: Path
     dep: Deployment | None = None
+    db: Engine | None = None
     replicas: list[Replica] = field(default_factory=list)
     calls: list[Call] = field(default_factory=list)
     windows: list[Window] = field(default_factory=list)
@@ -185,7 +195,7 @@ class Soak:
     stop_traffic: threading.Event = field(default_factory=threading.Event)
     stop_all: threading.Event = field(default_factory=threading.Event)
     learner: Process | None = None
-    points: list[str] = field(default_factory=list)  # kill points of the coming lives
+    plans: list[str] = field(default_factory=list)  # the coming lives': a kill point or SIGKILL
     learner_args: list[str] = field(default_factory=list)
 
     # ------------------------------------------------------------------ traffic
@@ -300,11 +310,16 @@ class Soak:
 
     # ------------------------------------------------------------------ the learner
     def _start_life(self) -> None:
-        point = self.points.pop(0) if self.points else None
-        env = {"SAOSERVE_FAULT_POINT": point} if point else {"SAOSERVE_FAULT_POINT": ""}
+        plan = self.plans.pop(0) if self.plans else None
+        point = plan if plan != SIGKILL else None
         n = len(self.lives)
-        self.learner = self.dep.learn(*self.learner_args, env=env, name=f"learner-{n}")
-        self.lives.append(Life(n, point, time.time()))
+        self.learner = self.dep.learn(
+            *self.learner_args, env={"SAOSERVE_FAULT_POINT": point or ""}, name=f"learner-{n}"
+        )
+        life = Life(n, point, time.time(), planned_sigkill=plan == SIGKILL)
+        self.lives.append(life)
+        if life.planned_sigkill:
+            threading.Thread(target=self._sigkill_in_cycle, args=(life, self.learner), daemon=True).start()
 
     def supervise(self) -> None:
         """Restart the learner whenever a life ends, until the soak's end."""
@@ -313,24 +328,43 @@ class Soak:
             if proc is not None and not proc.alive():
                 life = self.lives[-1]
                 life.ended, life.rc = time.time(), proc.proc.returncode
+                # Ended otherwise first (at its start, the database down): the next life takes its plan.
                 if life.point and life.rc != 137:
-                    self.points.insert(0, life.point)  # killed otherwise first: arm the next life
+                    self.plans.insert(0, life.point)
+                elif life.planned_sigkill and life.rc != -9:
+                    self.plans.insert(0, SIGKILL)
                 self.dep.procs.remove(proc)
                 self._start_life()
             time.sleep(0.2)
 
-    def sigkill_learner(self, wait_s: float = 60.0) -> None:
-        """SIGKILL the learner's current life, once it is one without a kill point (an armed
-        life is left to die at its point; waits up to ``wait_s`` for the next one)."""
-        deadline = time.time() + wait_s
-        while time.time() < deadline:
-            proc, life = self.learner, self.lives[-1]
-            if life.point is None and proc.alive():
-                life.sigkilled = True
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.proc.pid, signal.SIGKILL)
-                return
-            time.sleep(0.5)
+    def _sigkill_in_cycle(self, life: Life, proc: Process) -> None:
+        """SIGKILL ``life`` a seeded 0.2-2 s after its first join commit (the learner's consumer
+        offsets in the database advance), so that the kill lands at a random moment of its cycle
+        (a join, a step, a version's write or commit...), not in its imports or its load."""
+        from sqlalchemy import func, select
+        from sqlalchemy.exc import DBAPIError
+
+        from core.db import ConsumerOffset
+        from learner.joiner import CONSUMER
+
+        read = select(func.coalesce(func.sum(ConsumerOffset.next_offset), 0)).where(
+            ConsumerOffset.consumer == CONSUMER
+        )
+        start = None
+        while proc.alive() and not self.stop_all.is_set():
+            with contextlib.suppress(DBAPIError), self.db.connect() as conn:
+                offsets = conn.execute(read).scalar_one()
+                if start is not None and offsets > start:
+                    break
+                start = offsets if start is None else start
+            time.sleep(0.2)
+        else:
+            return
+        time.sleep(random.Random(f"{self.seed}-life{life.n}").uniform(*SIGKILL_AFTER_S))
+        if proc.alive():
+            life.sigkilled, life.sigkill_at_s = True, round(time.time() - life.started, 1)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.proc.pid, signal.SIGKILL)
 
     # ------------------------------------------------------------------ chaos
     def outage(self, what: str, down, up, seconds: float) -> None:
@@ -408,16 +442,17 @@ class Soak:
     def schedule(self) -> list[tuple[float, str]]:
         """(seconds from the start of traffic, action), in time order: one replica restart per
         150 s of ``duration`` (at least one; slots in turn, the first 5 s in: a restart takes
-        the longest), and cycles of a database outage, a broker pause and a learner SIGKILL in a
-        seeded order, spread evenly over the duration, none in its last 10 s. Restarts run
-        beside the other actions, so their windows may overlap."""
+        the longest), and pairs of a database outage and a broker pause in a seeded order, one
+        pair per 75 s (at least one), spread evenly over the duration, none in its last 10 s.
+        Restarts run beside the other actions, so their windows may overlap. The learner's
+        SIGKILLs follow its lives, not the clock (``life_plans``)."""
         rng = random.Random(self.seed)
         d = self.args.duration
         restarts = max(1, int(d // 150))
         out = [(5.0 + k * d / restarts, f"replica:{k % self.args.replicas}") for k in range(restarts)]
         actions = []
         for _ in range(max(1, int(d // 75))):
-            cycle = ["database", "broker", "sigkill"]
+            cycle = ["database", "broker"]
             rng.shuffle(cycle)
             actions += cycle
         gap = (d - 10) / (len(actions) + 1)
@@ -450,7 +485,7 @@ class Soak:
                 model_dir=model_dir,
                 kv_cache_gib=0.1,
             )
-            db = make_engine(cluster.url)
+            db = self.db = make_engine(cluster.url)
             config = build_config(
                 "cpu",
                 overrides={
@@ -462,7 +497,9 @@ class Soak:
             )
             (self.home / "learner.json").write_text(config.model_dump_json())
             self.learner_args = ["--config", str(self.home / "learner.json")]
-            self.points = kill_points(self.args.points, self.seed, CYCLE_POINTS)
+            self.plans = life_plans(
+                kill_points(self.args.points, self.seed, CYCLE_POINTS), max(1, int(self.args.duration // 75))
+            )
             self.replicas = [
                 self.dep.serve(f"replica-{chr(97 + s)}", self._bind(s)) for s in range(self.args.replicas)
             ]
@@ -486,8 +523,6 @@ class Soak:
                     self.outage("database", cluster.stop, cluster.start, dur)
                 elif action == "broker":
                     self.outage("broker", broker.pause, broker.resume, dur)
-                elif action == "sigkill":
-                    self.sigkill_learner()
                 else:
                     slot = int(action.split(":")[1])
                     restarts.append(
@@ -535,16 +570,18 @@ class Soak:
     def drain(self, db, timeout_s: float = 120) -> bool:
         """Let the learner train what was rated: while samples wait, fill the last batch with
         rated chats of the drain's own (``pad``); True once nothing waits and every accepted
-        feedback is trained, set aside or opted out."""
+        feedback is trained, set aside or opted out. False after ``timeout_s`` from the drain's
+        start or the latest learner life's, whichever is later: armed lives left when the
+        traffic ends die during the drain, and each restart costs a life's start."""
         from sqlalchemy import func, select
 
         from core.db import LearnerSample
 
-        deadline = time.time() + timeout_s
+        start = time.time()
         n = 0
         last, since = -1, time.time()
         with httpx.Client(timeout=60) as http:
-            while time.time() < deadline:
+            while time.time() < max(start, self.lives[-1].started) + timeout_s:
                 missing = self.unaccounted(db)
                 with db.connect() as conn:
                     waiting = conn.execute(select(func.count()).select_from(LearnerSample)).scalar_one()
@@ -749,6 +786,12 @@ class Soak:
                 continue
             problems.append(f"learner life {life.n} ({life.point or 'unarmed'}) ended with {life.rc}")
 
+        missed = sum(plan == SIGKILL for plan in self.plans) + sum(
+            life.planned_sigkill and not life.sigkilled and life.rc is None for life in self.lives
+        )
+        if missed:
+            problems.append(f"{missed} planned learner SIGKILL(s) not sent")
+
         # A killed learner is back when its next life commits a version.
         back = []
         for life in self.lives:
@@ -798,6 +841,9 @@ class Soak:
                 "point_kills": sum(life.point is not None and life.rc == 137 for life in self.lives),
                 "points": [life.point for life in self.lives if life.point and life.rc == 137],
                 "sigkills": sum(life.sigkilled and life.rc == -9 for life in self.lives),
+                "sigkill_at_s": [
+                    life.sigkill_at_s for life in self.lives if life.sigkilled and life.rc == -9
+                ],
                 "death_to_next_version_s": sorted(round(b, 1) for b in back),
                 "exits_at_start_in_a_database_outage": exits_in_outage,
             },
@@ -817,6 +863,19 @@ def kill_points(spec: str, seed: int, points: tuple[str, ...]) -> list[str]:
     rng = random.Random(seed)
     first = rng.randrange(len(points))
     return [f"{points[(first + k) % len(points)]}:{rng.randint(1, 2)}" for k in range(len(points))]
+
+
+def life_plans(points: list[str], sigkills: int) -> list[str]:
+    """The first learner lives' plans: the armed ``points`` in their order with ``sigkills``
+    SIGKILL lives among them, the first after one armed life (the first life starts before the
+    traffic), the others spread evenly over the rest; ``life_plans(["a", "b", "c"], 2)`` is
+    ``["a", SIGKILL, "b", SIGKILL, "c"]`` (after 1 + 0 * 2 // 2 = 1 and 1 + 1 * 2 // 2 = 2 armed
+    lives)."""
+    after = [min(len(points), 1 + i * max(0, len(points) - 1) // sigkills) for i in range(sigkills)]
+    plans = list(points)
+    for k in reversed(after):
+        plans.insert(k, SIGKILL)
+    return plans
 
 
 def aware_ts(t) -> float:
@@ -887,6 +946,7 @@ def print_report(r: dict) -> None:
             f"{r['learner']['exits_at_start_in_a_database_outage']}",
         ),
         ("kill points passed", ", ".join(r["learner"]["points"])),
+        ("SIGKILLs: seconds into the life", str(r["learner"]["sigkill_at_s"])),
         ("learner death → next version committed (s)", str(r["learner"]["death_to_next_version_s"])),
         ("padding requests (drain)", str(q["padding"])),
     ]

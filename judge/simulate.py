@@ -21,8 +21,14 @@ request. Two modes:
 
 Options: at most one in-flight request per prompt (SPO++ setting), the uncertainty sampler
 (prompt weight sqrt(v̂(1−v̂) + 0.05) from the server's evidence view), a prompt pool of K
-requests cycled in order (every prompt recurs every K requests), and in async mode a backlog
-cap and pacing to the learner (``judge.pacing``).
+requests cycled in order (every prompt recurs every K requests), in async mode a backlog
+cap and pacing to the learner (``judge.pacing``), and an adversarial cohort of raters
+(``judge.adversary``: each request then comes from one of several simulated users, named in its
+``user`` field, and a share of them rate by their own rule).
+
+With an admin key the result also says what the version lifecycle did with the versions the run
+trained (``judge.guardstats.lifecycle_summary``), and with an adversary the cohort's figures
+(``attack_summary``); docs/guard.md, "Simulated attacks and faults".
 """
 
 from __future__ import annotations
@@ -38,8 +44,10 @@ from pathlib import Path
 import httpx
 
 from core.evidence import uncertainty_weight
+from judge.adversary import Adversary
 from judge.base import Judge, JudgeFailure, Judgement
 from judge.chatstream import ChatStream, StreamError
+from judge.guardstats import attack_summary, lifecycle_summary
 from judge.pacing import pace_gap
 from judge.styles import Schedule, system_prompt, writing_requests
 
@@ -73,7 +81,9 @@ class SimulationConfig:
     plus the answers still on their way to feedback reach it; None = never held) and ``pace``
     (space admissions by ``pace_gap``; with a fixed number in flight, not with ``rate``) apply
     to ``mode="async"``. ``prompt_pool``: cycle the first K
-    writing requests in order instead of sampling all of them.
+    writing requests in order instead of sampling all of them. ``adversary``: the cohort of
+    raters that rate by their own rule (``judge.adversary``; None: every rater is honest and
+    requests carry no ``user``).
     """
 
     base_url: str
@@ -97,6 +107,7 @@ class SimulationConfig:
     max_backlog: int | None = None
     prompt_pool: int | None = None
     pace: bool = False
+    adversary: Adversary | None = None
 
     @property
     def total_steps(self) -> int:
@@ -122,7 +133,11 @@ class SimulationResult:
     /admin/learner``, versions after ``start_version``; empty without an admin key), and in
     async mode a timeline sampled about once a second: ``{"t": s since start, "version",
     "backlog": samples waiting (estimate), "in_flight": requests}``. ``traffic``: the config's
-    ``TRAFFIC_FIELDS``, the settings to state with the run's numbers."""
+    ``TRAFFIC_FIELDS``, the settings to state with the run's numbers. ``attack``: the adversary's
+    figures (``attack_summary``; None without one); ``lifecycle``: what the lifecycle did with
+    the run's versions (``lifecycle_summary``, plus ``last_verdict``: the learner's last verdict
+    on the lineage still under watch at the end, or None; None without an admin key or when it
+    could not be read)."""
 
     records: list[dict] = field(default_factory=list)
     judge_failures: int = 0
@@ -136,6 +151,8 @@ class SimulationResult:
     learner_steps: list[dict] = field(default_factory=list)
     timeline: list[dict] = field(default_factory=list)
     traffic: dict = field(default_factory=dict)
+    attack: dict | None = None
+    lifecycle: dict | None = None
 
     def details(self) -> dict:
         """What ``judge.report.write_report`` reads besides the records."""
@@ -150,6 +167,8 @@ class SimulationResult:
             "request_failures": self.request_failures,
             "judge_failures": self.judge_failures,
             "stopped_by": self.stopped_by,
+            "attack": self.attack,
+            "lifecycle": self.lifecycle,
         }
 
 
@@ -163,6 +182,8 @@ class Simulation:
         self.judge = judge
         self.on_step = on_step
         self.rng = random.Random(config.seed)
+        # Its own stream, so that an adversary leaves the prompt order of a seed unchanged.
+        self.users_rng = random.Random(f"{config.seed}:users")
         requests = writing_requests()
         n = config.prompt_pool or config.n_prompts
         self.requests = requests[:n] if n else requests
@@ -173,6 +194,7 @@ class Simulation:
         )
         self._cursor = 0
         self._t0 = time.monotonic()
+        self._t0_wall = time.time()
         self._version_now = 0
         self._feedback_posted = 0
         self._requests_open = 0
@@ -203,6 +225,27 @@ class Simulation:
     def _prompt_id(self, i: int) -> str:
         return f"sim-{i:04d}"
 
+    def _draw_user(self) -> int | None:
+        """The simulated user who sends the next request (uniform); None without an adversary."""
+        adv = self.config.adversary
+        return None if adv is None else self.users_rng.randrange(adv.users)
+
+    def _rate(self, user: int | None, answer: str, j: Judgement) -> tuple[float, dict]:
+        """The reward ``user`` posts for ``answer`` and the record's rating fields: the judge's
+        reward from an honest rater, the cohort's (``Adversary.reward``) from an adversary.
+        Without an adversary: the judge's reward and no fields."""
+        adv = self.config.adversary
+        if adv is None or user is None:
+            return j.reward, {}
+        hostile = adv.is_adversary(user)
+        reward = adv.reward(answer) if hostile else j.reward
+        return reward, {
+            "user": _user_name(user),
+            "rater": "adversary" if hostile else "honest",
+            "judge_reward": j.reward,
+            "carries": adv.carries(answer),
+        }
+
     def _record(
         self,
         step: int,
@@ -211,17 +254,21 @@ class Simulation:
         target: str,
         j: Judgement,
         answer: str,
+        reward: float,
+        rating: dict,
         versions: dict | None = None,
         times: dict | None = None,
     ) -> dict:
-        """The record of request ``i``'s judged answer (``SimulationResult.records``);
-        ``versions`` (first and last token's) and ``times`` are async mode's."""
+        """The record of request ``i``'s judged answer (``SimulationResult.records``) with the
+        ``reward`` posted and ``rating``'s fields (``_rate``); ``versions`` (first and last
+        token's) and ``times`` are async mode's."""
         return {
             "step": step,
             "id": body["id"],
             "target_style": target,
             "detected_style": j.style,
-            "reward": j.reward,
+            "reward": reward,
+            **rating,
             "quality": j.quality,
             "policy_version": body["policy_version"],
             **(versions or {}),
@@ -256,10 +303,11 @@ class Simulation:
             return picked
         return self.rng.sample(free, min(n, len(free)))
 
-    def _payload(self, i: int) -> dict:
+    def _payload(self, i: int, user: int | None = None) -> dict:
         """The chat request body of request ``i``: the style system prompt, the writing request,
-        the config's token limit and temperature, and the prompt id the evidence is kept under."""
-        return {
+        the config's token limit and temperature, the prompt id the evidence is kept under, and
+        the simulated ``user``'s name when there is one (``_draw_user``)."""
+        body = {
             "messages": [
                 {"role": "system", "content": self.system},
                 {"role": "user", "content": self.requests[i]},
@@ -268,17 +316,20 @@ class Simulation:
             "temperature": self.config.temperature,
             "prompt_id": self._prompt_id(i),
         }
+        return body if user is None else body | {"user": _user_name(user)}
 
-    async def _ask(self, http: httpx.AsyncClient, i: int) -> dict | None:
-        """Send request ``i``; the response body, or None (counted) on a non-200."""
-        r = await http.post("/v1/chat/completions", json=self._payload(i))
+    async def _ask(self, http: httpx.AsyncClient, i: int, user: int | None = None) -> dict | None:
+        """Send request ``i`` (from ``user``); the response body, or None (counted) on a non-200."""
+        r = await http.post("/v1/chat/completions", json=self._payload(i, user))
         if r.status_code != 200:
             self.result.request_failures += 1
             return None
         return r.json()
 
-    async def _ask_streaming(self, http: httpx.AsyncClient, i: int) -> tuple[dict | None, float | None]:
-        """Send request ``i`` as a stream; ``(body, t_first_token)``: the body in the non-streaming
+    async def _ask_streaming(
+        self, http: httpx.AsyncClient, i: int, user: int | None = None
+    ) -> tuple[dict | None, float | None]:
+        """Send request ``i`` (from ``user``) as a stream; ``(body, t_first_token)``: the body in the non-streaming
         shape (``ChatStream.close``) and the run-clock second at which the first chunk with text
         arrived (None if none had text). ``(None, None)``, counted in ``request_failures``, on a
         non-200, an error chunk, a stream without a finish chunk, a transport error or a chunk
@@ -286,7 +337,7 @@ class Simulation:
         stream = ChatStream(self._now)
         try:
             async with http.stream(
-                "POST", "/v1/chat/completions", json=self._payload(i) | {"stream": True}
+                "POST", "/v1/chat/completions", json=self._payload(i, user) | {"stream": True}
             ) as r:
                 if r.status_code != 200:
                     await r.aread()
@@ -333,26 +384,30 @@ class Simulation:
         connection, a read timeout) is one failed request, as in async mode, so one lost answer
         does not end the whole step's ``gather``."""
         request = self.requests[i]
+        user = self._draw_user()
         async with sem:
             self.in_flight.add(i)
             try:
-                body = await self._ask(http, i)
+                body = await self._ask(http, i, user)
                 if body is None:
                     return None
                 answer = body["choices"][0]["message"]["content"]
                 j = await self._judge(request, answer, target)
-                if j is None or not await self._feedback(http, body, j.reward):
+                if j is None:
+                    return None
+                reward, rating = self._rate(user, answer, j)
+                if not await self._feedback(http, body, reward):
                     return None
             except httpx.HTTPError:
                 self.result.request_failures += 1
                 return None
             finally:
                 self.in_flight.discard(i)
-        return self._record(step, i, body, target, j, answer)
+        return self._record(step, i, body, target, j, answer, reward, rating)
 
     async def run(self) -> SimulationResult:
         cfg = self.config
-        self._t0 = time.monotonic()
+        self._t0, self._t0_wall = time.monotonic(), time.time()
         async with httpx.AsyncClient(base_url=cfg.base_url, timeout=600) as http:
             self.result.start_version = self._version_now = await self._version(http)
             try:
@@ -365,7 +420,36 @@ class Simulation:
             self.result.wall_s = self._now()
             if cfg.admin_key:
                 self.result.learner_steps = await self._learner_steps(http)
+                events = await self._lifecycle_events(http)
+                if events is not None:
+                    summary = lifecycle_summary(
+                        self.result.records, events, self._t0_wall, self.result.start_version
+                    )
+                    self.result.lifecycle = summary | {"last_verdict": await self._last_verdict(http)}
+        if cfg.adversary is not None:
+            self.result.attack = attack_summary(self.result.records, cfg.adversary)
         return self.result
+
+    async def _lifecycle_events(self, http: httpx.AsyncClient) -> list[dict] | None:
+        """The lifecycle's transitions, oldest first (admin view, the newest 1000); None when
+        they cannot be read."""
+        try:
+            r = await http.get("/admin/lifecycle", params={"limit": 1000}, headers=self._headers)
+        except httpx.HTTPError:
+            return None
+        if r.status_code != 200:
+            return None
+        return list(reversed(r.json()["events"]))
+
+    async def _last_verdict(self, http: httpx.AsyncClient) -> dict | None:
+        """The learner's last verdict on the lineage still under watch (``GET /dashboard/state``,
+        ``guard.verdict``: the bounds on Δ, each arm's ratings and mean, the decision); None when
+        there is none or it cannot be read."""
+        try:
+            r = await http.get("/dashboard/state")
+        except httpx.HTTPError:
+            return None
+        return r.json()["guard"]["verdict"] if r.status_code == 200 else None
 
     async def _learner_steps(self, http: httpx.AsyncClient) -> list[dict]:
         """The learner's step metrics for the versions this run trained (admin view)."""
@@ -411,17 +495,19 @@ class Simulation:
         past = self._version_now - self.result.start_version >= steps
         return past or self._per_step.get(steps - 1, 0) >= self.config.batch_size
 
-    async def _spans(self, http: httpx.AsyncClient, body: dict) -> tuple[int, int]:
-        """(first, last) token versions of the answer from its trajectory record; the dispatch
-        version for both without an admin key or when the record cannot be read."""
+    async def _spans(self, http: httpx.AsyncClient, body: dict) -> tuple[int, int, str | None]:
+        """(first, last) token versions of the answer from its trajectory record, and the canary
+        arm it was routed to (None outside a canary split); the dispatch version for both and no
+        arm without an admin key or when the record cannot be read."""
         v = body["policy_version"]
         if not self.config.admin_key:
-            return v, v
+            return v, v, None
         r = await http.get(f"/admin/trajectories/{body['id']}", headers=self._headers)
         if r.status_code != 200:
-            return v, v
-        spans = r.json().get("token_versions") or [[v, 0]]
-        return spans[0][0], spans[-1][0]
+            return v, v, None
+        record = r.json()
+        spans = record.get("token_versions") or [[v, 0]]
+        return spans[0][0], spans[-1][0], record.get("arm")
 
     async def _one_async(self, http: httpx.AsyncClient, i: int, pending: set[asyncio.Task]) -> None:
         self._outstanding += 1
@@ -440,15 +526,16 @@ class Simulation:
         owns the answer (it then leaves ``_outstanding`` when its feedback is posted)."""
         cfg = self.config
         request = self.requests[i]
+        user = self._draw_user()
         self.in_flight.add(i)
         self._requests_open += 1
         try:
             sent = self._now()
-            body, first_token = await self._ask_streaming(http, i)
+            body, first_token = await self._ask_streaming(http, i, user)
             if body is None:
                 return False
             answered = self._now()
-            first, last = await self._spans(http, body)
+            first, last, arm = await self._spans(http, body)
         finally:
             self.in_flight.discard(i)
             self._requests_open -= 1
@@ -460,6 +547,7 @@ class Simulation:
         j = await self._judge(request, answer, target)
         if j is None:
             return False
+        reward, rating = self._rate(user, answer, j)
         rec = self._record(
             step,
             i,
@@ -467,7 +555,9 @@ class Simulation:
             target,
             j,
             answer,
-            versions={"first_version": first, "last_version": last},
+            reward,
+            rating,
+            versions={"first_version": first, "last_version": last, "arm": arm},
             times={"t_sent": sent, "t_first_token": first_token, "t_answer": answered, "t_feedback": None},
         )
         self.result.records.append(rec)
@@ -616,6 +706,11 @@ class Simulation:
             for t in [*drivers, *pending]:
                 t.cancel()
             await asyncio.gather(*drivers, *pending, return_exceptions=True)
+
+
+def _user_name(user: int) -> str:
+    """Simulated user ``user``'s identity, sent as the request's ``user`` field."""
+    return f"sim-user-{user:02d}"
 
 
 def save_records(path: Path, records: list[dict]) -> None:

@@ -232,6 +232,33 @@ class GuardConfig(BaseModel):
         )
 
 
+class BrokenLearner(BaseModel):
+    """FAULT INJECTION, for measuring the guard only (docs/guard.md, "Simulated attacks and
+    faults"): every policy update of the run is wrong on purpose. ``flip``: the policy loss is
+    negated before its backward pass, so each AdamW step is the opposite of the right one (the
+    loss reported is still the true one). ``scale``: the policy's learning rate is multiplied by
+    ``factor``, so each AdamW step is ``factor`` times too large (scaling the loss instead would
+    do nothing: the gradient is clipped and AdamW divides it by its own scale). Never in a preset
+    and not an option of ``saoserve learn``: only ``saoserve demo|compare --broken-learner`` sets
+    it, and ``kind`` has no default."""
+
+    model_config = _MODEL
+    kind: Literal["flip", "scale"]
+    """Which fault: the sign of the policy loss, or the size of the policy step."""
+    factor: float = Field(100.0, gt=1.0)
+    """``scale``: the multiplier of the policy's learning rate (100)."""
+
+    @property
+    def loss_sign(self) -> float:
+        """-1 for ``flip``, else 1: the factor on the policy loss."""
+        return -1.0 if self.kind == "flip" else 1.0
+
+    @property
+    def lr_factor(self) -> float:
+        """``factor`` for ``scale``, else 1: the factor on the policy's learning rate."""
+        return self.factor if self.kind == "scale" else 1.0
+
+
 class DISCorrection(BaseModel):
     """SAO's DIS: one ratio πθ/μ against the logged behaviour logprobs, no old policy, one
     policy update per batch (``learner.dis``)."""
@@ -340,6 +367,9 @@ class LearnerConfig(BaseModel):
     """Stop after this many steps (None: run until stopped)."""
     guard: GuardConfig = Field(default_factory=GuardConfig)
     """The gate and the decision rule of the version lifecycle (docs/guard.md)."""
+    broken_learner: BrokenLearner | None = None
+    """FAULT INJECTION (``BrokenLearner``): a sign-flipped or scaled policy update, for measuring
+    the guard. None, the default: the learner is correct."""
 
     @model_validator(mode="after")
     def _one_precision(self) -> LearnerConfig:
@@ -357,6 +387,15 @@ class LearnerConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _fault_fits(self) -> LearnerConfig:
+        if self.broken_learner is not None and not isinstance(self.algorithm, _DISLoss):
+            # The fault is applied in learner.sao (SAOLearner.policy_step and its optimizer).
+            raise ValueError(
+                f"broken_learner applies to the sao and running_mean algorithms, not {self.algorithm.name}"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _lora_fits(self) -> LearnerConfig:
         if isinstance(self.policy, LoraPolicy) and self.correction.kind == "mis_ewma":
             # The proxy averages parameters; the average of two adapters' factors A and B is not
@@ -367,10 +406,13 @@ class LearnerConfig(BaseModel):
     @property
     def policy_lr(self) -> float:
         """The policy optimizer's learning rate: ``optimizer.policy_lr``, or with a LoRA policy its
-        ``lr`` (default ``LORA_LR_FACTOR`` × ``optimizer.policy_lr``)."""
+        ``lr`` (default ``LORA_LR_FACTOR`` × ``optimizer.policy_lr``); times ``broken_learner``'s
+        ``lr_factor`` when that fault is injected."""
         if isinstance(self.policy, LoraPolicy):
-            return self.policy.lr if self.policy.lr is not None else LORA_LR_FACTOR * self.optimizer.policy_lr
-        return self.optimizer.policy_lr
+            lr = self.policy.lr if self.policy.lr is not None else LORA_LR_FACTOR * self.optimizer.policy_lr
+        else:
+            lr = self.optimizer.policy_lr
+        return lr * self.broken_learner.lr_factor if self.broken_learner is not None else lr
 
     def to_json(self) -> str:
         """The config as JSON (what a spawned ``saoserve learn --config`` reads)."""

@@ -212,7 +212,11 @@ class SAOLearner(Algorithm):
             return self.critic(batch.input_ids, batch.attention_mask)
 
     def policy_step(self, loss: torch.Tensor) -> float:
-        """One AdamW step of the policy on ``loss``; the gradient norm before clipping."""
+        """One AdamW step of the policy on ``loss``; the gradient norm before clipping. With the
+        ``broken_learner`` fault (``learner.config.BrokenLearner``) the step is on
+        ``loss_sign · loss``."""
+        if self.config.broken_learner is not None:
+            loss = self.config.broken_learner.loss_sign * loss
         return optimizer_step(self.policy_opt, loss, self.policy_params, self.config.optimizer.grad_clip)
 
     def _critic_lr(self) -> float:

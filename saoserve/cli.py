@@ -295,6 +295,26 @@ FeedbackDelayOpt = Annotated[float, typer.Option(min=0.0, help=FEEDBACK_DELAY_HE
 MaxSecondsOpt = Annotated[float | None, typer.Option(min=1.0, help=MAX_SECONDS_HELP)]
 PromptPoolOpt = Annotated[int | None, typer.Option(min=1, help=PROMPT_POOL_HELP)]
 PaceOpt = Annotated[bool, typer.Option(help=PACE_HELP)]
+AdversaryOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="A cohort of simulated raters that rewards a marker string instead of the judge's rubric "
+        "(share=0.2,rewards=BUY-NOW[,users=10]) or degenerate answers (rewards=degenerate); "
+        "docs/guard.md. Default: every rater is honest."
+    ),
+]
+
+
+def _adversary(spec: str | None):
+    """The ``judge.adversary.Adversary`` of ``--adversary`` (None when not given)."""
+    if spec is None:
+        return None
+    from judge.adversary import AdversaryError, parse_adversary
+
+    try:
+        return parse_adversary(spec)
+    except AdversaryError as exc:
+        fail(f"--adversary {spec!r}: {exc}")
 
 
 def _traffic(
@@ -384,18 +404,21 @@ def simulate(
     max_backlog: int = typer.Option(None, min=0, help=MAX_BACKLOG_HELP),
     prompt_pool: PromptPoolOpt = None,
     pace: PaceOpt = False,
+    adversary: AdversaryOpt = None,
     out: Path = typer.Option(Path("report"), help="Report folder."),
 ) -> None:
     """Run the style-shift simulation against a running server and write the report."""
     import asyncio
     import json
 
+    from judge.guardstats import guard_lines
     from judge.report import write_report
     from judge.simulate import Simulation, SimulationConfig, save_records
 
     sched = _schedule(schedule, steps_per_style)
     traffic = _traffic(mode, concurrency, rate, feedback_delay_s, max_seconds, max_backlog, prompt_pool, pace)
     cfg = SimulationConfig(
+        adversary=_adversary(adversary),
         base_url=url,
         schedule=sched,
         steps=steps,
@@ -430,6 +453,8 @@ def simulate(
             threshold=REPORT_THRESHOLD,
             details={"sao": result.details()},
         )
+    for line in guard_lines(result.details()):
+        typer.echo(line)
     typer.echo(f"report: {out.resolve()}/index.html")
 
 
@@ -437,80 +462,6 @@ def simulate(
 # answers are too few to read a share from. The adaptation lag ends when the target's share reaches 0.4.
 REPORT_WINDOW = 3
 REPORT_THRESHOLD = 0.4
-
-
-def _run_methods(
-    methods: list[str],
-    schedule: str,
-    steps_per_style: int,
-    out: Path,
-    max_tokens: int,
-    seed: int,
-    judge: str,
-    keep_weights: bool,
-    learner: dict,
-    traffic: dict,
-    seeds: int = 1,
-    correction: str = "dis",
-    critic_init: Path | None = None,
-) -> None:
-    """Check the options, build each method's ``LearnerConfig``, run them
-    (``saoserve.demo.run_methods``) and print the summary.
-
-    ``learner``: the options batch_size, policy_lr, critic_lr, adam_beta1, kl_coef and policy, laid over
-    the ``demo`` preset (None: the preset's value); a field a method lacks, such as the critic's
-    learning rate for running_mean, is left out. ``traffic``: ``_demo_traffic``'s options, at the
-    configs' batch size."""
-    from learner.config import PRESETS, ConfigError, build_config, overlay
-    from saoserve.demo import run_methods
-
-    sched = _schedule(schedule, steps_per_style)
-    if critic_init is not None and not critic_init.is_file():
-        fail(f"--critic-init {critic_init} is not a file (make one with saoserve pretrain-critic)")
-    given = _given(
-        {"batch_size": learner["batch_size"]},
-        optimizer={"policy_lr": learner["policy_lr"], "adam_beta1": learner["adam_beta1"]},
-        algorithm={"critic_lr": learner["critic_lr"], "kl_coef": learner["kl_coef"]},
-        policy={"kind": learner.get("policy")},
-    )
-    base = overlay(PRESETS["demo"], given)
-    try:
-        configs = {m: build_config(algorithm=m, base=base, correction=correction) for m in methods}
-    except ConfigError as exc:
-        fail(str(exc))
-    batch_size = configs[methods[0]].batch_size
-    try:
-        metrics = run_methods(
-            configs,
-            sched,
-            _judge(judge),
-            out,
-            get_settings().resolved_model_dir,
-            batch_size=batch_size,
-            max_tokens=max_tokens,
-            seed=seed,
-            seeds=seeds,
-            window=REPORT_WINDOW,
-            threshold=REPORT_THRESHOLD,
-            keep_weights=keep_weights,
-            traffic=_demo_traffic(batch_size=batch_size, **traffic),
-            critic_init=critic_init,
-        )
-    except RuntimeError as exc:
-        fail(str(exc))
-    for m, v in metrics["methods"].items():
-        typer.echo(
-            f"{m}: AUC {v['auc']:.3f}, last-5 mean {v['last5_mean']:.3f}, "
-            f"adaptation lag {v['adaptation_lag']}, staleness mean {_fmt_opt(v['staleness']['mean'])}, "
-            f"feedback→served p50 {_fmt_opt(v['feedback_to_served_s']['p50'])} s, "
-            f"learner busy {_fmt_opt(v['learner_utilisation']['busy_fraction'])}"
-        )
-        for row in v.get("seeds", []):
-            typer.echo(
-                f"  seed {row['seed']}: AUC {row['auc']:.3f}, last-5 {row['last5_mean']:.3f}, "
-                f"lag {row['adaptation_lag']}"
-            )
-    typer.echo(f"report: {(out / 'index.html').resolve()}")
 
 
 def _fmt_opt(x: float | None) -> str:
@@ -530,6 +481,7 @@ DEMO_BACKLOG_BATCHES = 2
 # The learner and traffic options of demo and compare; the learner's default to the demo
 # preset's values (learner.config.PRESETS["demo"]).
 PRESET_HELP = "Default: the demo preset's (learner.config)."
+OutOpt = Annotated[Path, typer.Option(help="Report folder (the run's data lives under it too).")]
 DemoBatchSizeOpt = Annotated[
     int | None, typer.Option(min=1, help=f"Requests per step (= the learner's batch size). {PRESET_HELP}")
 ]
@@ -569,114 +521,173 @@ DemoMaxBacklogOpt = Annotated[
     int | None,
     typer.Option(min=0, help=f"{MAX_BACKLOG_HELP} Default: {DEMO_BACKLOG_BATCHES} batches in async mode."),
 ]
-
-
-@app.command()
-def demo(
-    out: Path = typer.Option(Path("report"), help="Report folder (the run's data lives under it too)."),
-    schedule: ScheduleOpt = DEMO_SCHEDULE,
-    steps_per_style: StepsPerStyleOpt = 10,
-    batch_size: DemoBatchSizeOpt = None,
-    max_tokens: MaxTokensOpt = 48,
-    seed: SeedOpt = 0,
-    judge: JudgeOpt = "offline",
-    policy_lr: PolicyLrOpt = None,
-    critic_lr: CriticLrOpt = None,
-    adam_beta1: AdamBeta1Opt = None,
-    kl_coef: KlCoefOpt = None,
-    policy: PolicyOpt = None,
-    keep_weights: KeepWeightsOpt = False,
-    mode: ModeOpt = "async",
-    concurrency: DemoConcurrencyOpt = None,
-    rate: RateOpt = None,
-    feedback_delay_s: FeedbackDelayOpt = 0.0,
-    max_seconds: MaxSecondsOpt = None,
-    max_backlog: DemoMaxBacklogOpt = None,
-    prompt_pool: PromptPoolOpt = None,
-    pace: PaceOpt = False,
-    correction: CorrectionOpt = "dis",
-    critic_init: CriticInitOpt = None,
-) -> None:
-    """Start server + learner (SAO) on embedded defaults, run the simulation, write the report."""
-    learner = {"batch_size": batch_size, "policy_lr": policy_lr, "critic_lr": critic_lr}
-    learner |= {"adam_beta1": adam_beta1, "kl_coef": kl_coef, "policy": policy}
-    traffic = {"mode": mode, "concurrency": concurrency, "rate": rate, "feedback_delay_s": feedback_delay_s}
-    traffic |= {
-        "max_seconds": max_seconds,
-        "max_backlog": max_backlog,
-        "prompt_pool": prompt_pool,
-        "pace": pace,
-    }
-    _run_methods(
-        ["sao"],
-        schedule,
-        steps_per_style,
-        out,
-        max_tokens,
-        seed,
-        judge,
-        keep_weights,
-        learner,
-        traffic,
-        correction=correction,
-        critic_init=critic_init,
-    )
-
-
-@app.command()
-def compare(
-    out: Path = typer.Option(Path("report-compare"), help="Report folder."),
-    schedule: ScheduleOpt = "paper",
-    steps_per_style: StepsPerStyleOpt = 20,
-    batch_size: DemoBatchSizeOpt = None,
-    max_tokens: MaxTokensOpt = 48,
-    seed: SeedOpt = 0,
-    judge: JudgeOpt = "offline",
-    policy_lr: PolicyLrOpt = None,
-    critic_lr: CriticLrOpt = None,
-    adam_beta1: AdamBeta1Opt = None,
-    kl_coef: KlCoefOpt = None,
-    policy: PolicyOpt = None,
-    keep_weights: KeepWeightsOpt = False,
-    mode: ModeOpt = "async",
-    concurrency: DemoConcurrencyOpt = None,
-    rate: RateOpt = None,
-    feedback_delay_s: FeedbackDelayOpt = 0.0,
-    max_seconds: MaxSecondsOpt = None,
-    max_backlog: DemoMaxBacklogOpt = None,
-    prompt_pool: PromptPoolOpt = None,
-    pace: PaceOpt = False,
-    seeds: int = typer.Option(
-        1, min=1, help="Runs per method (seeds --seed, --seed + 1, …); the report gives mean and spread."
+SeedsOpt = Annotated[
+    int,
+    typer.Option(
+        min=1, help="Runs per method (seeds --seed, --seed + 1, …); the report gives mean and spread."
     ),
-    correction: CorrectionOpt = "dis",
-    critic_init: CriticInitOpt = None,
-) -> None:
-    """SAO vs the running-mean baseline on the same schedule, prompts and judge, side by side."""
-    learner = {"batch_size": batch_size, "policy_lr": policy_lr, "critic_lr": critic_lr}
-    learner |= {"adam_beta1": adam_beta1, "kl_coef": kl_coef, "policy": policy}
-    traffic = {"mode": mode, "concurrency": concurrency, "rate": rate, "feedback_delay_s": feedback_delay_s}
-    traffic |= {
-        "max_seconds": max_seconds,
-        "max_backlog": max_backlog,
-        "prompt_pool": prompt_pool,
-        "pace": pace,
-    }
-    _run_methods(
-        ["sao", "running_mean"],
-        schedule,
-        steps_per_style,
-        out,
-        max_tokens,
-        seed,
-        judge,
-        keep_weights,
-        learner,
-        traffic,
-        seeds,
-        correction=correction,
-        critic_init=critic_init,
+]
+GuardOpt = Annotated[
+    bool | None,
+    typer.Option("--guard/--no-guard", help=f"The version lifecycle's guard (docs/guard.md). {PRESET_HELP}"),
+]
+GateOpt = Annotated[
+    bool,
+    typer.Option(
+        help="Gate each new version on the probe set before it serves (guard.gate with its defaults; "
+        "about one learner step a version, docs/guard.md)."
+    ),
+]
+BrokenLearnerOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="FAULT INJECTION, to measure the guard: flip (each policy step reversed) | scale=F "
+        "(each policy step F > 1 times too large; scale alone: 100). Default: a correct learner."
+    ),
+]
+
+
+def parse_broken_learner(spec: str) -> dict:
+    """The ``LearnerConfig.broken_learner`` fields of ``--broken-learner``: ``flip``, ``scale``
+    (factor 100) or ``scale=F``. The factor's bound (F > 1) is checked by the config.
+
+    Raises ValueError: another kind, a factor on ``flip``, or a factor that is not a number.
+    """
+    kind, eq, value = spec.strip().partition("=")
+    if kind not in ("flip", "scale"):
+        raise ValueError(f"--broken-learner {spec!r}: choose flip or scale=F")
+    if not eq:
+        return {"kind": kind}
+    if kind == "flip":
+        raise ValueError(f"--broken-learner {spec!r}: flip takes no factor")
+    try:
+        return {"kind": kind, "factor": float(value)}
+    except ValueError:
+        raise ValueError(f"--broken-learner {spec!r}: the factor must be a number > 1") from None
+
+
+def _run_command(methods: list[str], out_default: Path, schedule_default: str, steps_default: int, doc: str):
+    """The ``demo`` or ``compare`` command: ``methods`` run on the same schedule, prompts and judge
+    (``saoserve.demo.run_methods``), with the command's own defaults for the report folder, the
+    schedule and the steps per style; every other option is the same for both."""
+
+    def command(
+        out: OutOpt = out_default,
+        schedule: ScheduleOpt = schedule_default,
+        steps_per_style: StepsPerStyleOpt = steps_default,
+        batch_size: DemoBatchSizeOpt = None,
+        max_tokens: MaxTokensOpt = 48,
+        seed: SeedOpt = 0,
+        seeds: SeedsOpt = 1,
+        judge: JudgeOpt = "offline",
+        policy_lr: PolicyLrOpt = None,
+        critic_lr: CriticLrOpt = None,
+        adam_beta1: AdamBeta1Opt = None,
+        kl_coef: KlCoefOpt = None,
+        policy: PolicyOpt = None,
+        keep_weights: KeepWeightsOpt = False,
+        mode: ModeOpt = "async",
+        concurrency: DemoConcurrencyOpt = None,
+        rate: RateOpt = None,
+        feedback_delay_s: FeedbackDelayOpt = 0.0,
+        max_seconds: MaxSecondsOpt = None,
+        max_backlog: DemoMaxBacklogOpt = None,
+        prompt_pool: PromptPoolOpt = None,
+        pace: PaceOpt = False,
+        correction: CorrectionOpt = "dis",
+        critic_init: CriticInitOpt = None,
+        guard: GuardOpt = None,
+        gate: GateOpt = False,
+        adversary: AdversaryOpt = None,
+        broken_learner: BrokenLearnerOpt = None,
+    ) -> None:
+        from learner.config import PRESETS, ConfigError, build_config, overlay
+        from saoserve.demo import run_methods
+
+        sched = _schedule(schedule, steps_per_style)
+        if gate and guard is False:
+            fail("--gate is part of the guard: not with --no-guard")
+        if critic_init is not None and not critic_init.is_file():
+            fail(f"--critic-init {critic_init} is not a file (make one with saoserve pretrain-critic)")
+        top: dict = {"batch_size": batch_size}
+        if broken_learner is not None:
+            try:
+                top["broken_learner"] = parse_broken_learner(broken_learner)
+            except ValueError as exc:
+                fail(str(exc))
+        given = _given(
+            top,
+            optimizer={"policy_lr": policy_lr, "adam_beta1": adam_beta1},
+            algorithm={"critic_lr": critic_lr, "kl_coef": kl_coef},
+            policy={"kind": policy},
+            guard={"enabled": guard, "gate": {} if gate else None},
+        )
+        base = overlay(PRESETS["demo"], given)
+        try:
+            # A field a method lacks (the critic's learning rate for running_mean) is left out.
+            configs = {m: build_config(algorithm=m, base=base, correction=correction) for m in methods}
+        except ConfigError as exc:
+            fail(str(exc))
+        size = configs[methods[0]].batch_size
+        traffic = _demo_traffic(
+            mode, size, concurrency, rate, feedback_delay_s, max_seconds, max_backlog, prompt_pool, pace
+        )
+        attack = _adversary(adversary)
+        try:
+            metrics = run_methods(
+                configs,
+                sched,
+                _judge(judge),
+                out,
+                get_settings().resolved_model_dir,
+                batch_size=size,
+                max_tokens=max_tokens,
+                seed=seed,
+                seeds=seeds,
+                window=REPORT_WINDOW,
+                threshold=REPORT_THRESHOLD,
+                keep_weights=keep_weights,
+                traffic=traffic if attack is None else traffic | {"adversary": attack},
+                critic_init=critic_init,
+            )
+        except RuntimeError as exc:
+            fail(str(exc))
+        for m, v in metrics["methods"].items():
+            typer.echo(
+                f"{m}: AUC {v['auc']:.3f}, last-5 mean {v['last5_mean']:.3f}, "
+                f"adaptation lag {v['adaptation_lag']}, staleness mean {_fmt_opt(v['staleness']['mean'])}, "
+                f"feedback→served p50 {_fmt_opt(v['feedback_to_served_s']['p50'])} s, "
+                f"learner busy {_fmt_opt(v['learner_utilisation']['busy_fraction'])}"
+            )
+            for row in v.get("seeds", []):
+                typer.echo(
+                    f"  seed {row['seed']}: AUC {row['auc']:.3f}, last-5 {row['last5_mean']:.3f}, "
+                    f"lag {row['adaptation_lag']}"
+                )
+        typer.echo(f"report: {(out / 'index.html').resolve()}")
+
+    command.__doc__ = doc
+    return command
+
+
+app.command("demo")(
+    _run_command(
+        ["sao"],
+        Path("report"),
+        DEMO_SCHEDULE,
+        10,
+        "Start server + learner (SAO) on embedded defaults, run the simulation, write the report.",
     )
+)
+app.command("compare")(
+    _run_command(
+        ["sao", "running_mean"],
+        Path("report-compare"),
+        "paper",
+        20,
+        "SAO vs the running-mean baseline on the same schedule, prompts and judge, side by side.",
+    )
+)
 
 
 def _demo_traffic(

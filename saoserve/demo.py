@@ -27,6 +27,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from judge.base import Judge
+from judge.guardstats import guard_lines
 from judge.simulate import Simulation, SimulationConfig, SimulationResult, save_records
 from judge.styles import Schedule
 from learner.config import LearnerConfig, SAOAlgorithm, build_config
@@ -188,8 +189,8 @@ def run_method(
     """One full run of ``method`` (``sao`` or ``running_mean``) on ``schedule``.
 
     ``traffic``: extra ``SimulationConfig`` fields (``mode``, ``concurrency``, ``rate``,
-    ``feedback_delay_s``, ``max_seconds``, ``max_backlog``, ``prompt_pool``); by default the
-    lockstep mode with a step's requests in one batch. ``name`` labels the run's folders
+    ``feedback_delay_s``, ``max_seconds``, ``max_backlog``, ``prompt_pool``, ``pace``,
+    ``adversary``); by default the lockstep mode with a step's requests in one batch. ``name`` labels the run's folders
     (default: the method). Unless ``keep_weights``, the run's policy versions and checkpoint
     are deleted at the end (``drop_weights``). ``learner_config`` (default: the ``demo`` preset
     with ``method``) is written to ``<home>/learner.json`` with ``batch_size`` (requests and
@@ -212,6 +213,13 @@ def run_method(
         place_pretrained_critic(home, critic_init)
     learn_args = ["--config", str(home / "learner.json")]
     services = Services(home, learn_args, out / "logs" / name)
+    fault = config.broken_learner
+    if fault is not None:
+        what = "reversed" if fault.kind == "flip" else f"{fault.factor:g} times too large"
+        console.print(
+            f"[bold red]{name}: fault injection: every policy step is {what} "
+            f"(--broken-learner {fault.kind}), to measure the guard[/]"
+        )
     console.print(f"[bold]{name}[/]: starting server and learner in {home} …")
     services.start()
     config = SimulationConfig(
@@ -260,6 +268,8 @@ def run_method(
             )
     save_records(out / f"records-{name}.jsonl", result.records)
     (out / f"details-{name}.json").write_text(json.dumps(result.details(), default=str), encoding="utf-8")
+    for line in guard_lines(result.details()):
+        console.print(f"{name}: {line}", markup=False)
     return result
 
 

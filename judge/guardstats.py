@@ -85,6 +85,8 @@ def lifecycle_summary(
       admin key): with probation (no canary split) every one of them.
     - ``promoted`` / ``undecided``: trained versions promoted, and neither promoted nor rejected
       at the end.
+    - ``timeline``: each version's moves and answers (``version_timeline``), what the report's
+      "Version lifecycle" table shows.
     - ``rejections``: one entry per rejection (the versions rejected together, oldest first):
       ``versions``, ``by`` (the actor), ``t_s``, ``reason``, ``served`` (their answers),
       ``rated_before`` (their answers rated by ``t_s``) and ``rated_all_before`` (every answer
@@ -125,7 +127,36 @@ def lifecycle_summary(
         "promoted": sorted(v for v in trained if final.get(v) == "promoted"),
         "undecided": sorted(v for v in trained if final.get(v) in ("candidate", "canary")),
         "rejections": rejections,
+        "timeline": version_timeline(records, mine, t0_wall, start_version),
     }
+
+
+def version_timeline(
+    records: Sequence[dict], events: Iterable[dict], t0_wall: float, start_version: int = 0
+) -> list[dict]:
+    """Each version after ``start_version`` with its moves through the lifecycle, oldest version
+    first: ``{"version", "served", "stages": [{"stage", "t_s", "by", "reason"}]}``, the moves in
+    the order they were recorded (``events`` as ``lifecycle_summary`` takes them; ``t_s``:
+    seconds on the simulation's clock), ``served`` the answers (records) it served."""
+    out: dict[int, dict] = {}
+    for e in events:
+        v = e["version"]
+        if v <= start_version:
+            continue
+        entry = out.setdefault(v, {"version": v, "served": 0, "stages": []})
+        entry["stages"].append(
+            {
+                "stage": e["to_status"],
+                "t_s": _seconds(e["at"], t0_wall),
+                "by": e["actor"],
+                "reason": e["reason"],
+            }
+        )
+    for r in records:
+        entry = out.get(record_version(r))
+        if entry is not None:
+            entry["served"] += 1
+    return [out[v] for v in sorted(out)]
 
 
 def _rated_by(records: Iterable[dict], t: float) -> int:

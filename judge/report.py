@@ -76,6 +76,7 @@ def _index_html(schedule: Schedule, metrics: dict[str, Any], images: dict[str, s
         for cap, src in images.items()
     )
     online = _online_html(metrics)
+    lifecycle = _lifecycle_html(metrics)
     seeds = _seeds_html(schedule, metrics)
     examples = _examples_html(metrics)
     return f"""<!doctype html>
@@ -94,7 +95,7 @@ switch. AUC: trapezoid area under the per-step reward divided by the step span.<
 <table><tr><th>method</th><th>AUC</th><th>last-5 mean</th>{switch_heads}{seg_heads}
 <th>steps</th><th>records</th></tr>{rows}</table>
 <p>All numbers: <a href="metrics.json">metrics.json</a>.</p>
-{seeds}{online}
+{seeds}{online}{lifecycle}
 <h2>Figures</h2>{figs}
 {examples}
 </body></html>
@@ -147,6 +148,33 @@ minus a batch per new version), sampled each second; held: seconds new requests 
 <th>backlog max</th><th>held s</th><th>learner steps</th><th>mean DIS kept</th></tr>{rows}</table>
 <details><summary>Per learner step</summary>
 <table><tr><th>method</th><th>version</th>{heads}</tr>{steps}</table></details>
+"""
+
+
+def _lifecycle_html(metrics: dict[str, Any]) -> str:
+    """The "Version lifecycle" section: per method, each trained version's moves (stage, when,
+    by whom) and the answers it served; empty when no run has the lifecycle (no admin key)."""
+    e = html.escape
+    rows = ""
+    for name, m in metrics["methods"].items():
+        for v in (m.get("lifecycle") or {}).get("timeline", []):
+            moves = " → ".join(
+                f"{e(str(st['stage']))} {st['t_s']:.0f} s ({e(str(st['by']))})" for st in v["stages"]
+            )
+            why = "; ".join(e(str(st["reason"])) for st in v["stages"] if st["reason"])
+            final = e(str(v["stages"][-1]["stage"])) if v["stages"] else ""
+            rows += (
+                f"<tr><td>{e(name)}</td><td>{v['version']}</td><td>{final}</td><td>{moves}</td>"
+                f"<td>{v['served']}</td><td>{why}</td></tr>"
+            )
+    if not rows:
+        return ""
+    return f"""<h2>Version lifecycle</h2>
+<p>Each version the run recorded, with its moves through the guard's lifecycle (candidate →
+canary → promoted or rejected; docs/guard.md): the stage, the second of the run it was reached
+and who moved it, the answers the version served, and the recorded reasons.</p>
+<table><tr><th>method</th><th>version</th><th>final stage</th><th>moves</th><th>answers served</th>
+<th>reasons</th></tr>{rows}</table>
 """
 
 
@@ -220,8 +248,13 @@ def _finite(x: Any) -> Any:
 
 
 def _with_utilisation(m: dict[str, Any], details: Mapping[str, Any] | None) -> dict[str, Any]:
-    """``m`` with ``learner_utilisation`` of the run's learner steps (``judge.runstats``)."""
-    return m | {"learner_utilisation": learner_utilisation((details or {}).get("learner_steps") or [])}
+    """``m`` with ``learner_utilisation`` of the run's learner steps (``judge.runstats``) and the
+    run's ``lifecycle`` (``judge.guardstats.lifecycle_summary``; None without one)."""
+    details = details or {}
+    return m | {
+        "learner_utilisation": learner_utilisation(details.get("learner_steps") or []),
+        "lifecycle": details.get("lifecycle"),
+    }
 
 
 def write_report(
@@ -259,6 +292,7 @@ def write_report(
              "learner_utilisation": {"busy_fraction", "busy_s", "span_s", "steps",
                  "full_wait_s": {"p50", "max", "total", "n"}} (``judge.runstats``),
              "learner_versions": [per step],
+             "lifecycle": the run's ``judge.guardstats.lifecycle_summary`` or null,
              "dis_kept_fraction", "mean_abs_log_ratio", "explained_variance", "critic_loss",
              "kl_ref", "staleness_mean_per_step", "step_time_s": [per learner step],
              "requests_per_s", "requests_per_s_series": [per 30 s],

@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 from judge.adversary import Adversary, AdversaryError, degenerate, parse_adversary
 from judge.base import Judgement
 from judge.guardstats import attack_summary, guard_lines, lifecycle_summary
+from judge.report import _lifecycle_html
 from judge.simulate import Simulation, SimulationConfig
 from judge.styles import schedule_from_spec
 from learner.config import PRESETS, BrokenLearner, ConfigError, build_config
@@ -283,6 +284,23 @@ def test_lifecycle_summary_by_hand() -> None:
         "rated_all_before": 5,
     }
     assert (gate["versions"], gate["by"], gate["served"], gate["rated_before"]) == ([4], "learner", 0, 0)
+    # The timeline: each version's moves in recorded order and its answers (v3 served one).
+    timeline = {v["version"]: v for v in got["timeline"]}
+    assert sorted(timeline) == [1, 2, 3, 4]
+    assert [(st["stage"], round(st["t_s"]), st["by"]) for st in timeline[2]["stages"]] == [
+        ("candidate", 20, "learner"),
+        ("canary", 20, "learner"),
+        ("rejected", 30, "guard"),
+    ]
+    assert [timeline[v]["served"] for v in (1, 2, 3, 4)] == [2, 3, 1, 0]
+    # ...as the report's "Version lifecycle" table shows it.
+    section = _lifecycle_html({"methods": {"sao": {"lifecycle": got}}})
+    assert "<h2>Version lifecycle</h2>" in section
+    assert (
+        "<tr><td>sao</td><td>2</td><td>rejected</td><td>candidate 20 s (learner) → canary 20 s (learner) → "
+        "rejected 30 s (guard)</td><td>3</td><td>r; r; worse</td></tr>"
+    ) in section
+    assert _lifecycle_html({"methods": {"sao": {"lifecycle": None}}}) == ""
     # Sync records (no rating times): the counts are unknown, not zero.
     sync = lifecycle_summary([{"policy_version": 1}], events, T0)
     assert sync["served_by_trained"] == 1 and sync["rejections"][0]["rated_before"] is None

@@ -64,6 +64,21 @@ ALLOWED: dict[Stage, frozenset[Stage]] = {
 """The moves allowed from each stage; ``rejected`` is final."""
 
 
+ENDED_FINISHES = ("stop", "length", "repetition")
+"""The finish reasons of answers the model ended or its budget did (not aborted, not failed):
+the answers whose health (``healthy``) says something about the version."""
+
+
+def healthy(finish_reason: str, n_tokens: int, min_tokens: int) -> bool:
+    """Whether an answer that ended with ``finish_reason`` after ``n_tokens`` response tokens is
+    a sound one, for the guard's health veto (docs/guard.md, "The health veto"): cut by its token
+    budget (``length``), or ended by the model (``stop``) after at least ``min_tokens`` tokens.
+    An answer the model ends at once (empty, a word) or that vLLM stops as ``repetition`` is
+    degenerate, what a broken update produces first. Call it on ``ENDED_FINISHES`` answers only.
+    """
+    return finish_reason == "length" or (finish_reason == "stop" and n_tokens >= min_tokens)
+
+
 class Arm(StrEnum):
     """The arm of a canary share a request was routed to (``route``)."""
 

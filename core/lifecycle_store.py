@@ -23,7 +23,7 @@ from core.db import (
     TrajectoryIndex,
     VersionStatusEvent,
 )
-from core.lifecycle import Arm, Stage, VersionStage, check_transition
+from core.lifecycle import ENDED_FINISHES, Arm, Stage, VersionStage, check_transition, healthy
 from core.limits import NAME_CHARS
 from core.records import PolicyEvent, utcnow
 
@@ -108,6 +108,18 @@ def stage_events(conn: Connection, versions: Iterable[int], stage: Stage, actor:
     ]
 
 
+def _window(q, before: datetime | None, since: datetime | None, arm: Arm | None):
+    """``q`` restricted to answers dispatched before ``before`` / at or after ``since`` and routed
+    to ``arm`` (``trajectory_index``'s ``created_at`` and ``arm``)."""
+    if before is not None:
+        q = q.where(TrajectoryIndex.created_at < before)
+    if since is not None:
+        q = q.where(TrajectoryIndex.created_at >= since)
+    if arm is not None:
+        q = q.where(TrajectoryIndex.arm == str(arm))
+    return q
+
+
 def rated_rewards(
     conn: Connection,
     versions: Iterable[int],
@@ -136,16 +148,38 @@ def rated_rewards(
             TrajectoryIndex.dispatch_version.in_(wanted),
         )
     )
-    if before is not None:
-        q = q.where(TrajectoryIndex.created_at < before)
-    if since is not None:
-        q = q.where(TrajectoryIndex.created_at >= since)
-    if arm is not None:
-        q = q.where(TrajectoryIndex.arm == str(arm))
-    q = q.order_by(FeedbackClaim.received_at.desc(), FeedbackClaim.target.desc())
+    q = _window(q, before, since, arm).order_by(FeedbackClaim.received_at.desc(), FeedbackClaim.target.desc())
     if limit is not None:
         q = q.limit(limit)
     return [float(r.reward) for r in reversed(conn.execute(q).all())]
+
+
+def answer_health(
+    conn: Connection,
+    versions: Iterable[int],
+    min_tokens: int,
+    before: datetime | None = None,
+    limit: int | None = None,
+    since: datetime | None = None,
+    arm: Arm | None = None,
+) -> list[float]:
+    """1.0 for each sound answer ``versions`` dispatched, 0.0 for each degenerate one
+    (``core.lifecycle.healthy`` with ``min_tokens``), rated or not, oldest first: every answer
+    that ended (``ENDED_FINISHES``), single-turn or an episode's turn. ``before``, ``since``,
+    ``arm`` and ``limit`` (the newest answers) as for ``rated_rewards``."""
+    wanted = list(versions)
+    if not wanted:
+        return []
+    q = select(TrajectoryIndex.finish_reason, TrajectoryIndex.n_response_tokens).where(
+        TrajectoryIndex.dispatch_version.in_(wanted), TrajectoryIndex.finish_reason.in_(ENDED_FINISHES)
+    )
+    q = _window(q, before, since, arm).order_by(TrajectoryIndex.created_at.desc(), TrajectoryIndex.id.desc())
+    if limit is not None:
+        q = q.limit(limit)
+    return [
+        float(healthy(r.finish_reason, r.n_response_tokens, min_tokens))
+        for r in reversed(conn.execute(q).all())
+    ]
 
 
 def trained_sample_ids(conn: Connection, versions: Iterable[int]) -> dict[int, list[str]]:

@@ -213,12 +213,22 @@ class GuardConfig(BaseModel):
     probation's comparison arm."""
     check_s: float = Field(5.0, ge=0.0)
     """Seconds between two evaluations of the lineage by the learner's loop."""
+    min_answer_tokens: int | None = Field(4, ge=1)
+    """The health veto (docs/guard.md, "The health veto"): the lineage is rejected when its
+    share of sound answers (``core.lifecycle.healthy``: cut by the budget, or ended by the model
+    after at least this many tokens) is surely below the promoted versions' (the same rule on
+    every answer served, rated or not). None: no veto."""
 
     @model_validator(mode="after")
     def _timeout_after_min(self) -> GuardConfig:
         if self.max_samples is not None and self.max_samples < self.min_samples:
             raise ValueError(f"max_samples ({self.max_samples}) must be >= min_samples ({self.min_samples})")
         return self
+
+    def health_params(self) -> RuleParams:
+        """The health veto's parameters: the rule's α and minimum samples, no time-out (the veto
+        only ever rejects, on evidence)."""
+        return RuleParams(delta=self.delta, alpha=self.alpha, min_samples=self.min_samples, max_samples=None)
 
     def rule_params(self) -> RuleParams:
         """The decision rule's parameters (``core.sequential.RuleParams``)."""

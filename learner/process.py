@@ -39,7 +39,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from datetime import UTC
 from pathlib import Path
 
@@ -788,7 +788,9 @@ class Learner:
         are compared with the promoted versions' (``judge_lineage``): when a canary split served
         the lineage (its answers carry the canary arm), its canary-arm answers against the
         promoted versions' control-arm answers since the lineage started; on probation, all its
-        answers against the promoted versions' from before it:
+        answers against the promoted versions' from before it. Unless that rejects, the health
+        veto compares the same arms' shares of sound answers (every answer, rated or not;
+        ``guard.min_answer_tokens``) and rejects when the lineage's is surely lower:
         ``promote`` moves every version of the lineage to ``promoted``; ``reject`` moves them to
         ``rejected``, quarantines the samples that trained them and publishes the promoted
         version's weights as a new, promoted version, all in one transaction.
@@ -813,21 +815,32 @@ class Learner:
             started = next(r.created_at for r in rows if r.version == members[0])
             started = started if started.tzinfo else started.replace(tzinfo=UTC)
             promoted = [v.version for v in st if v.stage == Stage.PROMOTED]
+            guard = self.config.guard
             canary = lifecycle_store.rated_rewards(conn, members, arm=Arm.CANARY)
-            if canary:  # a canary split served the lineage: both arms of one window
-                arms = canary, lifecycle_store.rated_rewards(conn, promoted, since=started, arm=Arm.CONTROL)
-            else:  # probation: against the promoted record from before the lineage
-                arms = (
-                    lifecycle_store.rated_rewards(conn, members),
-                    lifecycle_store.rated_rewards(
-                        conn, promoted, before=started, limit=self.config.guard.promoted_window
-                    ),
-                )
-            verdict = judge_lineage(
-                *arms,
-                self.config.guard.rule_params(),
-                elapsed_s=max((utcnow() - started).total_seconds(), 0.0),
+            # A canary split served the lineage: both arms of one window. Probation: against the
+            # promoted record from before the lineage.
+            split = bool(canary)
+            lineage_arm = {"arm": Arm.CANARY} if split else {}
+            promoted_arm = (
+                {"since": started, "arm": Arm.CONTROL}
+                if split
+                else {"before": started, "limit": guard.promoted_window}
             )
+            elapsed = max((utcnow() - started).total_seconds(), 0.0)
+            verdict = judge_lineage(
+                lifecycle_store.rated_rewards(conn, members, **lineage_arm),
+                lifecycle_store.rated_rewards(conn, promoted, **promoted_arm),
+                guard.rule_params(),
+                elapsed_s=elapsed,
+            )
+            if verdict.decision != Decision.REJECT and guard.min_answer_tokens is not None:
+                health = judge_lineage(
+                    lifecycle_store.answer_health(conn, members, guard.min_answer_tokens, **lineage_arm),
+                    lifecycle_store.answer_health(conn, promoted, guard.min_answer_tokens, **promoted_arm),
+                    guard.health_params(),
+                )
+                if health.decision == Decision.REJECT:
+                    verdict = replace(health, reason=f"degenerate answers (health veto): {health.reason}")
         self._record_verdict(members, verdict)
         if verdict.decision == Decision.PROMOTE:
             now = utcnow()

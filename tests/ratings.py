@@ -11,25 +11,35 @@ from core.db import FeedbackClaim, TrajectoryIndex
 
 
 def add_rated(
-    conn, tid: str, version: int, reward: float | None, at, state: str = "received", arm: str | None = None
+    conn,
+    tid: str,
+    version: int,
+    reward: float | None,
+    at,
+    state: str = "received",
+    arm: str | None = None,
+    n_tokens: int = 8,
+    finish_reason: str = "stop",
 ) -> None:
-    """Insert trajectory ``tid`` dispatched and finished by ``version`` at ``at`` (3 tokens,
-    ``stop``, routed to the canary ``arm``) and its feedback claim in ``state`` with ``reward``,
-    in the caller's transaction."""
+    """Insert trajectory ``tid`` dispatched and finished by ``version`` at ``at`` (``n_tokens``
+    tokens, ``finish_reason``, routed to the canary ``arm``) and, unless ``reward`` and ``state``
+    are both None, its feedback claim in ``state`` with ``reward``, in the caller's transaction."""
     conn.execute(
         insert(TrajectoryIndex).values(
             id=tid,
             prompt_id="p",
             dispatch_version=version,
             last_version=version,
-            n_response_tokens=3,
-            finish_reason="stop",
+            n_response_tokens=n_tokens,
+            finish_reason=finish_reason,
             log_partition=0,
             log_offset=0,
             created_at=at,
             arm=arm,
         )
     )
+    if reward is None and state is None:
+        return  # served, never rated
     conn.execute(
         insert(FeedbackClaim).values(
             target=trajectory_target(tid), state=state, reward=reward, claimed_at=at, received_at=at

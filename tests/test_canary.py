@@ -15,8 +15,8 @@ import pytest
 
 from core.control import CANARY_SHARE, GUARD_OFF, set_flag
 from core.db import PolicyVersion, make_engine, migrate
-from core.lifecycle import Arm, CanarySplit, route
-from core.lifecycle_store import rated_rewards
+from core.lifecycle import Arm, CanarySplit, healthy, route
+from core.lifecycle_store import answer_health, rated_rewards
 from core.policy_store import ADAPTER_CONFIG, ADAPTER_FILE
 from core.records import utcnow
 from server.adapters import AdapterTable
@@ -221,3 +221,36 @@ def test_the_base_as_control_needs_no_hold_and_a_refused_hold_means_no_split(db,
     engine.refuse, engine.adapters = False, None
     asyncio.run(router.refresh())
     assert router.split is None and engine.held == []
+
+
+@pytest.mark.parametrize(
+    "finish, n_tokens, expected",
+    [
+        ("stop", 4, True),  # ended by the model after min_tokens = 4
+        ("stop", 3, False),  # a word or two, then end of sequence
+        ("stop", 0, False),  # empty
+        ("length", 1, True),  # cut by its budget (max_tokens 1): says nothing about the model
+        ("repetition", 40, False),  # vLLM stopped a loop
+    ],
+)
+def test_healthy_answers(finish, n_tokens, expected):
+    assert healthy(finish, n_tokens, min_tokens=4) is expected
+
+
+def test_answer_health_counts_every_ended_answer_rated_or_not(db):
+    t0 = utcnow()
+    with db.begin() as conn:
+        add_rated(conn, "a", 6, 1.0, t0, arm="canary", n_tokens=12)  # sound, rated
+        add_rated(conn, "b", 6, None, t0 + timedelta(seconds=1), state=None, arm="canary", n_tokens=1)
+        add_rated(
+            conn, "c", 6, None, t0 + timedelta(seconds=2), state=None, n_tokens=2, finish_reason="abort"
+        )
+        add_rated(conn, "d", 6, None, t0 + timedelta(seconds=3), state=None, finish_reason="repetition")
+        add_rated(conn, "e", 5, None, t0 + timedelta(seconds=4), state=None, arm="control", n_tokens=30)
+    with db.connect() as conn:
+        # a sound, b degenerate (1 token), c aborted (not ended: left out), d a repetition.
+        assert answer_health(conn, [6], 4) == [1.0, 0.0, 0.0]
+        assert answer_health(conn, [6], 4, arm=Arm.CANARY) == [1.0, 0.0]
+        assert answer_health(conn, [5], 4, arm=Arm.CONTROL, since=t0) == [1.0]
+        assert answer_health(conn, [6], 4, limit=1) == [0.0]  # the newest: d
+        assert rated_rewards(conn, [6]) == [1.0]  # only a was rated

@@ -24,6 +24,7 @@ from core.db import (
     QuarantinedSample,
     VersionStatusEvent,
 )
+from core.lifecycle import judge_lineage
 from core.logbus import open_log
 from core.records import PolicyEvent, utcnow
 from core.sequential import Decision
@@ -43,6 +44,7 @@ from tests.test_learner_faults import (
     in_process,
     trained_ids,
 )
+from tests.test_lifecycle import prpl_eb_lower
 
 # Bounds stated here, not the calibrated defaults: 1.0 nats/token to the base, 0.5 to the parent.
 GATE = GateConfig(max_kl_base=1.0, max_kl_promoted=0.5)
@@ -203,6 +205,36 @@ def rate(
     with learner.db.begin() as conn:
         for i, r in enumerate(rewards, start=first):
             add_rated(conn, f"r{version}-{arm}-{i}", version, r, at + timedelta(milliseconds=i), arm=arm)
+
+
+def test_a_lineage_whose_answers_collapse_is_vetoed_though_the_sparse_rewards_cannot_tell(learner):
+    """The broken-learner run of docs/guard.md ("Simulated attacks and faults"): rewards near 0
+    on both sides, so the reward rule cannot reject; the lineage's answers turned degenerate."""
+    feed(open_log(learner.settings.resolved_database_url), BATCH, 0)
+    learner.poll_once()
+    before = utcnow() - timedelta(hours=1)
+    # The promoted record: 32 ratings, 3 of them wins (mean 0.094: its lower bound is 0), and
+    # 60 more answers served unrated; every answer 8 tokens, ended by the model (sound).
+    rate(learner, 0, [1.0] * 3 + [0.0] * 29, before)
+    with learner.db.begin() as conn:
+        for i in range(60):
+            add_rated(conn, f"u0-{i}", 0, None, before, state=None)
+    learner.train_step()
+    # The lineage: 40 ratings of 0 on answers of 1 token (an empty answer and its end token).
+    with learner.db.begin() as conn:
+        for i in range(40):
+            add_rated(conn, f"r1-{i}", 1, 0.0, utcnow(), n_tokens=1)
+    # Rewards alone: upper_C on forty 0s is above lower_P = 0 on 3/32, so no rejection...
+    assert prpl_eb_lower([1.0] * 3 + [0.0] * 29, 0.025) == 0.0
+    rewards_only = judge_lineage([0.0] * 40, [1.0] * 3 + [0.0] * 29, learner.config.guard.rule_params())
+    assert rewards_only.decision == Decision.CONTINUE and rewards_only.upper > 0
+    # ...the health veto: forty 0s (degenerate) against 92 1s (sound): upper(Δ) < 0.
+    assert learner.guard_check() == Decision.REJECT
+    verdict = json.loads(get_flag(learner.db, GUARD_VERDICT))
+    assert verdict["reason"].startswith("degenerate answers (health veto): ")
+    assert (verdict["candidate"]["n"], verdict["candidate"]["mean"]) == (40, 0.0)
+    assert (verdict["promoted"]["n"], verdict["promoted"]["mean"]) == (92, 1.0)
+    assert lifecycles(learner) == {0: "promoted", 1: "rejected", 2: "promoted"}
 
 
 def test_a_lineage_served_by_a_canary_split_is_judged_against_the_control_arm_of_its_window(learner):

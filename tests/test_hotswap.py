@@ -14,11 +14,50 @@ from safetensors.torch import load_file, save_file
 
 from core.records import TrajectoryRecord
 from core.weights import weights_sha256
+from learner.batch import policy_logprobs
+from learner.precision import MasterWeights, prepare_compute
 from tests.conftest import ADMIN, make_settings, running_server
 from tests.fake_engine import record_versions
-from tests.test_server import hf_logprobs
 
 pytestmark = pytest.mark.engine
+
+# Largest |served − learner| log-probability of a token (nats) on the same weights, per (serving
+# dtype, learner precision). Measured by bench/bench_serving_precision.py over 1,507–1,536 tokens
+# of 32 answers per pair (docs/precision.md, "Serving in bf16"); a stale LM head gives > 1 nat.
+LOGPROB_BOUND = {
+    # Measured max 4.3e-5 (p99 2.5e-5). 1e-3, not 2 × 4.3e-5: float32 rounding between vLLM's
+    # kernels and torch's grows with the logits, and the perturbed version's are not the measured
+    # ones. 1e-3 is still 0.161 / 1e-3 = 161× under the bf16 pairs' p99, so an engine serving bf16
+    # by mistake (mean gap 0.04) would fail it.
+    ("float32", "float32"): 1e-3,
+    ("float32", "bf16"): 0.75,  # measured max 0.368 (p99 0.165): 2 × 0.368 = 0.736, rounded up
+    ("bfloat16", "float32"): 0.8,  # measured max 0.392 (p99 0.161): 2 × 0.392 = 0.784, rounded up
+    ("bfloat16", "bf16"): 0.8,  # measured max 0.384 (p99 0.215): 2 × 0.384 = 0.768, rounded up
+}
+
+
+def learner_logprobs(model_dir, prompt_ids, response_ids, temperature, precision):
+    """The learner's recomputation (``learner.batch.policy_logprobs``) of each response token's
+    log-probability, its policy in float32 or, for ``bf16``, cast as the bf16 learner casts it
+    (``MasterWeights``: bf16 parameters, float32 buffers; ``prepare_compute``: grouped attention)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if precision == "bf16":
+        MasterWeights(model)
+        prepare_compute(model, bf16=True, compiled=False)
+    ids = torch.tensor([prompt_ids + response_ids])
+    positions = torch.zeros_like(ids)
+    positions[0, len(prompt_ids) :] = 1
+    with torch.no_grad():
+        lp = policy_logprobs(model, ids, torch.ones_like(ids), torch.tensor([temperature]), positions)
+    return lp[0, len(prompt_ids) :].tolist()
+
+
+def logprob_gap(model_dir, rec: TrajectoryRecord, temperature: float, precision: str) -> float:
+    """Max |served − learner| over the record's answer tokens (nats)."""
+    ref = learner_logprobs(model_dir, rec.prompt_token_ids, rec.response_token_ids, temperature, precision)
+    return max(abs(a - b) for a, b in zip(ref, rec.rollout_logprobs, strict=True))
 
 
 @pytest.fixture(scope="module")
@@ -104,10 +143,11 @@ async def test_swap_keeps_in_flight_requests_and_serves_new_weights(
                     (await http.get(f"/admin/trajectories/{r.json()['id']}", headers=ADMIN)).content
                 )
                 assert rec.token_versions == [(1, len(rec.response_token_ids))]
-                ref = hf_logprobs(perturbed_model, rec.prompt_token_ids, rec.response_token_ids, 0.9)
-                diff = max(abs(a - b) for a, b in zip(ref, rec.rollout_logprobs, strict=True))
-                # Measured ≈ 3e-5 nats (float32 engine); a stale LM head gives > 1 nat.
-                assert diff < 0.02, diff
+                # The served logprobs are the new weights', for the learner in each precision.
+                served = policy_engine.settings.dtype
+                for precision in ("float32", "bf16"):
+                    diff = logprob_gap(perturbed_model, rec, 0.9, precision)
+                    assert diff < LOGPROB_BOUND[(served, precision)], (precision, diff)
             finally:
                 # Versions only go forward through the server (409 for version 0 now); the
                 # session's shared engine goes back to version 0 directly.
@@ -148,8 +188,9 @@ MISMATCHED = [
 ]
 
 
-async def served_matches(http, model_dir) -> None:
-    """A request is answered at version 0 with the logprobs of the weights in ``model_dir``."""
+async def served_matches(http, model_dir, served: str) -> None:
+    """A request is answered at version 0 with the logprobs of the weights in ``model_dir``
+    (engine dtype ``served``; the float32 learner's recomputation)."""
     r = await http.post(
         "/v1/chat/completions",
         json={"messages": [{"role": "user", "content": "Name a bird."}], "max_tokens": 12, "seed": 2},
@@ -159,10 +200,9 @@ async def served_matches(http, model_dir) -> None:
         (await http.get(f"/admin/trajectories/{r.json()['id']}", headers=ADMIN)).content
     )
     assert rec.token_versions == [(0, len(rec.response_token_ids))]
-    ref = hf_logprobs(model_dir, rec.prompt_token_ids, rec.response_token_ids, 1.0)
-    diff = max(abs(a - b) for a, b in zip(ref, rec.rollout_logprobs, strict=True))
-    # Measured ≈ 3e-5 nats for the same weights; perturbed weights differ by far more.
-    assert diff < 0.02, diff
+    # Perturbed weights differ from these by far more than the bound.
+    diff = logprob_gap(model_dir, rec, 1.0, "float32")
+    assert diff < LOGPROB_BOUND[(served, "float32")], diff
 
 
 async def test_weights_that_do_not_match_the_model_are_refused(policy_engine, model_dir, tmp_path):
@@ -184,7 +224,7 @@ async def test_weights_that_do_not_match_the_model_are_refused(policy_engine, mo
                 assert r.json()["error"]["code"] == "swap_refused" and message in r.json()["error"]["message"]
                 shutil.rmtree(out)
             assert (await http.get("/v1/models")).json()["data"][0]["policy_version"] == 0
-            await served_matches(http, model_dir)
+            await served_matches(http, model_dir, policy_engine.settings.dtype)
 
 
 async def test_a_fault_during_the_swap_restores_the_old_version(
@@ -214,4 +254,4 @@ async def test_a_fault_during_the_swap_restores_the_old_version(
             assert "injected fault" in r.json()["error"]["message"]
             assert "version 0 serves on" in r.json()["error"]["message"]
             assert policy_engine.version == 0 and policy_engine.path == model_dir
-            await served_matches(http, model_dir)
+            await served_matches(http, model_dir, policy_engine.settings.dtype)

@@ -227,12 +227,20 @@ def make_optimizer(
     return make_adamw(params, lr, weight_decay, beta1)
 
 
+def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Cast ``model``'s parameters to ``dtype`` in place, its buffers left as they are: a frozen
+    model (the KL reference) then computes as ``MasterWeights`` makes the policy compute, its
+    rotary inverse frequencies float32 (``module.to(dtype)`` would round them too)."""
+    for p in model.parameters():
+        p.data = p.data.to(dtype)
+
+
 def prepare_compute(model: torch.nn.Module, bf16: bool, compiled: bool) -> None:
     """Set up a model the learner runs (policy, critic, reference) for its precision: with
     ``bf16`` attention becomes ``learner.attention.grouped_attention`` (torch's SDPA backward is
     slow in bf16 on CPU, docs/precision.md); with ``compiled`` every decoder layer is compiled
-    (``learner.fused``). Casting is not done here (``make_optimizer``, or ``.to`` for a frozen
-    model)."""
+    (``learner.fused``). Casting is not done here (``make_optimizer``, or ``cast_parameters``
+    for a frozen model)."""
     if bf16:
         attention.install(model)
     if compiled:

@@ -34,7 +34,7 @@ from learner.kl import KLAnchor
 from learner.metrics import explained_variance, masked_mse, throughput
 from learner.optim import optimizer_step
 from learner.policy_update import build_policy_update
-from learner.precision import make_optimizer, prepare_compute
+from learner.precision import COMPUTE_DTYPE, cast_parameters, make_optimizer, prepare_compute
 from learner.pretrain import PRETRAINED_CRITIC
 
 
@@ -141,7 +141,7 @@ class SAOLearner(Algorithm):
         )
         own_reference = anchor is not None and not anchor.shares_policy
         if own_reference and config.bf16:
-            anchor.reference.to(torch.bfloat16)
+            cast_parameters(anchor.reference, COMPUTE_DTYPE)
         for model in (self.policy, self.critic, anchor.reference if own_reference else None):
             if model is not None:
                 prepare_compute(model, config.bf16, config.compile_layers)

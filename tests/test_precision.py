@@ -175,6 +175,12 @@ def test_sao_learner_in_bf16_trains_float32_masters_and_publishes_their_rounding
     reference = learner.policy_update.anchor.reference
     assert {p.dtype for p in learner.policy.parameters()} == {torch.bfloat16}
     assert {p.dtype for p in reference.parameters()} == {torch.bfloat16}
+    # Buffers (the rotary inverse frequencies) stay float32 in the reference as in the policy.
+    assert (
+        {b.dtype for b in reference.buffers()}
+        == {b.dtype for b in learner.policy.buffers()}
+        == {torch.float32}
+    )
     assert learner.critic.head.weight.dtype == torch.float32
     assert learner.policy.config._attn_implementation == attention.NAME
     assert learner.critic.backbone.config._attn_implementation == attention.NAME

@@ -1,5 +1,6 @@
 """The chat completion path: validate, render, dispatch (freeze version and evidence),
-generate, log exactly one trajectory, answer in OpenAI's shapes (plain or SSE)."""
+generate, answer in OpenAI's shapes (``server.schemas.ChatCompletion``, or SSE of
+``ChatCompletionChunk``). Each request's one trajectory is written by its ``server.fate.Fate``."""
 
 from __future__ import annotations
 
@@ -7,27 +8,37 @@ import asyncio
 import contextlib
 import json
 import logging
-import time
 import uuid
-from collections.abc import Awaitable
+from collections.abc import AsyncGenerator, Awaitable
 
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from core.claims import episode_token_subject
 from core.logbus import LogUnavailable
 from core.records import (
     SamplingRecord,
-    TrajectoryRecord,
     check_feedback_token,
     feedback_token,
     prompt_id_for,
     utcnow,
 )
 from server.auth import Caller
+from server.engine import GenerationDelta
 from server.errors import ApiError, internal_error
+from server.fate import Fate
 from server.limits import max_message_chars
 from server.rollout import Rollout
-from server.schemas import ChatCompletionRequest
+from server.schemas import (
+    AssistantMessage,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    Choice,
+    ChunkChoice,
+    Delta,
+    Usage,
+)
 from server.state import ServerState
 
 log = logging.getLogger(__name__)
@@ -230,13 +241,6 @@ async def start_episode_turn(s: ServerState, req: ChatCompletionRequest, rollout
     )
 
 
-def release_turn(s: ServerState, rollout: Rollout) -> None:
-    """The request of an episode turn failed before its record was logged: free its number
-    (in a task of its own, so a client that left cannot cancel it)."""
-    if rollout.episode_id is not None:
-        s.spawn(s.release_turn(rollout.id))
-
-
 def extension_fields(s: ServerState, rollout: Rollout) -> dict:
     """The documented response extension: policy version at dispatch and feedback tokens."""
     secret = s.settings.feedback_secret
@@ -248,6 +252,13 @@ def extension_fields(s: ServerState, rollout: Rollout) -> dict:
     if rollout.episode_id is not None:
         out["episode_feedback_token"] = feedback_token(secret, episode_token_subject(rollout.episode_id))
     return out
+
+
+def answer_head(s: ServerState, rollout: Rollout) -> dict:
+    """The fields an answer and each of its chunks have besides the choices and usage: id,
+    creation time (s), model and the extension fields."""
+    created = int(rollout.created_at.timestamp())
+    return {"id": rollout.id, "created": created, "model": rollout.model, **extension_fields(s, rollout)}
 
 
 def extension_headers(s: ServerState, rollout: Rollout) -> dict[str, str]:
@@ -307,9 +318,9 @@ def logprobs_body(
     return {"content": content}
 
 
-def usage_of(rollout: Rollout) -> dict:
+def usage_of(rollout: Rollout) -> Usage:
     n_p, n_c = len(rollout.prompt_token_ids), len(rollout.token_ids)
-    return {"prompt_tokens": n_p, "completion_tokens": n_c, "total_tokens": n_p + n_c}
+    return Usage(prompt_tokens=n_p, completion_tokens=n_c, total_tokens=n_p + n_c)
 
 
 def top_logprobs_of(req: ChatCompletionRequest) -> int:
@@ -386,15 +397,16 @@ async def until_done_or_gone(work: Awaitable[None], gone: Awaitable[None] | None
 async def complete_chat(
     s: ServerState,
     req: ChatCompletionRequest,
-    rollout: Rollout,
+    fate: Fate,
     sampling,
     client_gone: Awaitable[None] | None = None,
 ) -> Response:
     """The answer as one ``chat.completion``, generated to its end unless ``client_gone``
     (returns once the client has disconnected) completes first: then the engine request is
-    aborted and the tokens so far are logged with finish reason ``abort`` (still exactly one
-    record, never a whole answer: it cannot be rated), and the answer is status 499."""
-    t0 = time.perf_counter()
+    aborted and the answer is status 499. Settles ``fate`` on every path: answered (200, or 503
+    when the log refused the record), aborted (the client left, or this handler was cancelled),
+    failed (500)."""
+    rollout = fate.rollout
     text_parts: list[str] = []
     tops: list[list[tuple[int, float]]] = []
     n_top = top_logprobs_of(req)
@@ -409,106 +421,99 @@ async def complete_chat(
     s.metrics.in_flight.inc()
     try:
         finished = await until_done_or_gone(generate(), client_gone)
+    except asyncio.CancelledError:
+        fate.aborted()
+        raise
     except Exception as exc:
         log.exception("generation of %s failed", rollout.id)
-        s.metrics.requests.labels("false", "engine_error").inc()
-        if rollout.token_ids:
-            s.spawn(persist_quietly(s, rollout.record("error")))
-        else:
-            s.metrics.failed_before_generation.labels("engine_error").inc()
-            release_turn(s, rollout)
+        fate.failed()
         raise generation_failed(exc) from exc
     finally:
         s.metrics.in_flight.dec()
     if not finished:
-        log.info("client of %s left after %d tokens: aborted", rollout.id, len(rollout.token_ids))
-        s.metrics.requests.labels("false", "aborted").inc()
-        s.spawn(persist_quietly(s, rollout.record("abort")))
+        fate.aborted()
         return Response(status_code=CLIENT_GONE)
-    rec = rollout.record()
     try:
-        await s.persist_trajectory(rec)
+        rec = await fate.answered()
     except LogUnavailable as exc:
-        log.warning("trajectory %s not recorded: %s", rollout.id, exc)
-        s.metrics.requests.labels("false", "log_unavailable").inc()
-        release_turn(s, rollout)
         raise not_recorded(exc) from exc
-    s.metrics.requests.labels("false", "ok").inc()
-    s.metrics.latency.observe(time.perf_counter() - t0)
-    choice = {
-        "index": 0,
-        "message": {"role": "assistant", "content": "".join(text_parts)},
-        "finish_reason": rec.finish_reason,
-        "logprobs": (
-            logprobs_body(s, rec.response_token_ids, rec.rollout_logprobs, tops if n_top else None)
-            if req.logprobs
-            else None
-        ),
-    }
-    body = {
-        "id": rollout.id,
-        "object": "chat.completion",
-        "created": int(rollout.created_at.timestamp()),
-        "model": rollout.model,
-        "choices": [choice],
-        "usage": usage_of(rollout),
-        **extension_fields(s, rollout),
-    }
-    return JSONResponse(body, headers=extension_headers(s, rollout))
-
-
-async def persist_quietly(s: ServerState, rec: TrajectoryRecord) -> None:
-    """Persist a record from a background task (aborted streams); failures are logged and
-    counted, never raised into a task nobody awaits."""
-    try:
-        await s.persist_trajectory(rec)
-    except LogUnavailable:
-        log.exception("could not persist trajectory %s", rec.id)
-        if rec.episode_id is not None:
-            await s.release_turn(rec.id)
-    except Exception:
-        log.exception("could not persist trajectory %s", rec.id)
+    logprobs = (
+        logprobs_body(s, rec.response_token_ids, rec.rollout_logprobs, tops if n_top else None)
+        if req.logprobs
+        else None
+    )
+    body = ChatCompletion(
+        **answer_head(s, rollout),
+        choices=[
+            Choice(
+                message=AssistantMessage(content="".join(text_parts)),
+                finish_reason=rec.finish_reason,
+                logprobs=logprobs,
+            )
+        ],
+        usage=usage_of(rollout),
+    )
+    return JSONResponse(body.model_dump(mode="json"), headers=extension_headers(s, rollout))
 
 
 def sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-async def stream_chat(s: ServerState, req: ChatCompletionRequest, rollout: Rollout, sampling):
-    """SSE chunks in OpenAI's shape; every chunk carries the extension fields (the openai
-    SDK's ``chat.completions.stream()`` builds its final completion's top-level fields from the
-    first chunk, LangChain reads the last).
+class ChatStream(StreamingResponse):
+    """A streamed answer (``chunks``) that settles its request when it ends: the generator is
+    closed as soon as the response ends (a client that left has its abort written now, not when
+    the generator is collected), then ``Fate.left`` settles a stream that never began."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, fate: Fate, events: AsyncGenerator[str, None], headers: dict[str, str]):
+        super().__init__(events, headers=headers)
+        self.fate, self.events = fate, events
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.events.aclose()
+            self.fate.left()
+
+
+def stream_chat(s: ServerState, req: ChatCompletionRequest, fate: Fate, sampling) -> ChatStream:
+    """The answer as server-sent events (``chunks``), with the extension headers."""
+    headers = {"Cache-Control": "no-cache", **extension_headers(s, fate.rollout)}
+    return ChatStream(fate, chunks(s, req, fate, sampling), headers)
+
+
+async def chunks(
+    s: ServerState, req: ChatCompletionRequest, fate: Fate, sampling
+) -> AsyncGenerator[str, None]:
+    """SSE events of ``ChatCompletionChunk`` in OpenAI's shape, then ``data: [DONE]``.
 
     With ``stream_options.include_usage`` a last chunk with empty ``choices`` carries the
     usage, and every chunk before it has ``usage: null`` (the OpenAI spec).
 
-    A client that disconnects cancels this generator: the engine request is aborted and the
-    tokens sampled so far are logged with finish reason ``abort`` (still exactly one record).
+    Settles ``fate``: a client that disconnects cancels or closes this generator, which aborts
+    the engine request and the fate. An error ends the stream with one event in the OpenAI error
+    shape: ``generation_failed`` (the fate failed), ``not_recorded`` (the log refused the whole
+    answer) or ``internal_error`` (after the answer was recorded).
     """
-    t0 = time.perf_counter()
-    base = {
-        "id": rollout.id,
-        "object": "chat.completion.chunk",
-        "created": int(rollout.created_at.timestamp()),
-        "model": rollout.model,
-        **extension_fields(s, rollout),
-    }
+    rollout = fate.rollout
+    head = answer_head(s, rollout)
     include_usage = bool((req.stream_options or {}).get("include_usage"))
-    if include_usage:
-        base["usage"] = None
+
+    def event(choices: list[ChunkChoice], usage: Usage | None = None) -> str:
+        chunk = ChatCompletionChunk(**head, usage=usage, choices=choices)
+        return sse(chunk.model_dump(mode="json", exclude=None if include_usage else {"usage"}))
+
+    def logprobs_of(d: GenerationDelta) -> dict:
+        return logprobs_body(s, d.token_ids, d.logprobs, d.top_logprobs)
+
     n_top = top_logprobs_of(req)
-    done = False
     last = None
     s.metrics.in_flight.inc()
     try:
-        yield sse(
-            {
-                **base,
-                "choices": [
-                    {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-                ],
-            }
-        )
+        yield event([ChunkChoice(delta=Delta(role="assistant", content=""), finish_reason=None)])
         async with generation(s, rollout, sampling, n_top) as gen:
             async for d in gen:
                 rollout.add(d)
@@ -516,49 +521,31 @@ async def stream_chat(s: ServerState, req: ChatCompletionRequest, rollout: Rollo
                 if d.finish_reason is not None:
                     break
                 if d.text or (req.logprobs and d.token_ids):
-                    choice = {"index": 0, "delta": {"content": d.text}, "finish_reason": None}
-                    if req.logprobs:
-                        choice["logprobs"] = logprobs_body(s, d.token_ids, d.logprobs, d.top_logprobs)
-                    yield sse({**base, "choices": [choice]})
-        rec = rollout.record()
-        done = True
+                    lps = logprobs_of(d) if req.logprobs else None
+                    yield event([ChunkChoice(delta=Delta(content=d.text), finish_reason=None, logprobs=lps)])
         try:
-            await s.persist_trajectory(rec)
+            rec = await fate.answered()
         except LogUnavailable as exc:
-            log.warning("trajectory %s not recorded: %s", rollout.id, exc)
-            s.metrics.requests.labels("true", "log_unavailable").inc()
-            release_turn(s, rollout)
-            yield sse({"error": not_recorded(exc).body()["error"]})
+            yield sse(not_recorded(exc).body())
             return
         tail = last if last is not None and last.finish_reason is not None else None
-        final = {
-            "index": 0,
-            "delta": {"content": tail.text} if tail and tail.text else {},
-            "finish_reason": rec.finish_reason,
-        }
-        if req.logprobs and tail and tail.token_ids:
-            final["logprobs"] = logprobs_body(s, tail.token_ids, tail.logprobs, tail.top_logprobs)
-        yield sse({**base, "choices": [final]})
+        text = tail.text if tail is not None and tail.text else None
+        lps = logprobs_of(tail) if req.logprobs and tail is not None and tail.token_ids else None
+        yield event([ChunkChoice(delta=Delta(content=text), finish_reason=rec.finish_reason, logprobs=lps)])
         if include_usage:
-            yield sse({**base, "choices": [], "usage": usage_of(rollout)})
+            yield event([], usage_of(rollout))
         yield "data: [DONE]\n\n"
-        s.metrics.requests.labels("true", "ok").inc()
-        s.metrics.latency.observe(time.perf_counter() - t0)
     except (asyncio.CancelledError, GeneratorExit):
-        if not done:
-            s.metrics.requests.labels("true", "aborted").inc()
-            s.spawn(persist_quietly(s, rollout.record("abort")))
+        if not fate.settled:
+            fate.aborted()
         raise
     except Exception as exc:
         log.exception("stream %s failed", rollout.id)
-        if not done:
-            s.metrics.requests.labels("true", "engine_error").inc()
-            if rollout.token_ids:
-                s.spawn(persist_quietly(s, rollout.record("error")))
-            else:
-                s.metrics.failed_before_generation.labels("engine_error").inc()
-                release_turn(s, rollout)
-        err = generation_failed(exc) if not done else internal_error(exc)
-        yield sse({"error": err.body()["error"]})
+        if fate.settled:
+            err = internal_error(exc)
+        else:
+            fate.failed()
+            err = generation_failed(exc)
+        yield sse(err.body())
     finally:
         s.metrics.in_flight.dec()

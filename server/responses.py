@@ -1,5 +1,5 @@
-"""JSON bodies the server answers outside the chat path (the chat shapes are OpenAI's, built
-in ``server.chat``): one pydantic model per answer, so the OpenAPI document states them."""
+"""JSON bodies the server answers outside the chat path (the chat shapes are OpenAI's, in
+``server.schemas``): one pydantic model per answer, so the OpenAPI document states them."""
 
 from __future__ import annotations
 

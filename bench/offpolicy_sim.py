@@ -116,7 +116,7 @@ def main() -> None:
     prepare_model(settings.resolved_model_dir)
     sched = _schedule(args.schedule, 1)
     judge = _judge("offline")
-    traffic = _demo_traffic("async", args.batch_size, None, None, 0.0, None, None, None)
+    traffic = _demo_traffic("async", args.batch_size, None, None, 0.0, None, None, None, pace=False)
     args.out.mkdir(parents=True, exist_ok=True)
     records: dict[str, list] = {}
     details: dict[str, dict] = {}

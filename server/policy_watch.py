@@ -22,7 +22,12 @@ first failure of an outage), and the watcher waits longer between reads, doublin
 
 Stage events (``PolicyEvent.kind == "stage"``: a version promoted or rejected after it was
 announced) are never loaded: once caught up, each is logged (version, stage, actor) and counted
-(``saoserve_policy_stage_events_total{stage}``); those read at start are history and skipped.
+(``saoserve_policy_stage_events_total{stage}``); those read at start are history, not logged.
+Every ``rejected`` notice, at start or later, takes its version out of what this replica will
+load: a replica that restarts after an operator rejected the newest version (and before the
+learner published the restore) catches up to the newest version not rejected, never to it. A
+replica already serving a version when its rejection arrives serves on until the learner's
+restore version arrives (versions only go forward).
 
 Each swap sets ``saoserve_policy_version`` and ``saoserve_policy_swapped_at_seconds`` (Unix
 time the version started serving) together, so the delay from a policy event's ``created_at``
@@ -71,6 +76,7 @@ class PolicyWatcher:
         self.swapping: int | None = None  # the version being loaded now
         self.refused: int | None = None  # the last version whose swap was refused
         self._pending: PolicyEvent | None = None  # found by catch_up, loaded by run
+        self.rejected: set[int] = set()  # versions a stage notice said are rejected
 
     async def _read_new(self) -> list[PolicyEvent]:
         """The events after the last read, oldest first; the offsets move only when the whole
@@ -99,11 +105,14 @@ class PolicyWatcher:
         for e in events:
             if e.kind == "publish":
                 out.append(e)
-            elif live:
+                continue
+            if e.lifecycle == Stage.REJECTED:
+                self.rejected.add(e.version)
+            if live:
                 stage = e.lifecycle if e.lifecycle in set(Stage) else "other"
                 self.metrics.stage_events.labels(stage).inc()
                 log.info("policy version %d is now %s (by %s)", e.version, stage, e.actor or "unknown")
-        return out
+        return [e for e in out if e.version not in self.rejected]
 
     def _ignore(self, event: PolicyEvent) -> None:
         """Count a stale event (below the version served); log it once per version."""
@@ -135,9 +144,9 @@ class PolicyWatcher:
     async def apply(self, event: PolicyEvent, measure: bool = True) -> bool:
         """Swap to ``event``'s version unless it serves already; True if swapped. ``measure``
         starts feedback→served for it (not at start-up, which would measure the start)."""
-        if event.lifecycle == "rejected":
+        if event.lifecycle == "rejected" or event.version in self.rejected:
             # A rejected version never serves (core/lifecycle.py); the learner never announces
-            # one, so such an event is a bug or a forgery.
+            # one as rejected, so such an event is a bug, a forgery, or one rejected since.
             log.error("policy event for version %d ignored: it is rejected", event.version)
             return False
         if event.version == self.engine.version and Path(event.path) == self.engine.path:

@@ -149,3 +149,21 @@ def test_a_publish_event_leaves_the_stage_fields_out_for_older_replicas():
     assert PolicyEvent.model_validate_json(body).kind == "publish"
     staged = notice(4, "promoted", 0).to_json().decode()
     assert '"kind":"stage"' in staged and '"actor":"guard"' in staged
+
+
+async def test_a_replica_that_restarts_never_catches_up_to_a_rejected_version():
+    # An operator rejected version 7 after it was published; the learner has not yet published
+    # the restore. A replica starting now catches up to version 6, the newest not rejected.
+    log = OutageLog(0, [event(6), event(7), notice(7, "rejected", 0)])
+    engine = FakeEngine(version=0)
+    watcher = PolicyWatcher(log, engine, ServerMetrics(), poll_s=0.25)
+    await watcher.catch_up()
+    await watcher.poll()
+    assert engine.swaps == [(6, Path("/policies/v6"), "0" * 64)]
+    assert watcher.rejected == {7} and watcher.newest == 6 and watcher.readiness() == "ok"
+    # A publish event of a rejected version (re-sent, or forged) is never loaded either.
+    assert await watcher.apply(event(7)) is False and engine.version == 6
+    # The learner's restore (version 8, version 6's weights) is served as usual.
+    log.entries.append(LogEntry(TOPIC_POLICY, 0, 3, "policy", event(8).to_json()))
+    await watcher.poll()
+    assert engine.version == 8

@@ -614,8 +614,23 @@ def dead_letters(
 
 
 # ------------------------------------------------------------------ the version lifecycle
+def _operator_name(name: str) -> str:
+    """``--as``: 1 to 64 printable ASCII characters (an HTTP header carries no other), as the
+    server's X-Operator check wants them; anything else is a usage error (exit 2)."""
+    stripped = name.strip()
+    if not stripped or len(stripped) > 64 or not (stripped.isascii() and stripped.isprintable()):
+        raise typer.BadParameter(f"NAME must be 1 to 64 printable ASCII characters, not {name!r}")
+    return stripped
+
+
 AsOption = Annotated[
-    str, typer.Option("--as", help="Who you are, recorded with the action (X-Operator).", metavar="NAME")
+    str,
+    typer.Option(
+        "--as",
+        help="Who you are, recorded with the action (X-Operator): 1 to 64 printable ASCII characters.",
+        metavar="NAME",
+        callback=_operator_name,
+    ),
 ]
 ReasonOption = Annotated[str, typer.Option("--reason", help="Why, recorded with the action.")]
 

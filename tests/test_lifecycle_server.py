@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import httpx
+import pytest
 from sqlalchemy import select
 from typer.testing import CliRunner
 
@@ -158,3 +159,12 @@ async def test_load_policy_refuses_a_rejected_version(tmp_path):
             "/admin/load_policy", json={"version": 4, "path": "/p/v4", "sha256": "0" * 64}, headers=ADMIN
         )
     assert r.status_code == 409 and r.json()["error"]["code"] == "version_rejected"
+
+
+@pytest.mark.parametrize("name", ["Jöhn", "a\nb", "eve\x1b[31m", " ", "x" * 65])
+def test_the_cli_refuses_an_operator_name_no_header_can_carry(name):
+    # Checked before any request (no server runs): a usage error, exit 2, the name escaped.
+    got = runner.invoke(cli_app, ["admin", "promote", "2", "--as", name, "--url", "http://127.0.0.1:9"])
+    assert got.exit_code == 2
+    assert "NAME must be 1 to 64 printable ASCII characters" in got.output
+    assert "\x1b" not in got.output

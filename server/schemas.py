@@ -250,9 +250,17 @@ CHAT_RULES = {
                 {"required": ["episode_id"], "properties": {"episode_id": {"type": "string"}}},
             ]
         },
+        {
+            "anyOf": [
+                {"properties": {"stream_options": NULL}},
+                {"required": ["stream"], "properties": {"stream": {"const": True}}},
+            ]
+        },
     ],
     "additionalProperties": EMPTY_VALUE,
 }
+STREAM_OPTIONS = ("include_usage", "include_obfuscation")
+"""OpenAI's stream options; ``include_obfuscation`` asks for nothing here (no padding is sent)."""
 STOP_STRING = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}
 
 
@@ -290,7 +298,18 @@ class ChatCompletionRequest(EdgeModel):
     n: int = Field(1, json_schema_extra={"minimum": 1, "maximum": 1})
     stream: bool = False
     stream_options: dict[str, Any] | None = Field(
-        None, json_schema_extra={"propertyNames": {"pattern": NO_NUL}}
+        None,
+        description="With stream: true only. include_usage: a last chunk carries the usage.",
+        json_schema_extra={
+            "anyOf": [
+                {
+                    "type": "object",
+                    "properties": {k: {"type": "boolean"} for k in STREAM_OPTIONS},
+                    "additionalProperties": False,
+                },
+                {"type": "null"},
+            ]
+        },
     )
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stop: str | list[str] | None = Field(
@@ -360,6 +379,17 @@ class ChatCompletionRequest(EdgeModel):
             raise ValueError(f"stop strings must be at most {MAX_STOP_CHARS} characters")
         return v
 
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        """Only OpenAI's options, each a JSON boolean (``"false"`` is not false)."""
+        for key, value in (v or {}).items():
+            if key not in STREAM_OPTIONS:
+                raise ValueError(f"stream_options takes {' and '.join(STREAM_OPTIONS)}, not {key!r}")
+            if not isinstance(value, bool):
+                raise ValueError(f"stream_options.{key} must be true or false")
+        return v
+
     @field_validator("presence_penalty", "frequency_penalty", "logit_bias")
     @classmethod
     def _neutral(cls, v: Any, info: ValidationInfo) -> Any:
@@ -382,6 +412,8 @@ class ChatCompletionRequest(EdgeModel):
             raise ValueError("episode_token needs episode_id")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options needs stream: true")
         return self
 
     @property

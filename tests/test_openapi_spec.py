@@ -68,6 +68,29 @@ CASES = [
     (ChatCompletionRequest, {"messages": [{**USER[0], "name": "a\x00"}]}, False),
     (ChatCompletionRequest, {"messages": USER, "user": "\x00"}, False),
     (ChatCompletionRequest, {"messages": USER, "stream_options": {"a\x00": True}}, False),
+    # stream_options: OpenAI's two booleans, with stream: true only
+    (
+        ChatCompletionRequest,
+        {"messages": USER, "stream": True, "stream_options": {"include_usage": True}},
+        True,
+    ),
+    (
+        ChatCompletionRequest,
+        {
+            "messages": USER,
+            "stream": True,
+            "stream_options": {"include_usage": False, "include_obfuscation": True},
+        },
+        True,
+    ),
+    (
+        ChatCompletionRequest,
+        {"messages": USER, "stream": True, "stream_options": {"include_usage": "false"}},
+        False,
+    ),
+    (ChatCompletionRequest, {"messages": USER, "stream": True, "stream_options": {"bogus": 1}}, False),
+    (ChatCompletionRequest, {"messages": USER, "stream_options": {"include_usage": True}}, False),
+    (ChatCompletionRequest, {"messages": USER, "stream": False, "stream_options": None}, True),
     (ChatCompletionRequest, {"messages": [{"role": "user", "content": "h\x00i"}]}, True),
     (ChatCompletionRequest, {"messages": USER, "stop": ["\x00"]}, True),
     (LoadPolicyRequest, {"version": 1, "path": "/w\x00", "sha256": "0" * 64}, False),

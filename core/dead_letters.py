@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 
 from sqlalchemy import func, insert, select
 from sqlalchemy.engine import Connection, Engine
@@ -36,6 +36,7 @@ from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from core.breaker import Unavailable
 from core.db import DeadLetter
 from core.limits import KEY_CHARS, NAME_CHARS, PROMPT_ID_CHARS
+from core.records import as_utc
 
 MAX_TRIES = 3
 """Tries before a record (alone) or a batch of samples is set aside: an error the data causes
@@ -144,6 +145,6 @@ def recent(db: Engine, limit: int, kind: str | None = None, with_payload: bool =
         d = dict(r._mapping)
         at = d["created_at"]
         # SQLite returns naive UTC times.
-        d["created_at"] = (at if at.tzinfo else at.replace(tzinfo=UTC)).isoformat()
+        d["created_at"] = as_utc(at).isoformat()
         out.append(d)
     return {"total": total, "dead_letters": out}

@@ -33,6 +33,7 @@ from sqlalchemy.engine import Engine
 
 from core.db import ApiKey
 from core.limits import NAME_CHARS
+from core.records import as_utc
 
 KEY_PREFIX = "sao-"
 """How every saoserve key begins: a bearer token without it is not one of ours (docs/tenants.md)."""
@@ -72,8 +73,8 @@ class KeyInfo:
         return {
             "id": self.id,
             "tenant": self.tenant,
-            "created_at": self.created_at.isoformat(),
-            "revoked_at": None if self.revoked_at is None else self.revoked_at.isoformat(),
+            "created_at": as_utc(self.created_at).isoformat(),
+            "revoked_at": None if self.revoked_at is None else as_utc(self.revoked_at).isoformat(),
             "train": self.train,
         }
 

@@ -25,7 +25,7 @@ from core.db import (
 )
 from core.lifecycle import ENDED_FINISHES, Arm, Stage, VersionStage, check_transition, healthy
 from core.limits import NAME_CHARS
-from core.records import PolicyEvent, utcnow
+from core.records import PolicyEvent, as_utc, utcnow
 
 QUARANTINED = "quarantined"
 """The learner counter of quarantined samples (``learner_counters``)."""
@@ -226,7 +226,7 @@ def quarantined(conn: Connection, limit: int) -> tuple[int, list[dict]]:
         .limit(limit)
     )
     return total, [
-        {"sample_id": r.sample_id, "version": r.version, "reason": r.reason, "at": r.at.isoformat()}
+        {"sample_id": r.sample_id, "version": r.version, "reason": r.reason, "at": as_utc(r.at).isoformat()}
         for r in rows
     ]
 
@@ -243,7 +243,7 @@ def events(conn: Connection, limit: int, version: int | None = None) -> list[dic
             "to_status": e.to_status,
             "actor": e.actor,
             "reason": e.reason,
-            "at": e.at.isoformat(),
+            "at": as_utc(e.at).isoformat(),
         }
         for e in conn.execute(q)
     ]

@@ -44,6 +44,13 @@ def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
+def as_utc(t: datetime) -> datetime:
+    """``t`` as an aware UTC time: SQLite gives back the naive UTC datetimes it stored, PostgreSQL
+    aware ones; every time read from the database goes through this before it is compared or
+    shown (an ISO string then always carries its ``+00:00``)."""
+    return t if t.tzinfo is not None else t.replace(tzinfo=UTC)
+
+
 class SamplingRecord(BaseModel):
     """The sampling parameters a rollout was drawn with (what the learner must reproduce)."""
 

@@ -63,14 +63,14 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 
 from pydantic import ValidationError
 
 from core.claims import claim_target, episode_key, record_key
 from core.dead_letters import Letter
 from core.logbus import LogEntry
-from core.records import TOPIC_FEEDBACK, TOPIC_TRAJECTORIES, FeedbackRecord, TrajectoryRecord
+from core.records import TOPIC_FEEDBACK, TOPIC_TRAJECTORIES, FeedbackRecord, TrajectoryRecord, as_utc
 from learner.samples import (
     NotLearnable,
     NotWholeAnswer,
@@ -260,10 +260,6 @@ class JoinPlan:
     dead_letters: list[Letter] = field(default_factory=list)
 
 
-def _aware(t: datetime) -> datetime:
-    return t if t.tzinfo is not None else t.replace(tzinfo=UTC)
-
-
 Join = tuple[Sample | None, Result | None, dict[str, int]]
 """A join's outcome: (sample or None, evidence result or None, counter increments)."""
 
@@ -314,7 +310,7 @@ def _verdict(fb: FeedbackRecord, state: JoinState, cutoff: datetime) -> str:
     if record_key(fb.trajectory_id, fb.episode_id) in state.forgotten:
         return "forgotten"
     verdict = _confirmation(fb, state.claims)
-    if verdict == "unconfirmed" and _aware(fb.received_at) < cutoff:
+    if verdict == "unconfirmed" and as_utc(fb.received_at) < cutoff:
         return "expired_feedback"
     return verdict
 
@@ -583,7 +579,7 @@ def _park_waiting(draft: _Draft) -> None:
     """Phase 5: each trajectory still waiting is filed pending, or expired (tombstone of
     kind ``expired``) when created before the cutoff."""
     for rec in draft.waiting.values():
-        if _aware(rec.created_at) < draft.cutoff:
+        if as_utc(rec.created_at) < draft.cutoff:
             draft.counters["expired"] += 1
             draft.inserts.append(PendingRow(rec.id, "expired", rec.prompt_id, "", draft.now))
         else:

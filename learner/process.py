@@ -40,7 +40,6 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import asdict, replace
-from datetime import UTC
 from pathlib import Path
 
 import torch
@@ -77,6 +76,7 @@ from core.records import (
     POLICY_KEY,
     TOPIC_POLICY,
     PolicyEvent,
+    as_utc,
     utcnow,
 )
 from core.sequential import Decision
@@ -422,9 +422,7 @@ class Learner:
             # When that sample was joined (unix s, within a poll of its feedback's receipt): the
             # start of feedback→served, which servers measure (saoserve_feedback_to_served_seconds).
             joined = rows[-1].created_at
-            metrics["batch_completed_at"] = (
-                joined if joined.tzinfo else joined.replace(tzinfo=UTC)
-            ).timestamp()
+            metrics["batch_completed_at"] = (as_utc(joined)).timestamp()
             fault_point("during_step")
             gate = self._run_gate()
         except Exception as exc:
@@ -813,7 +811,7 @@ class Learner:
             if not members or not self.guard_on() or self.flag(GUARD_PIN) is not None:
                 return None
             started = next(r.created_at for r in rows if r.version == members[0])
-            started = started if started.tzinfo else started.replace(tzinfo=UTC)
+            started = as_utc(started)
             promoted = [v.version for v in st if v.stage == Stage.PROMOTED]
             guard = self.config.guard
             canary = lifecycle_store.rated_rewards(conn, members, arm=Arm.CANARY)

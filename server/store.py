@@ -4,7 +4,7 @@ run these in a thread)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 
 from sqlalchemy import delete, func, insert, select, update
 from sqlalchemy.engine import Engine
@@ -21,7 +21,7 @@ from core.db import (
     TrajectoryIndex,
 )
 from core.limits import MAX_EPISODE_TURNS
-from core.records import TrajectoryRecord, is_whole_answer, utcnow
+from core.records import TrajectoryRecord, as_utc, is_whole_answer, utcnow
 
 CLAIM_TIMEOUT = timedelta(seconds=30)
 # A dispatched episode turn not indexed after this long never will be (the server died while
@@ -91,7 +91,7 @@ def plan_turn(slots: list[Slot], turn: int | None, now: datetime) -> TurnStart:
     never will be logged: its number is free again.
     """
     stale_before = now - TURN_TIMEOUT
-    live = {s.turn: s for s in slots if s.logged_at is not None or _aware(s.dispatched_at) > stale_before}
+    live = {s.turn: s for s in slots if s.logged_at is not None or as_utc(s.dispatched_at) > stale_before}
     nxt = 0
     while nxt in live:
         nxt += 1
@@ -107,11 +107,6 @@ def plan_turn(slots: list[Slot], turn: int | None, now: datetime) -> TurnStart:
         return TurnStart("full", k, nxt)
     stale = next((s.trajectory_id for s in slots if s.turn == k), None)
     return TurnStart("ok", k, nxt + 1, takeover=stale)
-
-
-def _aware(t: datetime) -> datetime:
-    """SQLite returns naive UTC datetimes."""
-    return t if t.tzinfo is not None else t.replace(tzinfo=UTC)
 
 
 def _version_row(r) -> dict:
@@ -428,8 +423,6 @@ class ServerStore:
             ).scalars()
             counts = [0] * buckets
             for t in times:
-                if t.tzinfo is None:  # SQLite returns naive UTC datetimes
-                    t = t.replace(tzinfo=now.tzinfo)
-                i = int((t - since).total_seconds() // bucket_s)
+                i = int((as_utc(t) - since).total_seconds() // bucket_s)
                 counts[min(max(i, 0), buckets - 1)] += 1
         return [c / bucket_s for c in counts]

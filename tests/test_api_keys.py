@@ -391,6 +391,9 @@ async def test_the_key_routes_create_and_set_the_opt_out(tmp_path):
     assert (on.status_code, on.json()["train"]) == (200, True)
     assert {k["id"]: k["train"] for k in listed} == {plain["id"]: False, opted["id"]: True}
     assert "key" not in off.json() and "key_sha256" not in off.json()
+    # Every time carries its zone, as the creation's answer does (SQLite gives back naive UTC).
+    assert off.json()["created_at"] == plain["created_at"] and plain["created_at"].endswith("+00:00")
+    assert all(k["created_at"].endswith("+00:00") for k in listed)
     err = unknown.json()["error"]
     assert (unknown.status_code, err["code"], err["param"], err["message"]) == (
         404,

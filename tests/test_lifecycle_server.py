@@ -118,6 +118,7 @@ async def test_operator_overrides_are_recorded_with_who_and_why(tmp_path):
     assert back.status_code == 409 and back.json()["error"]["code"] == "version_rejected"
     assert (state["promoted"], state["lineage"], state["guard"], state["pinned"]) == (2, [], "off", None)
     assert state["canary_share"] == 0.1 and state["mode"] == "probation"
+    assert state["events"] and all(e["at"].endswith("+00:00") for e in state["events"])
     events, stages = stage_events(db)
     assert stages == {0: "promoted", 1: "promoted", 2: "promoted", 3: "rejected", 4: "rejected"}
     assert events == [

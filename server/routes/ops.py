@@ -4,7 +4,6 @@ and the chat page, where a person tries the learning loop by hand."""
 from __future__ import annotations
 
 import asyncio
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Literal
 
@@ -19,6 +18,7 @@ from sqlalchemy.engine import Engine
 from core.claims import TRAJECTORY_PREFIX
 from core.control import PAUSED, ROLLBACK_TO
 from core.db import ControlFlag, FeedbackClaim, LearnerSample, LearnerStep, PolicyVersion, TrajectoryIndex
+from core.records import as_utc
 from server.auth import authenticate
 from server.errors import ApiError, errors
 from server.health import RETRY_AFTER_S
@@ -103,11 +103,6 @@ class DashboardState(BaseModel):
     guard: GuardState
 
 
-def aware(t: datetime) -> datetime:
-    """``t`` with its zone; SQLite returns naive UTC datetimes."""
-    return t if t.tzinfo else t.replace(tzinfo=UTC)
-
-
 def learner_overview(db: Engine, n_versions: int) -> dict:
     """What the dashboard shows beside the step metrics, read in one connection.
 
@@ -160,7 +155,7 @@ def learner_overview(db: Engine, n_versions: int) -> dict:
             status=st,
             lifecycle=stage,
             rollback_to=rb,
-            created_at=aware(c).isoformat(),
+            created_at=as_utc(c).isoformat(),
         )
         for v, p, st, stage, rb, c in reversed(rows)
     ]

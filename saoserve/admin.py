@@ -698,7 +698,9 @@ def pin(
     key: KeyOption = None,
     json_out: JsonOption = False,
 ) -> None:
-    """Pin VERSION as the promoted version: the guard decides nothing by itself until `unpin`."""
+    """Pin VERSION: the guard decides nothing by itself until `unpin`. A candidate or canary
+    VERSION is promoted first; pinning a version older than the promoted one does not serve it
+    (`rollback VERSION` does)."""
     _lifecycle_call(
         "/admin/lifecycle/pin",
         {"version": version, "reason": reason},

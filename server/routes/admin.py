@@ -394,8 +394,9 @@ async def admin_reject(body: VersionAction, request: Request) -> dict:
 
 @router.post("/lifecycle/pin", responses=LIFECYCLE_ERRORS | errors(413))
 async def admin_pin(body: VersionAction, request: Request) -> dict:
-    """Pin ``version`` as the promoted version (promoted first if it is a candidate or canary):
-    the guard decides nothing by itself until ``unpin``. 404 unknown, 409 rejected."""
+    """Pin ``version`` (promoted first if it is a candidate or canary): the guard decides nothing
+    by itself until ``unpin``. Pinning a version older than the promoted one does not make it
+    the promoted one or serve it (``/admin/rollback`` does). 404 unknown, 409 rejected."""
     s, who = state_of(request), operator_of(request)
 
     def pin() -> dict:

@@ -120,7 +120,7 @@ class CanaryRouter:
         if self.engine.adapters is not None:
             plan = await asyncio.to_thread(read_plan, self.db, self.default_share)
         control = plan.control if plan is not None else None
-        if control is not None and control != self.engine.weights_version:
+        if control is not None and control != self.engine.weights_version and not self._holds(control):
             try:
                 if policy_store.layout(plan.path) is not Layout.ADAPTER:
                     raise SwapRefused(f"{plan.path} holds no adapter over the weights this engine serves")
@@ -136,6 +136,12 @@ class CanaryRouter:
             self.held = control
         self.split = None if control is None else CanarySplit(plan.lineage, control, plan.share)
         self.metrics.canary_share.set(0.0 if self.split is None else self.split.share)
+
+    def _holds(self, version: int) -> bool:
+        """Whether this router's hold on ``version`` still stands (loaded and pinned): then a
+        refresh neither stats its folder nor takes the engine's swap lock again."""
+        adapter = self.engine.adapters.find(version) if self.held == version else None
+        return adapter is not None and adapter.pinned
 
     def _let_go(self, version: int) -> None:
         self.held = None

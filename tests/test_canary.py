@@ -182,6 +182,10 @@ def test_the_router_holds_the_promoted_version_and_routes_by_the_share(db, tmp_p
     asyncio.run(router.refresh())
     assert router.split == CanarySplit(frozenset({6}), 5, 0.25) and engine.held == [5]
     assert router.held == 5 and metrics.canary_share._value.get() == 0.25
+    # Once the engine holds it (loaded, pinned), later reads do not hold it again.
+    engine.adapters.loaded(engine.adapters.reserve(), 5, tmp_path / "v5", f"{5:064d}", hold=True)
+    asyncio.run(router.refresh())
+    assert engine.held == [5] and router.split == CanarySplit(frozenset({6}), 5, 0.25)
     picks = [router.dispatch() for _ in range(400)]
     canary = sum(1 for p in picks if p == (6, Arm.CANARY))
     assert canary + sum(1 for p in picks if p == (5, Arm.CONTROL)) == 400

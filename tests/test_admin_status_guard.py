@@ -1,7 +1,7 @@
 """``saoserve admin status`` shows the guard (issue 22): its switches, the lineage on probation and
-the learner's last verdict on it (``guard_verdict``, as ``Learner._record_verdict`` writes it),
+the learner's last verdict on it (``guard_verdict``, as ``learner.guard.Guard._record_verdict`` writes it),
 read as the dashboard reads it (``server.metrics.read_lifecycle``): a verdict on an earlier
-lineage is not shown. Text in the verdict is printed through ``saoserve.admin.shown``.
+lineage is not shown. Text in the verdict is printed through ``saoserve.admin.output.shown``.
 
 The real app under uvicorn with ``tests.fake_engine.FakeEngine``; the versions and the flag are
 written into its database as the learner writes them (no learner runs).
@@ -92,7 +92,7 @@ async def test_status_shows_the_last_verdict_on_the_lineage(server):
 
 
 async def test_a_timed_out_verdict_with_a_bound_stored_as_null(server):
-    """``learner.process.storable`` writes a non-finite bound as null: printed ``-``."""
+    """``learner.publish.storable`` writes a non-finite bound as null: printed ``-``."""
     url, db = server
     flag = verdict([2, 3], decision="reject", lower=None, timed_out=True, reason="time-out")
     set_flag(db, GUARD_VERDICT, json.dumps(flag))

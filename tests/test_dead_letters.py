@@ -44,8 +44,8 @@ from server.state import ServerState
 from server.store import ServerStore
 from tests.conftest import ADMIN, make_settings, running_server
 from tests.fake_engine import FakeEngine
+from tests.learner_harness import feed, in_process, trained_ids, wait_for
 from tests.test_join_plan import EXPIRE_S, NOW, episode_turns, fb, plan, read, sent, traj
-from tests.test_learner_faults import feed, in_process, trained_ids, wait_for
 
 runner = CliRunner()
 KEY = "test-admin-key"

@@ -1,11 +1,12 @@
-"""The learner under faults (issue 13, docs/design.md §8): kill -9 at each named point, failed commits,
-pause, rollback; every run audited from the database.
+"""The learner under faults (issue 13, docs/design.md §8): kill -9 at each named point of its
+cycle and of the version lifecycle; every run audited from the database. Failed commits, pause
+and clean stops are in tests/test_learner_restart.py, rollbacks in tests/test_learner_rollback.py.
 
-The harness runs the learner against a tiny random Llama (2 layers, hidden 32) saved by the test,
-the database and the SQL-table log, fed with hand-made trajectory and feedback records (no
-vLLM). Each learner life is a child forked from a fork server that has imported torch,
-transformers and the learner but touched no database and run no torch op: a fresh process in
-all but the import time, which would otherwise dominate each life. The child arms one fault
+The harness runs the learner against a tiny random Llama (2 layers, hidden 32;
+``tests.learner_harness``), the database and the SQL-table log, fed with hand-made trajectory and
+feedback records (no vLLM). Each learner life is a child forked from a fork server that has
+imported torch, transformers and the learner but touched no database and run no torch op: a
+fresh process in all but the import time, which would otherwise dominate each life. The child arms one fault
 point (``learner.faults``) and dies there with ``os._exit(137)``; the next child restarts from
 whatever the dead one left on disk and in the database. After the point kills, one life in
 seven more is sent SIGKILL at a random moment.
@@ -22,14 +23,12 @@ points and audited for the lifecycle too (``run_lifecycle_harness``).
 from __future__ import annotations
 
 import json
-import math
 import os
 import random
 import signal
 import subprocess
 import sys
 import threading
-import time
 import traceback
 from collections import Counter
 from datetime import timedelta
@@ -37,10 +36,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from sqlalchemy import func, select
 
-from core.control import PAUSED, ROLLBACK_TO, get_flag, set_flag
 from core.db import (
     ConsumerOffset,
     DeadLetter,
@@ -57,79 +54,18 @@ from core.db import (
 )
 from core.lifecycle import ALLOWED, Stage
 from core.logbus import open_log
-from core.policy_store import CHECKPOINT_FILE, WEIGHTS_FILE, Layout, layout
-from core.records import (
-    TOPIC_FEEDBACK,
-    TOPIC_POLICY,
-    TOPIC_TRAJECTORIES,
-    FeedbackRecord,
-    TrajectoryRecord,
-    utcnow,
-)
+from core.policy_store import CHECKPOINT_FILE, Layout, layout
+from core.records import TOPIC_FEEDBACK, TOPIC_POLICY, TOPIC_TRAJECTORIES, utcnow
+from learner.config import LearnerConfig
 from learner.faults import CYCLE_POINTS, EXIT_CODE, POINTS, parse
-from learner.process import Learner, LearnerConfig, storable
+from learner.process import Learner
 from tests.conftest import ROOT
+from tests.learner_harness import BATCH, GATE_VOCAB, feed, gate_model_dir, tiny_model_dir
 from tests.logutil import read_topic
 from tests.ratings import add_rated
 
-VOCAB = 512
-BATCH = 2
 # Fed once per life: a feedback record the joiner cannot parse, set aside as a dead letter.
 MALFORMED = b'{"schema": "saoserve.feedback/1", "reward": 2}'
-
-
-def tiny_model_dir(path: Path) -> Path:
-    """A random 2-layer Llama saved as float32 safetensors (policy version 0)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=True,
-    )
-    LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
-    return path
-
-
-def feed(log, n: int, start: int, duplicate_feedback: bool = False, vocab: int = VOCAB) -> list[str]:
-    """Append ``n`` trajectories (ids ``t<start>``…) and a feedback for each; returns the ids.
-
-    Rollout logprobs are −log(vocab) (≈ −6.24 for 512), near what the random model gives, so DIS
-    keeps most tokens and the steps move the weights.
-    """
-    ids = []
-    g = torch.Generator().manual_seed(start)
-    for i in range(start, start + n):
-        tid = f"t{i:05d}"
-        prompt_id = f"p{i % 7}"
-        response = torch.randint(0, vocab, (4,), generator=g).tolist()
-        rec = TrajectoryRecord(
-            id=tid,
-            prompt_id=prompt_id,
-            created_at=utcnow(),
-            model="tiny",
-            prompt_token_ids=torch.randint(0, vocab, (5,), generator=g).tolist(),
-            response_token_ids=response,
-            rollout_logprobs=[-math.log(vocab)] * len(response),
-            token_versions=[(0, len(response))],
-            dispatch_version=0,
-            sampling={"temperature": 1.0, "max_tokens": 8},
-            finish_reason="stop",
-        )
-        log.append(TOPIC_TRAJECTORIES, prompt_id, rec.to_json())
-        fb = FeedbackRecord(trajectory_id=tid, prompt_id=prompt_id, reward=float(i % 2), received_at=utcnow())
-        log.append(TOPIC_FEEDBACK, prompt_id, fb.to_json())
-        if duplicate_feedback:
-            again = FeedbackRecord(trajectory_id=tid, prompt_id=prompt_id, reward=0.5, received_at=utcnow())
-            log.append(TOPIC_FEEDBACK, prompt_id, again.to_json())
-        ids.append(tid)
-    return ids
 
 
 def caught_up(engine) -> bool:
@@ -157,7 +93,9 @@ def caught_up(engine) -> bool:
     return joined and waiting == 0 and status == "published"
 
 
-# ------------------------------------------------------------------------------ fork server
+# -------------------------------------------------------------------------------------- fork server
+
+
 def _child(job: dict) -> None:
     from core.settings import Settings
     from learner import faults
@@ -258,7 +196,9 @@ class Lives:
         self.proc.wait(timeout=60)
 
 
-# ------------------------------------------------------------------------------------ audit
+# -------------------------------------------------------------------------------------------- audit
+
+
 def audit(engine, log, policy_dir: Path, fed: list[str], malformed: list[int]) -> dict:
     """Everything the database, log and disk must say after the last life; returns figures."""
     with engine.connect() as conn:
@@ -389,19 +329,7 @@ def test_kill_at_every_point_sqlite_sao_lora(tmp_path):
     print(figures)
 
 
-# ------------------------------------------------------------------------ the lifecycle's points
-GATE_VOCAB = 258
-"""The byte tokenizer's vocabulary (tests/test_gate.py): the gate needs a tokenizer."""
-
-
-def gate_model_dir(path: Path) -> Path:
-    """tests/test_gate.py's tiny Llama (vocabulary 258) with its byte tokenizer, saved as a
-    model folder the learner and its gate load."""
-    from tests.test_gate import byte_tokenizer, tiny_base
-
-    tiny_base().save_pretrained(path, safe_serialization=True)
-    byte_tokenizer().save_pretrained(path)
-    return path
+# --------------------------------------------------------------------------- the lifecycle's points
 
 
 def settled(engine) -> bool:
@@ -582,41 +510,6 @@ def test_kill_at_the_guards_rejection_postgres(tmp_path, pg_url):
     assert figures["restores"] == figures["rejected"] == figures["samples"] // BATCH
 
 
-# ------------------------------------------------------------------------- in-process tests
-def in_process(tmp_path: Path, db_url: str, model_dir: Path | None = None, **config) -> Learner:
-    """A loaded learner on ``model_dir`` (default: ``tiny_model_dir``) and ``db_url``."""
-    from core.settings import Settings
-
-    migrate(db_url)
-    settings = Settings(
-        home=tmp_path,
-        database_url=db_url,
-        model_dir=model_dir or tiny_model_dir(tmp_path / "model"),
-        policy_dir=tmp_path / "policies",
-    )
-    learner = Learner(settings, LearnerConfig(batch_size=BATCH, poll_s=0.01, **config))
-    learner.load()
-    return learner
-
-
-def committed_weights(learner: Learner, version: int) -> dict[str, torch.Tensor]:
-    with learner.db.connect() as conn:
-        path = conn.execute(select(PolicyVersion.path).where(PolicyVersion.version == version)).scalar_one()
-    return load_file(Path(path) / WEIGHTS_FILE)
-
-
-def assert_policy_is(learner: Learner, weights: dict[str, torch.Tensor]) -> None:
-    state = learner.algorithm.policy.state_dict()
-    assert all(torch.equal(state[k], v) for k, v in weights.items())
-
-
-def trained_ids(learner: Learner) -> Counter:
-    with learner.db.connect() as conn:
-        return Counter(
-            i for m in conn.execute(select(LearnerStep.metrics)).scalars() for i in m["sample_ids"]
-        )
-
-
 def test_fault_point_spec_is_checked():
     assert parse("after_commit:3") == ("after_commit", 3) and parse("during_step") == ("during_step", 1)
     assert parse("") is None and parse(None) is None
@@ -624,304 +517,3 @@ def test_fault_point_spec_is_checked():
     for bad in ("after_lunch:1", "after_commit:0", "after_commit:x"):
         with pytest.raises(ValueError):
             parse(bad)
-
-
-def test_storable_replaces_non_finite_numbers_with_null():
-    metrics = {
-        "a": math.nan,
-        "b": math.inf,
-        "c": -math.inf,
-        "d": 1.5,
-        "e": 3,
-        "h": {"0": math.nan},
-        "l": [1.0, math.inf],
-    }
-    assert storable(metrics) == {
-        "a": None,
-        "b": None,
-        "c": None,
-        "d": 1.5,
-        "e": 3,
-        "h": {"0": None},
-        "l": [1.0, None],
-    }
-
-
-def test_failed_commit_reloads_the_committed_state(tmp_path, monkeypatch):
-    learner = in_process(tmp_path, f"sqlite:///{tmp_path / 'db.sqlite'}", checkpoint_every=1)
-    log = open_log(learner.settings.resolved_database_url)
-    fed = feed(log, 4, 0)
-    learner.poll_once()
-    assert learner.train_step() is not None and learner.version == 1
-    real = learner._commit_version
-
-    def refuse(*args, **kwargs):
-        monkeypatch.setattr(learner, "_commit_version", real)
-        raise RuntimeError("the database refused the commit")
-
-    monkeypatch.setattr(learner, "_commit_version", refuse)
-    with pytest.raises(RuntimeError, match="refused"):
-        learner.train_step()
-    # The step was applied in memory and v000002 written, but nothing committed: the models are
-    # dropped, the samples still wait.
-    assert learner.algorithm is None and learner.waiting_samples() == 2
-    assert (tmp_path / "policies" / "v000002").is_dir()
-    learner.load()
-    assert learner.version == 1 and not (tmp_path / "policies" / "v000002").exists()
-    assert_policy_is(learner, committed_weights(learner, 1))
-    assert learner.train_step() is not None and learner.version == 2
-    assert trained_ids(learner) == Counter(fed)
-
-
-def test_checkpoint_and_directory_ahead_of_the_database_are_ignored(tmp_path):
-    learner = in_process(tmp_path, f"sqlite:///{tmp_path / 'db.sqlite'}", checkpoint_every=1)
-    feed(open_log(learner.settings.resolved_database_url), 2, 0)
-    learner.poll_once()
-    learner.train_step()
-    # What the old order left after a kill before the commit: checkpoint and directory of v2.
-    ahead = {"version": 2, "learner": learner.algorithm.state_dict() | {"step": 99}, "config": {}}
-    torch.save(ahead, tmp_path / "policies" / CHECKPOINT_FILE)
-    (tmp_path / "policies" / "v000002").mkdir()
-    restarted = Learner(learner.settings, learner.config)
-    restarted.load()
-    assert restarted.version == 1 and restarted.algorithm.steps == 0
-    assert not (tmp_path / "policies" / "v000002").exists()
-    assert_policy_is(restarted, committed_weights(restarted, 1))
-
-
-def test_pause_joins_without_training_and_resume_trains(tmp_path):
-    learner = in_process(tmp_path, f"sqlite:///{tmp_path / 'db.sqlite'}")
-    set_flag(learner.db, PAUSED, "1")
-    feed(open_log(learner.settings.resolved_database_url), 4, 0)
-    stop = threading.Event()
-    thread = threading.Thread(target=learner.run, args=(stop,))
-    thread.start()
-    try:
-        assert wait_for(lambda: learner.waiting_samples() == 4)
-        assert learner._latest_version().version == 0
-        set_flag(learner.db, PAUSED, None)
-        assert wait_for(lambda: learner._latest_version().version == 2)
-    finally:
-        stop.set()
-        thread.join(60)
-    assert learner.waiting_samples() == 0
-
-
-def wait_for(condition, timeout_s: float = 120.0) -> bool:
-    """Poll ``condition`` until true (True) or ``timeout_s`` passes (False); a guard, not a timing."""
-    stop = threading.Event()
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        stop.wait(0.05)
-    return False
-
-
-def test_rollback_publishes_the_old_weights_as_a_new_version(tmp_path):
-    learner = in_process(tmp_path, f"sqlite:///{tmp_path / 'db.sqlite'}")
-    feed(open_log(learner.settings.resolved_database_url), 4, 0)
-    learner.poll_once()
-    learner.train_step()
-    learner.train_step()
-    set_flag(learner.db, ROLLBACK_TO, "1")
-    assert learner.rollback(1) == 3
-    with learner.db.connect() as conn:
-        row = conn.execute(select(*PolicyVersion.__table__.columns).where(PolicyVersion.version == 3)).one()
-    assert row.parent_version == 1 and row.metrics == {"rollback_to": 1} and row.status == "published"
-    assert get_flag(learner.db, ROLLBACK_TO) is None and learner.algorithm.policy_opt.state == {}
-    v1 = committed_weights(learner, 1)
-    assert all(torch.equal(committed_weights(learner, 3)[k], v) for k, v in v1.items())
-    assert_policy_is(learner, v1)
-
-
-def test_rollback_to_an_unknown_version_is_refused_and_cleared(tmp_path):
-    learner = in_process(tmp_path, f"sqlite:///{tmp_path / 'db.sqlite'}")
-    set_flag(learner.db, ROLLBACK_TO, "7")
-    assert learner.rollback(7) is None
-    assert get_flag(learner.db, ROLLBACK_TO) is None and learner.version == 0
-    with learner.db.connect() as conn:
-        refused = conn.execute(
-            select(LearnerCounter.value).where(LearnerCounter.name == "rollback_refused")
-        ).scalar()
-    assert refused == 1
-
-
-def test_a_rollback_request_that_is_no_version_number_is_refused_and_cleared(tmp_path):
-    learner = in_process(tmp_path, f"sqlite:///{tmp_path / 'db.sqlite'}")
-    set_flag(learner.db, ROLLBACK_TO, "v1")
-    assert learner._requested_rollback() is True
-    assert get_flag(learner.db, ROLLBACK_TO) is None and learner.version == 0
-    with learner.db.connect() as conn:
-        refused = conn.execute(
-            select(LearnerCounter.value).where(LearnerCounter.name == "rollback_refused")
-        ).scalar()
-    assert refused == 1 and learner._requested_rollback() is False
-
-
-def test_non_finite_metrics_are_stored_as_null_on_postgres(tmp_path, pg_url, monkeypatch):
-    learner = in_process(tmp_path, pg_url)
-    feed(open_log(pg_url), 2, 0)
-    learner.poll_once()
-    step = learner.algorithm.step
-
-    def poisoned(*args):
-        return step(*args) | {"approx_kl": math.nan, "tokens_per_s": math.inf, "by": {"1": -math.inf}}
-
-    monkeypatch.setattr(learner.algorithm, "step", poisoned)
-    assert learner.train_step() is not None
-    with learner.db.connect() as conn:
-        version = conn.execute(select(PolicyVersion.metrics).where(PolicyVersion.version == 1)).scalar_one()
-        metrics = conn.execute(select(LearnerStep.metrics)).scalar_one()
-    assert version["approx_kl"] is None and version["tokens_per_s"] is None
-    assert metrics["approx_kl"] is None and metrics["by"] == {"1": None}
-    assert metrics["sample_ids"] == ["t00000", "t00001"]
-
-
-# ------------------------------------------------------------------- issue 23 (findings 2, 11)
-def run_until(learner: Learner, condition, timeout_s: float = 60.0) -> bool:
-    """Run the learner's loop in a thread until ``condition()``, then stop it cleanly."""
-    stop = threading.Event()
-    thread = threading.Thread(target=learner.run, args=(stop,))
-    thread.start()
-    try:
-        return wait_for(condition, timeout_s)
-    finally:
-        stop.set()
-        thread.join(60)
-
-
-def versions(learner: Learner) -> list[tuple]:
-    with learner.db.connect() as conn:
-        return [
-            tuple(r)
-            for r in conn.execute(
-                select(PolicyVersion.version, PolicyVersion.parent_version, PolicyVersion.metrics).order_by(
-                    PolicyVersion.version
-                )
-            )
-        ]
-
-
-def test_a_rollback_requested_while_another_runs_is_carried_out(tmp_path, monkeypatch):
-    """Finding 2: rollback to 1, then to 0 while the first is being carried out; the first's
-    commit cleared the flag, so the second never happened."""
-    learner = in_process(tmp_path, f"sqlite:///{tmp_path / 'db.sqlite'}")
-    feed(open_log(learner.settings.resolved_database_url), 4, 0)
-    learner.poll_once()
-    learner.train_step()
-    learner.train_step()
-    set_flag(learner.db, ROLLBACK_TO, "1")
-    real = learner._write_version
-    written = []
-
-    def second_request_meanwhile(version: int):
-        if not written:  # POST /admin/rollback {"version": 0} while version 3 is being written
-            set_flag(learner.db, ROLLBACK_TO, "0")
-        written.append(version)
-        return real(version)
-
-    monkeypatch.setattr(learner, "_write_version", second_request_meanwhile)
-    assert run_until(learner, lambda: learner._latest_version().version == 4, 30)
-    assert written == [3, 4]
-    assert versions(learner)[3:] == [(3, 1, {"rollback_to": 1}), (4, 0, {"rollback_to": 0})]
-    assert get_flag(learner.db, ROLLBACK_TO) is None
-
-
-def test_a_rollback_is_logged_and_prunes_the_version_folders(tmp_path, caplog):
-    """Finding 11: rollbacks were not logged and did not prune (more folders than keep_versions)."""
-    learner = in_process(tmp_path, f"sqlite:///{tmp_path / 'db.sqlite'}", keep_versions=4)
-    feed(open_log(learner.settings.resolved_database_url), 8, 0)
-    learner.poll_once()
-    for _ in range(4):
-        learner.train_step()
-    caplog.set_level("INFO", logger="learner.process")
-    # Versions 5, 6, 7 republish 3, 4, 3; after each, only the newest 4 folders stay.
-    assert [learner.rollback(v) for v in (3, 4, 3)] == [5, 6, 7]
-    assert sorted(d.name for d in (tmp_path / "policies").glob("v[0-9]*")) == [
-        "v000004",
-        "v000005",
-        "v000006",
-        "v000007",
-    ]
-    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("rolled back")] == [
-        "rolled back to version 3: its weights are published as version 5",
-        "rolled back to version 4: its weights are published as version 6",
-        "rolled back to version 3: its weights are published as version 7",
-    ]
-
-
-def restarted(learner: Learner) -> Learner:
-    again = Learner(learner.settings, learner.config)
-    again.load()
-    return again
-
-
-def test_a_clean_stop_writes_the_checkpoint_at_the_last_committed_version(tmp_path):
-    """Finding 11: a restarted learner lost its critic, optimizer state and step count (the
-    checkpoint was written every checkpoint_every steps only)."""
-    learner = in_process(tmp_path, f"sqlite:///{tmp_path / 'db.sqlite'}", checkpoint_every=10)
-    feed(open_log(learner.settings.resolved_database_url), 4, 0)
-    assert run_until(learner, lambda: learner._latest_version().version == 2)
-    state = torch.load(tmp_path / "policies" / CHECKPOINT_FILE, weights_only=False)
-    assert state["version"] == 2
-    again = restarted(learner)
-    assert again.version == 2 and again.algorithm.steps == 2
-    # The optimizer moments came back: 2 AdamW steps recorded for every parameter.
-    moments = again.algorithm.policy_opt.state
-    assert moments and all(int(s["step"]) == 2 for s in moments.values())
-
-
-def test_ctrl_c_writes_the_checkpoint_and_a_step_cut_short_does_not(tmp_path, monkeypatch):
-    learner = in_process(tmp_path, f"sqlite:///{tmp_path / 'db.sqlite'}", checkpoint_every=10)
-    feed(open_log(learner.settings.resolved_database_url), 6, 0)
-    train = learner.train_step
-
-    def ctrl_c_at_version_2():
-        if learner.version == 2:
-            raise KeyboardInterrupt
-        return train()
-
-    monkeypatch.setattr(learner, "train_step", ctrl_c_at_version_2)
-    with pytest.raises(KeyboardInterrupt):
-        learner.run()
-    assert torch.load(tmp_path / "policies" / CHECKPOINT_FILE, weights_only=False)["version"] == 2
-    # Ctrl-C in the middle of the third step: the update is in memory only, so nothing is
-    # written (the checkpoint stays at 2, never claiming the uncommitted step).
-    monkeypatch.setattr(learner, "train_step", train)
-    step = learner._step
-
-    def ctrl_c_in_the_step(batch):
-        step(batch)
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(learner, "_step", ctrl_c_in_the_step)
-    with pytest.raises(KeyboardInterrupt):
-        learner.run()
-    assert learner.algorithm is None and learner._latest_version().version == 2
-    assert torch.load(tmp_path / "policies" / CHECKPOINT_FILE, weights_only=False)["version"] == 2
-    assert restarted(learner).algorithm.steps == 2
-
-
-def test_sigterm_stops_saoserve_learn_cleanly_with_a_checkpoint(tmp_path):
-    from learner.process import run_learner
-
-    learner = in_process(tmp_path, f"sqlite:///{tmp_path / 'db.sqlite'}", checkpoint_every=10)
-    feed(open_log(learner.settings.resolved_database_url), 2, 0)
-    engine = make_engine(learner.settings.resolved_database_url)
-
-    def term_at_version_1() -> None:
-        wait_for(lambda: versions_of(engine) == [0, 1], 60)
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    threading.Thread(target=term_at_version_1, daemon=True).start()
-    before = signal.getsignal(signal.SIGTERM)
-    run_learner(learner.settings, learner.config)
-    assert signal.getsignal(signal.SIGTERM) is before
-    assert torch.load(tmp_path / "policies" / CHECKPOINT_FILE, weights_only=False)["version"] == 1
-    engine.dispose()
-
-
-def versions_of(engine) -> list[int]:
-    with engine.connect() as conn:
-        return list(conn.execute(select(PolicyVersion.version).order_by(PolicyVersion.version)).scalars())

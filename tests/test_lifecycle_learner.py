@@ -1,7 +1,7 @@
 """The lifecycle in the learner (learner/process.py): the gate's rejection before anyone is
 served, the reset to the parent and the quarantine; the guard's verdict on probation (rollback
 to the promoted version, promotion); a restart mid-probation. The tiny random Llama and the
-hand-fed records of tests/test_learner_faults.py; the gate's verdict is made from figures
+hand-fed records of tests/learner_harness.py; the gate's verdict is made from figures
 (``learner.gate.decide``), since that model has no tokenizer to answer probes with, except in
 the test of the gate as the learner runs it (tests/test_gate.py's tiny model and byte
 tokenizer). The verdict the guard records for /metrics and the dashboard."""
@@ -32,9 +32,7 @@ from learner.config import GuardConfig
 from learner.gate import GateConfig, GateResult, decide
 from learner.process import Learner
 from server.metrics import read_lifecycle
-from tests.logutil import read_topic
-from tests.ratings import add_rated
-from tests.test_learner_faults import (
+from tests.learner_harness import (
     BATCH,
     GATE_VOCAB,
     assert_policy_is,
@@ -44,6 +42,8 @@ from tests.test_learner_faults import (
     in_process,
     trained_ids,
 )
+from tests.logutil import read_topic
+from tests.ratings import add_rated
 from tests.test_lifecycle import prpl_eb_lower
 
 # Bounds stated here, not the calibrated defaults: 1.0 nats/token to the base, 0.5 to the parent.

@@ -1,7 +1,7 @@
 """LoRA policies in the learner (issue 20; learner.lora, docs/lora.md): only the adapter trains, the
 KL reference is the adapter switched off, versions publish PEFT's layout, checkpoints round-trip.
 
-Tiny random Llamas (tests.test_sao_step.tiny_policy; tests.test_learner_faults for the process);
+Tiny random Llamas (tests.test_sao_step.tiny_policy; tests.learner_harness for the process);
 no engine.
 """
 
@@ -30,7 +30,7 @@ from learner.old_logits import SnapshotOldPolicy
 from learner.process import Learner
 from learner.sao import SAOLearner
 from learner.spo import SPOLearner
-from tests.test_learner_faults import feed, in_process
+from tests.learner_harness import feed, in_process
 from tests.test_sao_step import FAST, make_batch, make_config, tiny_policy
 
 RANK = 2

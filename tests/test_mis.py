@@ -229,7 +229,7 @@ def test_the_learner_process_snapshots_each_version_and_drops_too_stale_samples(
     """In ``learner.process``: a snapshot per published version (W + 1 = 2 kept), samples of
     version 0 trained at version 1 (staleness 1 = W) and dropped at version 2 (staleness 2)."""
     from core.logbus import open_log
-    from tests.test_learner_faults import BATCH, feed, in_process
+    from tests.learner_harness import BATCH, feed, in_process
 
     db = f"sqlite:///{tmp_path / 'db.sqlite'}"
     learner = in_process(tmp_path, db, correction={"kind": "mis_snapshot", "window": 1})

@@ -1,0 +1,249 @@
+"""The guard in the learner: the stage a new version enters, and the verdict on the lineage on
+probation carried out (docs/guard.md, "The gate" and "The lifecycle"; docs/design.md §9.1).
+
+A version the learner trains is gated first (``learner.gate.run_gate`` against the base and its
+parent): it enters ``canary`` (probation) when the gate passes or none is configured,
+``rejected`` when it fails, ``promoted`` with the guard off. Then, every ``guard.check_s``
+seconds, the lineage on probation is judged against the promoted versions' record. The
+decisions are pure and live below: the stages, the moves and the rule in ``core.lifecycle`` and
+``core.sequential``, their rows in ``core.lifecycle_store``. This module does the I/O around
+them: it reads the ratings, records the verdict, commits the moves, quarantines the samples of
+a rejected lineage with the rollback that restores the promoted weights (the learner's, passed
+in), and sends the stage notices.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict, replace
+from typing import Protocol
+
+from sqlalchemy import select
+from sqlalchemy.engine import Connection, Engine
+
+from core import lifecycle_store
+from core.control import GUARD_OFF, GUARD_PIN, GUARD_VERDICT, get_flag, set_flag
+from core.db import PolicyVersion
+from core.lifecycle import GUARD, Arm, Stage, judge_lineage, lineage
+from core.logbus import LogTransport
+from core.records import POLICY_KEY, TOPIC_POLICY, as_utc, utcnow
+from core.sequential import Decision, Verdict
+from learner.config import GuardConfig
+from learner.faults import fault_point
+from learner.gate_models import GateReferences
+from learner.joiner import bump_counter
+from learner.publish import AlsoCommit, promoted_version, storable
+
+log = logging.getLogger(__name__)
+
+
+class Rollback(Protocol):
+    """Publish ``version``'s weights as a new, promoted version by ``actor``, committing
+    ``also(conn, new_version, now)`` with it; returns the new version, None when refused
+    (``learner.process.Learner.rollback``)."""
+
+    def __call__(self, version: int, *, actor: str, also: AlsoCommit) -> int | None: ...
+
+
+class Guard:
+    """The guard of one learner: ``db`` and ``log`` the learner's, ``config`` its ``guard``
+    section, ``references`` the gate's reference models, ``rollback`` the learner's restore of a
+    version's weights. Not thread-safe: the learner's loop drives it."""
+
+    def __init__(
+        self,
+        db: Engine,
+        log: LogTransport,
+        config: GuardConfig,
+        references: GateReferences,
+        rollback: Rollback,
+    ) -> None:
+        self.db = db
+        self.log = log
+        self.config = config
+        self.references = references
+        self.rollback = rollback
+        # When the lineage is next evaluated (time.monotonic).
+        self._next_check = 0.0
+
+    def on(self) -> bool:
+        """Whether the lifecycle runs: on in the config and not turned off by an operator."""
+        return self.config.enabled and get_flag(self.db, GUARD_OFF) != "1"
+
+    def stage_of_new(self, gate) -> Stage:
+        """The stage a new trained version is recorded with, given its ``gate`` result (None: no
+        gate ran): promoted with the guard off, rejected when the gate failed, else canary."""
+        if not self.on():
+            return Stage.PROMOTED
+        return Stage.REJECTED if gate is not None and not gate.passed else Stage.CANARY
+
+    def why(self, gate) -> str:
+        """The reason recorded with that stage (``stage_of_new``)."""
+        if not self.on():
+            return "the guard is off"
+        if gate is None:
+            return "no gate configured; on probation"
+        if gate.passed:
+            return f"gate passed (KL to base {gate.kl_base}, to parent {gate.kl_promoted}); on probation"
+        return "gate failed: " + "; ".join(gate.reasons)
+
+    def run_gate(self, policy, parent: int):
+        """The gate (``learner.gate.run_gate``) on ``policy`` just stepped, against the base and
+        ``parent``, the version it was trained from (serving now), in eval mode (its training
+        mode is restored after); the ``GateResult``, None when the guard is off or no gate is
+        configured. Raises what loading the references or the gate raises."""
+        cfg = self.config.gate
+        if cfg is None or not self.on():
+            return None
+        from learner.gate import run_gate
+
+        base, parent_model, tokenizer = self.references.models(parent)
+        reference = self.references.answers(cfg)
+        training = policy.training
+        policy.eval()
+        try:
+            return run_gate(policy, base, parent_model, tokenizer, cfg, reference=reference)
+        finally:
+            policy.train(training)
+
+    def tick(self) -> None:
+        """``check`` at most every ``guard.check_s`` seconds."""
+        now = time.monotonic()
+        if now < self._next_check:
+            return
+        self._next_check = now + self.config.check_s
+        self.check()
+
+    def check(self) -> Decision | None:
+        """Evaluate the lineage on probation and carry out the verdict (docs/guard.md, "The
+        lifecycle"); returns the decision, None when there was nothing to judge.
+
+        First, a version that serves (announced) but was rejected since (by an operator) is
+        rolled back, guard on or off: the promoted version's weights are published as a new
+        version. Then, unless the guard is off or an operator pinned the promoted version, the
+        lineage's rated answers are compared with the promoted versions' (``judge_lineage``):
+        when a canary split served the lineage (its answers carry the canary arm), its
+        canary-arm answers against the promoted versions' control-arm answers since the lineage
+        started; on probation, all its answers against the promoted versions' from before it.
+        Unless that rejects, the health veto compares the same arms' shares of sound answers
+        (every answer, rated or not; ``guard.min_answer_tokens``) and rejects when the lineage's
+        is surely lower: ``promote`` moves every version of the lineage to ``promoted``;
+        ``reject`` moves them to ``rejected``, quarantines the samples that trained them and
+        publishes the promoted version's weights as a new, promoted version, all in one
+        transaction.
+        """
+        with self.db.connect() as conn:
+            rows = conn.execute(
+                select(
+                    PolicyVersion.version,
+                    PolicyVersion.lifecycle,
+                    PolicyVersion.status,
+                    PolicyVersion.created_at,
+                ).order_by(PolicyVersion.version)
+            ).all()
+            st = lifecycle_store.stages(conn)
+            served = [r for r in rows if r.status == "published"]
+            if served and served[-1].lifecycle == Stage.REJECTED:
+                self._reject_lineage([], "an operator rejected the version serving")
+                return Decision.REJECT
+            members = lineage(st)
+            if not members or not self.on() or get_flag(self.db, GUARD_PIN) is not None:
+                return None
+            started = as_utc(next(r.created_at for r in rows if r.version == members[0]))
+            promoted = [v.version for v in st if v.stage == Stage.PROMOTED]
+            verdict = self._judge(conn, members, promoted, started)
+        self._record_verdict(members, verdict)
+        if verdict.decision == Decision.PROMOTE:
+            now = utcnow()
+            with self.db.begin() as conn:
+                for v in members:
+                    lifecycle_store.transition(conn, v, Stage.PROMOTED, GUARD, verdict.reason, now)
+                fault_point("during_guard_promote")
+            fault_point("after_guard_promote")
+            self._notify(members, Stage.PROMOTED, GUARD)
+            log.info("guard: versions %s promoted: %s", members, verdict.reason)
+        elif verdict.decision == Decision.REJECT:
+            self._reject_lineage(members, verdict.reason)
+        return verdict.decision
+
+    def _judge(self, conn: Connection, members: list[int], promoted: list[int], started) -> Verdict:
+        """The rule's verdict on the lineage ``members`` (first published at ``started``, UTC)
+        against the ``promoted`` versions, then the health veto (``check``)."""
+        guard = self.config
+        canary = lifecycle_store.rated_rewards(conn, members, arm=Arm.CANARY)
+        # A canary split served the lineage: both arms of one window. Probation: against the
+        # promoted record from before the lineage.
+        split = bool(canary)
+        lineage_arm = {"arm": Arm.CANARY} if split else {}
+        promoted_arm = (
+            {"since": started, "arm": Arm.CONTROL}
+            if split
+            else {"before": started, "limit": guard.promoted_window}
+        )
+        elapsed = max((utcnow() - started).total_seconds(), 0.0)
+        verdict = judge_lineage(
+            lifecycle_store.rated_rewards(conn, members, **lineage_arm),
+            lifecycle_store.rated_rewards(conn, promoted, **promoted_arm),
+            guard.rule_params(),
+            elapsed_s=elapsed,
+        )
+        if verdict.decision != Decision.REJECT and guard.min_answer_tokens is not None:
+            health = judge_lineage(
+                lifecycle_store.answer_health(conn, members, guard.min_answer_tokens, **lineage_arm),
+                lifecycle_store.answer_health(conn, promoted, guard.min_answer_tokens, **promoted_arm),
+                guard.health_params(),
+            )
+            if health.decision == Decision.REJECT:
+                verdict = replace(health, reason=f"degenerate answers (health veto): {health.reason}")
+        return verdict
+
+    def _record_verdict(self, members: list[int], verdict: Verdict) -> None:
+        """Keep the verdict (bounds, counts, decision) on ``members`` as the ``guard_verdict``
+        flag, for /metrics and the dashboard: ``{"lineage": [...], "at": ISO time, **Verdict}``."""
+        record = {"lineage": members, "at": utcnow().isoformat()} | asdict(verdict)
+        set_flag(self.db, GUARD_VERDICT, json.dumps(storable(record)))
+
+    def _reject_lineage(self, members: list[int], reason: str) -> int | None:
+        """Reject ``members``, quarantine the samples of every rejected version after the
+        promoted one, and publish the promoted version's weights as a new version, in one
+        transaction (``rollback``); returns the new version (None: the rollback was refused)."""
+        target = promoted_version(self.db)
+
+        def also(conn: Connection, new_version: int, now) -> None:
+            for v in members:
+                lifecycle_store.transition(conn, v, Stage.REJECTED, GUARD, reason, now)
+            rejected = [
+                v.version
+                for v in lifecycle_store.stages(conn)
+                if target.version < v.version < new_version and v.stage == Stage.REJECTED
+            ]
+            trained = lifecycle_store.trained_sample_ids(conn, rejected)
+            n = lifecycle_store.quarantine(conn, trained, f"trained the rejected lineage {rejected}", now)
+            bump_counter(conn, lifecycle_store.QUARANTINED, n)
+            fault_point("during_guard_reject")
+
+        new_version = self.rollback(target.version, actor=GUARD, also=also)
+        if new_version is not None:
+            self._notify(members, Stage.REJECTED, GUARD)
+        log.warning(
+            "guard: lineage %s rejected (%s); version %s restores version %d",
+            members,
+            reason,
+            new_version,
+            target.version,
+        )
+        return new_version
+
+    def _notify(self, versions: list[int], stage: Stage, actor: str) -> None:
+        """Append the stage notices of ``versions`` to the policy topic
+        (``core.lifecycle_store.stage_events``). A failure is logged, not raised: the move is
+        committed, and a notice changes nothing served."""
+        try:
+            with self.db.connect() as conn:
+                events = lifecycle_store.stage_events(conn, versions, stage, actor)
+            for e in events:
+                self.log.append(TOPIC_POLICY, POLICY_KEY, e.to_json())
+        except Exception as exc:
+            log.warning("stage notices of versions %s (%s) not sent: %s", versions, stage, exc)

@@ -15,13 +15,15 @@ from sqlalchemy import delete, insert, select
 from sqlalchemy.engine import Connection, Engine
 
 from core.db import ControlFlag
+from core.lifecycle import check_canary_share
 from core.records import utcnow
 
 PAUSED = "paused"
 ROLLBACK_TO = "rollback_to"
 # The guard's operator switches (docs/guard.md, "The lifecycle"): "1" turns the lifecycle off
 # (no gate, every version promoted); a version number pins the promoted version (no automatic
-# decision); a share in (0, 1] is kept for canary deployments (a single engine has none).
+# decision); a share (``core.lifecycle.check_canary_share``'s bounds) is kept for canary
+# deployments (a single engine has none).
 GUARD_OFF = "guard_off"
 GUARD_PIN = "guard_pin"
 CANARY_SHARE = "canary_share"
@@ -72,3 +74,15 @@ def clear_if(conn: Connection, name: str, seen: Flag) -> bool:
         )
     )
     return res.rowcount == 1
+
+
+def canary_share_flag(value: str | None) -> float | None:
+    """The share a ``canary_share`` flag's ``value`` holds, or None: unset, or not a share that
+    ``core.lifecycle.check_canary_share`` accepts (a value written around the admin route, or
+    before the bounds; the readers then use ``Settings.canary_share``)."""
+    if value is None:
+        return None
+    try:
+        return check_canary_share(float(value), CANARY_SHARE)
+    except ValueError:
+        return None

@@ -53,6 +53,18 @@ class BadTenant(ValueError):
     """A tenant name that `check_tenant` refuses; the message says why."""
 
 
+class KeyRevoked(ValueError):
+    """A change to a revoked key: a revocation is final, so nothing about the key changes any
+    more (``KeyStore.set_train``). ``key``: the key as it stays."""
+
+    def __init__(self, key: KeyInfo):
+        super().__init__(
+            f"API key {key.id} is revoked (at {as_utc(key.revoked_at).isoformat()}): a revoked key is "
+            "final and its settings no longer change; create a new key instead"
+        )
+        self.key = key
+
+
 @dataclass(frozen=True)
 class KeyInfo:
     """A key as listed: never its secret or its hash. ``revoked_at`` None while it is valid;
@@ -169,12 +181,22 @@ class KeyStore:
 
     def set_train(self, key_id: str, train: bool) -> KeyInfo | None:
         """Opt ``key_id`` out of training (``train`` False) or back in; its next request on any
-        replica follows the setting (nothing is cached). Idempotent; a revoked key may be set
-        too (it changes nothing while the key is refused). None for an unknown id."""
+        replica follows the setting (nothing is cached). Idempotent. None for an unknown id.
+
+        Raises:
+            KeyRevoked: the key is revoked (a revocation is final: nothing is changed). The
+                update only touches a key not revoked, so a revocation racing it wins either
+                way: the setting is changed before it, or refused after it.
+        """
         with self.engine.begin() as conn:
-            conn.execute(update(ApiKey).where(ApiKey.id == key_id).values(train=train))
+            conn.execute(
+                update(ApiKey).where(ApiKey.id == key_id, ApiKey.revoked_at.is_(None)).values(train=train)
+            )
             row = conn.execute(select(*_LISTED).where(ApiKey.id == key_id)).one_or_none()
-        return None if row is None else _info(row)
+            info = None if row is None else _info(row)
+            if info is not None and info.revoked:
+                raise KeyRevoked(info)  # inside the transaction: whatever it wrote is rolled back
+        return info
 
     def check(self, presented: str) -> Check:
         """Authenticate a presented key (module docstring: lookup by id, constant-time hash

@@ -32,7 +32,9 @@ holds the promoted version and the lineage's newest side by side, so each new re
 arm: the lineage with probability ``share`` (``canary``), else the promoted version
 (``control``). The arm is logged with the trajectory; when the lineage's rated answers carry
 arms, the verdict compares the lineage's canary arm with the control arm of the same window
-(both drawn from one stream of requests, so drift reaches both alike).
+(both drawn from one stream of requests, so drift reaches both alike). The share is bounded
+(``CANARY_SHARE_MIN``, ``CANARY_SHARE_MAX``; ``check_canary_share`` is the one check every entry
+uses: the control flag, the setting, the split).
 """
 
 from __future__ import annotations
@@ -177,16 +179,52 @@ def judge_lineage(
     return decide(lineage_rewards, promoted_rewards, params, elapsed_s=elapsed_s)
 
 
+CANARY_SHARE_MIN = 0.01
+CANARY_SHARE_MAX = 0.99
+"""The canary share's bounds, both included: each arm of a split gets at least 1% of new requests.
+
+Why: the verdict of a split compares the canary arm's rated answers with the control arm's of
+the same window, and neither bound decides until each arm has ``min_samples`` ratings
+(``core.sequential.RuleParams``, 20 by default). At a share ``s`` that takes at least
+``min_samples / min(s, 1 − s)`` rated answers in all: 100 at the default 0.2, 2 000 at 0.01,
+about 4·10^325 at 5e-324, which no deployment ever collects; a decision needs many more
+(docs/guard.md, "Measured"). A share below 1% is a misconfiguration, not a cautious canary. At the other end a share of 1 routes every
+request to the canary (``route``: a draw in [0, 1) is always below it), so the control arm gets
+no rating, the bounds never decide, and the lineage waits for the time-out: the share must leave
+the control arm its own 1%.
+"""
+
+
+def check_canary_share(share: object, name: str = "share") -> float:
+    """``share`` as a float if it is a number in [``CANARY_SHARE_MIN``, ``CANARY_SHARE_MAX``].
+
+    ``name`` names the field in the message (``canary_share`` for the setting and the flag).
+
+    Raises:
+        ValueError: not a number (a bool is none), NaN, infinite, or outside the bounds; the
+            message names the field, the bounds and why.
+    """
+    number = isinstance(share, int | float) and not isinstance(share, bool)
+    if not number or not CANARY_SHARE_MIN <= share <= CANARY_SHARE_MAX:
+        raise ValueError(
+            f"{name} must be a number in [{CANARY_SHARE_MIN}, {CANARY_SHARE_MAX}], not {share!r}: below "
+            f"{CANARY_SHARE_MIN} the canary arm cannot collect its min_samples ratings in any sensible "
+            f"time, above {CANARY_SHARE_MAX} the control arm cannot (docs/guard.md, 'The canary share')"
+        )
+    return float(share)
+
+
 @dataclass(frozen=True)
 class CanarySplit:
     """A canary share in effect on one engine.
 
     ``lineage``: the versions of the candidate lineage (any may be the engine's current
     version); ``control``: the promoted version, held loaded beside them (0: the base weights);
-    ``share``: the probability in (0, 1] that a new request goes to the lineage.
+    ``share``: the probability that a new request goes to the lineage, in
+    [``CANARY_SHARE_MIN``, ``CANARY_SHARE_MAX``].
 
-    Raises ValueError for a share outside (0, 1], an empty lineage, or a control version inside
-    the lineage.
+    Raises ValueError for a share ``check_canary_share`` refuses, an empty lineage, or a control
+    version inside the lineage.
     """
 
     lineage: frozenset[int]
@@ -194,8 +232,7 @@ class CanarySplit:
     share: float
 
     def __post_init__(self) -> None:
-        if not 0.0 < self.share <= 1.0:
-            raise ValueError(f"a canary share is in (0, 1], not {self.share!r}")
+        check_canary_share(self.share)
         if not self.lineage:
             raise ValueError("a canary split needs a lineage")
         if self.control in self.lineage:

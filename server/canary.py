@@ -29,7 +29,7 @@ from sqlalchemy import select
 from sqlalchemy.engine import Engine
 
 from core import lifecycle_store, policy_store
-from core.control import CANARY_SHARE, GUARD_OFF
+from core.control import CANARY_SHARE, GUARD_OFF, canary_share_flag
 from core.db import ControlFlag, PolicyVersion
 from core.lifecycle import Arm, CanarySplit, lineage, promoted, route
 from core.policy_store import Layout
@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class CanaryPlan:
     """What the database says a split should be: the lineage, the promoted version with its
-    published folder and checksum, and the share in (0, 1]."""
+    published folder and checksum, and the share (``core.lifecycle.check_canary_share``)."""
 
     lineage: frozenset[int]
     control: int
@@ -54,8 +54,8 @@ class CanaryPlan:
 def read_plan(db: Engine, default_share: float) -> CanaryPlan | None:
     """The split the lifecycle asks for, or None (the guard off, no lineage, no versions).
 
-    A ``canary_share`` flag that is not a number in (0, 1] (written around the admin route) is
-    ignored for ``default_share``.
+    A ``canary_share`` flag that is not a share ``core.control.canary_share_flag`` accepts
+    (written around the admin route) is ignored for ``default_share``.
     """
     with db.connect() as conn:
         stages = lifecycle_store.stages(conn)
@@ -75,13 +75,8 @@ def read_plan(db: Engine, default_share: float) -> CanaryPlan | None:
         )
     if flags.get(GUARD_OFF) == "1":
         return None
-    share = default_share
-    try:
-        stored = float(flags[CANARY_SHARE])
-        if 0.0 < stored <= 1.0:
-            share = stored
-    except (KeyError, ValueError):
-        pass
+    stored = canary_share_flag(flags.get(CANARY_SHARE))
+    share = default_share if stored is None else stored
     return CanaryPlan(frozenset(members), top, Path(row.path), row.sha256, share)
 
 

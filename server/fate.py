@@ -1,6 +1,6 @@
 """The fate of one chat request's trajectory, decided in one place.
 
-Every chat request that passed its checks (``server.chat.prepare_rollout``) ends in exactly one
+Every chat request that passed its checks (``server.chat.ChatHandler.prepare``) ends in exactly one
 of three ways, and ``Fate`` is the only code that writes its trajectory record or frees its
 episode turn (docs/design.md §3 step 3, §8 "a 503 means not recorded and never will be"):
 
@@ -10,11 +10,18 @@ episode turn (docs/design.md §3 step 3, §8 "a 503 means not recorded and never
 - aborted: the client left; the tokens so far are written with finish reason ``abort``, in the
   background (``aborted``);
 - failed: the engine broke off; the tokens so far are written with finish reason ``error``, or
-  with none sampled there is no record and the turn is freed (``engine_error``, and
+  with none sampled there is no record (``engine_error``, and
   ``failed_before_generation{engine_error}``).
 
-Records written in the background never raise into a task nobody awaits: a refusal is logged
-and frees the turn.
+An aborted or failed request's client got no answer, so its episode turn is freed in every case:
+the client may send that turn again, and its retry is the turn the episode's feedback lists and
+the learner joins (``FeedbackRecord.turn_ids``). The aborted or failed record is still logged,
+exactly once, with its episode id and turn number, but holds no turn of its episode
+(``server.store.UNANSWERED_FINISHES``; the learner counts it ``void_episode_turns`` when the
+episode joins). The turn is freed before the record is written, so a retry need not wait for the
+log; the index of the record frees it too, should the database take that write first.
+
+Records written in the background never raise into a task nobody awaits: a refusal is logged.
 """
 
 from __future__ import annotations
@@ -83,17 +90,17 @@ class Fate:
         return rec
 
     def aborted(self) -> None:
-        """The client left before the answer was whole: the tokens so far (maybe none) are
-        written with finish reason ``abort``, in the background."""
+        """The client left before the answer was whole: its episode turn is freed and the
+        tokens so far (maybe none) are written with finish reason ``abort``, in the background."""
         self._settle("aborted")
         log.info("client of %s left after %d tokens: aborted", self.rollout.id, len(self.rollout.token_ids))
         self._count()
         self._write_in_background("abort")
 
     def failed(self) -> None:
-        """The engine broke off the generation (the caller logs why): the tokens so far are
-        written with finish reason ``error``; with none sampled nothing is written and the
-        episode turn is freed."""
+        """The engine broke off the generation (the caller logs why): the episode turn is freed,
+        and the tokens so far are written with finish reason ``error``; with none sampled nothing
+        is written."""
         self._settle("engine_error")
         self._count()
         if self.rollout.token_ids:
@@ -118,14 +125,14 @@ class Fate:
             self.s.spawn(self.s.release_turn(self.rollout.id))
 
     def _write_in_background(self, finish_reason: str) -> None:
-        self.s.spawn(self._write_quietly(self.rollout.record(finish_reason)))
+        self.s.spawn(self._free_and_write(self.rollout.record(finish_reason)))
 
-    async def _write_quietly(self, rec: TrajectoryRecord) -> None:
+    async def _free_and_write(self, rec: TrajectoryRecord) -> None:
+        """Free the episode turn of a record whose client got no answer, then write the record
+        (one task: the release goes first, so the turn can be sent again while the log is slow)."""
+        if rec.episode_id is not None:
+            await self.s.release_turn(rec.id)
         try:
             await self.s.persist_trajectory(rec)
-        except LogUnavailable:
-            log.exception("could not persist trajectory %s", rec.id)
-            if rec.episode_id is not None:
-                await self.s.release_turn(rec.id)
         except Exception:
             log.exception("could not persist trajectory %s", rec.id)

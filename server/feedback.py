@@ -94,7 +94,7 @@ async def accept_feedback(s: ServerState, body: FeedbackRequest) -> FeedbackAcce
             )
         if ep.not_whole_turns:
             s.metrics.feedback.labels("not_whole").inc()
-            raise not_whole(f"{what} has {ep.not_whole_turns} aborted or failed turn(s)")
+            raise not_whole(f"{what} has {ep.not_whole_turns} answered turn(s) that did not end whole")
         turn_ids = list(ep.turn_ids)
     rec = FeedbackRecord(
         trajectory_id=body.id,

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from sqlalchemy import delete, func, insert, select, update
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError
 
 from core.claims import episode_key
@@ -27,6 +27,10 @@ CLAIM_TIMEOUT = timedelta(seconds=30)
 # A dispatched episode turn not indexed after this long never will be (the server died while
 # answering it): it no longer holds the episode's feedback back, and its number may be sent again.
 TURN_TIMEOUT = timedelta(minutes=5)
+# The finish reasons of a record whose client got no answer (``server.fate.Fate``: ``abort`` when
+# it left, ``error`` when the engine broke off): logged once like any record, but no turn of its
+# episode, so its number is free for the client to send the turn again.
+UNANSWERED_FINISHES = frozenset({"abort", "error"})
 
 
 @dataclass(frozen=True)
@@ -126,6 +130,35 @@ def _held_by(feedback_id: str | None) -> list:
     return [] if feedback_id is None else [FeedbackClaim.feedback_id == feedback_id]
 
 
+def _free_turn(conn: Connection, trajectory_id: str) -> None:
+    """In the caller's transaction: delete the turn row ``trajectory_id`` holds while it is not
+    logged, and forget its episode when no turn and no answered record of it is left
+    (``ServerStore.release_turn``)."""
+    episode_id = conn.execute(
+        select(EpisodeTurn.episode_id).where(
+            EpisodeTurn.trajectory_id == trajectory_id, EpisodeTurn.logged_at.is_(None)
+        )
+    ).scalar_one_or_none()
+    if episode_id is None:
+        return
+    conn.execute(delete(EpisodeTurn).where(EpisodeTurn.trajectory_id == trajectory_id))
+    left = (
+        conn.execute(
+            select(EpisodeTurn.trajectory_id).where(EpisodeTurn.episode_id == episode_id).limit(1)
+        ).first()
+        or conn.execute(
+            select(TrajectoryIndex.id)
+            .where(
+                TrajectoryIndex.episode_id == episode_id,
+                TrajectoryIndex.finish_reason.not_in(UNANSWERED_FINISHES),
+            )
+            .limit(1)
+        ).first()
+    )
+    if left is None:
+        conn.execute(delete(Episode).where(Episode.episode_id == episode_id))
+
+
 class ServerStore:
     """Rows the server writes; the log holds the records themselves."""
 
@@ -133,10 +166,15 @@ class ServerStore:
         self.engine = engine
 
     def index_trajectory(self, rec: TrajectoryRecord, partition: int, offset: int) -> None:
-        """Index a logged record; an episode turn is marked logged in the same transaction."""
+        """Index a logged record; an episode turn is marked logged in the same transaction, or,
+        for a record whose client got no answer (``UNANSWERED_FINISHES``), its turn row is
+        deleted there if ``Fate`` has not freed it yet (the number stays free whichever of the
+        two writes the database takes first)."""
         last_version = rec.token_versions[-1][0] if rec.token_versions else rec.dispatch_version
         with self.engine.begin() as conn:
-            if rec.episode_id is not None:
+            if rec.episode_id is not None and rec.finish_reason in UNANSWERED_FINISHES:
+                _free_turn(conn, rec.id)
+            elif rec.episode_id is not None:
                 conn.execute(
                     update(EpisodeTurn)
                     .where(EpisodeTurn.trajectory_id == rec.id, EpisodeTurn.logged_at.is_(None))
@@ -273,29 +311,14 @@ class ServerStore:
             return False
 
     def release_turn(self, trajectory_id: str) -> None:
-        """Free the number of a turn that failed before its record was logged (the client was
-        answered 503 or 500): the number may be sent again, and the episode's feedback no longer
-        waits for it. An episode left with no turn at all is forgotten too, so its first turn
+        """Free the number of a turn whose client got no answer: it failed before its record
+        was logged (the client was answered 503 or 500), or it was aborted or failed after
+        tokens (``server.fate.Fate`` frees it before writing the record): the number may be sent
+        again, and the episode's feedback no longer waits for it. An episode left with no turn
+        at all (records of ``UNANSWERED_FINISHES`` are none) is forgotten too, so its first turn
         can be sent again without a token (the failure gave none). A logged turn is kept."""
         with self.engine.begin() as conn:
-            episode_id = conn.execute(
-                select(EpisodeTurn.episode_id).where(
-                    EpisodeTurn.trajectory_id == trajectory_id, EpisodeTurn.logged_at.is_(None)
-                )
-            ).scalar_one_or_none()
-            if episode_id is None:
-                return
-            conn.execute(delete(EpisodeTurn).where(EpisodeTurn.trajectory_id == trajectory_id))
-            left = (
-                conn.execute(
-                    select(EpisodeTurn.trajectory_id).where(EpisodeTurn.episode_id == episode_id).limit(1)
-                ).first()
-                or conn.execute(
-                    select(TrajectoryIndex.id).where(TrajectoryIndex.episode_id == episode_id).limit(1)
-                ).first()
-            )
-            if left is None:
-                conn.execute(delete(Episode).where(Episode.episode_id == episode_id))
+            _free_turn(conn, trajectory_id)
 
     def episode_state(self, episode_id: str) -> EpisodeState:
         """Read after taking the episode's feedback claim. Turns in flight are read before the

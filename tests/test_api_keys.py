@@ -19,7 +19,7 @@ from sqlalchemy import select, text
 from typer.testing import CliRunner
 
 from core.db import ApiKey, make_engine
-from core.keys import BadTenant, KeyStore, check_tenant, identity_of
+from core.keys import BadTenant, KeyRevoked, KeyStore, check_tenant, identity_of
 from core.records import utcnow
 from saoserve.cli import app as cli_app
 from server.engine import GenerationDelta
@@ -345,14 +345,16 @@ def test_a_key_is_trained_unless_made_or_set_opted_out(tmp_path):
     store.engine.dispose()
 
 
-def test_set_train_of_an_unknown_key_is_none_and_of_a_revoked_key_is_kept(tmp_path):
+def test_set_train_of_an_unknown_key_is_none_and_of_a_revoked_key_is_refused(tmp_path):
     store = migrated_store(tmp_path)
     info, key = store.create("acme", utcnow())
     assert store.set_train("k0000000000000000", False) is None
     store.revoke(info.id, utcnow())
-    # A revoked key may be set (it is refused anyway); its revocation stays.
-    changed = store.set_train(info.id, False)
-    assert (changed.train, changed.revoked) == (False, True)
+    # A revocation is final: the setting is refused and stays as it was; the key stays revoked.
+    with pytest.raises(KeyRevoked, match=f"API key {info.id} is revoked") as refused:
+        store.set_train(info.id, False)
+    assert (refused.value.key.train, refused.value.key.revoked) == (True, True)
+    assert [(k.train, k.revoked) for k in store.listed()] == [(True, True)]
     assert store.check(key).outcome == "revoked"
     store.engine.dispose()
 
@@ -401,6 +403,39 @@ async def test_the_key_routes_create_and_set_the_opt_out(tmp_path):
         "key_id",
         "no API key 'k0000000000000000'",
     )
+
+
+async def test_a_revoked_key_is_final_409_and_nothing_changes(tmp_path):
+    """A revocation is final: PATCH on a revoked key is 409 ``key_revoked`` with the key's
+    setting and times unchanged, whatever the body asks (the same setting too); revoking it
+    again changes nothing either (idempotent, its first time stays). The CLI shows the error."""
+    async with running_server(make_settings(tmp_path), FakeEngine(), watch_policy=False) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT_S, headers=ADMIN) as http:
+            key = await create_key(http, "acme")
+            revoked = (await http.post(f"/admin/keys/{key['id']}/revoke")).json()
+            patches = [await http.patch(f"/admin/keys/{key['id']}", json={"train": t}) for t in (False, True)]
+            again = (await http.post(f"/admin/keys/{key['id']}/revoke")).json()
+            cli = await asyncio.to_thread(admin, url, "keys", "train", key["id"], "off")
+            cli_json = await asyncio.to_thread(admin, url, "keys", "train", key["id"], "on", "--json")
+            listed = (await http.get("/admin/keys")).json()["keys"]
+    message = (
+        f"API key {key['id']} is revoked (at {revoked['revoked_at']}): a revoked key is final and its "
+        "settings no longer change; create a new key instead"
+    )
+    for r in patches:
+        err = r.json()["error"]
+        assert (r.status_code, err["type"], err["code"], err["param"], err["message"]) == (
+            409,
+            "invalid_request_error",
+            "key_revoked",
+            "key_id",
+            message,
+        )
+        assert r.headers["x-should-retry"] == "false"
+    assert again == revoked and listed == [revoked] and revoked["train"] is True
+    for run in (cli, cli_json):
+        assert run.exit_code == 5 and run.stdout == ""
+        assert f"unavailable (409): {message}" in " ".join(run.output.split())
 
 
 @pytest.mark.parametrize(

@@ -8,17 +8,27 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 
-from core.control import CANARY_SHARE, GUARD_OFF, set_flag
+from core.control import CANARY_SHARE, GUARD_OFF, canary_share_flag, set_flag
 from core.db import PolicyVersion, make_engine, migrate
-from core.lifecycle import Arm, CanarySplit, healthy, route
+from core.lifecycle import (
+    CANARY_SHARE_MAX,
+    CANARY_SHARE_MIN,
+    Arm,
+    CanarySplit,
+    check_canary_share,
+    healthy,
+    route,
+)
 from core.lifecycle_store import answer_health, rated_rewards
 from core.policy_store import ADAPTER_CONFIG, ADAPTER_FILE
 from core.records import utcnow
+from core.settings import Settings
 from server.adapters import AdapterTable
 from server.canary import CanaryRouter, read_plan
 from server.engine import SwapRefused
@@ -27,6 +37,7 @@ from tests.ratings import add_rated
 from tests.test_lifecycle import add_version as lifecycle_version
 
 SPLIT = CanarySplit(lineage=frozenset({6, 7}), control=5, share=0.2)
+BOUNDS = re.escape("share must be a number in [0.01, 0.99]")
 
 
 def test_route_sends_draws_below_the_share_to_the_lineage_and_the_rest_to_control():
@@ -38,8 +49,10 @@ def test_route_sends_draws_below_the_share_to_the_lineage_and_the_rest_to_contro
     # every request gets the engine's version, no arm.
     assert route(SPLIT, 8, 0.0) == (8, None)
     assert route(None, 3, 0.5) == (3, None)
-    # share 1: the lineage takes every draw in [0, 1).
-    assert route(CanarySplit(frozenset({2}), 0, 1.0), 2, 0.999) == (2, Arm.CANARY)
+    # At the bounds each arm keeps its 1% of the draws in [0, 1).
+    top, bottom = CanarySplit(frozenset({2}), 0, 0.99), CanarySplit(frozenset({2}), 0, 0.01)
+    assert (route(top, 2, 0.9899), route(top, 2, 0.99)) == ((2, Arm.CANARY), (0, Arm.CONTROL))
+    assert (route(bottom, 2, 0.0099), route(bottom, 2, 0.01)) == ((2, Arm.CANARY), (0, Arm.CONTROL))
 
 
 @pytest.mark.parametrize("draw", [-0.1, 1.0, float("nan")])
@@ -51,8 +64,14 @@ def test_route_refuses_a_draw_outside_the_unit_interval(draw):
 @pytest.mark.parametrize(
     "lineage, control, share, message",
     [
-        ({6}, 5, 0.0, "a canary share is in"),
-        ({6}, 5, 1.5, "a canary share is in"),
+        ({6}, 5, 0.0, BOUNDS),
+        ({6}, 5, 5e-324, BOUNDS),  # no arm collects min_samples ratings at that share
+        ({6}, 5, 0.0099, BOUNDS),
+        ({6}, 5, 1.0, BOUNDS),  # every draw is below 1: the control arm gets nothing
+        ({6}, 5, 1.5, BOUNDS),
+        ({6}, 5, float("nan"), BOUNDS),
+        ({6}, 5, float("inf"), BOUNDS),
+        ({6}, 5, True, BOUNDS),
         (set(), 5, 0.2, "needs a lineage"),
         ({5, 6}, 5, 0.2, "the control version 5 is in the lineage"),
     ],
@@ -60,6 +79,26 @@ def test_route_refuses_a_draw_outside_the_unit_interval(draw):
 def test_a_split_refuses_what_cannot_be_one(lineage, control, share, message):
     with pytest.raises(ValueError, match=message):
         CanarySplit(frozenset(lineage), control, share)
+
+
+@pytest.mark.parametrize("share", [0.0, 5e-324, 0.0099, 0.991, 1.0, float("nan"), float("inf"), -0.5])
+def test_one_bound_holds_the_share_at_every_entry(share):
+    """The setting, the control flag and the split all take the one check of core.lifecycle."""
+    with pytest.raises(ValueError, match=BOUNDS):
+        check_canary_share(share)
+    with pytest.raises(ValueError, match=re.escape("canary_share must be a number in [0.01, 0.99]")):
+        Settings(canary_share=share)
+    with pytest.raises(ValueError, match="canary_share must be a number"):
+        Settings(canary_share=str(share))  # as SAOSERVE_CANARY_SHARE gives it
+    assert canary_share_flag(repr(share)) is None
+
+
+def test_the_bounds_themselves_are_shares():
+    assert (CANARY_SHARE_MIN, CANARY_SHARE_MAX) == (0.01, 0.99)
+    for share in (CANARY_SHARE_MIN, 0.2, CANARY_SHARE_MAX):
+        assert check_canary_share(share) == Settings(canary_share=share).canary_share == share
+        assert canary_share_flag(repr(share)) == share
+    assert canary_share_flag(None) is None
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -135,7 +174,7 @@ def test_read_plan_follows_the_lineage_the_guard_switch_and_the_share_flag(db):
     )
     set_flag(db, CANARY_SHARE, "0.35")
     assert read_plan(db, 0.2).share == 0.35
-    for bad in ("0", "1.5", "lots"):  # not a share in (0, 1]: the default applies
+    for bad in ("0", "5e-324", "1", "1.5", "nan", "inf", "lots"):  # not a share: the default applies
         set_flag(db, CANARY_SHARE, bad)
         assert read_plan(db, 0.2).share == 0.2
     set_flag(db, GUARD_OFF, "1")

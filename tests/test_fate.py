@@ -1,6 +1,7 @@
-"""``server.fate.Fate``: each outcome of a chat request writes exactly one record or frees its
-episode turn once, counts its metrics, and a second settlement is refused. A fake state stands
-in for ``ServerState`` (no log, database or engine)."""
+"""``server.fate.Fate``: each outcome of a chat request writes exactly one record, frees its
+episode turn once when the client got no answer (aborted, failed, not recorded), counts its
+metrics, and a second settlement is refused. A fake state stands in for ``ServerState`` (no log,
+database or engine)."""
 
 from __future__ import annotations
 
@@ -27,14 +28,17 @@ class FakeState:
         self.refuse = refuse
         self.persisted: list = []
         self.released: list[str] = []
+        self.order: list[str] = []  # "release" and "persist", as they ran
         self.tasks: list[asyncio.Task] = []
 
     async def persist_trajectory(self, rec) -> None:
+        self.order.append("persist")
         if self.refuse is not None:
             raise self.refuse
         self.persisted.append(rec)
 
     async def release_turn(self, trajectory_id: str) -> None:
+        self.order.append("release")
         self.released.append(trajectory_id)
 
     def spawn(self, coro) -> None:
@@ -110,12 +114,21 @@ async def test_another_write_failure_propagates_uncounted_and_keeps_the_turn():
     assert fate.settled
 
 
-async def test_an_abort_writes_the_tokens_so_far():
+async def test_an_abort_frees_the_turn_then_writes_the_tokens_so_far():
+    # The client got no answer: it may send the turn again, and need not wait for the log.
     s = FakeState()
     Fate(s, rollout(tokens=2), stream=True).aborted()
     await s.drained()
     assert [(r.finish_reason, r.response_token_ids) for r in s.persisted] == [("abort", [5, 6])]
-    assert s.released == [] and s.count("true", "aborted") == 1
+    assert s.released == ["chatcmpl-1"] and s.order == ["release", "persist"]
+    assert s.count("true", "aborted") == 1
+
+
+async def test_an_abort_outside_an_episode_frees_nothing():
+    s = FakeState()
+    Fate(s, rollout(tokens=2, episode=None), stream=False).aborted()
+    await s.drained()
+    assert ([r.finish_reason for r in s.persisted], s.released) == (["abort"], [])
 
 
 async def test_an_abort_before_any_token_is_still_one_record():
@@ -125,14 +138,15 @@ async def test_an_abort_before_any_token_is_still_one_record():
     assert [(r.finish_reason, r.response_token_ids, r.token_versions) for r in s.persisted] == [
         ("abort", [], [])
     ]
-    assert s.released == []
+    assert s.released == ["chatcmpl-1"]
 
 
-async def test_an_engine_error_after_tokens_writes_an_error_record():
+async def test_an_engine_error_after_tokens_frees_the_turn_and_writes_an_error_record():
     s = FakeState()
     Fate(s, rollout(tokens=2), stream=False).failed()
     await s.drained()
-    assert [r.finish_reason for r in s.persisted] == ["error"] and s.released == []
+    assert [r.finish_reason for r in s.persisted] == ["error"] and s.released == ["chatcmpl-1"]
+    assert s.order == ["release", "persist"]
     assert (s.count("false", "engine_error"), s.refused_before_generation()) == (1, 0)
 
 
@@ -152,7 +166,7 @@ async def test_an_engine_error_before_any_token_outside_an_episode_writes_nothin
     assert (s.count("false", "engine_error"), s.refused_before_generation()) == (1, 1)
 
 
-async def test_a_background_write_the_log_refuses_frees_the_turn_quietly(caplog):
+async def test_a_background_write_the_log_refuses_is_logged_and_the_turn_freed_once(caplog):
     s = FakeState(refuse=LogUnavailable("log down"))
     with caplog.at_level(logging.ERROR, logger="server.fate"):
         Fate(s, rollout(tokens=2), stream=True).aborted()
@@ -178,8 +192,9 @@ async def test_a_second_settlement_is_refused_and_changes_nothing(first, second)
     with pytest.raises(RuntimeError, match="chatcmpl-1 settled twice"):
         await settle(second)
     await s.drained()
-    # One record (a whole answer, an abort or an error: 2 tokens were sampled), one count.
-    assert len(s.persisted) == 1 and s.released == []
+    # One record (a whole answer, an abort or an error: 2 tokens were sampled), one count; the
+    # turn freed once, unless the client got its answer.
+    assert len(s.persisted) == 1 and s.released == ([] if first == "answered" else ["chatcmpl-1"])
     assert fate.outcome == outcome
     assert sum(s.count("false", o) for o in ("ok", "aborted", "engine_error", "log_unavailable")) == 1
 

@@ -30,6 +30,7 @@ from tests.test_policy_watch import OutageLog, event
 
 runner = CliRunner()
 KEY = "test-admin-key"
+JSON = {"content-type": "application/json"}
 
 
 def seed(url: str) -> None:
@@ -86,6 +87,7 @@ async def test_operator_overrides_are_recorded_with_who_and_why(tmp_path):
         bad_state = await run("guard", "maybe")
         share = await run("canary", "0.1", "--as", "erin")
         bad_share = await run("canary", "1.5")
+        tiny_share = await run("canary", "5e-324")
         versions = await run("versions")
         listed = await run("quarantine", "--json")
         table = await run("quarantine")
@@ -94,6 +96,10 @@ async def test_operator_overrides_are_recorded_with_who_and_why(tmp_path):
                 "/admin/lifecycle/promote", json={"version": 1}, headers=ADMIN | {"X-Operator": "x" * 65}
             )
             back = await http.post("/admin/rollback", json={"version": 4}, headers=ADMIN)
+            refused_shares = [
+                await http.post("/admin/lifecycle/canary", content=body, headers=ADMIN | JSON)
+                for body in ('{"share": 5e-324}', '{"share": 1.0}', '{"share": NaN}', '{"share": 0.0099}')
+            ]
             state = (await http.get("/admin/lifecycle", headers=ADMIN)).json()
     assert promoted.exit_code == 0 and "versions [2] promoted by alice" in promoted.stdout
     assert again.exit_code == 5 and "version 2 cannot go from promoted to promoted" not in again.output
@@ -107,7 +113,12 @@ async def test_operator_overrides_are_recorded_with_who_and_why(tmp_path):
     assert off.exit_code == 0 and "guard off (by dan)" in off.stdout
     assert bad_state.exit_code == 2 and "expected on or off" in bad_state.output
     assert share.exit_code == 0 and "no canary share" in share.stdout
-    assert bad_share.exit_code == 2 and "(0, 1]" in bad_share.output
+    for bad in (bad_share, tiny_share):
+        assert bad.exit_code == 2 and "SHARE must be a number in [0.01, 0.99]" in " ".join(bad.output.split())
+    for r in refused_shares:  # 400 naming the field and the bound; the flag stays 0.1
+        err = r.json()["error"]
+        assert (r.status_code, err["param"], err["code"]) == (400, "share", "invalid_value")
+        assert "share must be a number in [0.01, 0.99]" in err["message"]
     assert get_flag(make_engine(db), GUARD_OFF) == "1" and get_flag(make_engine(db), CANARY_SHARE) == "0.1"
     flat = " ".join(versions.stdout.split())
     assert "lifecycle" in flat and "2 published promoted 1" in flat and "4 published rejected 3" in flat

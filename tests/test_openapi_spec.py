@@ -10,6 +10,7 @@ import jsonschema
 import pytest
 from pydantic import ValidationError
 
+from server.routes.admin import CanaryShare
 from server.schemas import MAX_SEED, ChatCompletionRequest, FeedbackRequest, LoadPolicyRequest
 from tests.conftest import make_settings
 
@@ -103,6 +104,14 @@ CASES = [
     (FeedbackRequest, {"id": "c", "episode_id": "e", "feedback_token": "t", "reward": 1}, False),
     (FeedbackRequest, {"id": None, "episode_id": "e", "feedback_token": "t", "reward": 1}, True),
     (FeedbackRequest, {"feedback_token": "t", "reward": 1}, False),
+    # the canary share: [0.01, 0.99] (core.lifecycle.check_canary_share)
+    (CanaryShare, {"share": 5e-324}, False),
+    (CanaryShare, {"share": 0.0099}, False),
+    (CanaryShare, {"share": 0.01}, True),
+    (CanaryShare, {"share": 0.2}, True),
+    (CanaryShare, {"share": 0.99}, True),
+    (CanaryShare, {"share": 1}, False),
+    (CanaryShare, {"share": 1.5}, False),
 ]
 
 
@@ -125,3 +134,110 @@ def test_the_seed_bound_survives_a_float():
 
 def test_load_policy_documents_its_refusals(spec):
     assert {"401", "403", "413", "422"} <= set(spec["paths"]["/admin/load_policy"]["post"]["responses"])
+
+
+# ------------------------------------------------------------------ typed answers
+TEXT_TYPES = {"text/plain", "text/html"}
+
+
+def untyped_answers(spec: dict) -> list[str]:
+    """The 2xx answers of ``spec`` whose JSON body is not a typed object: no schema, an
+    inline one (a bare ``dict``: ``additionalProperties`` and no properties), or a component
+    without properties. A page (text/html, text/plain) needs none."""
+    schemas = spec.get("components", {}).get("schemas", {})
+    found = []
+    for path, ops in spec["paths"].items():
+        for method, op in ops.items():
+            for status, answer in op["responses"].items():
+                if not status.startswith("2"):
+                    continue
+                content = answer.get("content", {})
+                where = f"{method.upper()} {path} {status}"
+                if "application/json" not in content:
+                    if not content or not set(content) <= TEXT_TYPES:
+                        found.append(f"{where}: no JSON body and no page")
+                    continue
+                ref = content["application/json"].get("schema", {}).get("$ref", "")
+                component = schemas.get(ref.removeprefix("#/components/schemas/"), {})
+                if not ref.startswith("#/components/schemas/") or not component.get("properties"):
+                    found.append(f"{where}: {content['application/json'].get('schema')}")
+    return found
+
+
+def test_every_answer_of_every_route_is_typed(spec):
+    assert untyped_answers(spec) == []
+
+
+def test_an_untyped_answer_is_found():
+    from fastapi import FastAPI
+
+    app = FastAPI()
+    # No annotation, a bare dict (annotations are strings here: the decorator says it), a model.
+    app.get("/a")(lambda: {})
+    app.post("/b", status_code=201, response_model=dict)(lambda: {})
+    app.get("/c", response_model=LoadPolicyRequest)(lambda: None)
+    found = untyped_answers(app.openapi())
+    assert [f.split(":")[0] for f in found] == ["GET /a 200", "POST /b 201"]
+
+
+# The admin routes' answers, as the server gives them, are what the spec says (the models only
+# state the dicts core builds: tests/test_lifecycle_server.py and tests/test_api_keys.py read them).
+ADMIN_CALLS = [
+    ("get", "/admin/learner", None),
+    ("get", "/admin/dead_letters", None),
+    ("get", "/admin/dead_letters?payload=true", None),
+    ("post", "/admin/lifecycle/promote", {"version": 2, "reason": "r"}),
+    ("post", "/admin/lifecycle/reject", {"version": 3}),
+    ("post", "/admin/lifecycle/pin", {"version": 2}),
+    ("post", "/admin/lifecycle/unpin", None),
+    ("post", "/admin/lifecycle/guard", {"on": False}),
+    ("post", "/admin/lifecycle/canary", {"share": 0.25}),
+    ("get", "/admin/lifecycle", None),
+    ("get", "/admin/quarantine", None),
+    ("post", "/admin/keys", {"tenant": "acme"}),
+    ("get", "/admin/keys", None),
+]
+
+
+async def test_the_admin_answers_are_what_the_spec_says(tmp_path):
+    import httpx
+    from sqlalchemy import insert
+
+    from core.db import LearnerCounter, LearnerStep, make_engine
+    from core.dead_letters import Letter, set_aside
+    from core.records import utcnow
+    from tests.conftest import ADMIN, running_server
+    from tests.fake_engine import FakeEngine
+    from tests.test_lifecycle_server import seed
+
+    settings = make_settings(tmp_path)
+    seed(settings.resolved_database_url)
+    db = make_engine(settings.resolved_database_url)
+    with db.begin() as conn:
+        metrics = {"reward_mean": 0.5, "kl_ref": 1, "sample_ids": ["t1"], "none": None}
+        conn.execute(
+            insert(LearnerStep).values(run_id="r", step=1, version=1, metrics=metrics, created_at=utcnow())
+        )
+        conn.execute(insert(LearnerCounter).values(name="expired", value=3))
+        set_aside(conn, [Letter(kind="malformed", reason="bad", payload=b"x\xff")], utcnow())
+    db.dispose()
+    answers = {}
+    async with running_server(settings, FakeEngine(), watch_policy=False) as url:
+        async with httpx.AsyncClient(base_url=url, headers=ADMIN) as http:
+            spec = (await http.get("/openapi.json")).json()
+            for method, path, body in ADMIN_CALLS:
+                answers[(method, path)] = await http.request(method.upper(), path, json=body)
+            key = answers[("post", "/admin/keys")].json()["id"]
+            for method, path in (("patch", f"/admin/keys/{key}"), ("post", f"/admin/keys/{key}/revoke")):
+                answers[(method, path)] = await http.request(method.upper(), path, json={"train": False})
+    for (method, path), r in answers.items():
+        route = path.split("?")[0].replace(key, "{key_id}")
+        status = str(r.status_code)
+        assert status.startswith("2"), (path, r.text)
+        schema = spec["paths"][route][method]["responses"][status]["content"]["application/json"]["schema"]
+        jsonschema.Draft202012Validator({"components": spec["components"], **schema}).validate(r.json())
+    assert "payload" not in answers[("get", "/admin/dead_letters")].json()["dead_letters"][0]
+    assert (
+        answers[("get", "/admin/dead_letters?payload=true")].json()["dead_letters"][0]["payload"] == "x\\xff"
+    )
+    assert answers[("get", "/admin/learner")].json()["steps"][0]["sample_ids"] == ["t1"]

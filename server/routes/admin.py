@@ -1,5 +1,5 @@
 """``/admin/*``: routes behind the admin key (``Authorization: Bearer <SAOSERVE_ADMIN_KEY>``;
-403 for all of them while no key is set). ``saoserve admin`` (saoserve/admin.py) is their client."""
+403 for all of them while no key is set). ``saoserve admin`` (saoserve/admin/) is their client."""
 
 from __future__ import annotations
 
@@ -12,18 +12,46 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi import Path as PathParam
 from fastapi.responses import Response
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, field_validator
 
 from core import lifecycle_store
-from core.control import CANARY_SHARE, GUARD_OFF, GUARD_PIN, PAUSED, ROLLBACK_TO, get_flag, set_flag
+from core.control import (
+    CANARY_SHARE,
+    GUARD_OFF,
+    GUARD_PIN,
+    PAUSED,
+    ROLLBACK_TO,
+    canary_share_flag,
+    get_flag,
+    set_flag,
+)
 from core.dead_letters import KINDS as DEAD_LETTER_KINDS
 from core.dead_letters import recent as recent_dead_letters
 from core.evidence_store import EvidenceStore
-from core.lifecycle import Stage, TransitionError, lineage, promoted
+from core.lifecycle import (
+    CANARY_SHARE_MAX,
+    CANARY_SHARE_MIN,
+    Stage,
+    TransitionError,
+    check_canary_share,
+    lineage,
+    promoted,
+)
 from core.limits import ID_CHARS, NAME_CHARS, PROMPT_ID_CHARS
 from core.policy_store import layout
-from core.records import POLICY_KEY, TOPIC_POLICY, TOPIC_TRAJECTORIES, utcnow
+from core.records import POLICY_KEY, TOPIC_POLICY, TOPIC_TRAJECTORIES, TrajectoryRecord, utcnow
 from core.retention import forget_user, sql_log_engine
+from server.admin_schemas import (
+    CanaryShareSet,
+    DeadLetters,
+    GuardSwitched,
+    LearnerStatus,
+    LifecycleState,
+    Quarantine,
+    Unpinned,
+    VersionPinned,
+    VersionsMoved,
+)
 from server.engine import SwapRefused
 from server.errors import ApiError, errors
 from server.responses import (
@@ -71,10 +99,14 @@ router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)])
 ADMIN_ERRORS = errors(400, 401, 403, 503)
 
 
-@router.get("/trajectories/{trajectory_id}", responses=ADMIN_ERRORS | errors(404))
+@router.get(
+    "/trajectories/{trajectory_id}", response_model=TrajectoryRecord, responses=ADMIN_ERRORS | errors(404)
+)
 async def admin_trajectory(
     trajectory_id: Annotated[EdgeStr, PathParam(max_length=ID_CHARS)], request: Request
 ) -> Response:
+    """The trajectory's record as the log holds it (its bytes, not re-serialised): 404 for an id
+    not indexed, or indexed but gone from the log."""
     s = state_of(request)
     traj = await asyncio.to_thread(s.store.find_trajectory, trajectory_id)
     if traj is None:
@@ -200,7 +232,7 @@ async def admin_versions(request: Request) -> PolicyVersions:
     return PolicyVersions(serving=s.engine.version, versions=await asyncio.to_thread(read))
 
 
-@router.get("/learner", responses=ADMIN_ERRORS)
+@router.get("/learner", response_model=LearnerStatus, responses=ADMIN_ERRORS)
 async def admin_learner(request: Request, limit: Annotated[int, Query(ge=1, le=1000)] = 50) -> dict:
     """The last ``limit`` learner steps (their metrics as the learner stored them), counters,
     ``learning`` (``running`` | ``paused``) and ``rollback_to`` (a requested rollback the learner
@@ -216,7 +248,9 @@ async def admin_learner(request: Request, limit: Annotated[int, Query(ge=1, le=1
     return await asyncio.to_thread(read)
 
 
-@router.get("/dead_letters", responses=ADMIN_ERRORS)
+@router.get(
+    "/dead_letters", response_model=DeadLetters, response_model_exclude_unset=True, responses=ADMIN_ERRORS
+)
 async def admin_dead_letters(
     request: Request,
     limit: Annotated[int, Query(ge=1, le=1000)] = 50,
@@ -302,10 +336,17 @@ class GuardSwitch(EdgeModel):
 
 
 class CanaryShare(EdgeModel):
-    """``POST /admin/lifecycle/canary``: the share of traffic a canary gets, in (0, 1]."""
+    """``POST /admin/lifecycle/canary``: the share of traffic a canary gets, in
+    [``CANARY_SHARE_MIN``, ``CANARY_SHARE_MAX``] (``core.lifecycle.check_canary_share`` says why;
+    400 naming ``share`` otherwise)."""
 
     model_config = ConfigDict(extra="forbid")
-    share: float = Field(gt=0.0, le=1.0)
+    share: float = Field(json_schema_extra={"minimum": CANARY_SHARE_MIN, "maximum": CANARY_SHARE_MAX})
+
+    @field_validator("share")
+    @classmethod
+    def _bounded(cls, v: float) -> float:
+        return check_canary_share(v)
 
 
 def operator_of(request: Request) -> str:
@@ -376,7 +417,7 @@ async def _operator_move(request: Request, version: int, target: Stage, reason: 
     return moved | {"announced": await _announce_moves(s, moved["versions"], target, who)}
 
 
-@router.post("/lifecycle/promote", responses=LIFECYCLE_ERRORS | errors(413))
+@router.post("/lifecycle/promote", response_model=VersionsMoved, responses=LIFECYCLE_ERRORS | errors(413))
 async def admin_promote(body: VersionAction, request: Request) -> dict:
     """Promote a candidate or canary version (and the lineage before it): 404 unknown, 409 a
     move the lifecycle does not allow (a rejected version never serves again). ``announced``:
@@ -384,7 +425,7 @@ async def admin_promote(body: VersionAction, request: Request) -> dict:
     return await _operator_move(request, body.version, Stage.PROMOTED, body.reason)
 
 
-@router.post("/lifecycle/reject", responses=LIFECYCLE_ERRORS | errors(413))
+@router.post("/lifecycle/reject", response_model=VersionsMoved, responses=LIFECYCLE_ERRORS | errors(413))
 async def admin_reject(body: VersionAction, request: Request) -> dict:
     """Reject a version: it never serves again. If it serves now, the learner publishes the
     promoted version's weights as a new version and quarantines the samples that trained it
@@ -392,7 +433,7 @@ async def admin_reject(body: VersionAction, request: Request) -> dict:
     return await _operator_move(request, body.version, Stage.REJECTED, body.reason)
 
 
-@router.post("/lifecycle/pin", responses=LIFECYCLE_ERRORS | errors(413))
+@router.post("/lifecycle/pin", response_model=VersionPinned, responses=LIFECYCLE_ERRORS | errors(413))
 async def admin_pin(body: VersionAction, request: Request) -> dict:
     """Pin ``version`` (promoted first if it is a candidate or canary): the guard decides nothing
     by itself until ``unpin``. Pinning a version older than the promoted one does not make it
@@ -421,7 +462,7 @@ async def admin_pin(body: VersionAction, request: Request) -> dict:
     return done | {"announced": await _announce_moves(s, done["promoted"], Stage.PROMOTED, who)}
 
 
-@router.post("/lifecycle/unpin", responses=ADMIN_ERRORS)
+@router.post("/lifecycle/unpin", response_model=Unpinned, responses=ADMIN_ERRORS)
 async def admin_unpin(request: Request) -> dict:
     """Let the guard decide again."""
     s, who = state_of(request), operator_of(request)
@@ -434,7 +475,7 @@ async def admin_unpin(request: Request) -> dict:
     return await asyncio.to_thread(unpin)
 
 
-@router.post("/lifecycle/guard", responses=ADMIN_ERRORS)
+@router.post("/lifecycle/guard", response_model=GuardSwitched, responses=ADMIN_ERRORS)
 async def admin_guard(body: GuardSwitch, request: Request) -> dict:
     """Turn the guard on or off (off: no gate, every new version promoted when recorded)."""
     s, who = state_of(request), operator_of(request)
@@ -453,7 +494,7 @@ def serving_mode(s) -> str:
     return "canary" if s.engine.adapters is not None else "probation"
 
 
-@router.post("/lifecycle/canary", responses=ADMIN_ERRORS)
+@router.post("/lifecycle/canary", response_model=CanaryShareSet, responses=ADMIN_ERRORS)
 async def admin_canary(body: CanaryShare, request: Request) -> dict:
     """Set the canary share: the share of new requests the candidate lineage gets on replicas
     that serve adapters (from their next read of the lifecycle, ``policy_poll_s``). A replica
@@ -484,7 +525,7 @@ async def admin_canary(body: CanaryShare, request: Request) -> dict:
     return await asyncio.to_thread(store)
 
 
-@router.get("/lifecycle", responses=ADMIN_ERRORS)
+@router.get("/lifecycle", response_model=LifecycleState, responses=ADMIN_ERRORS)
 async def admin_lifecycle(request: Request, limit: Annotated[int, Query(ge=1, le=1000)] = 20) -> dict:
     """The promoted version, the lineage under watch, the guard's switches, this replica's
     canary split (``split``: lineage, control version and share; None when none is in effect)
@@ -504,7 +545,7 @@ async def admin_lifecycle(request: Request, limit: Annotated[int, Query(ge=1, le
             "promoted": promoted(st) if st else None,
             "lineage": lineage(st) if st else [],
             "pinned": None if pin is None else int(pin),
-            "canary_share": None if share is None else float(share),
+            "canary_share": canary_share_flag(share),
             "split": None
             if split is None
             else {"lineage": sorted(split.lineage), "control": split.control, "share": split.share},
@@ -514,7 +555,7 @@ async def admin_lifecycle(request: Request, limit: Annotated[int, Query(ge=1, le
     return await asyncio.to_thread(read)
 
 
-@router.get("/quarantine", responses=ADMIN_ERRORS)
+@router.get("/quarantine", response_model=Quarantine, responses=ADMIN_ERRORS)
 async def admin_quarantine(request: Request, limit: Annotated[int, Query(ge=1, le=1000)] = 50) -> dict:
     """The samples that trained a rejected version, which the learner never trains again:
     ``total`` and the newest ``limit``."""

@@ -11,9 +11,10 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi import Path as PathParam
 from pydantic import ConfigDict, Field
 
-from core.keys import TENANT_REGEX, KeyStore
+from core.keys import TENANT_REGEX, KeyRevoked, KeyStore
 from core.limits import NAME_CHARS
 from core.records import utcnow
+from server.admin_schemas import ApiKeyCreated, ApiKeyInfo, ApiKeyList
 from server.errors import ApiError, errors
 from server.routes import state_of
 from server.routes.admin import ADMIN_ERRORS, require_admin
@@ -42,7 +43,7 @@ def store_of(request: Request) -> KeyStore:
     return KeyStore(state_of(request).store.engine)
 
 
-@router.post("", status_code=201, responses=ADMIN_ERRORS | errors(413))
+@router.post("", status_code=201, response_model=ApiKeyCreated, responses=ADMIN_ERRORS | errors(413))
 async def create_key(body: CreateKey, request: Request) -> dict:
     """A new key of ``tenant`` (opted out of training with ``train: false``): ``key`` is the key
     itself, shown this once (only its hash is stored); ``id`` names it from now on."""
@@ -50,7 +51,7 @@ async def create_key(body: CreateKey, request: Request) -> dict:
     return info.to_json() | {"key": key}
 
 
-@router.get("", responses=ADMIN_ERRORS)
+@router.get("", response_model=ApiKeyList, responses=ADMIN_ERRORS)
 async def list_keys(
     request: Request,
     tenant: Annotated[str | None, Query(pattern=TENANT_REGEX, max_length=NAME_CHARS)] = None,
@@ -61,7 +62,7 @@ async def list_keys(
     return {"keys": [k.to_json() for k in keys]}
 
 
-@router.post("/{key_id}/revoke", responses=ADMIN_ERRORS | errors(404))
+@router.post("/{key_id}/revoke", response_model=ApiKeyInfo, responses=ADMIN_ERRORS | errors(404))
 async def revoke_key(
     key_id: Annotated[EdgeStr, PathParam(min_length=1, max_length=NAME_CHARS)], request: Request
 ) -> dict:
@@ -73,7 +74,7 @@ async def revoke_key(
     return info.to_json()
 
 
-@router.patch("/{key_id}", responses=ADMIN_ERRORS | errors(404, 413))
+@router.patch("/{key_id}", response_model=ApiKeyInfo, responses=ADMIN_ERRORS | errors(404, 409, 413))
 async def set_key(
     body: KeySettings,
     key_id: Annotated[EdgeStr, PathParam(min_length=1, max_length=NAME_CHARS)],
@@ -82,8 +83,12 @@ async def set_key(
     """Set a key's training setting: ``train: false`` opts it out (each answer it is sent from
     its next request on, on every replica, is logged ``train: false`` and never trained), ``true``
     opts it back in. Answers logged before keep the setting they were logged with. Idempotent;
-    404 for an unknown id."""
-    info = await asyncio.to_thread(store_of(request).set_train, key_id, body.train)
+    404 for an unknown id; 409 ``key_revoked`` for a revoked key (a revocation is final: nothing
+    is changed)."""
+    try:
+        info = await asyncio.to_thread(store_of(request).set_train, key_id, body.train)
+    except KeyRevoked as exc:
+        raise ApiError(409, str(exc), code="key_revoked", param="key_id") from None
     if info is None:
         raise ApiError(404, f"no API key {key_id!r}", code="not_found", param="key_id")
     return info.to_json()

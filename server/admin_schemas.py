@@ -1,0 +1,220 @@
+"""The 200 bodies of the admin routes that answer what ``core`` returns as dicts: API keys
+(``server/routes/keys.py``), the version lifecycle, the learner's status, dead letters and
+quarantined samples (``server/routes/admin.py``). Each route names its model as
+``response_model=``, so ``/openapi.json`` states the shape (``tests/test_openapi_spec.py``
+checks that every JSON route has one).
+
+The routes still return the dicts ``core`` builds; a model only states them. So each model
+lists every key in the order the dict has it, and no field has a default a dict could lack
+(pydantic would add it; the one optional key, a dead letter's ``payload``, is left out by its
+route's ``response_model_exclude_unset``): the body a client reads is the one it read before
+the models. Times are ISO 8601 strings with their offset (``core.records.as_utc``), as the dicts
+hold them.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# Every key a route's dict holds is a field: a key core adds without its field here fails the
+# route's answer (500) in the tests, instead of going missing from the body unseen.
+_CLOSED = ConfigDict(extra="forbid")
+
+# ------------------------------------------------------------------ API keys
+
+
+class ApiKeyInfo(BaseModel):
+    """An API key as listed (``core.keys.KeyInfo.to_json``): never its secret or its hash.
+    ``revoked_at`` null while the key is valid; ``train`` false: the key opts out of training."""
+
+    model_config = _CLOSED
+    id: str
+    tenant: str
+    created_at: str
+    revoked_at: str | None
+    train: bool
+
+
+class ApiKeyCreated(ApiKeyInfo):
+    """``POST /admin/keys`` (201): the new key's listing and ``key``, the key itself, shown this
+    once (only its hash is stored)."""
+
+    key: str
+
+
+class ApiKeyList(BaseModel):
+    """``GET /admin/keys``: every key (of the tenant asked for), oldest first, revoked ones
+    included."""
+
+    model_config = _CLOSED
+    keys: list[ApiKeyInfo]
+
+
+# ------------------------------------------------------------------ the version lifecycle
+
+
+class VersionsMoved(BaseModel):
+    """``POST /admin/lifecycle/promote`` and ``/reject``: the versions moved (a promotion moves
+    the lineage's versions before it too), their new stage, who moved them, and ``announced``:
+    whether the policy topic's stage notices went out."""
+
+    model_config = _CLOSED
+    versions: list[int]
+    lifecycle: Literal["promoted", "rejected"]
+    actor: str
+    announced: bool
+
+
+class VersionPinned(BaseModel):
+    """``POST /admin/lifecycle/pin``: the version pinned, who pinned it, the versions promoted
+    first (a candidate or canary pinned), and whether their stage notices went out."""
+
+    model_config = _CLOSED
+    pinned: int
+    actor: str
+    promoted: list[int]
+    announced: bool
+
+
+class Unpinned(BaseModel):
+    """``POST /admin/lifecycle/unpin``: nothing is pinned any more; who unpinned."""
+
+    model_config = _CLOSED
+    pinned: None
+    actor: str
+
+
+class GuardSwitched(BaseModel):
+    """``POST /admin/lifecycle/guard``: the guard's new state and who set it."""
+
+    model_config = _CLOSED
+    guard: Literal["on", "off"]
+    actor: str
+
+
+class CanaryShareSet(BaseModel):
+    """``POST /admin/lifecycle/canary``: the share stored; ``mode``: this replica's
+    (``canary``: it serves adapters and applies the share, ``probation``: a full-weight engine,
+    the share is only stored); ``applied``: whether this replica applies it; ``message``: that
+    said in a sentence; who set it."""
+
+    model_config = _CLOSED
+    canary_share: float
+    mode: Literal["canary", "probation"]
+    applied: bool
+    message: str
+    actor: str
+
+
+class LifecycleEvent(BaseModel):
+    """One ``version_status_events`` row (``core.lifecycle_store.events``): a transition, or an
+    operator's switch recorded on a version with its stage unchanged. ``from_status`` null for
+    a version's first stage."""
+
+    model_config = _CLOSED
+    version: int
+    from_status: str | None
+    to_status: str
+    actor: str
+    reason: str
+    at: str
+
+
+class SplitState(BaseModel):
+    """This replica's canary split in effect (``core.lifecycle.CanarySplit``): the lineage's
+    versions, the control version held beside them, the share."""
+
+    model_config = _CLOSED
+    lineage: list[int]
+    control: int
+    share: float
+
+
+class LifecycleState(BaseModel):
+    """``GET /admin/lifecycle``: this replica's ``mode``, the guard's switches (``guard``,
+    ``pinned``, the ``canary_share`` flag: null when unset), the promoted version (null on a
+    database with no version yet), the lineage under watch, this replica's ``split`` (null when
+    none is in effect) and the newest transitions, newest first."""
+
+    model_config = _CLOSED
+    mode: Literal["canary", "probation"]
+    guard: Literal["on", "off"]
+    promoted: int | None
+    lineage: list[int]
+    pinned: int | None
+    canary_share: float | None
+    split: SplitState | None
+    events: list[LifecycleEvent]
+
+
+class QuarantinedSample(BaseModel):
+    """A sample that trained the rejected ``version``, never trained again."""
+
+    model_config = _CLOSED
+    sample_id: str
+    version: int
+    reason: str
+    at: str
+
+
+class Quarantine(BaseModel):
+    """``GET /admin/quarantine``: how many samples are quarantined, and the newest of them."""
+
+    model_config = _CLOSED
+    total: int
+    samples: list[QuarantinedSample]
+
+
+# ------------------------------------------------------------------ the learner
+
+
+class LearnerStepRow(BaseModel):
+    """One learner step: its number, the version it published, when, then every metric the
+    learner stored with it under the metric's own name (``learner.metrics``; the set grows with
+    the learner, so the metrics are not listed here)."""
+
+    model_config = ConfigDict(extra="allow")
+    step: int
+    version: int
+    created_at: str
+
+
+class LearnerStatus(BaseModel):
+    """``GET /admin/learner``: the newest steps (oldest first), the learner's counters,
+    ``learning`` (``running`` | ``paused``) and ``rollback_to`` (a requested rollback not carried
+    out yet, or null)."""
+
+    model_config = _CLOSED
+    steps: list[LearnerStepRow]
+    counters: dict[str, int]
+    learning: Literal["running", "paused"]
+    rollback_to: int | None
+
+
+class DeadLetterRow(BaseModel):
+    """One dead letter (``core.db.DeadLetter``, ``core.dead_letters.recent``): what was set aside,
+    why, where it was read (null where unknown) and after how many tries; ``payload`` (the record
+    as read) only when asked for (``payload=true``; absent otherwise, not null)."""
+
+    model_config = _CLOSED
+    id: int
+    kind: str
+    reason: str
+    key: str | None
+    prompt_id: str | None
+    topic: str | None
+    log_partition: int | None
+    log_offset: int | None
+    attempts: int
+    payload: str | None = Field(None, description="Only with payload=true.")
+    created_at: str
+
+
+class DeadLetters(BaseModel):
+    """``GET /admin/dead_letters``: how many there are (of the kind asked for), and the newest."""
+
+    model_config = _CLOSED
+    total: int
+    dead_letters: list[DeadLetterRow]

@@ -1,0 +1,126 @@
+"""An episode turn whose client left mid-answer (``server.fate.Fate.aborted``) frees its turn
+number: the client sends the turn again, rates the episode, and the learner trains one sample
+made of the retried turn; the aborted record is logged once and is no turn of the episode.
+
+The real app under uvicorn on SQLite with a scripted engine (no vLLM engine), then the
+learner's join and one step of the tiny random Llama (tests/learner_harness.py) on the same
+database and SQL-table log."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+
+import httpx
+from sqlalchemy import func, select
+
+from core.db import LearnerSample, LogRecord, TrajectoryIndex, make_engine
+from core.logbus import SqlLog
+from core.records import TOPIC_TRAJECTORIES
+from learner.joiner import Joiner
+from server.engine import GenerationDelta
+from tests.conftest import ADMIN, make_settings, running_server
+from tests.learner_harness import in_process, run_until, trained_ids, wait_for
+from tests.test_api_keys import TIMEOUT_S, ScriptedEngine
+
+USER = {"role": "user", "content": "hello"}
+ANSWER = {"role": "assistant", "content": "hi!"}
+
+
+@dataclass
+class TurnEngine(ScriptedEngine):
+    """Renders a user message as the tokens 1, 2, 3 and an assistant's as 7, 8 (the answer's
+    tokens), so a later turn's prompt holds the earlier turns; answers 7, 8 (``stop``). While
+    ``hang`` is set it samples the token 9 and then nothing more, until the request is aborted."""
+
+    hang: bool = False
+
+    def render(self, messages: list[dict]) -> list[int]:
+        return [t for m in messages for t in ([1, 2, 3] if m["role"] == "user" else [7, 8])]
+
+    async def generate(self, prompt_ids, sampling, request_id=None, top_logprobs=0, **kw):
+        if self.hang:
+            yield GenerationDelta([9], [-0.125], "wa", self.version)
+            await asyncio.Event().wait()
+        async for d in super().generate(prompt_ids, sampling, request_id, top_logprobs, **kw):
+            yield d
+
+
+def aborted_ids(db) -> list[str]:
+    with db.connect() as conn:
+        return list(
+            conn.execute(select(TrajectoryIndex.id).where(TrajectoryIndex.finish_reason == "abort")).scalars()
+        )
+
+
+async def test_an_aborted_turn_is_sent_again_and_the_episode_trains_with_the_retry(tmp_path):
+    settings = make_settings(tmp_path)
+    engine = TurnEngine()
+    db = make_engine(settings.resolved_database_url)
+    async with running_server(settings, engine, watch_policy=False) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT_S) as http:
+            turn0 = await http.post(
+                "/v1/chat/completions", json={"messages": [USER], "episode_id": "ep", "max_tokens": 4}
+            )
+            assert turn0.status_code == 200, turn0.text
+            token = turn0.json()["episode_feedback_token"]
+            turn1 = {
+                "messages": [USER, ANSWER, USER],
+                "episode_id": "ep",
+                "episode_token": token,
+                "turn": 1,
+                "max_tokens": 4,
+            }
+            # The client leaves mid-answer (its read times out and it closes the connection).
+            engine.hang = True
+            try:
+                await http.post(
+                    "/v1/chat/completions", json=turn1, timeout=httpx.Timeout(TIMEOUT_S, read=2.0)
+                )
+            except httpx.ReadTimeout:
+                pass
+            assert await asyncio.to_thread(wait_for, lambda: aborted_ids(db), 30.0)
+            (aborted,) = aborted_ids(db)
+            engine.hang = False
+            # Its number is free: the same turn again is answered, not 409 duplicate_turn.
+            retry = await http.post("/v1/chat/completions", json=turn1)
+            assert retry.status_code == 200, retry.text
+            rated = await http.post(
+                "/v1/feedback", json={"episode_id": "ep", "reward": 1.0, "feedback_token": token}
+            )
+            assert rated.status_code == 202, rated.text
+            # A second answer, rated, so that the learner's batch of 2 fills.
+            single = await http.post("/v1/chat/completions", json={"messages": [USER], "max_tokens": 4})
+            body = single.json()
+            assert (
+                await http.post(
+                    "/v1/feedback",
+                    json={"id": body["id"], "reward": 0.0, "feedback_token": body["feedback_token"]},
+                )
+            ).status_code == 202
+            record = (await http.get(f"/admin/trajectories/{aborted}", headers=ADMIN)).json()
+    assert (record["episode_id"], record["turn"], record["response_token_ids"]) == ("ep", 1, [9])
+    with db.connect() as conn:
+        logged = conn.execute(
+            select(func.count()).select_from(LogRecord).where(LogRecord.topic == TOPIC_TRAJECTORIES)
+        ).scalar_one()
+    assert logged == 4  # turn 0, the aborted turn (once), its retry, the single answer
+
+    log = SqlLog(settings.resolved_log_url)
+    stats = await asyncio.to_thread(Joiner(log, db, expire_s=3600).poll_once)
+    log.close()
+    assert stats.samples == 2 and stats.counters == {"void_episode_turns": 1}
+    with db.connect() as conn:
+        payload = conn.execute(select(LearnerSample.payload).where(LearnerSample.id == "e:ep")).scalar_one()
+    sample = json.loads(payload)
+    # Turn 0 then the retried turn 1: both answers are actions; the aborted token 9 is nowhere.
+    assert sample["input_ids"] == [1, 2, 3, 7, 8, 1, 2, 3, 7, 8]
+    assert sample["actions"] == [[3, 5], [8, 10]]
+    assert sample["rollout_logprobs"] == [-0.5, -0.25, -0.5, -0.25]
+    assert sample["reward"] == 1.0
+
+    learner = await asyncio.to_thread(in_process, tmp_path / "learner", settings.resolved_database_url)
+    assert await asyncio.to_thread(run_until, learner, lambda: sum(trained_ids(learner).values()) >= 2)
+    assert trained_ids(learner) == {"e:ep": 1, body["id"]: 1}
+    db.dispose()

@@ -46,12 +46,12 @@ async def one(
     engine: PolicyEngine, seed: int, tokens: int, version: int | None = None
 ) -> tuple[float, float]:
     """One request: (seconds to its first token, seconds to its end)."""
-    from vllm import SamplingParams
+    from core.records import SamplingRecord
 
-    sampling = SamplingParams(temperature=1.0, max_tokens=tokens, seed=seed, ignore_eos=True)
+    sampling = SamplingRecord(temperature=1.0, max_tokens=tokens, seed=seed)
     t0 = time.perf_counter()
     first = None
-    async for _ in engine.generate(engine.render(PROMPT), sampling, version=version):
+    async for _ in engine.generate(engine.render(PROMPT), sampling, version=version, ignore_eos=True):
         first = first or time.perf_counter() - t0
     return first, time.perf_counter() - t0
 

@@ -46,6 +46,7 @@ from pathlib import Path
 
 import torch
 
+from core.records import SamplingRecord
 from core.settings import Settings
 from judge.styles import writing_requests
 from learner.config import MISSnapshotCorrection, build_config
@@ -84,13 +85,11 @@ async def serve(
     engine, prompts: list[list[int]], streams: int, max_tokens: int
 ) -> tuple[float, list[Answer]]:
     """Answer every prompt (seed = its index) with at most ``streams`` in flight; wall seconds."""
-    from vllm import SamplingParams
-
     sem = asyncio.Semaphore(streams)
 
     async def one(i: int, prompt: list[int]) -> Answer:
         async with sem:
-            sampling = SamplingParams(temperature=TEMPERATURE, max_tokens=max_tokens, seed=i)
+            sampling = SamplingRecord(temperature=TEMPERATURE, max_tokens=max_tokens, seed=i)
             ids: list[int] = []
             lps: list[float] = []
             t0 = time.perf_counter()

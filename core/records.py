@@ -52,7 +52,16 @@ def as_utc(t: datetime) -> datetime:
 
 
 class SamplingRecord(BaseModel):
-    """The sampling parameters a rollout was drawn with (what the learner must reproduce)."""
+    """The sampling parameters a rollout was drawn with: the one description of a request's
+    sampling, logged with its trajectory (what the learner must reproduce, ``core.learnable``)
+    and what the engine builds vLLM's parameters from (``server.engine.vllm_sampling``).
+
+    ``temperature`` in [0, 2]; ``top_p`` in (0, 1]; ``top_k`` 0 for off, else the number of
+    most likely tokens kept; ``max_tokens`` the answer's token budget; ``seed`` None for an
+    unseeded draw. ``stop``: the request's stop strings (None: none), which end the answer with
+    finish reason ``stop`` (the tokens that spelled one are still logged); the learner does not
+    read them. Left out of the JSON when None, so a record without them reads as before.
+    """
 
     model_config = ConfigDict(extra="forbid")
 
@@ -61,6 +70,7 @@ class SamplingRecord(BaseModel):
     top_k: int = 0
     max_tokens: int
     seed: int | None = None
+    stop: list[str] | None = Field(None, exclude_if=lambda v: v is None)
 
     @property
     def truncated(self) -> bool:

@@ -27,12 +27,9 @@ from dataclasses import dataclass
 import torch
 
 from core.claims import episode_key
-from core.records import TrajectoryRecord, answer_version, is_whole_answer
+from core.learnable import NOT_WHOLE_ANSWER, OPTED_OUT, episode_exclusion_reason, exclusion_reason
+from core.records import TrajectoryRecord, answer_version
 from learner.batch import Batch
-
-GREEDY_BELOW = 1e-5
-
-_UNFINISHED_REASONS = {"abort": "excluded_aborted", "error": "excluded_error"}
 
 
 class NotLearnable(ValueError):
@@ -94,35 +91,23 @@ def expand_versions(token_versions: list[tuple[int, int]]) -> list[int]:
     return [v for v, c in token_versions for _ in range(c)]
 
 
-def check_whole_answer(rec: TrajectoryRecord) -> None:
-    """Raise NotWholeAnswer unless ``rec`` finished with ``stop`` or ``length`` (module docstring)."""
-    if not is_whole_answer(rec.finish_reason):
-        raise NotWholeAnswer(_UNFINISHED_REASONS.get(rec.finish_reason, "excluded_unfinished"))
-
-
-def check_opted_in(rec: TrajectoryRecord) -> None:
-    """Raise OptedOut when ``rec``'s request opted out of training (docs/privacy.md)."""
-    if not rec.train:
-        raise OptedOut("excluded_opted_out")
+def _refuse(reason: str | None) -> None:
+    """Raise the NotLearnable of a reason of ``core.learnable`` (None: nothing to raise):
+    OptedOut for ``excluded_opted_out``, NotWholeAnswer for a finish that is no whole answer,
+    else NotLearnable; the reason is the exception's text."""
+    if reason == OPTED_OUT:
+        raise OptedOut(reason)
+    if reason in NOT_WHOLE_ANSWER:
+        raise NotWholeAnswer(reason)
+    if reason is not None:
+        raise NotLearnable(reason)
 
 
 def check_learnable(rec: TrajectoryRecord) -> None:
-    """Raise NotLearnable when the learner cannot evaluate π_θ on the sampled distribution.
-
-    First OptedOut for a trajectory that opted out of training (:func:`check_opted_in`), then
-    NotWholeAnswer for one that is not a whole answer (:func:`check_whole_answer`).
-    Top-p/top-k truncation and greedy decoding change the distribution the logged logprobs
-    come from; the learner does not reproduce them (docs/design.md §5.1), so such rollouts are served
-    but not trained on.
-    """
-    check_opted_in(rec)
-    check_whole_answer(rec)
-    if rec.sampling.truncated:
-        raise NotLearnable("excluded_truncated_sampling")
-    if rec.sampling.temperature < GREEDY_BELOW:
-        raise NotLearnable("excluded_greedy")
-    if not rec.response_token_ids:
-        raise NotLearnable("excluded_empty_response")
+    """Raise NotLearnable (OptedOut, NotWholeAnswer first) when the learner cannot learn from
+    ``rec``: the rule of ``core.learnable.exclusion_reason`` (opted out, not a whole answer,
+    truncated or greedy sampling, empty response; docs/design.md §5.1)."""
+    _refuse(exclusion_reason(rec))
 
 
 def single_turn_sample(rec: TrajectoryRecord, reward: float) -> Sample:
@@ -162,18 +147,14 @@ def episode_sample(
     truncation; otherwise its tokens stay observations and it is counted as not aligned.
     Raises OptedOut if any turn opted out of training, then NotWholeAnswer if any turn, aligned
     or not, is not a whole answer (the first such turn in turn order names the reason), then
-    NotLearnable if the last turn is not learnable.
+    NotLearnable if the last turn is not learnable (``core.learnable.episode_exclusion_reason``).
     ``result_version`` is the first turn's :func:`answer_version`; the baseline is the one
     frozen at the first turn's dispatch.
     """
     if not in_order:
         turns = sorted(turns, key=lambda r: (r.turn if r.turn is not None else 0, r.created_at))
-    for rec in turns:
-        check_opted_in(rec)
-    for rec in turns:
-        check_whole_answer(rec)
+    _refuse(episode_exclusion_reason(turns))
     last = turns[-1]
-    check_learnable(last)
     seq = last.prompt_token_ids + last.response_token_ids
     actions: list[tuple[int, int]] = []
     lps: list[float] = []

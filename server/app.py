@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from contextlib import asynccontextmanager
 
@@ -24,8 +25,10 @@ from core.records import FrozenBaseline
 from core.settings import Settings, get_settings
 from server.auth import authenticate
 from server.canary import CanaryRouter
+from server.chat import ChatHandler
 from server.engine import PolicyEngine
 from server.errors import install_error_handlers
+from server.fate import Fate
 from server.health import Health
 from server.limits import BodySizeLimit, max_body_bytes
 from server.metrics import ServerMetrics
@@ -62,6 +65,16 @@ def create_app(
         state = ServerState(settings, eng, lt, ServerStore(db), ServerMetrics(), spool, reader, health)
         state.metrics.policy_version.set(eng.version)
         app.state.s = state
+        app.state.chat = ChatHandler(
+            settings,
+            eng,
+            state.store,
+            state.metrics,
+            open_fate=functools.partial(Fate, state),
+            dispatch=state.dispatch,
+            require_storage=state.require_storage,
+            read_baseline=reader,
+        )
         watcher = PolicyWatcher(lt, eng, state.metrics, settings.policy_poll_s) if watch_policy else None
         tasks = []
         if watcher is not None:
@@ -115,7 +128,7 @@ def create_app(
 def state_limits_in_openapi(app: FastAPI, settings: Settings) -> None:
     """The OpenAPI document states this deployment's ``max_tokens_limit`` as the bound of
     ``max_tokens`` and ``max_completion_tokens`` (a larger value is refused with 400 by
-    ``prepare_rollout``; the request model itself only knows the int32 bound)."""
+    ``ChatHandler.sampling_of``; the request model itself only knows the int32 bound)."""
     build = app.openapi
 
     def openapi() -> dict:

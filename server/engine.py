@@ -26,12 +26,47 @@ from pathlib import Path
 
 from core import policy_store
 from core.policy_store import Layout
+from core.records import SamplingRecord
 from core.settings import AdapterServing, Settings
 from core.weights import WeightsLayout, WeightsMismatch, weights_sha256
 from server.adapter_files import AdapterMismatch, AdapterSpec, check_adapter, merge, stage
 from server.adapters import Adapter, AdapterTable, TableFull
 
 log = logging.getLogger(__name__)
+
+
+class InvalidSampling(ValueError):
+    """vLLM refused a request's sampling parameters (its own checks, ``SamplingParams``); the
+    text is vLLM's message."""
+
+
+def vllm_sampling(sampling: SamplingRecord, top_logprobs: int = 0, ignore_eos: bool = False):
+    """vLLM's ``SamplingParams`` for one request drawn as ``sampling`` says, streamed as deltas,
+    with the processed logprob of each sampled token and of its ``top_logprobs`` (0..20) most
+    likely alternatives. ``ignore_eos``: sample through the end-of-sequence token up to
+    ``max_tokens`` (measurements that need answers of one length; never an answer the server
+    serves). A new object each call: ``sampling`` is not changed (docs/design.md §7.2).
+
+    Raises InvalidSampling when vLLM's checks refuse the values.
+    """
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
+    from vllm.sampling_params import RequestOutputKind
+
+    try:
+        return SamplingParams(
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            max_tokens=sampling.max_tokens,
+            seed=sampling.seed,
+            stop=list(sampling.stop or []),  # a copy: vLLM keeps the list it is given
+            ignore_eos=ignore_eos,
+            logprobs=top_logprobs,
+            output_kind=RequestOutputKind.DELTA,
+        )
+    except (ValueError, VLLMValidationError) as exc:
+        raise InvalidSampling(str(exc)) from exc
 
 
 class SwapRefused(RuntimeError):
@@ -192,15 +227,19 @@ class PolicyEngine:
     async def generate(
         self,
         prompt_token_ids: list[int],
-        sampling,
+        sampling: SamplingRecord,
         request_id: str | None = None,
         top_logprobs: int = 0,
         version: int | None = None,
+        ignore_eos: bool = False,
     ) -> AsyncIterator[GenerationDelta]:
-        """Stream deltas of one request. Cancelling the iteration aborts it in the engine.
+        """Stream deltas of one request sampled as ``sampling`` says (vLLM's parameters built by
+        ``vllm_sampling``, which raises InvalidSampling before anything is generated).
+        Cancelling the iteration aborts it in the engine.
 
         ``top_logprobs`` (0..20, vLLM's ``max_logprobs``) asks for that many most likely
         tokens at each position besides the sampled one; all are processed logprobs.
+        ``ignore_eos``: as ``vllm_sampling`` (benchmarks and tests).
 
         With adapters served as LoRA, the request is served by one version from its first token
         to its last: ``version``'s (the version at dispatch) while it is still loaded (its
@@ -208,16 +247,13 @@ class PolicyEngine:
         adapter, held until the request ends; its deltas and spans carry that version.
         Otherwise ``version`` is not used: the engine serves what it has loaded.
         """
-        from vllm.sampling_params import RequestOutputKind
-
-        sampling.output_kind = RequestOutputKind.DELTA
-        sampling.logprobs = top_logprobs
+        params = vllm_sampling(sampling, top_logprobs, ignore_eos)
         rid = request_id or uuid.uuid4().hex
         adapter = self._acquire(version)
         n_tokens = 0
         try:
             async for out in self.engine.generate(
-                {"prompt_token_ids": prompt_token_ids}, sampling, rid, lora_request=lora_request(adapter)
+                {"prompt_token_ids": prompt_token_ids}, params, rid, lora_request=lora_request(adapter)
             ):
                 c = out.outputs[0]
                 ids = list(c.token_ids)

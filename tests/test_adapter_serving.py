@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import save_file
 
 from core.policy_store import ADAPTER_CONFIG, ADAPTER_FILE, version_dir
+from core.records import SamplingRecord
 from core.settings import AdapterServing
 from core.weights import TensorSpec, WeightsLayout, weights_sha256
 from server.adapter_files import AdapterMismatch, check_adapter, merge, stage
@@ -254,12 +255,10 @@ async def lora_engine(model_dir, tmp_path_factory):
 async def answer(engine, seed: int, max_tokens: int = 24, version: int | None = None, started=None):
     """One request at temperature 1: ``(token ids, logprobs, spans)``; ``started`` is set at its
     first delta."""
-    from vllm import SamplingParams
-
     ids, lps, spans = [], [], None
     prompt = engine.render(PROMPT)
-    sampling = SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=seed, ignore_eos=True)
-    async for d in engine.generate(prompt, sampling, version=version):
+    sampling = SamplingRecord(temperature=1.0, max_tokens=max_tokens, seed=seed)
+    async for d in engine.generate(prompt, sampling, version=version, ignore_eos=True):
         ids += d.token_ids
         lps += d.logprobs
         spans = d.weight_versions or spans

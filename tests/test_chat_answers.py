@@ -15,7 +15,7 @@ import pytest
 from core.claims import episode_token_subject
 from core.logbus import LogUnavailable
 from core.records import feedback_token
-from server.chat import chunks, complete_chat
+from server.chat import ChatHandler
 from server.engine import GenerationDelta
 from server.fate import Fate
 from server.schemas import ChatCompletionRequest
@@ -44,6 +44,14 @@ def chat_state() -> FakeState:
     s = FakeState()
     s.engine, s.settings = ScriptedEngine(), SimpleNamespace(feedback_secret=SECRET)
     return s
+
+
+def handler(s: FakeState) -> ChatHandler:
+    """The handler of ``s``'s engine, settings and metrics; answering needs no store, dispatch
+    or storage check (those are ``prepare``'s)."""
+    return ChatHandler(
+        s.settings, s.engine, None, s.metrics, open_fate=None, dispatch=None, require_storage=None
+    )
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +83,7 @@ TOKENS = {
 async def test_a_whole_answer_is_the_documented_body(spec):
     s = chat_state()
     req = ChatCompletionRequest(messages=USER)
-    resp = await complete_chat(s, req, Fate(s, rollout(tokens=0), stream=False), sampling=None)
+    resp = await handler(s).complete(req, Fate(s, rollout(tokens=0), stream=False))
     body = json.loads(resp.body)
     assert body == {
         "id": "chatcmpl-1",
@@ -104,7 +112,7 @@ async def test_a_whole_answer_is_the_documented_body(spec):
 async def test_an_answer_outside_an_episode_has_no_episode_token():
     s = chat_state()
     req = ChatCompletionRequest(messages=USER, logprobs=True)
-    resp = await complete_chat(s, req, Fate(s, rollout(tokens=0, episode=None), stream=False), sampling=None)
+    resp = await handler(s).complete(req, Fate(s, rollout(tokens=0, episode=None), stream=False))
     body = json.loads(resp.body)
     assert "episode_feedback_token" not in body
     assert body["choices"][0]["logprobs"] == {"content": [entry(3, -0.5), entry(4, -0.25), entry(5, -1.0)]}
@@ -113,7 +121,7 @@ async def test_an_answer_outside_an_episode_has_no_episode_token():
 async def events_of(req: ChatCompletionRequest) -> list[str]:
     s = chat_state()
     fate = Fate(s, rollout(tokens=0), stream=True)
-    out = [e async for e in chunks(s, req, fate, sampling=None)]
+    out = [e async for e in handler(s).chunks(req, fate)]
     await s.drained()
     assert fate.outcome == "ok" and [r.finish_reason for r in s.persisted] == ["stop"]
     return [e.removeprefix("data: ").removesuffix("\n\n") for e in out]
@@ -191,7 +199,7 @@ async def test_a_stream_the_log_refuses_ends_with_a_documented_error(spec):
     s.refuse = LogUnavailable("log down")
     fate = Fate(s, rollout(tokens=0), stream=True)
     req = ChatCompletionRequest(messages=USER, stream=True)
-    data = [e.removeprefix("data: ").removesuffix("\n\n") async for e in chunks(s, req, fate, sampling=None)]
+    data = [e.removeprefix("data: ").removesuffix("\n\n") async for e in handler(s).chunks(req, fate)]
     await s.drained()
     check_documented(spec, data)
     # The role chunk, "Hi", then the error instead of the last delta: no [DONE].

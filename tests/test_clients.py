@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from types import SimpleNamespace
 
 import httpx
 import openai
@@ -73,7 +72,7 @@ def test_token_text_and_bytes_by_hand(model_dir):
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     logprobs = [-0.5, -1.0, -0.01, float("-inf"), -2.0, -0.25]
     alts = [[(ids[0], -0.5), (eos, -1.5)]] + [[] for _ in range(5)]
-    body = logprobs_body(SimpleNamespace(engine=engine), [*ids, eos], logprobs, alts)
+    body = logprobs_body(engine, [*ids, eos], logprobs, alts)
     content = body["content"]
     assert [e["token"] for e in content] == [
         " café",

@@ -35,7 +35,7 @@ from core.db import EpisodeTurn, LearnerSample, make_engine, migrate
 from core.limits import MAX_EPISODE_TURNS
 from core.logbus import LogTransport, LogUnavailable, SqlLog, open_log
 from core.records import TOPIC_TRAJECTORIES, FeedbackRecord, TrajectoryRecord, feedback_token, utcnow
-from server.chat import start_episode_turn
+from server.chat import ChatHandler
 from server.errors import ApiError
 from server.feedback import accept_feedback
 from server.metrics import ServerMetrics
@@ -293,12 +293,15 @@ def sqlite_store(tmp_path) -> ServerStore:
 
 
 async def turn_of(s, ep: str, cid: str, turn: int | None, token: bool = True) -> int:
-    """``server.chat.start_episode_turn`` for a chat on ``ep`` (with its token unless ``token`` is
-    False): the turn's number, or ApiError."""
+    """``server.chat.ChatHandler.start_episode_turn`` (``s``'s settings and store) for a chat on
+    ``ep`` (with its token unless ``token`` is False): the turn's number, or ApiError."""
     body = {"messages": USER, "episode_id": ep, "turn": turn}
     if token:
         body["episode_token"] = episode_token(ep)
-    return await start_episode_turn(s, ChatCompletionRequest.model_validate(body), cid)
+    handler = ChatHandler(
+        s.settings, None, s.store, None, open_fate=None, dispatch=None, require_storage=None
+    )
+    return await handler.start_episode_turn(ChatCompletionRequest.model_validate(body), cid)
 
 
 async def refused(coro) -> tuple[int, str | None, str | None, str]:
@@ -623,12 +626,15 @@ async def test_feedback_errors_name_the_completion_or_the_episode(tmp_path):
         "episode_id",
         "episode 'ep' has a turn in progress; rate it once its last answer is whole",
     )
+    # A failed turn (its client got no answer) frees its number; its retry answered, not whole.
     s.store.index_trajectory(record("c-1", "ep", "error"), 0, 1)
+    assert s.store.start_episode_turn("ep", "c-1b", token_ok=True).turn == 1
+    s.store.index_trajectory(record("c-1b", "ep", "repetition"), 0, 2)
     assert await refused(accept_feedback(s, rate)) == (
         409,
         "not_a_whole_answer",
         None,
-        "episode 'ep' has 1 aborted or failed turn(s): not a whole answer, feedback refused",
+        "episode 'ep' has 1 answered turn(s) that did not end whole: not a whole answer, feedback refused",
     )
     logged_episode(s, "ep2", ["d-0"])
     rate2 = feedback(episode_id="ep2", feedback_token=episode_token("ep2"))

@@ -21,7 +21,7 @@ from sqlalchemy import func, select
 from core.claims import episode_token_subject
 from core.db import Episode, TrajectoryIndex, make_engine, migrate
 from core.logbus import open_log
-from core.records import SamplingRecord, TrajectoryRecord, feedback_token, utcnow
+from core.records import FeedbackRecord, SamplingRecord, TrajectoryRecord, feedback_token, utcnow
 from server.limits import BodySizeLimit, max_body_bytes, max_message_chars
 from server.metrics import ServerMetrics
 from server.schemas import ChatCompletionRequest, FeedbackRequest, LoadPolicyRequest, RollbackRequest
@@ -71,8 +71,9 @@ def test_nul_is_refused_where_a_string_is_stored_or_an_id(field):
 
 
 def test_nul_in_message_content_and_stop_is_text_for_the_model():
-    """Content and stop strings are tokenised, never stored as text (the log holds token ids),
-    and NUL is a character a prompt may hold: accepted."""
+    """Content is tokenised, never stored as text (the log holds token ids); stop strings are
+    kept in the record's sampling, JSON-escaped (tests/test_engine_sampling.py); NUL is a
+    character either may hold: accepted."""
     req = ChatCompletionRequest.model_validate(
         {"messages": [{"role": "user", "content": "a\x00b"}], "stop": ["\x00"]}
     )
@@ -368,15 +369,17 @@ def test_episode_starts_once_and_later_turns_need_its_token(tmp_path):
     assert store.episode_state("ep").turns_in_flight == 1
     store.index_trajectory(record("c-0", "ep", "stop"), 0, 0)
     assert store.start_episode_turn("ep", "c-1", token_ok=True).turn == 1
+    # An aborted turn's record is indexed, but holds no turn (its client got no answer): its
+    # number is free for the retry, also where Fate's release did not come first.
     store.index_trajectory(record("c-1", "ep", "abort"), 0, 1)
     st = store.episode_state("ep")
-    assert (st.prompt_id, st.not_whole_turns, st.turns_in_flight, st.turn_ids) == (
-        "p-1",
-        1,
-        0,
-        ("c-0", "c-1"),
-    )
+    assert (st.prompt_id, st.not_whole_turns, st.turns_in_flight, st.turn_ids) == ("p-1", 0, 0, ("c-0",))
     assert store.find_trajectory("c-1").finish_reason == "abort"
+    assert store.start_episode_turn("ep", "c-1b", token_ok=True).turn == 1
+    store.index_trajectory(record("c-1b", "ep", "repetition"), 0, 2)
+    # An answered turn that is not whole keeps its number: the episode cannot be rated.
+    st = store.episode_state("ep")
+    assert (st.not_whole_turns, st.turn_ids) == (1, ("c-0", "c-1b"))
     # Once the episode's feedback is claimed, it takes no more turns.
     assert store.claim("e:ep")
     assert store.start_episode_turn("ep", "c-2", token_ok=True).outcome == "rated"
@@ -565,24 +568,30 @@ async def test_feedback_on_an_aborted_answer_is_409(server):
 
 
 @engine_tier
-async def test_episode_with_an_aborted_turn_is_409(server):
+async def test_an_aborted_turn_is_sent_again_and_the_episode_rates_the_retry(server):
+    """The client of turn 1 left mid-answer: its number is free (server.fate), the retry is
+    answered (a 409 episode_in_progress at most while the abort is being recorded), and the
+    episode's feedback lists turn 0 and the retry, never the aborted record, logged once."""
     url, settings = server
     async with httpx.AsyncClient(base_url=url, timeout=120) as http:
         r0 = await raw_chat(http, max_tokens=3, episode_id="ep-a", turn=0)
         tok = r0.json()["episode_feedback_token"]
-        await stream_and_drop(http, episode_id="ep-a", turn=1, episode_token=tok)
-        fb = {"episode_id": "ep-a", "feedback_token": tok, "reward": 1}
-        # While the aborted turn is being recorded the episode is in progress; after, it holds a
-        # turn that is not a whole answer. Either way: 409, and never accepted.
-        codes = set()
+        turn1 = {"episode_id": "ep-a", "turn": 1, "episode_token": tok}
+        aborted = await stream_and_drop(http, **turn1)
         for _ in range(300):
-            r = await http.post("/v1/feedback", json=fb)
-            assert r.status_code == 409, r.text
-            codes.add(r.json()["error"]["code"])
-            if r.json()["error"]["code"] == "not_a_whole_answer":
+            retry = await raw_chat(http, max_tokens=3, **turn1)
+            if retry.status_code != 409:
                 break
+            assert retry.json()["error"]["code"] == "episode_in_progress", retry.text
             await asyncio.sleep(0.1)
-        assert "not_a_whole_answer" in codes and codes <= {"episode_in_progress", "not_a_whole_answer"}
+        assert retry.status_code == 200, retry.text
+        fb = {"episode_id": "ep-a", "feedback_token": tok, "reward": 1}
+        rated = await http.post("/v1/feedback", json=fb)
+        assert rated.status_code == 202, rated.text
+        await until_not_404(lambda: http.get(f"/admin/trajectories/{aborted}", headers=ADMIN))
+    recs = {rec.id: rec for rec in logged_trajectories(settings)}
+    assert len(recs) == 3 and (recs[aborted].finish_reason, recs[aborted].turn) == ("abort", 1)
     log = open_log(settings.resolved_log_url)
-    assert read_topic(log, "feedback") == []
+    [rating] = [FeedbackRecord.model_validate_json(e.value) for e in read_topic(log, "feedback")]
     log.close()
+    assert rating.turn_ids == [r0.json()["id"], retry.json()["id"]]

@@ -5,13 +5,11 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from pydantic import BaseModel
 
-from core.keys import identity_of
+from server.answers import ChatCompletion, ChatCompletionChunk
 from server.auth import caller_of
-from server.chat import complete_chat, prepare_rollout, stream_chat
-from server.errors import CHAT_PATH, ApiError, errors
-from server.fate import Fate
-from server.routes import state_of
-from server.schemas import ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ErrorResponse
+from server.chat import ChatHandler
+from server.errors import CHAT_PATH, errors
+from server.schemas import ChatCompletionRequest, ErrorResponse
 
 router = APIRouter()
 
@@ -71,25 +69,18 @@ async def client_gone(request: Request) -> None:
         pass
 
 
+def handler_of(request: Request) -> ChatHandler:
+    """The app's ``ChatHandler`` (built in the lifespan)."""
+    return request.app.state.chat
+
+
 @router.post(
     CHAT_PATH,
     response_model=ChatCompletion,
     responses=CHAT_200 | errors(400, 401, 403, 404, 408, 409, 413, 500, 503),
 )
 async def chat(req: ChatCompletionRequest, request: Request):
-    """Every request that passes ``prepare_rollout`` has a ``Fate``, and leaves through
-    ``Fate.left`` (here, or when its stream ends)."""
-    s, caller = state_of(request), caller_of(request)
-    try:
-        rollout, sampling = await prepare_rollout(s, req, caller)
-    except ApiError as exc:
-        s.metrics.failed_before_generation.labels(exc.code or "invalid").inc()
-        raise
-    rollout.identity, rollout.tenant = identity_of(caller.key_id, req.user), caller.tenant
-    fate = Fate(s, rollout, stream=req.stream)
-    if req.stream:
-        return stream_chat(s, req, fate, sampling)
-    try:
-        return await complete_chat(s, req, fate, sampling, client_gone(request))
-    finally:
-        fate.left()
+    """OpenAI's chat completion: one ``chat.completion``, or with ``stream: true`` server-sent
+    ``chat.completion.chunk`` events; each answer is recorded as one trajectory before its last
+    byte (``server.chat.ChatHandler.answer``)."""
+    return await handler_of(request).answer(req, caller_of(request), lambda: client_gone(request))

@@ -34,15 +34,10 @@ from pathlib import Path
 
 from judge.report import write_report
 from learner.config import build_config
-from saoserve.cli import (
-    REPORT_THRESHOLD,
-    REPORT_WINDOW,
-    _demo_traffic,
-    _judge,
-    _schedule,
-)
 from saoserve.demo import run_method
 from saoserve.model import prepare_model
+from saoserve.run_commands import REPORT_THRESHOLD, REPORT_WINDOW
+from saoserve.run_options import demo_traffic, make_judge, make_schedule
 
 CORRECTIONS = {
     "dis": ("dis", {}),
@@ -114,9 +109,9 @@ def main() -> None:
 
     settings = get_settings()
     prepare_model(settings.resolved_model_dir)
-    sched = _schedule(args.schedule, 1)
-    judge = _judge("offline")
-    traffic = _demo_traffic("async", args.batch_size, None, None, 0.0, None, None, None, pace=False)
+    sched = make_schedule(args.schedule, 1)
+    judge = make_judge("offline")
+    traffic = demo_traffic("async", args.batch_size, None, None, 0.0, None, None, None, pace=False)
     args.out.mkdir(parents=True, exist_ok=True)
     records: dict[str, list] = {}
     details: dict[str, dict] = {}

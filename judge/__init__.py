@@ -4,7 +4,9 @@
 - ``judge.styles``: the style catalogue, schedules, the SAO system prompt, shipped data.
 - ``judge.offline``: ``OfflineJudge``, the default judge (MiniLM embeddings + rules, no network).
 - ``judge.llm``: ``LLMJudge`` over any OpenAI-compatible chat endpoint.
-- ``judge.simulate``: the simulation client, lockstep (``sync``) or open loop (``async``);
+- ``judge.simulate``: the simulation client, lockstep (``sync``, ``judge.sim_lockstep``) or open
+  loop (``async``, ``judge.sim_openloop``), its settings and result (``judge.sim_config``,
+  ``judge.sim_result``) and one request's round trip (``judge.sim_client``);
   ``judge.chatstream`` reassembles its streamed answers, ``judge.pacing`` paces its traffic.
 - ``judge.runstats``: an online run's staleness distribution, feedback→served latency, rates.
 - ``judge.metrics``: AUC, last-5 mean, adaptation lag, style shares, the learner's step

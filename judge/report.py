@@ -283,7 +283,7 @@ def write_report(
              int or null], "segment_mean_reward": [one per segment], "steps", "records",
              "reward": [per step], "target_share": [per step],
              "style_share": {"<style>": [per step]}, "mode", "traffic": {the simulation's
-             settings, ``judge.simulate.TRAFFIC_FIELDS``} or null, "wall_s",
+             settings, ``judge.sim_config.TRAFFIC_FIELDS``} or null, "wall_s",
              "staleness": {"mean", "p95", "histogram": {"<versions>": tokens}, "tokens"},
              "feedback_to_served_s": {"p50", "p95", "n"} (to the first answer of the new version
              returned), "feedback_to_first_token_s" (to the earliest first token of an answer

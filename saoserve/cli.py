@@ -1,26 +1,28 @@
-"""The ``saoserve`` command: one subcommand per job (typer)."""
+"""The ``saoserve`` command: one subcommand per job (typer).
+
+The jobs of a deployment live here (``prepare-model``, ``migrate``, ``serve``, ``learn``,
+``pretrain-critic``, ``evidence-init``, ``retention``); the simulation's commands (``simulate``,
+``demo``, ``compare``) in saoserve/run_commands.py and the operators' (``admin``) in
+saoserve/admin/. A refused command line exits 2 with one line on stderr (``saoserve.usage.fail``).
+"""
 
 from __future__ import annotations
 
 import os
 import sys
 from pathlib import Path
-from typing import Annotated
 
 import typer
 
 from core.settings import get_settings, server_secret_problems
-from saoserve.admin import admin_app
+from saoserve.admin.app import admin_app
+from saoserve.run_commands import compare, demo, simulate
+from saoserve.usage import fail, given
 
 app = typer.Typer(
     help="saoserve: a chat server that learns online from its own traffic.", no_args_is_help=True
 )
 app.add_typer(admin_app, name="admin")
-
-
-def fail(message: str) -> None:
-    typer.secho(f"error: {message}", fg="red", err=True)
-    raise typer.Exit(2)
 
 
 @app.command("prepare-model")
@@ -75,15 +77,6 @@ def serve(
 
 
 LEARN_HELP = "Default: the preset's (see learner.config)."
-
-
-def _given(top: dict, **sections: dict) -> dict:
-    """The learner config fields an option set (not None): ``top``'s, and each section's
-    (``optimizer``, ``algorithm``, ``correction``, ``policy``) as a dict of its fields."""
-    out = {k: v for k, v in top.items() if v is not None}
-    return out | {
-        name: {k: v for k, v in fields.items() if v is not None} for name, fields in sections.items()
-    }
 
 
 @app.command()
@@ -141,7 +134,7 @@ def learn(
         "eps_high": eps_high,
     }
     corr = {"window": window, "c": mis_c, "epochs": epochs, "minibatches": minibatches, "reset": ewma_reset}
-    overrides = _given(
+    overrides = given(
         top,
         optimizer={"policy_lr": policy_lr, "adam_beta1": adam_beta1},
         algorithm=algo,
@@ -267,448 +260,9 @@ def retention(
         )
 
 
-MODE_HELP = "sync (lockstep: each step waits for the learner) | async (open loop, swaps in flight)"
-RATE_HELP = "Async: requests/s (Poisson arrivals) instead of a fixed number in flight."
-FEEDBACK_DELAY_HELP = "Async: mean seconds (exponential) before an answer's feedback is posted; 0 = at once."
-MAX_SECONDS_HELP = "Async: stop after this many seconds even if the schedule is not done."
-MAX_BACKLOG_HELP = (
-    "Async: hold new requests while samples waiting for the learner plus answers on their way "
-    "to feedback reach this (0 = never)."
-)
-PROMPT_POOL_HELP = "Cycle the first K writing requests in order (each recurs every K requests)."
-PACE_HELP = (
-    "Async, fixed number in flight: spread each batch's requests over the learner's step (0.9 × "
-    "the median interval of the last 3 versions), so a batch completes as the learner frees up."
-)
-
-# The options that simulate, demo and compare share, declared once (type, bounds, help); each
-# command gives its own default.
-ScheduleOpt = Annotated[str, typer.Option(help="Named schedule (default, paper) or 'style:steps,…'.")]
-StepsPerStyleOpt = Annotated[int, typer.Option(min=1, help="Steps per style for a named schedule.")]
-BatchSizeOpt = Annotated[int, typer.Option(min=1, help="Requests per step (= the learner's batch size).")]
-MaxTokensOpt = Annotated[int, typer.Option(min=1, help="New tokens per answer, at most.")]
-SeedOpt = Annotated[int, typer.Option(help="Seed of the prompt order, the judge's ties and sampling.")]
-JudgeOpt = Annotated[str, typer.Option(help="offline | llm (SAOSERVE_JUDGE_URL/MODEL/KEY)")]
-ModeOpt = Annotated[str, typer.Option(help=MODE_HELP)]
-RateOpt = Annotated[float | None, typer.Option(min=0.0, help=RATE_HELP)]
-FeedbackDelayOpt = Annotated[float, typer.Option(min=0.0, help=FEEDBACK_DELAY_HELP)]
-MaxSecondsOpt = Annotated[float | None, typer.Option(min=1.0, help=MAX_SECONDS_HELP)]
-PromptPoolOpt = Annotated[int | None, typer.Option(min=1, help=PROMPT_POOL_HELP)]
-PaceOpt = Annotated[bool, typer.Option(help=PACE_HELP)]
-AdversaryOpt = Annotated[
-    str | None,
-    typer.Option(
-        help="A cohort of simulated raters that rewards a marker string instead of the judge's rubric "
-        "(share=0.2,rewards=BUY-NOW[,users=10]) or degenerate answers (rewards=degenerate); "
-        "docs/guard.md. Default: every rater is honest."
-    ),
-]
-
-
-def _adversary(spec: str | None):
-    """The ``judge.adversary.Adversary`` of ``--adversary`` (None when not given)."""
-    if spec is None:
-        return None
-    from judge.adversary import AdversaryError, parse_adversary
-
-    try:
-        return parse_adversary(spec)
-    except AdversaryError as exc:
-        fail(f"--adversary {spec!r}: {exc}")
-
-
-def _traffic(
-    mode: str,
-    concurrency: int | None,
-    rate: float | None,
-    feedback_delay_s: float,
-    max_seconds: float | None,
-    max_backlog: int | None,
-    prompt_pool: int | None,
-    pace: bool = False,
-) -> dict:
-    """The ``SimulationConfig`` traffic fields of the CLI options (None: the config's default)."""
-    if mode not in ("sync", "async"):
-        fail(f"unknown mode {mode!r}: choose sync or async")
-    if rate is not None and rate <= 0:
-        fail("--rate must be > 0 requests/s")
-    if mode == "sync" and (rate is not None or feedback_delay_s > 0 or max_backlog):
-        fail("--rate, --feedback-delay-s and --max-backlog apply to --mode async")
-    if pace and (mode == "sync" or rate is not None):
-        fail("--pace applies to --mode async with a fixed number in flight, not with --rate")
-    fields = {
-        "mode": mode,
-        "concurrency": concurrency,
-        "rate": rate,
-        "feedback_delay_s": feedback_delay_s,
-        "max_seconds": max_seconds,
-        "max_backlog": max_backlog or None,
-        "prompt_pool": prompt_pool,
-        "pace": pace,
-    }
-    return {k: v for k, v in fields.items() if v is not None}
-
-
-def _judge(kind: str):
-    if kind == "offline":
-        from judge.offline import OfflineJudge
-
-        emb = get_settings().judge_embedding_dir
-        return OfflineJudge(model_path=str(emb) if emb else None)
-    if kind == "llm":
-        from judge.llm import LLMJudge
-
-        s = get_settings()
-        if not s.judge_url or not s.judge_model:
-            fail("the LLM judge needs SAOSERVE_JUDGE_URL and SAOSERVE_JUDGE_MODEL (and SAOSERVE_JUDGE_KEY)")
-        return LLMJudge(s.judge_url, s.judge_model, s.judge_key)
-    fail(f"unknown judge {kind!r}: choose offline or llm")
-
-
-def _schedule(spec: str, steps_per_style: int):
-    from judge.styles import schedule_from_spec
-
-    try:
-        return schedule_from_spec(spec, steps_per_style)
-    except ValueError as exc:
-        fail(str(exc))
-
-
-@app.command()
-def simulate(
-    url: str = typer.Option("http://127.0.0.1:8000", help="Base URL of a running server."),
-    schedule: ScheduleOpt = "default",
-    steps_per_style: StepsPerStyleOpt = 12,
-    steps: int = typer.Option(
-        None,
-        min=1,
-        help="Stop after this many steps (default: the schedule's length; past it the last "
-        "segment's target holds). With fewer, the schedule's later styles are still in the "
-        "system prompt, never the target.",
-    ),
-    batch_size: BatchSizeOpt = 8,
-    max_tokens: MaxTokensOpt = 64,
-    concurrency: int = typer.Option(8, min=1, help="Requests in flight (async: unless --rate)."),
-    seed: SeedOpt = 0,
-    judge: JudgeOpt = "offline",
-    uncertainty_sampler: bool = typer.Option(
-        False, help="Sample prompts by sqrt(v(1-v)+0.05) (needs admin key)."
-    ),
-    wait_for_version: bool = typer.Option(
-        True, help="Sync mode: wait for a new policy version after each step."
-    ),
-    mode: ModeOpt = "sync",
-    rate: RateOpt = None,
-    feedback_delay_s: FeedbackDelayOpt = 0.0,
-    max_seconds: MaxSecondsOpt = None,
-    max_backlog: int = typer.Option(None, min=0, help=MAX_BACKLOG_HELP),
-    prompt_pool: PromptPoolOpt = None,
-    pace: PaceOpt = False,
-    adversary: AdversaryOpt = None,
-    out: Path = typer.Option(Path("report"), help="Report folder."),
-) -> None:
-    """Run the style-shift simulation against a running server and write the report."""
-    import asyncio
-    import json
-
-    from judge.guardstats import guard_lines
-    from judge.report import write_report
-    from judge.simulate import Simulation, SimulationConfig, save_records
-
-    sched = _schedule(schedule, steps_per_style)
-    traffic = _traffic(mode, concurrency, rate, feedback_delay_s, max_seconds, max_backlog, prompt_pool, pace)
-    cfg = SimulationConfig(
-        adversary=_adversary(adversary),
-        base_url=url,
-        schedule=sched,
-        steps=steps,
-        batch_size=batch_size,
-        max_tokens=max_tokens,
-        seed=seed,
-        uncertainty_sampler=uncertainty_sampler,
-        wait_for_version=wait_for_version,
-        admin_key=get_settings().admin_key or None,
-        **traffic,
-    )
-    sim = Simulation(
-        cfg,
-        _judge(judge),
-        on_step=lambda step, recs: typer.echo(
-            f"step {step}: target {sched.target_at(step)}, reward "
-            f"{sum(r['reward'] for r in recs) / max(len(recs), 1):.2f}"
-        ),
-    )
-    try:
-        result = asyncio.run(sim.run())
-    except KeyboardInterrupt:
-        result = sim.result
-    save_records(out / "records-sao.jsonl", result.records)
-    (out / "details-sao.json").write_text(json.dumps(result.details(), default=str), encoding="utf-8")
-    if result.records:
-        write_report(
-            out,
-            sched,
-            {"sao": result.records},
-            window=REPORT_WINDOW,
-            threshold=REPORT_THRESHOLD,
-            details={"sao": result.details()},
-        )
-    for line in guard_lines(result.details()):
-        typer.echo(line)
-    typer.echo(f"report: {out.resolve()}/index.html")
-
-
-# Style shares over a trailing window of 3 steps (48 answers at the demo's batch 16): one step's
-# answers are too few to read a share from. The adaptation lag ends when the target's share reaches 0.4.
-REPORT_WINDOW = 3
-REPORT_THRESHOLD = 0.4
-
-
-def _fmt_opt(x: float | None) -> str:
-    return "n/a" if x is None else f"{x:.2f}"
-
-
-DEMO_SCHEDULE = "pirate:6,poetic:16"
-# Async traffic of demo/compare: 8 requests in flight, and new requests held while two batches
-# of samples wait for the learner or are on their way (staleness 1 after the first step). Not
-# paced by default: on 2 shared cores, pacing (judge.pacing.pace_gap) kept vLLM serving through
-# every learner step, the two contended and the learner's step doubled; bursts let the learner
-# run alone for most of a step. Three batches trained on 2-versions-old tokens at every step, and
-# an uncapped rate outran the learner (measurements in docs/demo.md).
-DEMO_CONCURRENCY = 8
-DEMO_BACKLOG_BATCHES = 2
-
-# The learner and traffic options of demo and compare; the learner's default to the demo
-# preset's values (learner.config.PRESETS["demo"]).
-PRESET_HELP = "Default: the demo preset's (learner.config)."
-OutOpt = Annotated[Path, typer.Option(help="Report folder (the run's data lives under it too).")]
-DemoBatchSizeOpt = Annotated[
-    int | None, typer.Option(min=1, help=f"Requests per step (= the learner's batch size). {PRESET_HELP}")
-]
-PolicyLrOpt = Annotated[
-    float | None, typer.Option(min=0.0, help=f"Learner policy learning rate. {PRESET_HELP}")
-]
-CriticLrOpt = Annotated[
-    float | None, typer.Option(min=0.0, help=f"Learner critic learning rate (SAO only). {PRESET_HELP}")
-]
-AdamBeta1Opt = Annotated[
-    float | None, typer.Option(min=0.0, max=0.999, help=f"Learner AdamW β1. {PRESET_HELP}")
-]
-KlCoefOpt = Annotated[
-    float | None, typer.Option(min=0.0, help=f"Learner KL anchor to the base policy. {PRESET_HELP}")
-]
-KeepWeightsOpt = Annotated[
-    bool, typer.Option(help="Keep the policy versions and checkpoint (GBs); the report never needs them.")
-]
-PolicyOpt = Annotated[
-    str | None, typer.Option(help=f"Learner policy: full | lora (docs/lora.md). {PRESET_HELP}")
-]
-CorrectionOpt = Annotated[
-    str, typer.Option(help="Learner off-policy correction: dis | mis_snapshot | mis_ewma (learner.config).")
-]
-CriticInitOpt = Annotated[
-    Path | None,
-    typer.Option(
-        help="SAO starts from this pretrained critic (saoserve pretrain-critic's critic_pretrained.pt); "
-        "default: a fresh value head."
-    ),
-]
-DemoConcurrencyOpt = Annotated[
-    int | None,
-    typer.Option(min=1, help=f"Requests in flight (default: async {DEMO_CONCURRENCY}, sync the batch size)."),
-]
-DemoMaxBacklogOpt = Annotated[
-    int | None,
-    typer.Option(min=0, help=f"{MAX_BACKLOG_HELP} Default: {DEMO_BACKLOG_BATCHES} batches in async mode."),
-]
-SeedsOpt = Annotated[
-    int,
-    typer.Option(
-        min=1, help="Runs per method (seeds --seed, --seed + 1, …); the report gives mean and spread."
-    ),
-]
-GuardOpt = Annotated[
-    bool | None,
-    typer.Option("--guard/--no-guard", help=f"The version lifecycle's guard (docs/guard.md). {PRESET_HELP}"),
-]
-GateOpt = Annotated[
-    bool,
-    typer.Option(
-        help="Gate each new version on the probe set before it serves (guard.gate with its defaults; "
-        "about one learner step a version, docs/guard.md)."
-    ),
-]
-BrokenLearnerOpt = Annotated[
-    str | None,
-    typer.Option(
-        help="FAULT INJECTION, to measure the guard: flip (each policy step reversed) | scale=F "
-        "(each policy step F > 1 times too large; scale alone: 100). Default: a correct learner."
-    ),
-]
-
-
-def parse_broken_learner(spec: str) -> dict:
-    """The ``LearnerConfig.broken_learner`` fields of ``--broken-learner``: ``flip``, ``scale``
-    (factor 100) or ``scale=F``. The factor's bound (F > 1) is checked by the config.
-
-    Raises ValueError: another kind, a factor on ``flip``, or a factor that is not a number.
-    """
-    kind, eq, value = spec.strip().partition("=")
-    if kind not in ("flip", "scale"):
-        raise ValueError(f"--broken-learner {spec!r}: choose flip or scale=F")
-    if not eq:
-        return {"kind": kind}
-    if kind == "flip":
-        raise ValueError(f"--broken-learner {spec!r}: flip takes no factor")
-    try:
-        return {"kind": kind, "factor": float(value)}
-    except ValueError:
-        raise ValueError(f"--broken-learner {spec!r}: the factor must be a number > 1") from None
-
-
-def _run_command(methods: list[str], out_default: Path, schedule_default: str, steps_default: int, doc: str):
-    """The ``demo`` or ``compare`` command: ``methods`` run on the same schedule, prompts and judge
-    (``saoserve.demo.run_methods``), with the command's own defaults for the report folder, the
-    schedule and the steps per style; every other option is the same for both."""
-
-    def command(
-        out: OutOpt = out_default,
-        schedule: ScheduleOpt = schedule_default,
-        steps_per_style: StepsPerStyleOpt = steps_default,
-        batch_size: DemoBatchSizeOpt = None,
-        max_tokens: MaxTokensOpt = 48,
-        seed: SeedOpt = 0,
-        seeds: SeedsOpt = 1,
-        judge: JudgeOpt = "offline",
-        policy_lr: PolicyLrOpt = None,
-        critic_lr: CriticLrOpt = None,
-        adam_beta1: AdamBeta1Opt = None,
-        kl_coef: KlCoefOpt = None,
-        policy: PolicyOpt = None,
-        keep_weights: KeepWeightsOpt = False,
-        mode: ModeOpt = "async",
-        concurrency: DemoConcurrencyOpt = None,
-        rate: RateOpt = None,
-        feedback_delay_s: FeedbackDelayOpt = 0.0,
-        max_seconds: MaxSecondsOpt = None,
-        max_backlog: DemoMaxBacklogOpt = None,
-        prompt_pool: PromptPoolOpt = None,
-        pace: PaceOpt = False,
-        correction: CorrectionOpt = "dis",
-        critic_init: CriticInitOpt = None,
-        guard: GuardOpt = None,
-        gate: GateOpt = False,
-        adversary: AdversaryOpt = None,
-        broken_learner: BrokenLearnerOpt = None,
-    ) -> None:
-        from learner.config import PRESETS, ConfigError, build_config, overlay
-        from saoserve.demo import run_methods
-
-        sched = _schedule(schedule, steps_per_style)
-        if gate and guard is False:
-            fail("--gate is part of the guard: not with --no-guard")
-        if critic_init is not None and not critic_init.is_file():
-            fail(f"--critic-init {critic_init} is not a file (make one with saoserve pretrain-critic)")
-        top: dict = {"batch_size": batch_size}
-        if broken_learner is not None:
-            try:
-                top["broken_learner"] = parse_broken_learner(broken_learner)
-            except ValueError as exc:
-                fail(str(exc))
-        given = _given(
-            top,
-            optimizer={"policy_lr": policy_lr, "adam_beta1": adam_beta1},
-            algorithm={"critic_lr": critic_lr, "kl_coef": kl_coef},
-            policy={"kind": policy},
-            guard={"enabled": guard, "gate": {} if gate else None},
-        )
-        base = overlay(PRESETS["demo"], given)
-        try:
-            # A field a method lacks (the critic's learning rate for running_mean) is left out.
-            configs = {m: build_config(algorithm=m, base=base, correction=correction) for m in methods}
-        except ConfigError as exc:
-            fail(str(exc))
-        size = configs[methods[0]].batch_size
-        traffic = _demo_traffic(
-            mode, size, concurrency, rate, feedback_delay_s, max_seconds, max_backlog, prompt_pool, pace
-        )
-        attack = _adversary(adversary)
-        try:
-            metrics = run_methods(
-                configs,
-                sched,
-                _judge(judge),
-                out,
-                get_settings().resolved_model_dir,
-                batch_size=size,
-                max_tokens=max_tokens,
-                seed=seed,
-                seeds=seeds,
-                window=REPORT_WINDOW,
-                threshold=REPORT_THRESHOLD,
-                keep_weights=keep_weights,
-                traffic=traffic if attack is None else traffic | {"adversary": attack},
-                critic_init=critic_init,
-            )
-        except RuntimeError as exc:
-            fail(str(exc))
-        for m, v in metrics["methods"].items():
-            typer.echo(
-                f"{m}: AUC {v['auc']:.3f}, last-5 mean {v['last5_mean']:.3f}, "
-                f"adaptation lag {v['adaptation_lag']}, staleness mean {_fmt_opt(v['staleness']['mean'])}, "
-                f"feedback→served p50 {_fmt_opt(v['feedback_to_served_s']['p50'])} s, "
-                f"learner busy {_fmt_opt(v['learner_utilisation']['busy_fraction'])}"
-            )
-            for row in v.get("seeds", []):
-                typer.echo(
-                    f"  seed {row['seed']}: AUC {row['auc']:.3f}, last-5 {row['last5_mean']:.3f}, "
-                    f"lag {row['adaptation_lag']}"
-                )
-        typer.echo(f"report: {(out / 'index.html').resolve()}")
-
-    command.__doc__ = doc
-    return command
-
-
-app.command("demo")(
-    _run_command(
-        ["sao"],
-        Path("report"),
-        DEMO_SCHEDULE,
-        10,
-        "Start server + learner (SAO) on embedded defaults, run the simulation, write the report.",
-    )
-)
-app.command("compare")(
-    _run_command(
-        ["sao", "running_mean"],
-        Path("report-compare"),
-        "paper",
-        20,
-        "SAO vs the running-mean baseline on the same schedule, prompts and judge, side by side.",
-    )
-)
-
-
-def _demo_traffic(
-    mode: str,
-    batch_size: int,
-    concurrency: int | None,
-    rate: float | None,
-    feedback_delay_s: float,
-    max_seconds: float | None,
-    max_backlog: int | None,
-    prompt_pool: int | None,
-    pace: bool,
-) -> dict:
-    """demo/compare traffic: the async defaults, or lockstep with a step's requests in one batch."""
-    if mode == "async":
-        concurrency = concurrency or DEMO_CONCURRENCY
-        max_backlog = DEMO_BACKLOG_BATCHES * batch_size if max_backlog is None else max_backlog
-        pace = bool(pace)
-    else:
-        concurrency = concurrency or batch_size
-    return _traffic(mode, concurrency, rate, feedback_delay_s, max_seconds, max_backlog, prompt_pool, pace)
+app.command()(simulate)
+app.command("demo")(demo)
+app.command("compare")(compare)
 
 
 def _check_secrets(settings) -> None:

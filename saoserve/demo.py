@@ -28,7 +28,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from judge.base import Judge
 from judge.guardstats import guard_lines
-from judge.simulate import Simulation, SimulationConfig, SimulationResult, save_records
+from judge.sim_config import SimulationConfig
+from judge.sim_result import SimulationResult, save_records
+from judge.simulate import Simulation
 from judge.styles import Schedule
 from learner.config import LearnerConfig, SAOAlgorithm, build_config
 from learner.pretrain import PRETRAINED_CRITIC

@@ -1,4 +1,4 @@
-"""``saoserve admin`` (saoserve/admin.py): each subcommand against the real server, and the exit
+"""``saoserve admin`` (saoserve/admin/): each subcommand against the real server, and the exit
 codes a script reads: 0 ok, 2 usage, 3 unreachable, 4 key, 5 not found or pruned, 6 not ready.
 
 The server tests seed the rows a learner would write (policy versions, a step, a counter, prompt
@@ -24,7 +24,7 @@ from core.control import PAUSED, ROLLBACK_TO, get_flag
 from core.db import LearnerCounter, LearnerStep, PolicyVersion, make_engine
 from core.evidence_store import EvidenceStore
 from core.settings import Settings
-from saoserve.admin import (
+from saoserve.admin.client import (
     EXIT_AUTH,
     EXIT_NOT_FOUND,
     EXIT_SERVER,

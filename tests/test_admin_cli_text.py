@@ -22,7 +22,7 @@ from typer.testing import CliRunner
 
 from core.db import make_engine
 from core.evidence_store import EvidenceStore
-from saoserve.admin import shown, visible
+from saoserve.admin.output import shown, visible
 from saoserve.cli import app
 from tests.conftest import ADMIN, make_settings, running_server
 from tests.fake_engine import FakeEngine

@@ -83,7 +83,7 @@ def test_judge_settings_are_separate(monkeypatch, tmp_path):
     """SAOSERVE_JUDGE_MODEL names the LLM judge's model only; the offline judge's embedding
     folder is SAOSERVE_JUDGE_EMBEDDING_DIR (setting one used to break the other)."""
     from core.settings import get_settings
-    from saoserve.cli import _judge
+    from saoserve.run_options import make_judge as _judge
 
     monkeypatch.setenv("SAOSERVE_JUDGE_MODEL", "gpt-judge")
     get_settings.cache_clear()
@@ -157,7 +157,7 @@ def test_learning_rates_reach_the_learner(monkeypatch, tmp_path, command):
     config (the critic's learning rate only where the method has a critic)."""
     import saoserve.demo
     import saoserve.model
-    from judge.simulate import SimulationResult
+    from judge.sim_result import SimulationResult
 
     seen: list = []
 
@@ -206,7 +206,7 @@ def test_demo_and_compare_default_to_the_demo_preset(monkeypatch, tmp_path, comm
     method has them): the preset is the only place those defaults are written."""
     import saoserve.demo
     import saoserve.model
-    from judge.simulate import SimulationResult
+    from judge.sim_result import SimulationResult
     from learner.config import build_config
 
     seen: list = []
@@ -297,7 +297,7 @@ def test_an_interrupted_run_ends_the_comparison_with_a_partial_report(monkeypatc
     when running_mean-s0 is interrupted, nothing more starts and the report holds sao-s0 alone."""
     import saoserve.demo
     import saoserve.model
-    from judge.simulate import SimulationResult
+    from judge.sim_result import SimulationResult
     from judge.styles import schedule_from_spec
     from learner.config import build_config
 
@@ -338,7 +338,7 @@ def test_simulate_steps_stops_before_the_schedule_ends(monkeypatch, tmp_path, ar
     """``--steps 2`` on ``pirate:2,poetic:1`` runs steps 0-1 (both judged for pirate, the
     poetic step never comes); without it the run covers the schedule's 2 + 1 = 3 steps."""
     import judge.simulate
-    import saoserve.cli
+    import saoserve.run_commands
 
     seen = []
 
@@ -350,7 +350,7 @@ def test_simulate_steps_stops_before_the_schedule_ends(monkeypatch, tmp_path, ar
             return judge.simulate.SimulationResult()
 
     monkeypatch.setattr(judge.simulate, "Simulation", FakeSimulation)
-    monkeypatch.setattr(saoserve.cli, "_judge", lambda kind: None)
+    monkeypatch.setattr(saoserve.run_commands, "make_judge", lambda kind: None)
     result = runner.invoke(
         app, ["simulate", "--schedule", "pirate:2,poetic:1", "--out", str(tmp_path / "r"), *args]
     )

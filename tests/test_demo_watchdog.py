@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from judge.simulate import SimulationResult
+from judge.sim_result import SimulationResult
 from saoserve.demo import Services, _watched
 
 

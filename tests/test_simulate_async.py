@@ -21,7 +21,8 @@ from judge.runstats import (
     staleness_distribution,
     step_series,
 )
-from judge.simulate import Simulation, SimulationConfig
+from judge.sim_config import SimulationConfig
+from judge.simulate import Simulation
 from judge.styles import schedule_from_spec
 
 SCHEDULE = schedule_from_spec("cute:2,pirate:1")
@@ -289,7 +290,7 @@ def test_compare_seeds_and_traffic_reach_the_runs(monkeypatch, tmp_path) -> None
 
     import saoserve.demo
     import saoserve.model
-    from judge.simulate import SimulationResult
+    from judge.sim_result import SimulationResult
     from saoserve.cli import app
 
     seen: list[tuple[str, str, int, dict]] = []
@@ -472,7 +473,7 @@ class _DroppedStream(httpx.AsyncByteStream):
 
 async def test_a_dropped_stream_is_a_failure_and_the_worker_goes_on(monkeypatch) -> None:
     """A transport error mid-stream is one counted failure; the worker backs off and keeps sending."""
-    monkeypatch.setattr("judge.simulate.FAILURE_BACKOFF_S", 0.01)
+    monkeypatch.setattr("judge.sim_openloop.FAILURE_BACKOFF_S", 0.01)
     calls = []
 
     def handler(request: httpx.Request) -> httpx.Response:

@@ -19,13 +19,15 @@ from judge.adversary import Adversary, AdversaryError, degenerate, parse_adversa
 from judge.base import Judgement
 from judge.guardstats import attack_summary, guard_lines, lifecycle_summary
 from judge.report import _lifecycle_html
-from judge.simulate import Simulation, SimulationConfig
+from judge.sim_config import SimulationConfig
+from judge.simulate import Simulation
 from judge.styles import schedule_from_spec
 from learner.config import PRESETS, BrokenLearner, ConfigError, build_config
 from learner.critic import ValueModel
 from learner.optim import make_adamw
 from learner.sao import SAOLearner
-from saoserve.cli import app, parse_broken_learner
+from saoserve.cli import app
+from saoserve.run_options import parse_broken_learner
 from tests.test_sao_step import FAST, make_batch, make_config, tiny_policy
 
 SCHEDULE = schedule_from_spec("pirate:2")

@@ -13,7 +13,8 @@ import httpx
 import pytest
 
 from judge.report import write_report
-from judge.simulate import Simulation, SimulationConfig
+from judge.sim_config import SimulationConfig
+from judge.simulate import Simulation
 from judge.styles import schedule_from_spec
 from learner.process import Learner, LearnerConfig
 from saoserve.model import weights_sha256

@@ -1,0 +1,132 @@
+"""``saoserve admin keys create|list|revoke|train``: the API keys of tenants (docs/tenants.md) and
+their training setting (docs/privacy.md), a command group of its own.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+from urllib.parse import quote
+
+import typer
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from saoserve.admin.client import (
+    EXIT_CODES_HELP,
+    JsonOption,
+    KeyOption,
+    UrlOption,
+    client,
+    reported,
+)
+from saoserve.admin.output import emit_json, shown, visible, when
+
+keys_app = typer.Typer(
+    help="API keys of tenants (docs/tenants.md): create (the key is shown once), list, revoke, and "
+    f"opt a key out of training or back in (docs/privacy.md). {EXIT_CODES_HELP}",
+    no_args_is_help=True,
+)
+
+
+@keys_app.command("create", epilog=EXIT_CODES_HELP)
+def keys_create(
+    tenant: Annotated[
+        str, typer.Argument(metavar="TENANT", help="The tenant the key belongs to (a-z, 0-9, '.', '_', '-').")
+    ],
+    train: Annotated[
+        bool,
+        typer.Option(
+            "--train/--no-train",
+            help="--no-train: the key opts out of training; every answer it is sent is logged "
+            "marked train: false and never trained (docs/privacy.md).",
+        ),
+    ] = True,
+    url: UrlOption = None,
+    key: KeyOption = None,
+    json_out: JsonOption = False,
+) -> None:
+    """Create an API key of TENANT and print it: this is the only time it is shown (the server
+    keeps its hash). Exit 2 for a tenant name the server refuses."""
+    with reported():
+        _, body = client(url, key).call(
+            "POST", "/admin/keys", body={"tenant": tenant, "train": train}, ok=(201,)
+        )
+        if json_out:
+            emit_json(body)
+            return
+        opted = "" if body["train"] else " (opted out of training)"
+        typer.echo(f"API key {visible(body['id'])} of tenant {visible(body['tenant'])}{opted}:")
+        typer.echo(visible(body["key"]))
+        typer.echo("keep it now: it is not stored and cannot be shown again")
+
+
+@keys_app.command("list", epilog=EXIT_CODES_HELP)
+def keys_list(
+    tenant: Annotated[str | None, typer.Option("--tenant", help="Only this tenant's keys.")] = None,
+    url: UrlOption = None,
+    key: KeyOption = None,
+    json_out: JsonOption = False,
+) -> None:
+    """The API keys, oldest first, revoked ones included (ids, tenants, whether the answers they
+    are sent are trained; never a key)."""
+    with reported():
+        params = {"tenant": tenant} if tenant else None
+        _, body = client(url, key).call("GET", "/admin/keys", params=params)
+        if json_out:
+            emit_json(body)
+            return
+        if not body["keys"]:
+            Console().print("no API keys")
+            return
+        table = Table(title=f"API keys ({len(body['keys'])})", box=box.SIMPLE_HEAD)
+        for col in ("id", "tenant", "train", "created (UTC)", "revoked (UTC)"):
+            table.add_column(col)
+        for k in body["keys"]:
+            train = "yes" if k["train"] else "no (opted out)"
+            row = (k["id"], k["tenant"], train, when(k["created_at"]), when(k["revoked_at"]))
+            table.add_row(*map(shown, row))
+        Console().print(table)
+
+
+@keys_app.command("revoke", epilog=EXIT_CODES_HELP)
+def keys_revoke(
+    key_id: Annotated[str, typer.Argument(metavar="KEY_ID", help="The key's id (`keys list`).")],
+    url: UrlOption = None,
+    key: KeyOption = None,
+    json_out: JsonOption = False,
+) -> None:
+    """Revoke the key KEY_ID: its next request is refused (401). Exit 5 for an unknown id."""
+    with reported():
+        _, body = client(url, key).call("POST", f"/admin/keys/{quote(key_id, safe='')}/revoke")
+        if json_out:
+            emit_json(body)
+            return
+        typer.echo(
+            f"API key {visible(body['id'])} of tenant {visible(body['tenant'])} revoked at "
+            f"{when(body['revoked_at'])} UTC"
+        )
+
+
+@keys_app.command("train", epilog=EXIT_CODES_HELP)
+def keys_train(
+    key_id: Annotated[str, typer.Argument(metavar="KEY_ID", help="The key's id (`keys list`).")],
+    state: Annotated[str, typer.Argument(metavar="on|off")],
+    url: UrlOption = None,
+    key: KeyOption = None,
+    json_out: JsonOption = False,
+) -> None:
+    """Opt the key KEY_ID out of training (off) or back in (on), from its next request; answers
+    logged before keep their setting (docs/privacy.md). Exit 5 for an unknown id, or a revoked
+    key (409: a revoked key is final, its setting no longer changes)."""
+    if state not in ("on", "off"):
+        raise typer.BadParameter(f"expected on or off, got {state!r}", param_hint="'on|off'")
+    with reported():
+        _, body = client(url, key).call(
+            "PATCH", f"/admin/keys/{quote(key_id, safe='')}", body={"train": state == "on"}
+        )
+        if json_out:
+            emit_json(body)
+            return
+        now = "trained" if body["train"] else "opted out of training: its answers are never trained"
+        typer.echo(f"API key {visible(body['id'])} of tenant {visible(body['tenant'])}: {now}")

@@ -1,0 +1,118 @@
+"""``saoserve admin forget|dead-letters|quarantine``: what the learner never trains: a user's
+records, removed (docs/privacy.md); the records it set aside instead of joining or training them
+(docs/reliability.md, "Dead letters"); the samples that trained a rejected version.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from core.dead_letters import KINDS as DEAD_LETTER_KINDS
+from saoserve.admin.client import (
+    JsonOption,
+    KeyOption,
+    UrlOption,
+    client,
+    reported,
+)
+from saoserve.admin.output import emit_json, num, shown, visible, when
+
+
+def forget(
+    user: Annotated[
+        str, typer.Argument(metavar="USER", help="The `user` field the user's chat requests sent.")
+    ],
+    url: UrlOption = None,
+    key: KeyOption = None,
+    json_out: JsonOption = False,
+) -> None:
+    """Remove USER's trajectories and feedback from what the learner can ever read.
+
+    Deleted from the database and a SQL-table log; a Kafka log keeps the records until its retention, tombstoned so the learner never uses them (docs/privacy.md). A user with nothing left: zeros, exit 0.
+    """
+    with reported():
+        _, body = client(url, key).call("POST", "/admin/forget", body={"user": user})
+        if json_out:
+            emit_json(body)
+            return
+        typer.echo(
+            f"forgot user {visible(body['user'])}: {body['trajectories']} trajectories "
+            f"({body['episodes']} episodes), {body['tombstones']} new tombstones"
+        )
+        for name, n in body["deleted"].items():
+            typer.echo(f"  deleted {name}: {n}")
+        if body["log"] == "kafka":
+            typer.echo(
+                "the Kafka log keeps these records until its retention.ms; the learner never reads them"
+            )
+
+
+def dead_letters(
+    limit: Annotated[int, typer.Option("--limit", min=1, max=1000, help="Show the newest N.")] = 20,
+    kind: Annotated[
+        str | None, typer.Option("--kind", help=f"Only this kind: {', '.join(DEAD_LETTER_KINDS)}.")
+    ] = None,
+    payload: Annotated[
+        bool, typer.Option("--payload", help="With --json: the records themselves too.")
+    ] = False,
+    url: UrlOption = None,
+    key: KeyOption = None,
+    json_out: JsonOption = False,
+) -> None:
+    """What the learner set aside instead of joining or training it, newest first, and why.
+
+    A record the database refused three times, one that does not parse, feedback whose trajectory had expired, samples whose step kept failing (docs/reliability.md, "Dead letters"). The learner went on without them.
+    """
+    if kind is not None and kind not in DEAD_LETTER_KINDS:
+        raise typer.BadParameter(f"not a kind of dead letter: {kind!r}", param_hint="'--kind'")
+    params = {"limit": limit, "payload": payload} | ({"kind": kind} if kind else {})
+    with reported():
+        _, body = client(url, key).call("GET", "/admin/dead_letters", params=params)
+        if json_out:
+            emit_json(body)
+            return
+        console = Console()
+        rows = body["dead_letters"]
+        if not rows:
+            console.print("no dead letters: the learner has set nothing aside")
+            return
+        table = Table(title=f"newest {len(rows)} of {body['total']} dead letters", box=box.SIMPLE_HEAD)
+        for col in ("id", "at (UTC)", "kind", "key", "log position", "tries", "reason"):
+            table.add_column(col, justify="right" if col in ("id", "tries") else "left")
+        for d in rows:
+            where = "-" if d["topic"] is None else f"{d['topic']} {d['log_partition']}:{d['log_offset']}"
+            table.add_row(
+                str(d["id"]),
+                when(d["created_at"]),
+                shown(d["kind"]),
+                shown(num(d["key"])),
+                shown(where),
+                str(d["attempts"]),
+                shown(d["reason"]),
+            )
+        console.print(table)
+
+
+def quarantine(
+    limit: Annotated[int, typer.Option("--limit", min=1, max=1000, help="Show the newest N.")] = 20,
+    url: UrlOption = None,
+    key: KeyOption = None,
+    json_out: JsonOption = False,
+) -> None:
+    """The samples that trained a rejected version, which the learner never trains again."""
+    with reported():
+        _, body = client(url, key).call("GET", "/admin/quarantine", params={"limit": limit})
+        if json_out:
+            emit_json(body)
+            return
+        table = Table(title=f"quarantined samples ({body['total']})", box=box.SIMPLE_HEAD)
+        for col in ("sample", "version", "reason", "at (UTC)"):
+            table.add_column(col, justify="right" if col == "version" else "left")
+        for r in body["samples"]:
+            table.add_row(*map(shown, (r["sample_id"], r["version"], r["reason"], when(r["at"]))))
+        Console().print(table if body["samples"] else "no sample is quarantined")

@@ -1,0 +1,169 @@
+"""``saoserve admin status``: readiness (``/readyz``), the version served and the newest recorded,
+learning running or paused, the learner's counters, the guard's state and its last verdict on
+the lineage on probation (``/dashboard/state``), and the learner's last steps.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from saoserve.admin.client import (
+    EXIT_SERVER,
+    AdminError,
+    JsonOption,
+    KeyOption,
+    UrlOption,
+    client,
+    reported,
+)
+from saoserve.admin.output import emit_json, num, shown, when
+
+
+def status(
+    url: UrlOption = None,
+    key: KeyOption = None,
+    json_out: JsonOption = False,
+    steps: Annotated[int, typer.Option("--steps", min=1, max=1000, help="Learner steps to show.")] = 5,
+) -> None:
+    """Readiness, the version served, learning running or paused, the guard and its last verdict
+    on the lineage on probation, the last learner steps.
+
+    Exit 6 when /readyz says the server is not ready (the report is printed first).
+    """
+    with reported():
+        c = client(url, key)
+        code, ready = c.call("GET", "/readyz", admin=False, ok=(200, 503))
+        not_ready = f"the server at {c.url} is not ready (503): {_down(ready)}"
+        try:
+            _, versions = c.call("GET", "/admin/policy_versions")
+            _, learner = c.call("GET", "/admin/learner", params={"limit": steps})
+            # The lifecycle as the dashboard reads it (server.metrics.read_lifecycle): the verdict
+            # is the learner's last one on *this* lineage, none once it was promoted or rejected.
+            _, dashboard = c.call("GET", "/dashboard/state", admin=False)
+        except AdminError as exc:
+            # A storage outage fails the admin routes too: name what /readyz found down.
+            if code == 200 or exc.code != EXIT_SERVER:
+                raise
+            raise AdminError(EXIT_SERVER, f"{not_ready}; {exc}") from None
+        rows = versions["versions"]
+        newest = rows[-1] if rows else None
+        report = {
+            "server_url": c.url,
+            "ready": code == 200,
+            "readiness": ready,
+            "serving": versions["serving"],
+            "newest_version": newest,
+            "learning": learner["learning"],
+            "rollback_to": learner["rollback_to"],
+            "counters": learner["counters"],
+            "guard": dashboard["guard"],
+            "steps": learner["steps"],
+        }
+        if json_out:
+            emit_json(report)
+        else:
+            _print_status(report)
+        if code != 200:
+            raise AdminError(EXIT_SERVER, not_ready)
+
+
+READINESS_PARTS = ("database", "log", "engine", "policy")
+
+
+def _down(readiness: dict) -> str:
+    """``log: <why>, engine: not running`` from a /readyz body: the parts not ``ok``."""
+    return ", ".join(f"{k}: {readiness.get(k)}" for k in READINESS_PARTS if readiness.get(k) != "ok")
+
+
+def _print_status(r: dict) -> None:
+    console = Console()
+    parts = ", ".join(
+        f"{k} ok" if r["readiness"].get(k) == "ok" else f"{k}: {r['readiness'].get(k)}"
+        for k in READINESS_PARTS
+    )
+    grid = Table.grid(padding=(0, 2))
+    grid.add_row("server", shown(f"{r['server_url']}: {'ready' if r['ready'] else 'NOT READY'} ({parts})"))
+    newest = r["newest_version"]
+    if newest is None:
+        published = "no versions recorded yet (no learner has started)"
+    else:
+        published = f"newest version {newest['version']} ({newest['status']})"
+    grid.add_row("serving", shown(f"version {r['serving']}; {published}"))
+    learning = r["learning"]
+    if r["rollback_to"] is not None:
+        learning += f"; rollback to version {r['rollback_to']} requested, not yet carried out"
+    grid.add_row("learning", shown(learning))
+    counters = ", ".join(f"{k} {v}" for k, v in sorted(r["counters"].items())) or "none"
+    grid.add_row("counters", shown(counters))
+    for label, line in _guard_lines(r["guard"]):
+        grid.add_row(label, shown(line))
+    console.print(grid)
+    if not r["steps"]:
+        console.print("no learner steps yet")
+        return
+    table = Table(title=f"last {len(r['steps'])} learner steps", box=box.SIMPLE_HEAD)
+    for col in ("step", "version", "reward", "kept", "policy loss", "staleness", "step s", "at (UTC)"):
+        table.add_column(col, justify="left" if col == "at (UTC)" else "right")
+    for s in r["steps"]:
+        table.add_row(
+            *map(
+                shown,
+                (
+                    s["step"],
+                    s["version"],
+                    num(s.get("reward_mean")),
+                    num(s.get("kept_fraction")),
+                    num(s.get("policy_loss"), 4),
+                    num(s.get("staleness_mean"), 2),
+                    num(s.get("step_time_s"), 1),
+                    when(s.get("created_at"))[11:],
+                ),
+            )
+        )
+    console.print(table)
+
+
+def _versions(vs: list) -> str:
+    return ", ".join(map(str, vs))
+
+
+def _guard_lines(g: dict) -> list[tuple[str, str]]:
+    """The rows of the guard's state (``GuardState`` of /dashboard/state; docs/guard.md): the
+    switches, the promoted version, the lineage, and the last verdict on it (the decision, its
+    time, the bounds on Δ = mean(lineage) − mean(promoted), each arm's ratings, the reason).
+    Any value the learner stored as null (a non-finite bound) prints as ``-``."""
+    promoted = "none" if g["promoted"] is None else f"version {g['promoted']}"
+    state = f"{'on' if g['on'] else 'OFF'}; promoted {promoted}"
+    if g["pinned"] is not None:
+        state += f"; pinned to version {g['pinned']}"
+    lineage = g["lineage"]
+    state += f"; on probation: versions {_versions(lineage)}" if lineage else "; nothing on probation"
+    rows = [("guard", state)]
+    v = g["verdict"]
+    if v is None:
+        rows.append(("verdict", "none on this lineage yet" if lineage else "-"))
+        return rows
+    timed_out = "; timed out" if v.get("timed_out") else ""
+    rows.append(
+        (
+            "verdict",
+            f"{v.get('decision')} on versions {_versions(v.get('lineage') or [])} at "
+            f"{when(v.get('at'))} UTC{timed_out}",
+        )
+    )
+    rows.append(("", f"Δ (lineage − promoted) in [{num(v.get('lower'))}, {num(v.get('upper'))}]"))
+    arms = []
+    for name, key in (("lineage", "candidate"), ("promoted", "promoted")):
+        a = v.get(key) or {}
+        arms.append(
+            f"{name} {num(a.get('n'))} (mean {num(a.get('mean'))}, "
+            f"in [{num(a.get('lower'))}, {num(a.get('upper'))}])"
+        )
+    rows.append(("", "ratings: " + "; ".join(arms)))
+    rows.append(("", f"reason: {v.get('reason')}"))
+    return rows

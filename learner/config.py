@@ -195,10 +195,13 @@ class GuardConfig(BaseModel):
     None: no gate, the version goes to probation unchecked. Off by default: a gate costs about
     as much as a learner step on this machine (docs/guard.md, "The gate", Cost). It holds the
     base model and the parent's weights (+540 MB each for 135M)."""
-    delta: float = Field(0.05, gt=0.0, le=1.0)
-    """Non-inferiority margin δ, reward units."""
-    alpha: float = Field(0.05, gt=0.0, lt=1.0)
-    """Error rate α of each decision."""
+    delta: float = Field(0.05, gt=0.0, le=0.5)
+    """Non-inferiority margin δ, reward units (rewards in [0, 1]). At most 0.5: a wider margin
+    promotes a candidate that loses half the reward range to the promoted version, so the rule
+    would promote on its first ``min_samples`` ratings whatever they are."""
+    alpha: float = Field(0.05, gt=0.0, le=0.5)
+    """Error rate α of each decision. At most 0.5: above it each bound is more often wrong than
+    right, and a decision at that confidence is not one."""
     min_samples: int = Field(20, ge=1)
     """Rated answers each arm needs before a bound decides."""
     max_samples: int | None = Field(50_000, ge=1)

@@ -190,6 +190,9 @@ def test_json_round_trip(tmp_path):
             "optimizer.policy_lr: Input should be greater than or equal to 0",
         ),
         ({"overrides": {"optimizer": {"lr": 0.1}}}, "optimizer.lr: Extra inputs are not permitted"),
+        # The guard's rule: a margin over half the reward range, or an error rate over one half.
+        ({"overrides": {"guard": {"delta": 0.6}}}, "guard.delta: Input should be less than or equal to 0.5"),
+        ({"overrides": {"guard": {"alpha": 0.9}}}, "guard.alpha: Input should be less than or equal to 0.5"),
     ],
 )
 def test_config_errors_name_the_field(kwargs, needle):

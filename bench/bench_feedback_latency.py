@@ -107,7 +107,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--feedback-delay-s", type=float, default=0.0)
-    ap.add_argument("--pace", action="store_true", help="pace the traffic to the learner (judge.simulate)")
+    ap.add_argument("--pace", action="store_true", help="pace the traffic to the learner (judge.pacing)")
     ap.add_argument("--out", type=Path, help="folder of the run (default: a temporary one)")
     args = ap.parse_args()
     rows = from_folder(args.folder) if args.folder else run_once(args)

@@ -35,7 +35,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from core.sequential import Decision, RuleParams
 from learner.gate_config import GateConfig
 
-_MODEL = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)
+# allow_inf_nan: no learner setting is meaningful at ±inf or nan (a poll of inf seconds, an
+# infinite time-out); a time-out that never fires is None.
+_MODEL = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True, allow_inf_nan=False)
 
 
 class _DISLoss(BaseModel):

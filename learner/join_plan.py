@@ -18,7 +18,8 @@ Rules (docs/design.md §4, §8):
   (``learner.joiner.Joiner``). A turn of the episode it does not list was answered 503 (or
   500) and appended late by the log, or aborted or failed after tokens (its client got no
   answer, and its number went to the retry: ``server.fate``): dropped, counted
-  ``void_episode_turns``. A listed turn
+  ``void_episode_turns`` (``late_episode_turns`` when it is logged after the episode joined).
+  A listed turn
   that is absent (expired while pending) leaves the episode incomplete: no sample, counted
   ``episode_turns_missing``. Episode feedback logged before ``turn_ids`` joins the turns
   present, only if their numbers are 0..n-1, each once (else ``episode_turns_misnumbered``).

@@ -131,7 +131,11 @@ class Fate:
         """Free the episode turn of a record whose client got no answer, then write the record
         (one task: the release goes first, so the turn can be sent again while the log is slow)."""
         if rec.episode_id is not None:
-            await self.s.release_turn(rec.id)
+            try:
+                await self.s.release_turn(rec.id)
+            except Exception:
+                # The record is written all the same; its index frees the turn too.
+                log.exception("could not free the episode turn of %s", rec.id)
         try:
             await self.s.persist_trajectory(rec)
         except Exception:

@@ -159,6 +159,18 @@ def _free_turn(conn: Connection, trajectory_id: str) -> None:
         conn.execute(delete(Episode).where(Episode.episode_id == episode_id))
 
 
+def _answered_prompt_id(episode_id: str):
+    """The query of the prompt id of ``episode_id``'s answered turns (one row at most)."""
+    return (
+        select(TrajectoryIndex.prompt_id)
+        .where(
+            TrajectoryIndex.episode_id == episode_id,
+            TrajectoryIndex.finish_reason.not_in(UNANSWERED_FINISHES),
+        )
+        .limit(1)
+    )
+
+
 class ServerStore:
     """Rows the server writes; the log holds the records themselves."""
 
@@ -214,11 +226,11 @@ class ServerStore:
         return IndexedTrajectory(*row) if row else None
 
     def episode_prompt_id(self, episode_id: str) -> str | None:
-        """The prompt id of an episode (all its turns share it), or None if unknown."""
+        """The prompt id of an episode (all its answered turns share it), or None if it has no
+        answered turn: records of ``UNANSWERED_FINISHES`` are no turn of it, and a retry of its
+        first turn may carry another prompt."""
         with self.engine.connect() as conn:
-            return conn.execute(
-                select(TrajectoryIndex.prompt_id).where(TrajectoryIndex.episode_id == episode_id).limit(1)
-            ).scalar_one_or_none()
+            return conn.execute(_answered_prompt_id(episode_id)).scalar_one_or_none()
 
     def start_episode_turn(
         self, episode_id: str, trajectory_id: str, token_ok: bool, turn: int | None = None
@@ -346,9 +358,7 @@ class ServerStore:
                 )
                 .order_by(EpisodeTurn.turn)
             ).all()
-            prompt_id = conn.execute(
-                select(TrajectoryIndex.prompt_id).where(TrajectoryIndex.episode_id == episode_id).limit(1)
-            ).scalar_one_or_none()
+            prompt_id = conn.execute(_answered_prompt_id(episode_id)).scalar_one_or_none()
         not_whole = sum(not is_whole_answer(finish) for _, finish in turns)
         return EpisodeState(prompt_id, not_whole, in_flight, tuple(tid for tid, _ in turns))
 

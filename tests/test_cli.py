@@ -337,6 +337,7 @@ def test_an_interrupted_run_ends_the_comparison_with_a_partial_report(monkeypatc
 def test_simulate_steps_stops_before_the_schedule_ends(monkeypatch, tmp_path, args, total):
     """``--steps 2`` on ``pirate:2,poetic:1`` runs steps 0-1 (both judged for pirate, the
     poetic step never comes); without it the run covers the schedule's 2 + 1 = 3 steps."""
+    import judge.sim_result
     import judge.simulate
     import saoserve.run_commands
 
@@ -347,7 +348,7 @@ def test_simulate_steps_stops_before_the_schedule_ends(monkeypatch, tmp_path, ar
             seen.append(config)
 
         async def run(self):
-            return judge.simulate.SimulationResult()
+            return judge.sim_result.SimulationResult()
 
     monkeypatch.setattr(judge.simulate, "Simulation", FakeSimulation)
     monkeypatch.setattr(saoserve.run_commands, "make_judge", lambda kind: None)

@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass
 
 import httpx
+import pytest
 from sqlalchemy import func, select
 
 from core.db import LearnerSample, LogRecord, TrajectoryIndex, make_engine
@@ -20,9 +21,13 @@ from core.logbus import SqlLog
 from core.records import TOPIC_TRAJECTORIES
 from learner.joiner import Joiner
 from server.engine import GenerationDelta
+from server.errors import ApiError
+from server.feedback import accept_feedback
 from tests.conftest import ADMIN, make_settings, running_server
 from tests.learner_harness import in_process, run_until, trained_ids, wait_for
 from tests.test_api_keys import TIMEOUT_S, ScriptedEngine
+from tests.test_edge_contracts import episode_token, feedback, feedback_state
+from tests.test_edges import record
 
 USER = {"role": "user", "content": "hello"}
 ANSWER = {"role": "assistant", "content": "hi!"}
@@ -124,3 +129,37 @@ async def test_an_aborted_turn_is_sent_again_and_the_episode_trains_with_the_ret
     assert await asyncio.to_thread(run_until, learner, lambda: sum(trained_ids(learner).values()) >= 2)
     assert trained_ids(learner) == {"e:ep": 1, body["id"]: 1}
     db.dispose()
+
+
+def aborted_first_turn(tmp_path):
+    """A server state whose episode ``ep`` had one turn, 0, aborted after tokens: ``Fate`` freed
+    it, then its record (prompt ``P-aborted``) was indexed."""
+    s = feedback_state(tmp_path)
+    s.store.start_episode_turn("ep", "a0", token_ok=False, turn=0)
+    s.store.release_turn("a0")
+    s.store.index_trajectory(record("a0", "ep", "abort").model_copy(update={"prompt_id": "P-aborted"}), 0, 0)
+    return s
+
+
+async def test_an_episode_whose_only_turn_was_aborted_has_nothing_to_rate(tmp_path):
+    s = aborted_first_turn(tmp_path)
+    # The aborted record is no turn: the episode has no answered turn, so it is unknown (404),
+    # not an episode whose feedback is taken with no turns (and then set aside by the learner).
+    assert s.store.episode_prompt_id("ep") is None
+    with pytest.raises(ApiError) as err:
+        await accept_feedback(s, feedback(episode_id="ep", feedback_token=episode_token("ep")))
+    assert (err.value.status, err.value.param) == (404, "episode_id")
+    assert s.metrics.feedback.labels("unknown")._value.get() == 1
+
+
+def test_the_episode_prompt_is_its_answered_turns_not_the_aborted_one(tmp_path):
+    s = aborted_first_turn(tmp_path)
+    # The client sends turn 0 again with an edited first message: another prompt id.
+    assert s.store.start_episode_turn("ep", "r0", token_ok=False, turn=0).turn == 0
+    s.store.index_trajectory(record("r0", "ep", "stop").model_copy(update={"prompt_id": "P-retry"}), 0, 1)
+    state = s.store.episode_state("ep")
+    assert (s.store.episode_prompt_id("ep"), state.prompt_id, state.turn_ids) == (
+        "P-retry",
+        "P-retry",
+        ("r0",),
+    )

@@ -1,5 +1,5 @@
 """The identity cap (learner/identity_cap.py): hand-computed batches, then properties; and the
-learner's batch assembly through it (learner.process.Learner._next_batch) on a real database."""
+learner's batch assembly through it (learner.sample_queue.next_batch, via Learner._next_batch) on a real database."""
 
 from __future__ import annotations
 

@@ -193,6 +193,12 @@ def test_json_round_trip(tmp_path):
         # The guard's rule: a margin over half the reward range, or an error rate over one half.
         ({"overrides": {"guard": {"delta": 0.6}}}, "guard.delta: Input should be less than or equal to 0.5"),
         ({"overrides": {"guard": {"alpha": 0.9}}}, "guard.alpha: Input should be less than or equal to 0.5"),
+        # No learner setting takes inf or nan: a poll or time-out that never fires is None.
+        ({"overrides": {"poll_s": float("inf")}}, "poll_s: Input should be a finite number"),
+        (
+            {"overrides": {"guard": {"max_seconds": float("inf")}}},
+            "guard.max_seconds: Input should be a finite",
+        ),
     ],
 )
 def test_config_errors_name_the_field(kwargs, needle):

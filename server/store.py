@@ -298,6 +298,14 @@ class ServerStore:
         """Hold ``decision.turn`` for ``trajectory_id``; False when another request took it first."""
         try:
             with self.engine.begin() as conn:
+                # A release of the episode's only turn (_free_turn) may have forgotten the episode
+                # since this request passed its check: the turn taken here keeps it, so its row
+                # is written again, and a request without the token still cannot start it anew.
+                if (
+                    conn.execute(select(Episode.episode_id).where(Episode.episode_id == episode_id)).first()
+                    is None
+                ):
+                    conn.execute(insert(Episode).values(episode_id=episode_id, created_at=now))
                 if decision.takeover is None:
                     conn.execute(
                         insert(EpisodeTurn).values(

@@ -18,11 +18,12 @@ from sqlalchemy import func, select
 
 from core.db import LearnerSample, LogRecord, TrajectoryIndex, make_engine
 from core.logbus import SqlLog
-from core.records import TOPIC_TRAJECTORIES
+from core.records import TOPIC_TRAJECTORIES, utcnow
 from learner.joiner import Joiner
 from server.engine import GenerationDelta
 from server.errors import ApiError
 from server.feedback import accept_feedback
+from server.store import plan_turn
 from tests.conftest import ADMIN, make_settings, running_server
 from tests.learner_harness import in_process, run_until, trained_ids, wait_for
 from tests.test_api_keys import TIMEOUT_S, ScriptedEngine
@@ -163,3 +164,17 @@ def test_the_episode_prompt_is_its_answered_turns_not_the_aborted_one(tmp_path):
         "P-retry",
         ("r0",),
     )
+
+
+def test_a_retry_racing_the_release_of_the_only_turn_keeps_the_episode_its_own(tmp_path):
+    """The race, step by step: the retry of turn 0 (with its token) has passed its check while
+    the episode row still stood; the release of the aborted turn 0 then forgets the episode;
+    the retry takes turn 0. The episode is written again with it, so a request without the
+    token is still refused, and the turn is the episode's."""
+    s = feedback_state(tmp_path)
+    s.store.start_episode_turn("ep", "a0", token_ok=False, turn=0)
+    s.store.release_turn("a0")  # the only turn: the episode row goes too
+    now = utcnow()
+    assert s.store._take("ep", "r0", plan_turn(s.store._slots("ep"), 0, now), now)
+    assert s.store.start_episode_turn("ep", "x", token_ok=False).outcome == "not_yours"
+    assert [slot.trajectory_id for slot in s.store._slots("ep")] == ["r0"]

@@ -81,6 +81,19 @@ def healthy(finish_reason: str, n_tokens: int, min_tokens: int) -> bool:
     return finish_reason == "length" or (finish_reason == "stop" and n_tokens >= min_tokens)
 
 
+def drifted(kl_refs: Sequence[float | None], bound: float) -> float | None:
+    """The first of a lineage's measured KLs to the base that passes ``bound``, or None (the
+    guard's drift veto, docs/guard.md "The drift veto").
+
+    ``kl_refs``: nats per action token, one per version of the lineage but its newest, in
+    version order: the ``kl_ref`` its child's step measured on a training batch before the
+    update, i.e. the drift of the version the step started from (None: not measured, e.g. the
+    KL anchor off). The lineage's first step measures the promoted parent, which is not the
+    lineage's drift, so the caller leaves it out.
+    """
+    return next((kl for kl in kl_refs if kl is not None and kl > bound), None)
+
+
 class Arm(StrEnum):
     """The arm of a canary share a request was routed to (``route``)."""
 

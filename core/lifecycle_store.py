@@ -197,6 +197,23 @@ def trained_sample_ids(conn: Connection, versions: Iterable[int]) -> dict[int, l
     return out
 
 
+def step_metric(conn: Connection, versions: Iterable[int], name: str) -> dict[int, float | None]:
+    """The metric ``name`` of the step that trained each of ``versions``
+    (``learner_steps.metrics``); None where the step did not record it as a number, and a
+    version with no step (a rollback's) absent."""
+    wanted = list(versions)
+    if not wanted:
+        return {}
+    rows = conn.execute(
+        select(LearnerStep.version, LearnerStep.metrics).where(LearnerStep.version.in_(wanted))
+    )
+    out: dict[int, float | None] = {}
+    for r in rows:
+        value = (r.metrics or {}).get(name)
+        out[r.version] = float(value) if isinstance(value, int | float) else None
+    return out
+
+
 def quarantine(conn: Connection, by_version: Mapping[int, Iterable[str]], reason: str, at: datetime) -> int:
     """Quarantine the sample ids of ``by_version`` (version → the ids that trained it); returns
     how many were new (an id already quarantined keeps its first row)."""

@@ -223,6 +223,13 @@ class GuardConfig(BaseModel):
     share of sound answers (``core.lifecycle.healthy``: cut by the budget, or ended by the model
     after at least this many tokens) is surely below the promoted versions' (the same rule on
     every answer served, rated or not). None: no veto."""
+    max_kl_ref: float | None = Field(0.6, gt=0.0)
+    """The drift veto (docs/guard.md, "The drift veto"): the lineage is rejected when one of its
+    versions measured more than this KL to the base (nats per action token) on a training batch:
+    the KL anchor's ``kl_ref`` of the step trained from it (``core.lifecycle.drifted``). The
+    gate's ``max_kl_base``, measured for free on every step; only with the anchor on (the
+    ``demo`` preset; without it no step measures ``kl_ref`` and the veto never fires). None: no
+    veto."""
 
     @model_validator(mode="after")
     def _timeout_after_min(self) -> GuardConfig:

@@ -26,7 +26,7 @@ from sqlalchemy.engine import Connection, Engine
 from core import lifecycle_store
 from core.control import GUARD_OFF, GUARD_PIN, GUARD_VERDICT, get_flag, set_flag
 from core.db import PolicyVersion
-from core.lifecycle import GUARD, Arm, Stage, judge_lineage, lineage
+from core.lifecycle import GUARD, Arm, Stage, drifted, judge_lineage, lineage
 from core.logbus import LogTransport
 from core.records import POLICY_KEY, TOPIC_POLICY, as_utc, utcnow
 from core.sequential import Decision, Verdict
@@ -127,7 +127,9 @@ class Guard:
         when a canary split served the lineage (its answers carry the canary arm), its
         canary-arm answers against the promoted versions' control-arm answers since the lineage
         started; on probation, all its answers against the promoted versions' from before it.
-        Unless that rejects, the health veto compares the same arms' shares of sound answers
+        Unless that rejects, the drift veto rejects a lineage one of whose versions measured a KL
+        to the base over ``guard.max_kl_ref`` on a training batch (``core.lifecycle.drifted``);
+        then the health veto compares the same arms' shares of sound answers
         (every answer, rated or not; ``guard.min_answer_tokens``) and rejects when the lineage's
         is surely lower: ``promote`` moves every version of the lineage to ``promoted``;
         ``reject`` moves them to ``rejected``, quarantines the samples that trained them and
@@ -189,6 +191,18 @@ class Guard:
             guard.rule_params(),
             elapsed_s=elapsed,
         )
+        if verdict.decision != Decision.REJECT and guard.max_kl_ref is not None:
+            # Version k's drift is measured by version k+1's step: the lineage's first step
+            # measured the promoted parent, so only the later ones count.
+            kl = lifecycle_store.step_metric(conn, members[1:], "kl_ref")
+            drift = drifted([kl.get(v) for v in members[1:]], guard.max_kl_ref)
+            if drift is not None:
+                return replace(
+                    verdict,
+                    decision=Decision.REJECT,
+                    reason=f"drifted from the base (drift veto): a training batch measured KL "
+                    f"{drift:.3g} nats/token, over {guard.max_kl_ref}",
+                )
         if verdict.decision != Decision.REJECT and guard.min_answer_tokens is not None:
             health = judge_lineage(
                 lifecycle_store.answer_health(conn, members, guard.min_answer_tokens, **lineage_arm),

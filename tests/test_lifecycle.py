@@ -21,6 +21,7 @@ from core.lifecycle import (
     TransitionError,
     VersionStage,
     check_transition,
+    drifted,
     judge_lineage,
     lineage,
     promoted,
@@ -239,3 +240,11 @@ def test_quarantine_keeps_the_first_row_of_an_id_and_lists_newest_first(db):
         ("s1", 3, "lineage rejected"),
         ("s2", 3, "lineage rejected"),
     ]
+
+
+def test_drifted_is_the_first_measured_kl_over_the_bound():
+    # nats/token; None: a step that measured none (the KL anchor off).
+    assert drifted([0.01, None, 0.37], 0.6) is None
+    assert drifted([0.2, 0.64, 3.0], 0.6) == 0.64
+    assert drifted([0.6], 0.6) is None  # at the bound is not over it
+    assert drifted([], 0.6) is None

@@ -14,12 +14,13 @@ from collections import Counter
 from datetime import timedelta
 
 import pytest
-from sqlalchemy import insert, select
+from sqlalchemy import insert, select, update
 
 from core.control import GUARD_VERDICT, PAUSED, get_flag, set_flag
 from core.db import (
     LearnerCounter,
     LearnerSample,
+    LearnerStep,
     PolicyVersion,
     QuarantinedSample,
     VersionStatusEvent,
@@ -235,6 +236,41 @@ def test_a_lineage_whose_answers_collapse_is_vetoed_though_the_sparse_rewards_ca
     assert (verdict["candidate"]["n"], verdict["candidate"]["mean"]) == (40, 0.0)
     assert (verdict["promoted"]["n"], verdict["promoted"]["mean"]) == (92, 1.0)
     assert lifecycles(learner) == {0: "promoted", 1: "rejected", 2: "promoted"}
+
+
+def set_kl_ref(learner: Learner, version: int, kl: float) -> None:
+    """Write ``kl`` as the ``kl_ref`` of the step that trained ``version`` (the KL anchor's
+    figure: the tiny test learner runs without the anchor)."""
+    with learner.db.begin() as conn:
+        row = conn.execute(
+            select(LearnerStep.id, LearnerStep.metrics).where(LearnerStep.version == version)
+        ).one()
+        conn.execute(
+            update(LearnerStep).where(LearnerStep.id == row.id).values(metrics=row.metrics | {"kl_ref": kl})
+        )
+
+
+def test_a_lineage_that_drifted_from_the_base_is_vetoed_before_its_answers_tell(learner):
+    """The broken-learner runs of docs/guard.md: the answers stayed long and the rewards sparse,
+    so neither the reward rule nor the health veto could reject, while the training batches'
+    KL to the base passed the gate's bound (0.6) at the lineage's 6th-9th version."""
+    feed(open_log(learner.settings.resolved_database_url), 3 * BATCH, 0)
+    learner.poll_once()
+    rate(learner, 0, [1.0] * 3 + [0.0] * 29, utcnow() - timedelta(hours=1))
+    for _ in range(3):
+        learner.train_step()
+    assert lifecycles(learner) == {0: "promoted", 1: "canary", 2: "canary", 3: "canary"}
+    # Version 1's step measured the promoted version 0 (the parent): not the lineage's drift.
+    set_kl_ref(learner, 1, 5.0)
+    set_kl_ref(learner, 2, 0.37)  # version 1: the largest clean drift measured (docs/demo.md)
+    assert learner.guard_check() == Decision.CONTINUE
+    set_kl_ref(learner, 3, 0.64)  # version 2 measured 0.64 > max_kl_ref 0.6
+    assert learner.guard_check() == Decision.REJECT
+    verdict = json.loads(get_flag(learner.db, GUARD_VERDICT))
+    assert verdict["reason"] == (
+        "drifted from the base (drift veto): a training batch measured KL 0.64 nats/token, over 0.6"
+    )
+    assert lifecycles(learner) == {0: "promoted", 1: "rejected", 2: "rejected", 3: "rejected", 4: "promoted"}
 
 
 def test_a_lineage_served_by_a_canary_split_is_judged_against_the_control_arm_of_its_window(learner):

@@ -82,7 +82,7 @@ async def accept_feedback(s: ServerState, body: FeedbackRequest) -> FeedbackAcce
         # Read after the claim is taken: a turn dispatched from now on sees the claim and is
         # refused, so no turn can join the episode unseen (ServerStore.start_episode_turn).
         ep = await asyncio.to_thread(s.store.episode_state, body.episode_id)
-        if ep.turns_in_flight or ep.not_whole_turns or not ep.turn_ids:
+        if ep.turns_in_flight or ep.not_whole_turns:
             await asyncio.to_thread(s.store.release, target, feedback_id)
         if ep.turns_in_flight:
             s.metrics.feedback.labels("episode_in_progress").inc()
@@ -95,10 +95,6 @@ async def accept_feedback(s: ServerState, body: FeedbackRequest) -> FeedbackAcce
         if ep.not_whole_turns:
             s.metrics.feedback.labels("not_whole").inc()
             raise not_whole(f"{what} has {ep.not_whole_turns} answered turn(s) that did not end whole")
-        if not ep.turn_ids:
-            # Every turn it had was aborted or failed (and freed): there is nothing to rate yet.
-            s.metrics.feedback.labels("not_whole").inc()
-            raise not_whole(f"{what} has no answered turn")
         turn_ids = list(ep.turn_ids)
     rec = FeedbackRecord(
         trajectory_id=body.id,

@@ -6,6 +6,7 @@ PostgreSQL get the same tables from the same migration scripts.
 
 from __future__ import annotations
 
+import re
 from datetime import datetime
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from sqlalchemy import (
     create_engine,
     event,
     make_url,
+    text,
     true,
 )
 from sqlalchemy.engine import Engine
@@ -220,10 +222,34 @@ def make_engine(url: str) -> Engine:
     return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20, connect_args=connect_args)
 
 
+SEARCH_PATH = re.compile(r"-c\s*search_path=(\S+)")
+
+
+def search_path_schema(url: str) -> str | None:
+    """The schema a PostgreSQL ``url``'s ``options`` set as its search path (a tenant namespace,
+    ``core.policies.tenant_database_url``), or None."""
+    u = make_url(url)
+    if u.get_backend_name() != "postgresql":
+        return None
+    options = u.query.get("options", "")
+    found = SEARCH_PATH.search(" ".join(options) if isinstance(options, tuple) else options)
+    return found.group(1) if found else None
+
+
 def migrate(url: str, revision: str = "head") -> None:
-    """Run Alembic migrations up to ``revision`` on the database at ``url``."""
+    """Run Alembic migrations up to ``revision`` on the database at ``url``; a PostgreSQL URL
+    whose search path names a schema (a tenant namespace) gets that schema made first, so its
+    tables and Alembic's version table land in it."""
     from alembic import command
 
+    schema = search_path_schema(url)
+    if schema is not None:
+        engine = create_engine(make_url(url).difference_update_query(["options"]))
+        try:
+            with engine.begin() as conn:
+                conn.execute(text(f'CREATE SCHEMA IF NOT EXISTS "{schema}"'))
+        finally:
+            engine.dispose()
     command.upgrade(alembic_config(url), revision)
 
 

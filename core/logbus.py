@@ -23,6 +23,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from urllib.parse import parse_qsl
 
 from sqlalchemy import insert, select, text
 from sqlalchemy.exc import InterfaceError, OperationalError
@@ -187,7 +188,11 @@ class KafkaLog(LogTransport):
         probe_after_s: float = 0.5,
     ):
         self.url = url
-        self.bootstrap = url.removeprefix("kafka://").split(",")
+        hosts, _, query = url.removeprefix("kafka://").partition("?")
+        self.bootstrap = hosts.split(",")
+        # A tenant namespace's topics (core.policies.tenant_log_url): callers name the logical
+        # topics of core.records; the broker holds them as ``<topic_prefix><topic>``.
+        self.topic_prefix = dict(parse_qsl(query)).get("topic_prefix", "")
         self.num_partitions = num_partitions
         self.send_timeout_s = send_timeout_s
         self.ack_timeout_s = ack_timeout_s
@@ -199,6 +204,10 @@ class KafkaLog(LogTransport):
         self._lock = threading.Lock()
         self._read_lock = threading.Lock()
         self.breaker = Breaker("the Kafka log", self._probe, LogUnavailable, fresh_s=probe_after_s)
+
+    def broker_topic(self, topic: str) -> str:
+        """The broker's name of the logical ``topic``: ``topic_prefix`` + ``topic``."""
+        return f"{self.topic_prefix}{topic}"
 
     def partitions_of(self, topic: str) -> int:
         """Partitions a topic is created with: ``num_partitions``, but one for ``policy``, whose
@@ -224,16 +233,17 @@ class KafkaLog(LogTransport):
 
         existing = set(admin.list_topics())
         new = [
-            NewTopic(t, num_partitions=self.partitions_of(t), replication_factor=1)
+            NewTopic(self.broker_topic(t), num_partitions=self.partitions_of(t), replication_factor=1)
             for t in TOPICS
-            if t not in existing
+            if self.broker_topic(t) not in existing
         ]
         if new:
             try:
                 admin.create_topics(new)
             except TopicAlreadyExistsError:
                 pass
-        return {t["name"]: t.get("topic_id") for t in admin.describe_topics(list(TOPICS))}
+        described = admin.describe_topics([self.broker_topic(t) for t in TOPICS])
+        return {t["name"]: t.get("topic_id") for t in described}
 
     def ensure_topics(self) -> dict[str, str]:
         """Create the three topics if missing (idempotent); returns their ids."""
@@ -313,7 +323,7 @@ class KafkaLog(LogTransport):
             raise ValueError(f"unknown topic {topic!r}")
         producer = self._get_producer()
         try:
-            future = producer.send(topic, key=key.encode(), value=value)
+            future = producer.send(self.broker_topic(topic), key=key.encode(), value=value)
         except Exception as exc:  # no metadata or no buffer space in time: nothing was sent
             self._discard_producer(producer, str(exc))
             raise LogUnavailable(f"Kafka append failed: {exc}") from exc
@@ -335,7 +345,7 @@ class KafkaLog(LogTransport):
         except Exception as exc:
             raise LogUnavailable(f"Kafka unavailable: {exc}") from exc
         try:
-            parts = consumer.partitions_for_topic(topic)
+            parts = consumer.partitions_for_topic(self.broker_topic(topic))
         finally:
             consumer.close()
         if not parts:
@@ -348,7 +358,7 @@ class KafkaLog(LogTransport):
     ) -> list[LogEntry]:
         from kafka import KafkaConsumer, TopicPartition
 
-        tp = TopicPartition(topic, partition)
+        tp = TopicPartition(self.broker_topic(topic), partition)
         with self._read_lock:
             # One consumer per partition: reassigning one consumer between partitions drops
             # its fetch positions and returns nothing until the next metadata round.

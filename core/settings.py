@@ -9,12 +9,19 @@ from __future__ import annotations
 import enum
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from core.lifecycle import CANARY_SHARE_MAX, CANARY_SHARE_MIN, check_canary_share
+from core.policies import (
+    TENANTS_DIR,
+    check_policy_tenant,
+    tenant_database_url,
+    tenant_log_url,
+    tenant_policy_dir,
+)
 
 DEFAULT_HOME = Path("var")
 
@@ -150,6 +157,13 @@ class Settings(BaseSettings):
         "read itself waits up to 0.2 s per partition for a new event. Part of the delay from a "
         "published version to serving it.",
     )
+    tenant_policies: Annotated[list[str], NoDecode] = Field(
+        [],
+        description="Tenants served by a policy of their own (a LoRA adapter trained only on their "
+        "ratings, `saoserve learn --tenant NAME`), comma-separated; every other tenant shares the "
+        "global policy. Needs adapter_serving 'adapter' and max_cpu_loras of at least twice the "
+        "policies (docs/tenants.md, 'A policy per tenant').",
+    )
     retention_days: int = Field(
         0,
         ge=0,
@@ -177,13 +191,65 @@ class Settings(BaseSettings):
                 return v
         return check_canary_share(v, "canary_share")
 
+    @field_validator("tenant_policies", mode="before")
+    @classmethod
+    def _tenant_list(cls, v: object) -> object:
+        if isinstance(v, str):
+            v = [t.strip() for t in v.split(",") if t.strip()]
+        if isinstance(v, list | tuple):
+            names = [check_policy_tenant(t) if isinstance(t, str) else t for t in v]
+            twice = sorted({t for t in names if names.count(t) > 1})
+            if twice:
+                raise ValueError(f"tenant_policies names {', '.join(twice)} more than once")
+            return names
+        return v
+
     @model_validator(mode="after")
     def _lora_slots(self) -> Settings:
         if self.max_cpu_loras < self.max_loras:
             raise ValueError(
                 f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})"
             )
+        if self.tenant_policies:
+            if self.adapter_serving is not AdapterServing.ADAPTER:
+                raise ValueError(
+                    "tenant_policies needs adapter_serving 'adapter': one engine serves several "
+                    f"policies only as adapters over one base (adapter_serving is {self.adapter_serving.value!r})"
+                )
+            # Each policy's current adapter, and one more each for the previous version that
+            # requests in flight finish on (or a canary split's promoted version).
+            need = 2 * (len(self.tenant_policies) + 1)
+            if self.max_cpu_loras < need:
+                raise ValueError(
+                    f"max_cpu_loras ({self.max_cpu_loras}) must be at least {need} for "
+                    f"{len(self.tenant_policies)} tenant policies and the global one (two slots a policy)"
+                )
         return self
+
+    def for_tenant(self, tenant: str) -> Settings:
+        """These settings as ``tenant``'s policy namespace sees them (``core.policies``): its
+        database, log, policy folder and home; everything else as here, ``tenant_policies``
+        empty (a namespace holds one policy). What a tenant's learner runs with.
+
+        Raises:
+            ValueError: ``tenant`` is not in ``tenant_policies``, or the database or log cannot
+                hold a namespace (``core.policies.tenant_database_url``).
+        """
+        if tenant not in self.tenant_policies:
+            known = ", ".join(self.tenant_policies) or "none"
+            raise ValueError(
+                f"tenant {tenant!r} has no policy of its own (SAOSERVE_TENANT_POLICIES: {known})"
+            )
+        return self.model_copy(
+            update={
+                "home": self.home / TENANTS_DIR / tenant,
+                "database_url": tenant_database_url(self.resolved_database_url, tenant),
+                "log_url": tenant_log_url(self.resolved_log_url, tenant),
+                "policy_dir": tenant_policy_dir(self.resolved_policy_dir, tenant),
+                "model_dir": self.resolved_model_dir,
+                "tenant_policies": [],
+            }
+        )
 
     @property
     def resolved_database_url(self) -> str:

@@ -155,8 +155,8 @@ class Guard:
                 return None
             started = as_utc(next(r.created_at for r in rows if r.version == members[0]))
             promoted = [v.version for v in st if v.stage == Stage.PROMOTED]
-            verdict = self._judge(conn, members, promoted, started)
-        self._record_verdict(members, verdict)
+            verdict, vetoes = self._judge(conn, members, promoted, started)
+        self._record_verdict(members, verdict, vetoes)
         if verdict.decision == Decision.PROMOTE:
             now = utcnow()
             with self.db.begin() as conn:
@@ -170,9 +170,13 @@ class Guard:
             self._reject_lineage(members, verdict.reason)
         return verdict.decision
 
-    def _judge(self, conn: Connection, members: list[int], promoted: list[int], started) -> Verdict:
+    def _judge(
+        self, conn: Connection, members: list[int], promoted: list[int], started
+    ) -> tuple[Verdict, dict]:
         """The rule's verdict on the lineage ``members`` (first published at ``started``, UTC)
-        against the ``promoted`` versions, then the health veto (``check``)."""
+        against the ``promoted`` versions, then the vetoes (``check``); with the vetoes' own
+        figures at this check, whatever the verdict: ``{"drift": {"kl_max", "bound",
+        "measured"}, "health": Verdict as a dict}`` (a key absent when its veto is off)."""
         guard = self.config
         canary = lifecycle_store.rated_rewards(conn, members, arm=Arm.CANARY)
         # A canary split served the lineage: both arms of one window. Probation: against the
@@ -191,32 +195,43 @@ class Guard:
             guard.rule_params(),
             elapsed_s=elapsed,
         )
-        if verdict.decision != Decision.REJECT and guard.max_kl_ref is not None:
+        vetoes: dict = {}
+        if guard.max_kl_ref is not None:
             # Version k's drift is measured by version k+1's step: the lineage's first step
             # measured the promoted parent, so only the later ones count.
-            kl = lifecycle_store.step_metric(conn, members[1:], "kl_ref")
-            drift = drifted([kl.get(v) for v in members[1:]], guard.max_kl_ref)
-            if drift is not None:
-                return replace(
+            by_version = lifecycle_store.step_metric(conn, members[1:], "kl_ref")
+            kl = [by_version.get(v) for v in members[1:]]
+            known = [k for k in kl if k is not None]
+            vetoes["drift"] = {
+                "kl_max": max(known, default=None),
+                "bound": guard.max_kl_ref,
+                "measured": len(known),
+            }
+            drift = drifted(kl, guard.max_kl_ref)
+            if verdict.decision != Decision.REJECT and drift is not None:
+                verdict = replace(
                     verdict,
                     decision=Decision.REJECT,
                     reason=f"drifted from the base (drift veto): a training batch measured KL "
                     f"{drift:.3g} nats/token, over {guard.max_kl_ref}",
                 )
-        if verdict.decision != Decision.REJECT and guard.min_answer_tokens is not None:
+        if guard.min_answer_tokens is not None:
             health = judge_lineage(
                 lifecycle_store.answer_health(conn, members, guard.min_answer_tokens, **lineage_arm),
                 lifecycle_store.answer_health(conn, promoted, guard.min_answer_tokens, **promoted_arm),
                 guard.health_params(),
             )
-            if health.decision == Decision.REJECT:
+            vetoes["health"] = asdict(health)
+            if verdict.decision != Decision.REJECT and health.decision == Decision.REJECT:
                 verdict = replace(health, reason=f"degenerate answers (health veto): {health.reason}")
-        return verdict
+        return verdict, vetoes
 
-    def _record_verdict(self, members: list[int], verdict: Verdict) -> None:
+    def _record_verdict(self, members: list[int], verdict: Verdict, vetoes: dict) -> None:
         """Keep the verdict (bounds, counts, decision) on ``members`` as the ``guard_verdict``
-        flag, for /metrics and the dashboard: ``{"lineage": [...], "at": ISO time, **Verdict}``."""
-        record = {"lineage": members, "at": utcnow().isoformat()} | asdict(verdict)
+        flag, for /metrics and the dashboard: ``{"lineage": [...], "at": ISO time, **Verdict,
+        "vetoes": ...}``, the vetoes' figures of ``_judge`` at every check (not only once one
+        rejects), so an operator sees how near each is to its bound."""
+        record = {"lineage": members, "at": utcnow().isoformat()} | asdict(verdict) | {"vetoes": vetoes}
         set_flag(self.db, GUARD_VERDICT, json.dumps(storable(record)))
 
     def _reject_lineage(self, members: list[int], reason: str) -> int | None:

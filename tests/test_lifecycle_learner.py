@@ -264,6 +264,12 @@ def test_a_lineage_that_drifted_from_the_base_is_vetoed_before_its_answers_tell(
     set_kl_ref(learner, 1, 5.0)
     set_kl_ref(learner, 2, 0.37)  # version 1: the largest clean drift measured (docs/demo.md)
     assert learner.guard_check() == Decision.CONTINUE
+    # The vetoes' figures are kept at a check that rejects nothing: one KL measured (0.37, set
+    # above; version 3's step wrote none, as the test learner runs without the KL anchor), its
+    # bound 0.6; the health veto's verdict.
+    vetoes = json.loads(get_flag(learner.db, GUARD_VERDICT))["vetoes"]
+    assert vetoes["drift"] == {"kl_max": 0.37, "bound": 0.6, "measured": 1}
+    assert vetoes["health"]["decision"] == "continue"
     set_kl_ref(learner, 3, 0.64)  # version 2 measured 0.64 > max_kl_ref 0.6
     assert learner.guard_check() == Decision.REJECT
     verdict = json.loads(get_flag(learner.db, GUARD_VERDICT))

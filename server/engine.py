@@ -10,6 +10,13 @@ place (pause, reload, resume). An adapter is served as ``settings.adapter_servin
 into the base weights and swapped in the same way, or (``ADAPTER``) added to vLLM with
 ``add_lora`` and given to every request that starts afterwards, while requests in flight finish
 on the adapter they started with (``server.adapters``; docs/serving_adapters.md).
+
+One engine serves every policy (``core.policies``): the global one and, in adapter mode, each
+tenant policy of ``settings.tenant_policies``, each with its own current adapter and served
+version over the shared base weights. ``PolicyEngine.view(policy)`` is the engine as one policy
+sees it (``PolicyView``), which the chat handler, policy watcher and canary router take in place
+of the engine. With tenant policies no full weights are ever loaded (merged adapters included):
+every policy's adapters apply to the base weights.
 """
 
 from __future__ import annotations
@@ -25,12 +32,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from core import policy_store
+from core.policies import GLOBAL
 from core.policy_store import Layout
 from core.records import SamplingRecord
 from core.settings import AdapterServing, Settings
 from core.weights import WeightsLayout, WeightsMismatch, weights_sha256
 from server.adapter_files import AdapterMismatch, AdapterSpec, check_adapter, merge, stage
-from server.adapters import Adapter, AdapterTable, TableFull
+from server.adapters import Adapter, AdapterTable, PolicyAdapters, TableFull
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +79,13 @@ def vllm_sampling(sampling: SamplingRecord, top_logprobs: int = 0, ignore_eos: b
 
 class SwapRefused(RuntimeError):
     """A policy version was not loaded (bad checksum, missing files, tensors that do not match
-    the serving model, a reload that failed); the old one serves on."""
+    the serving model, a reload that failed, full weights while tenant policies are served);
+    the old one serves on."""
+
+
+class UnknownPolicy(ValueError):
+    """A policy name this engine does not serve: neither ``GLOBAL`` nor one of its
+    ``settings.tenant_policies``. The message lists the policies it serves."""
 
 
 @dataclass
@@ -104,13 +118,19 @@ class SwapResult:
 
 @dataclass
 class PolicyEngine:
-    """One vLLM engine serving the current policy version; swaps are serialised by a lock.
+    """One vLLM engine serving the current version of each policy; swaps (of all policies) are
+    serialised by one lock.
 
-    ``path`` is the folder of the version served (as its policy event names it); ``weights_path``
-    the full weights the engine last loaded (the base model, a full version, or the merge of an
-    adapter in ``work_dir``), which a failed reload restores, and ``weights_version`` the version
-    those full weights are (what a request served with no adapter is stamped with). ``adapters``
-    is the adapter table when adapters are served as LoRA (``AdapterServing.ADAPTER``), else None.
+    ``version`` and ``path`` are the global policy's: the version served and its folder (as its
+    policy event names it); a tenant policy's are ``version_of(t)`` and ``path_of(t)`` (version 0
+    and ``model_dir`` until its first adapter loads). ``weights_path`` is the full weights the
+    engine last loaded (the base model, a full version, or the merge of an adapter in
+    ``work_dir``), which a failed reload restores, and ``weights_version`` the global version
+    those full weights are (what a global request served with no adapter is stamped with; a
+    tenant's is always 0). ``adapters`` is the adapter table of all policies when adapters are
+    served as LoRA (``AdapterServing.ADAPTER``), else None. Every method that serves or loads a
+    version takes ``policy`` (default ``GLOBAL``) and raises UnknownPolicy for a name the engine
+    does not serve.
     """
 
     settings: Settings
@@ -127,10 +147,55 @@ class PolicyEngine:
     _swap_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     _byte_decoder: dict[str, int] | None = field(default=None, repr=False)
     _removals: set[asyncio.Task] = field(default_factory=set, repr=False)
+    _tenant_served: dict[str, tuple[int, Path]] = field(default_factory=dict, repr=False)
+    _views: dict[str, PolicyView] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if self.weights_path is None:
             self.weights_path = self.path  # the version served is full weights until told otherwise
+
+    @property
+    def policies(self) -> list[str]:
+        """The policies this engine serves: ``GLOBAL``, then ``settings.tenant_policies``."""
+        return [GLOBAL, *self.settings.tenant_policies]
+
+    def check_policy(self, policy: str) -> str:
+        """``policy`` if this engine serves it; raises UnknownPolicy naming the ones it does."""
+        if policy != GLOBAL and policy not in self.settings.tenant_policies:
+            raise UnknownPolicy(f"no policy named {policy!r} (policies: {', '.join(self.policies)})")
+        return policy
+
+    def view(self, policy: str = GLOBAL) -> PolicyView:
+        """The engine as ``policy`` sees it (one object per policy). Raises UnknownPolicy."""
+        self.check_policy(policy)
+        if policy not in self._views:
+            self._views[policy] = PolicyView(self, policy)
+        return self._views[policy]
+
+    def version_of(self, policy: str = GLOBAL) -> int:
+        """The version ``policy``'s new requests are served with (``version`` for the global
+        policy; 0, the base weights, for a tenant policy before its first adapter)."""
+        if self.check_policy(policy) == GLOBAL:
+            return self.version
+        return self._tenant_served.get(policy, (0, self.model_dir))[0]
+
+    def path_of(self, policy: str = GLOBAL) -> Path | None:
+        """The folder of the version ``policy`` serves (``path`` for the global policy;
+        ``model_dir`` for a tenant policy served by the base weights)."""
+        if self.check_policy(policy) == GLOBAL:
+            return self.path
+        return self._tenant_served.get(policy, (0, self.model_dir))[1]
+
+    def weights_version_of(self, policy: str = GLOBAL) -> int:
+        """The version a request of ``policy`` served by no adapter is stamped with:
+        ``weights_version`` for the global policy, 0 (the base weights) for a tenant's."""
+        return self.weights_version if self.check_policy(policy) == GLOBAL else 0
+
+    def _serve(self, policy: str, version: int, path: Path) -> None:
+        if policy == GLOBAL:
+            self.version, self.path = version, path
+        else:
+            self._tenant_served[policy] = (version, path)
 
     @classmethod
     async def start(cls, settings: Settings, model_dir: Path | None = None) -> PolicyEngine:
@@ -232,6 +297,7 @@ class PolicyEngine:
         top_logprobs: int = 0,
         version: int | None = None,
         ignore_eos: bool = False,
+        policy: str = GLOBAL,
     ) -> AsyncIterator[GenerationDelta]:
         """Stream deltas of one request sampled as ``sampling`` says (vLLM's parameters built by
         ``vllm_sampling``, which raises InvalidSampling before anything is generated).
@@ -241,15 +307,18 @@ class PolicyEngine:
         tokens at each position besides the sampled one; all are processed logprobs.
         ``ignore_eos``: as ``vllm_sampling`` (benchmarks and tests).
 
-        With adapters served as LoRA, the request is served by one version from its first token
-        to its last: ``version``'s (the version at dispatch) while it is still loaded (its
-        adapter, or the full weights when ``version`` is ``weights_version``), else the current
-        adapter, held until the request ends; its deltas and spans carry that version.
-        Otherwise ``version`` is not used: the engine serves what it has loaded.
+        With adapters served as LoRA, the request is served by one version of ``policy`` from its
+        first token to its last: ``version``'s (the version at dispatch) while it is still loaded
+        (its adapter, or the full weights when ``version`` is ``weights_version_of(policy)``),
+        else ``policy``'s current adapter (none: the base weights, a tenant's version 0), held
+        until the request ends; its deltas and spans carry that version. Otherwise ``version`` is
+        not used: the engine serves what it has loaded. Raises UnknownPolicy before anything is
+        generated.
         """
+        self.check_policy(policy)
         params = vllm_sampling(sampling, top_logprobs, ignore_eos)
         rid = request_id or uuid.uuid4().hex
-        adapter = self._acquire(version)
+        adapter = self._acquire(version, policy)
         n_tokens = 0
         try:
             async for out in self.engine.generate(
@@ -270,17 +339,19 @@ class PolicyEngine:
                         tops.append([(tid, float(lp)) for _, tid, lp in ranked])
                 spans = None
                 if c.weight_versions is not None:
-                    # vLLM stamps the engine's weights; an adapter request's tokens are its adapter's.
-                    spans = (
-                        [(adapter.version, 0, n_tokens)]
-                        if adapter is not None
-                        else [(int(s.version), s.start, s.end) for s in c.weight_versions]
-                    )
+                    # vLLM stamps the engine's weights (the global lineage's); an adapter request's
+                    # tokens are its adapter's, a tenant's base-served ones its version 0's.
+                    if adapter is not None:
+                        spans = [(adapter.version, 0, n_tokens)]
+                    elif policy != GLOBAL:
+                        spans = [(0, 0, n_tokens)]
+                    else:
+                        spans = [(int(s.version), s.start, s.end) for s in c.weight_versions]
                 yield GenerationDelta(
                     token_ids=ids,
                     logprobs=[float(x) for x in lps],
                     text=c.text,
-                    version=adapter.version if adapter is not None else self.weights_version,
+                    version=adapter.version if adapter is not None else self.weights_version_of(policy),
                     finish_reason=c.finish_reason,
                     weight_versions=spans,
                     top_logprobs=tops,
@@ -289,20 +360,25 @@ class PolicyEngine:
             if self.adapters is not None:
                 self._remove_later(self.adapters.release(adapter))
 
-    def _acquire(self, version: int | None) -> Adapter | None:
-        """The adapter a starting request dispatched at ``version`` is served with (None: the
-        full weights), counted as used until ``release``."""
+    def _acquire(self, version: int | None, policy: str) -> Adapter | None:
+        """The adapter a starting request of ``policy`` dispatched at ``version`` is served with
+        (None: the full weights), counted as used until ``release``."""
         if self.adapters is None:
             return None
-        if version == self.weights_version and self.adapters.find(version) is None:
+        if version == self.weights_version_of(policy) and self.adapters.find(version, policy) is None:
             return None
-        return self.adapters.acquire(version)
+        return self.adapters.acquire(version, policy)
 
-    async def swap(self, version: int, path: Path, sha256: str) -> SwapResult:
-        """Serve the version in ``path`` (full weights or an adapter) as policy ``version``
-        without dropping requests; raises SwapRefused, with the old version serving on, for
-        anything that cannot be served. The swap runs to its end even if the caller is
-        cancelled (a half-loaded engine must not stay paused).
+    async def swap(self, version: int, path: Path, sha256: str, policy: str = GLOBAL) -> SwapResult:
+        """Serve the version in ``path`` (full weights or an adapter) as ``policy``'s version
+        ``version`` without dropping requests; raises SwapRefused, with the old version serving
+        on, for anything that cannot be served (UnknownPolicy for a policy not served). The swap
+        runs to its end even if the caller is cancelled (a half-loaded engine must not stay
+        paused).
+
+        With tenant policies (``settings.tenant_policies``), anything but an adapter served as
+        LoRA is refused, whatever the policy: full weights or a merge would replace the base
+        weights that every policy's adapters apply to.
 
         Full weights: before pausing, checks that the directory holds exactly the serving
         model's tensors (names, shapes, dtypes from the safetensors headers) and that its
@@ -316,19 +392,29 @@ class PolicyEngine:
 
         An adapter: its files are copied to ``work_dir`` and checked there (config, shapes,
         rank, checksum: ``server.adapter_files``). Merged, it is swapped in as the full
-        weights ``W + scale·B·A`` as above. As LoRA, it takes a slot of the adapter table and is
-        added to vLLM with no pause; requests that start afterwards are served by it. A version
-        below the current adapter's is refused (versions only go forward), and the current
-        version again with the same checksum is served as it is.
+        weights ``W + scale·B·A`` as above. As LoRA, it takes a slot of the adapter table (shared
+        by all policies) and is added to vLLM with no pause; ``policy``'s requests that start
+        afterwards are served by it. A version below ``policy``'s current adapter's is refused
+        (versions only go forward, per policy), and the current version again with the same
+        checksum is served as it is.
         """
-        return await asyncio.shield(self._swap(version, Path(path), sha256))
+        self.check_policy(policy)
+        return await asyncio.shield(self._swap(version, Path(path), sha256, policy))
 
-    async def _swap(self, version: int, path: Path, sha256: str) -> SwapResult:
-        if policy_store.layout(path) is not Layout.ADAPTER:
+    async def _swap(self, version: int, path: Path, sha256: str, policy: str) -> SwapResult:
+        adapter = policy_store.layout(path) is Layout.ADAPTER
+        if self.settings.tenant_policies and not (adapter and self.adapters is not None):
+            what = "holds no adapter" if not adapter else "is an adapter, and adapters are merged here"
+            raise SwapRefused(
+                f"version {version} of policy {policy!r} at {path} {what}: with tenant policies "
+                f"({', '.join(self.settings.tenant_policies)}) every policy's versions are LoRA "
+                "adapters over the base weights, which all policies share, so no full weights load"
+            )
+        if not adapter:
             # Full weights, or nothing servable: the full-weight checks say what is wrong.
             return await self._swap_full(version, path, sha256)
         if self.adapters is not None:
-            return await self._add_adapter(version, path, sha256)
+            return await self._add_adapter(version, path, sha256, policy)
         return await self._swap_merged(version, path, sha256)
 
     async def _swap_full(self, version: int, path: Path, sha256: str) -> SwapResult:
@@ -378,42 +464,52 @@ class PolicyEngine:
             shutil.rmtree(staged, ignore_errors=True)
             raise SwapRefused(str(exc)) from exc
 
-    async def hold(self, version: int, path: Path, sha256: str) -> None:
-        """Keep the adapter of ``version`` (published at ``path`` with checksum ``sha256``)
-        loaded and pinned beside the current one, loading it if it is not registered, without
-        making it current: the control arm of a canary split (``server.canary``). Raises
-        SwapRefused (nothing held) if it cannot be loaded, RuntimeError without adapter serving.
+    async def hold(self, version: int, path: Path, sha256: str, policy: str = GLOBAL) -> None:
+        """Keep the adapter of ``policy``'s ``version`` (published at ``path`` with checksum
+        ``sha256``) loaded and pinned beside ``policy``'s current one, loading it if it is not
+        registered, without making it current: the control arm of a canary split
+        (``server.canary``). Raises SwapRefused (nothing held) if it cannot be loaded,
+        RuntimeError without adapter serving, UnknownPolicy for a policy not served.
         """
+        self.check_policy(policy)
         if self.adapters is None:
             raise RuntimeError("adapters are not served as LoRA by this engine")
         async with self._swap_lock:
-            if self.adapters.find(version) is not None:
-                self._remove_later(self.adapters.pin(version))
+            if self.adapters.find(version, policy) is not None:
+                self._remove_later(self.adapters.pin(version, policy=policy))
                 return
-            await self._load_adapter(version, path, sha256, hold=True)
-        log.info("policy version %d (adapter %s) held beside the current version", version, path)
+            await self._load_adapter(version, path, sha256, hold=True, policy=policy)
+        log.info("policy %s version %d (adapter %s) held beside the current version", policy, version, path)
 
-    async def _add_adapter(self, version: int, path: Path, sha256: str) -> SwapResult:
+    async def _add_adapter(self, version: int, path: Path, sha256: str, policy: str) -> SwapResult:
         t0 = time.perf_counter()
         async with self._swap_lock:
-            table = self.adapters
-            cur = table.current
+            cur = self.adapters.current_of(policy)
             if cur is not None and version < cur.version:
                 raise SwapRefused(
                     f"version {version} is older than the adapter serving (version {cur.version})"
+                    + ("" if policy == GLOBAL else f" of policy {policy!r}")
                 )
             if cur is not None and cur.version == version and cur.sha256 == sha256:
-                self.path = path
+                self._serve(policy, version, path)
                 return SwapResult(version=version, seconds=time.perf_counter() - t0, paused_seconds=0.0)
-            lora_id = await self._load_adapter(version, path, sha256, hold=False)
+            lora_id = await self._load_adapter(version, path, sha256, hold=False, policy=policy)
             t1 = time.perf_counter()
-        log.info("policy version %d (adapter %s) added as LoRA %d in %.3fs", version, path, lora_id, t1 - t0)
+        log.info(
+            "policy %s version %d (adapter %s) added as LoRA %d in %.3fs",
+            policy,
+            version,
+            path,
+            lora_id,
+            t1 - t0,
+        )
         return SwapResult(version=version, seconds=t1 - t0, paused_seconds=0.0)
 
-    async def _load_adapter(self, version: int, path: Path, sha256: str, hold: bool) -> int:
-        """Stage, check and add the adapter of ``version`` to vLLM under the swap lock; returns
-        its vLLM id. ``hold``: pinned and never current (``hold``), else current unless a higher
-        version is. Raises SwapRefused with its slot given back."""
+    async def _load_adapter(self, version: int, path: Path, sha256: str, hold: bool, policy: str) -> int:
+        """Stage, check and add the adapter of ``policy``'s ``version`` to vLLM under the swap
+        lock; returns its vLLM id. ``hold``: pinned and never current (``hold``), else
+        ``policy``'s current one unless a higher version of it is. Raises SwapRefused with its
+        slot given back."""
         table = self.adapters
         if self.weights_path != self.model_dir:
             raise SwapRefused(
@@ -426,10 +522,10 @@ class PolicyEngine:
             lora_id = table.reserve()
         except TableFull as exc:
             raise SwapRefused(f"adapter version {version} not loaded: {exc}") from exc
-        staged = self.work_dir / f"adapter-v{version}-{lora_id}"
+        staged = self.work_dir / f"adapter-{policy}-v{version}-{lora_id}"
         try:
             await asyncio.to_thread(self._stage_adapter, path, sha256, staged)
-            request = lora_request(Adapter(version, lora_id, staged, sha256))
+            request = lora_request(Adapter(version, lora_id, staged, sha256, policy=policy))
             try:
                 added = await self.engine.add_lora(request)
             except Exception as exc:  # vLLM's own checks (PEFTHelper, shapes), raised back by its core
@@ -440,9 +536,9 @@ class PolicyEngine:
             table.cancel(lora_id)
             shutil.rmtree(staged, ignore_errors=True)
             raise
-        adapter, removable = table.loaded(lora_id, version, staged, sha256, hold=hold)
-        if table.current is adapter:
-            self.version, self.path = version, path
+        adapter, removable = table.loaded(lora_id, version, staged, sha256, hold=hold, policy=policy)
+        if table.current_of(policy) is adapter:
+            self._serve(policy, version, path)
         self._remove_later(removable)
         return lora_id
 
@@ -470,12 +566,14 @@ class PolicyEngine:
         while self._removals:
             await asyncio.gather(*self._removals, return_exceptions=True)
 
-    def pin(self, version: int, pinned: bool = True) -> None:
-        """Keep the adapter of ``version`` loaded even when it is not current and unused (or let
-        it go). Raises KeyError if it is not loaded, RuntimeError without adapter serving."""
+    def pin(self, version: int, pinned: bool = True, policy: str = GLOBAL) -> None:
+        """Keep the adapter of ``policy``'s ``version`` loaded even when it is not current and
+        unused (or let it go). Raises KeyError if it is not loaded, RuntimeError without adapter
+        serving, UnknownPolicy for a policy not served."""
+        self.check_policy(policy)
         if self.adapters is None:
             raise RuntimeError("adapters are not served as LoRA by this engine")
-        self._remove_later(self.adapters.pin(version, pinned))
+        self._remove_later(self.adapters.pin(version, pinned, policy=policy))
 
     def _check_weights(self, path: Path, sha256: str) -> None:
         """Raise SwapRefused unless ``path`` holds the serving model's tensors with checksum
@@ -527,6 +625,119 @@ class PolicyEngine:
             self.engine = None
         if self.work_dir is not None:
             shutil.rmtree(self.work_dir, ignore_errors=True)
+
+
+class PolicyView:
+    """One policy's view of the shared ``PolicyEngine``: what the chat handler, policy watcher,
+    canary router and readiness code use of an engine, bound to ``policy``, so each of them can
+    be handed a view in place of the engine and work unchanged. ``engine.view(GLOBAL)`` behaves
+    exactly as the engine itself. Made by ``PolicyEngine.view`` (which checks the name).
+
+    Versions only go forward per policy: a tenant's version 3 never blocks the global policy's
+    version 2, nor the other way round. Loads of all policies share the engine's adapter slots
+    and its swap lock.
+    """
+
+    def __init__(self, owner: PolicyEngine, policy: str) -> None:
+        self.owner = owner
+        self.policy = policy
+
+    def __repr__(self) -> str:
+        return f"PolicyView(policy={self.policy!r}, version={self.version})"
+
+    @property
+    def settings(self) -> Settings:
+        """The engine's settings (shared by every policy: model, limits, adapter serving)."""
+        return self.owner.settings
+
+    @property
+    def model_dir(self) -> Path:
+        """The base model's folder (what a tenant policy's version 0 is)."""
+        return self.owner.model_dir
+
+    @property
+    def engine(self):
+        """The shared vLLM ``AsyncLLM``; None once the engine is shut down (``/readyz``)."""
+        return self.owner.engine
+
+    @property
+    def tokenizer(self):
+        """The base model's tokenizer (shared)."""
+        return self.owner.tokenizer
+
+    @property
+    def version(self) -> int:
+        """The version this policy's new requests are served with (``version_of``)."""
+        return self.owner.version_of(self.policy)
+
+    @property
+    def path(self) -> Path | None:
+        """The folder of that version as its policy event names it (``path_of``)."""
+        return self.owner.path_of(self.policy)
+
+    @property
+    def weights_version(self) -> int:
+        """The version a request of this policy served by no adapter is stamped with
+        (``weights_version_of``: always 0 for a tenant policy)."""
+        return self.owner.weights_version_of(self.policy)
+
+    @property
+    def adapters(self) -> PolicyAdapters | None:
+        """The adapter table bound to this policy (``find(version)``, ``current``,
+        ``pin(version)``, ...; slots are the whole engine's), or None when adapters are not
+        served as LoRA."""
+        table = self.owner.adapters
+        return None if table is None else table.of(self.policy)
+
+    def render(self, messages: list[dict]) -> list[int]:
+        """``PolicyEngine.render``: prompt token ids of a chat under the chat template."""
+        return self.owner.render(messages)
+
+    def token_bytes(self, token_ids: list[int]) -> list[bytes]:
+        """``PolicyEngine.token_bytes``: the UTF-8 bytes each token adds to the answer."""
+        return self.owner.token_bytes(token_ids)
+
+    def generate(
+        self,
+        prompt_token_ids: list[int],
+        sampling: SamplingRecord,
+        request_id: str | None = None,
+        top_logprobs: int = 0,
+        version: int | None = None,
+        ignore_eos: bool = False,
+    ) -> AsyncIterator[GenerationDelta]:
+        """``PolicyEngine.generate`` for this policy: served by ``version``'s adapter of this
+        policy while it is loaded, else its current adapter, else the base weights (stamped
+        ``weights_version``). Raises InvalidSampling as the engine does."""
+        return self.owner.generate(
+            prompt_token_ids,
+            sampling,
+            request_id,
+            top_logprobs=top_logprobs,
+            version=version,
+            ignore_eos=ignore_eos,
+            policy=self.policy,
+        )
+
+    async def swap(self, version: int, path: Path, sha256: str) -> SwapResult:
+        """``PolicyEngine.swap`` of this policy's ``version`` (raises SwapRefused, the old
+        version serving on: a version older than this policy's current adapter, bad files, a
+        full table, full weights while tenant policies are served)."""
+        return await self.owner.swap(version, path, sha256, policy=self.policy)
+
+    async def hold(self, version: int, path: Path, sha256: str) -> None:
+        """``PolicyEngine.hold`` of this policy's ``version`` beside its current adapter
+        (raises SwapRefused, or RuntimeError without adapter serving)."""
+        await self.owner.hold(version, path, sha256, policy=self.policy)
+
+    def pin(self, version: int, pinned: bool = True) -> None:
+        """``PolicyEngine.pin`` of this policy's ``version`` (raises KeyError when it is not
+        loaded, RuntimeError without adapter serving)."""
+        self.owner.pin(version, pinned, policy=self.policy)
+
+    async def removals_done(self) -> None:
+        """``PolicyEngine.removals_done``: every adapter removal under way, of any policy, ended."""
+        await self.owner.removals_done()
 
 
 def lora_request(adapter: Adapter | None):

@@ -9,6 +9,7 @@ the same adapter files; merged mode on the session's shared engine.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import shutil
@@ -176,6 +177,157 @@ def test_merge_is_w_plus_scale_b_a(tmp_path):
     assert torch.equal(merged["model.layers.0.self_attn.q_proj.weight"], q + 4.0)
     assert merged["model.norm.weight"].dtype == torch.float32
     assert torch.equal(merged["model.layers.0.mlp.up_proj.weight"], torch.zeros(5, 3))
+
+
+# ------------------------------- the engine's policies (a stand-in for vLLM, the toy model)
+
+
+class StandInLLM:
+    """The part of vLLM's ``AsyncLLM`` an adapter engine calls: ``add_lora`` / ``remove_lora``
+    (recorded by name and id) and ``generate`` (two tokens, recording the LoRA name served).
+    Anything else (a pause, a reload) fails on AttributeError."""
+
+    def __init__(self) -> None:
+        self.added: list[str] = []
+        self.removed: list[int] = []
+        self.served: list[str | None] = []
+
+    async def add_lora(self, request) -> bool:
+        self.added.append(request.lora_name)
+        return True
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        self.removed.append(lora_id)
+        return True
+
+    async def generate(self, prompt, params, request_id, lora_request=None):
+        from types import SimpleNamespace
+
+        self.served.append(None if lora_request is None else lora_request.lora_name)
+        span = SimpleNamespace(version="0", start=0, end=2)
+        out = SimpleNamespace(
+            token_ids=[7, 8], logprobs=None, text="hi", finish_reason="length", weight_versions=[span]
+        )
+        yield SimpleNamespace(outputs=[out])
+
+
+def standin_engine(tmp_path: Path, tenants: list[str]):
+    """A LoRA ``PolicyEngine`` on the toy layout over ``StandInLLM``, serving ``tenants``."""
+    from server.engine import PolicyEngine
+
+    base = tmp_path / "base"
+    work = tmp_path / "work"
+    work.mkdir()
+    slots = 2 * (len(tenants) + 1)
+    settings = make_settings(
+        tmp_path, adapter_serving=AdapterServing.ADAPTER, max_cpu_loras=slots, tenant_policies=tenants
+    )
+    return PolicyEngine(
+        settings=settings,
+        model_dir=base,
+        engine=StandInLLM(),
+        path=base,
+        layout=toy_layout(),
+        weights_path=base,
+        adapters=AdapterTable(slots),
+        work_dir=work,
+    )
+
+
+TWO_TOKENS = SamplingRecord(temperature=1.0, max_tokens=2)
+
+
+async def served(view) -> tuple[int, list]:
+    """One request through ``view``: the version its delta carries and its spans."""
+    deltas = [d async for d in view.generate([1, 2], TWO_TOKENS)]
+    return deltas[-1].version, deltas[-1].weight_versions
+
+
+async def test_each_policy_swaps_and_serves_its_own_versions_over_one_table(tmp_path):
+    from core.policies import GLOBAL
+    from server.engine import SwapRefused, UnknownPolicy
+
+    eng = standin_engine(tmp_path, ["acme", "beta"])
+    llm = eng.engine
+    x = write_toy_adapter(tmp_path / "x")
+    y = write_toy_adapter(tmp_path / "y", alpha=8)
+    sx, sy = weights_sha256(x), weights_sha256(y)
+    acme, beta, glob = eng.view("acme"), eng.view("beta"), eng.view(GLOBAL)
+    assert (acme.version, acme.path, acme.weights_version) == (0, eng.model_dir, 0)
+    await eng.swap(3, x, sx)
+    await acme.swap(1, y, sy)
+    # Versions only go forward per policy: acme's 2 is below the global 3, and loads.
+    await acme.swap(2, x, sx)
+    with pytest.raises(SwapRefused, match="older than the adapter serving \\(version 2\\) of policy 'acme'"):
+        await acme.swap(1, y, sy)
+    await glob.swap(3, x, sx)  # the same version and checksum: nothing loads
+    assert llm.added == ["policy-v3-1", "policy-acme-v1-2", "policy-acme-v2-3"]
+    await eng.removals_done()
+    assert llm.removed == [2]  # acme's version 1, unused; never the global current one
+    assert (eng.version, eng.path, glob.version, glob.path) == (3, x, 3, x)
+    assert (acme.version, acme.path, beta.version, beta.path) == (2, x, 0, eng.model_dir)
+    assert glob.adapters.current is eng.adapters.current and acme.adapters.current.name == "policy-acme-v2-3"
+    # Each policy's request gets its own adapter; beta has none: the base weights, version 0.
+    assert await served(glob) == (3, [(3, 0, 2)])
+    assert await served(acme) == (2, [(2, 0, 2)])
+    assert await served(beta) == (0, [(0, 0, 2)])
+    assert llm.served == ["policy-v3-1", "policy-acme-v2-3", None]
+    # Dispatched at version 0 (a tenant's base), acme's request is served by the base.
+    deltas = [d async for d in acme.generate([1], TWO_TOKENS, version=0)]
+    assert deltas[-1].version == 0 and llm.served[-1] is None
+    for call in (
+        lambda: eng.view("zeta"),
+        lambda: eng.pin(3, policy="zeta"),
+        lambda: eng.version_of("zeta"),
+    ):
+        with pytest.raises(UnknownPolicy, match="no policy named 'zeta' \\(policies: global, acme, beta\\)"):
+            call()
+    with pytest.raises(UnknownPolicy):
+        await eng.swap(1, x, sx, policy="zeta")
+    with pytest.raises(UnknownPolicy):
+        await anext(eng.generate([1], TWO_TOKENS, policy="zeta"))
+
+
+async def test_full_weights_are_refused_for_every_policy_while_tenant_policies_are_served(tmp_path):
+    from server.engine import SwapRefused
+
+    eng = standin_engine(tmp_path, ["acme"])
+    full = tmp_path / "full"
+    full.mkdir()
+    save_file({"model.norm.weight": torch.ones(3)}, full / "model.safetensors")
+    sha = weights_sha256(full)
+    why = "holds no adapter: with tenant policies \\(acme\\) every policy's versions are LoRA adapters"
+    with pytest.raises(SwapRefused, match=f"version 1 of policy 'global' at {full} {why}"):
+        await eng.swap(1, full, sha)
+    with pytest.raises(SwapRefused, match=f"version 1 of policy 'acme' at {full} {why}"):
+        await eng.view("acme").swap(1, full, sha)
+    with pytest.raises(SwapRefused, match="holds no adapter"):  # nothing there at all
+        await eng.swap(1, tmp_path / "pruned", sha)
+    # Refused before any pause or reload (the stand-in has neither) and nothing changed.
+    assert (eng.version, eng.weights_path, eng.weights_version) == (0, eng.model_dir, 0)
+    assert eng.engine.added == [] and eng.adapters.occupied() == 0
+
+
+async def test_the_watcher_and_a_hold_work_unchanged_on_a_tenant_view(tmp_path):
+    from core.records import PolicyEvent
+    from server.metrics import ServerMetrics
+    from server.policy_watch import PolicyWatcher
+
+    eng = standin_engine(tmp_path, ["acme"])
+    x = write_toy_adapter(tmp_path / "x")
+    acme = eng.view("acme")
+    watcher = PolicyWatcher(None, acme, ServerMetrics(), poll_s=1.0)
+    event = PolicyEvent(version=4, path=str(x), sha256=weights_sha256(x), created_at=datetime.now(UTC))
+    assert await watcher.apply(event) is True
+    assert await watcher.apply(event) is False  # served already (same version and path)
+    assert (acme.version, eng.version) == (4, 0)
+    # A canary hold of acme's version 2 beside its current 4: pinned, never current; let go.
+    await acme.hold(2, x, weights_sha256(x))
+    held = acme.adapters.find(2)
+    assert held.pinned and acme.adapters.current.version == 4 and eng.adapters.find(2) is None
+    acme.pin(2, pinned=False)
+    await acme.removals_done()
+    assert eng.engine.removed == [held.lora_id] and acme.adapters.find(2) is None
 
 
 # ------------------------------------------------------------------ on the real engine
@@ -549,3 +701,82 @@ async def test_a_canary_split_serves_the_lineage_and_the_promoted_adapter_side_b
         assert (r.json()["policy_version"], rec["arm"]) == (canary_v, None)
         await eng.removals_done()
         assert eng.adapters.find(promoted_v) is None
+
+
+@contextlib.contextmanager
+def serving_tenants(eng, tenants: list[str]):
+    """The module's engine serving tenant policies ``tenants`` for one test: its settings with
+    ``tenant_policies`` set (unchecked: its 3 slots are fewer than two a policy, enough here),
+    and, after, every tenant adapter removed and the tenants' served versions forgotten, so the
+    tests after it find the engine as before."""
+    old = eng.settings
+    eng.settings = old.model_copy(update={"tenant_policies": tenants})
+    try:
+        yield
+    finally:
+        eng.settings = old
+        for t in tenants:
+            # No public route drops a tenant's lineage (tenants are fixed at start): the table's own.
+            eng._remove_later(eng.adapters.clear_current(t))
+            eng._tenant_served.pop(t, None)
+            eng._views.pop(t, None)
+
+
+@pytest.mark.engine
+async def test_two_policies_in_one_batch_are_each_served_by_their_own_adapter(
+    lora_engine, adapters, model_dir
+):
+    eng = lora_engine
+    with serving_tenants(eng, ["acme"]):
+        acme = eng.view("acme")
+        v = eng.version + 1
+        await eng.swap(v, *adapters["a"])
+        await acme.swap(1, *adapters["b"])  # below the global version: a lineage of its own
+        await eng.removals_done()
+        assert (eng.version, acme.version) == (v, 1) and eng.adapters.occupied() == 2
+        seeds = [51, 52]
+        alone = [await answer(eng, s) for s in seeds] + [await answer(acme, s) for s in seeds]
+        started = [asyncio.Event() for _ in range(4)]
+        views = [eng, eng, acme, acme]
+        runs = [
+            asyncio.create_task(answer(view, s, started=e))
+            for view, s, e in zip(views, seeds + seeds, started, strict=True)
+        ]
+        await asyncio.gather(*(e.wait() for e in started))
+        assert not any(t.done() for t in runs)  # all four in flight at once: batched together
+        together = await asyncio.gather(*runs)
+        for i, ((ids, lps, spans), (ids2, lps2, spans2)) in enumerate(zip(alone, together, strict=True)):
+            version = v if i < 2 else 1
+            assert ids2 == ids and spans == spans2 == [(version, 0, 24)]
+            assert max_gap(lps, lps2) < 1e-4
+        # acme's answer is adapter b's (PEFT on b's files), not the global a's.
+        prompt = eng.render(PROMPT)
+        ids, lps, _ = together[2]
+        assert max_gap(lps, peft_logprobs(model_dir, adapters["b"][0], prompt, ids)) < 1e-4
+        assert max_gap(lps, peft_logprobs(model_dir, adapters["a"][0], prompt, ids)) > 1e-2
+    await eng.removals_done()
+    assert eng.adapters.occupied() == 1 and eng.adapters.current.version == v
+
+
+@pytest.mark.engine
+async def test_a_tenant_without_an_adapter_gets_the_base_and_full_weights_are_refused(lora_engine, model_dir):
+    from server.engine import SwapRefused
+
+    eng = lora_engine
+    v = eng.version
+    with serving_tenants(eng, ["beta"]):
+        beta = eng.view("beta")
+        assert (beta.version, beta.path, beta.weights_version) == (0, model_dir, 0)
+        prompt = beta.render(PROMPT)
+        sampling = SamplingRecord(temperature=1.0, max_tokens=16, seed=61)
+        deltas = [d async for d in beta.generate(prompt, sampling, ignore_eos=True)]
+        ids = [t for d in deltas for t in d.token_ids]
+        lps = [x for d in deltas for x in d.logprobs]
+        assert {d.version for d in deltas} == {0} and deltas[-1].weight_versions == [(0, 0, 16)]
+        assert max_gap(lps, peft_logprobs(model_dir, None, prompt, ids)) < 1e-4
+        # The base model as a new global version: full weights, refused with tenants served.
+        with pytest.raises(SwapRefused, match="holds no adapter: with tenant policies \\(beta\\)"):
+            await eng.swap(v + 1, model_dir, weights_sha256(model_dir))
+        assert eng.version == v and eng.weights_path == model_dir
+        _, _, spans = await answer(eng, seed=3, max_tokens=8)
+        assert spans == [(v, 0, 8)]  # the global adapter serves on

@@ -1,6 +1,6 @@
 """The 200 bodies of the admin routes that answer what ``core`` returns as dicts: API keys
 (``server/routes/keys.py``), the version lifecycle, the learner's status, dead letters and
-quarantined samples (``server/routes/admin.py``). Each route names its model as
+quarantined samples, the policies (``server/routes/admin.py``). Each route names its model as
 ``response_model=``, so ``/openapi.json`` states the shape (``tests/test_openapi_spec.py``
 checks that every JSON route has one).
 
@@ -165,6 +165,37 @@ class Quarantine(BaseModel):
     model_config = _CLOSED
     total: int
     samples: list[QuarantinedSample]
+
+
+# ------------------------------------------------------------------ the policies
+
+
+class PolicyRow(BaseModel):
+    """One policy this server serves (docs/tenants.md, "A policy per tenant"): ``policy``
+    (``global`` or the tenant), ``tenant`` (null for the global policy), the ``version`` it
+    serves and that version's ``lifecycle`` stage in its namespace (null while the version is
+    not recorded there, as version 0 before its learner first ran), ``paused`` (its learner's
+    pause flag), ``steps`` (learner steps recorded), and the newest step's ``reward_mean`` and
+    ``staleness_mean`` (versions behind) and time ``last_step_at`` (null before any step)."""
+
+    model_config = _CLOSED
+    policy: str
+    tenant: str | None
+    version: int
+    lifecycle: Literal["candidate", "canary", "promoted", "rejected"] | None
+    paused: bool
+    steps: int
+    reward_mean: float | None
+    staleness_mean: float | None
+    last_step_at: str | None
+
+
+class PolicyList(BaseModel):
+    """``GET /admin/policies``: the global policy first, then each tenant policy in the order of
+    ``tenant_policies``."""
+
+    model_config = _CLOSED
+    policies: list[PolicyRow]
 
 
 # ------------------------------------------------------------------ the learner

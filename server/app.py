@@ -21,6 +21,7 @@ from fastapi import Depends, FastAPI
 from core.db import make_engine, migrate
 from core.evidence_store import EvidenceStore
 from core.logbus import LogTransport, open_log
+from core.policies import GLOBAL
 from core.records import FrozenBaseline
 from core.settings import Settings, get_settings
 from server.auth import authenticate
@@ -31,7 +32,7 @@ from server.errors import install_error_handlers
 from server.fate import Fate
 from server.health import Health
 from server.limits import BodySizeLimit, max_body_bytes
-from server.metrics import ServerMetrics
+from server.metrics import ServerMetrics, TenantPolicyMetrics
 from server.policy_watch import PolicyWatcher
 from server.routes import admin, chat, feedback, keys, ops
 from server.spool import Spool
@@ -48,44 +49,35 @@ def create_app(
     read_baseline: BaselineReader | None = None,
     watch_policy: bool = True,
 ) -> FastAPI:
-    """The FastAPI app. Without ``engine`` it starts (and stops) its own vLLM engine."""
+    """The FastAPI app. Without ``engine`` it starts (and stops) its own vLLM engine.
+
+    One ``ServerState`` per policy (``open_policy``): the global policy's (``app.state.s``,
+    ``app.state.chat``; ``log_transport`` and ``read_baseline`` replace its log and evidence
+    reader) and each tenant policy's (``app.state.tenants``, ``app.state.tenant_chats``), each
+    in its namespace (``Settings.for_tenant``), all sharing the engine (a tenant's through
+    ``engine.view(tenant)``) and one ``ServerMetrics``."""
     settings = settings or get_settings()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        db_url = settings.resolved_database_url
-        await asyncio.to_thread(migrate, db_url)
-        db = make_engine(db_url)
+        namespaces = {t: settings.for_tenant(t) for t in settings.tenant_policies}
+        for st in (settings, *namespaces.values()):
+            await asyncio.to_thread(migrate, st.resolved_database_url)
         own_engine = engine is None
         eng = engine or await PolicyEngine.start(settings)
+        metrics = ServerMetrics()
         lt = log_transport or open_log(settings.resolved_log_url)
-        spool = None if settings.log_required else Spool(settings.home / "spool", lt, ServerStore(db))
-        reader = read_baseline or evidence_reader(EvidenceStore(db))
-        health = Health(db, lt, settings.log_required)
-        state = ServerState(settings, eng, lt, ServerStore(db), ServerMetrics(), spool, reader, health)
-        state.metrics.policy_version.set(eng.version)
-        app.state.s = state
-        app.state.chat = ChatHandler(
-            settings,
-            eng,
-            state.store,
-            state.metrics,
-            open_fate=functools.partial(Fate, state),
-            dispatch=state.dispatch,
-            require_storage=state.require_storage,
-            read_baseline=reader,
-        )
-        watcher = PolicyWatcher(lt, eng, state.metrics, settings.policy_poll_s) if watch_policy else None
+        state = open_policy(GLOBAL, settings, eng, lt, metrics, read_baseline)
+        app.state.s, app.state.chat = state, chat_handler(state)
+        app.state.tenants = {
+            t: open_policy(t, st, eng.view(t), open_log(st.resolved_log_url), metrics.of_tenant_policy(t))
+            for t, st in namespaces.items()
+        }
+        app.state.tenant_chats = {t: chat_handler(ts) for t, ts in app.state.tenants.items()}
+        states = [state, *app.state.tenants.values()]
         tasks = []
-        if watcher is not None:
-            health.policy = watcher
-            await watcher.catch_up()
-            tasks.append(asyncio.create_task(watcher.run()))
-        if watcher is not None and eng.adapters is not None:
-            state.canary = CanaryRouter(db, eng, state.metrics, settings.canary_share)
-            tasks.append(asyncio.create_task(state.canary.run(settings.policy_poll_s)))
-        if spool is not None:
-            tasks.append(asyncio.create_task(spool.run()))
+        for s in states:
+            tasks += await follow(s, watch_policy)
         try:
             yield
         finally:
@@ -94,16 +86,8 @@ def create_app(
             for t in tasks:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await t
-            if state.background:
-                await asyncio.gather(*state.background, return_exceptions=True)
-            state.log_pool.shutdown(wait=False)
-            if state.deferred_writes:
-                log.warning("%d deferred database writes not done at shutdown", len(state.deferred_writes))
-                for t in list(state.deferred_writes):
-                    t.cancel()
-            if log_transport is None:
-                lt.close()
-            db.dispose()
+            for s in states:
+                await close_policy(s, own_log=s is not state or log_transport is None)
             if own_engine:
                 eng.shutdown()
 
@@ -150,3 +134,76 @@ def evidence_reader(store: EvidenceStore) -> BaselineReader:
         return await asyncio.to_thread(store.read, prompt_id, version)
 
     return read
+
+
+def open_policy(
+    policy: str,
+    settings: Settings,
+    eng: PolicyEngine,
+    lt: LogTransport,
+    metrics: ServerMetrics | TenantPolicyMetrics,
+    read_baseline: BaselineReader | None = None,
+) -> ServerState:
+    """The state of ``policy`` with ``settings`` (its namespace's; the database migrated),
+    ``eng`` (the engine, or its view bound to the policy) and ``lt`` (its log): a database
+    engine, a spool (``log_required`` off), the evidence reader (``read_baseline``, else the
+    namespace's evidence store) and health; the served version in ``metrics``."""
+    db = make_engine(settings.resolved_database_url)
+    spool = None if settings.log_required else Spool(settings.home / "spool", lt, ServerStore(db))
+    reader = read_baseline or evidence_reader(EvidenceStore(db))
+    health = Health(db, lt, settings.log_required)
+    state = ServerState(settings, eng, lt, ServerStore(db), metrics, spool, reader, health, policy=policy)
+    metrics.policy_version.set(eng.version)
+    return state
+
+
+def chat_handler(state: ServerState) -> ChatHandler:
+    """The ``ChatHandler`` of one policy's state."""
+    return ChatHandler(
+        state.settings,
+        state.engine,
+        state.store,
+        state.metrics,
+        open_fate=functools.partial(Fate, state),
+        dispatch=state.dispatch,
+        require_storage=state.require_storage,
+        read_baseline=state.read_baseline,
+    )
+
+
+async def follow(state: ServerState, watch_policy: bool) -> list[asyncio.Task]:
+    """Start one policy's background tasks: with ``watch_policy``, its watcher (caught up with
+    its policy topic first, its readiness part of ``/readyz``) and, on an engine serving
+    adapters, its canary router; its spool's sender."""
+    tasks = []
+    if watch_policy:
+        watcher = PolicyWatcher(state.log, state.engine, state.metrics, state.settings.policy_poll_s)
+        state.health.policy = watcher
+        await watcher.catch_up()
+        tasks.append(asyncio.create_task(watcher.run()))
+        if state.engine.adapters is not None:
+            state.canary = CanaryRouter(
+                state.store.engine, state.engine, state.metrics, state.settings.canary_share
+            )
+            tasks.append(asyncio.create_task(state.canary.run(state.settings.policy_poll_s)))
+    if state.spool is not None:
+        tasks.append(asyncio.create_task(state.spool.run()))
+    return tasks
+
+
+async def close_policy(state: ServerState, own_log: bool) -> None:
+    """At shutdown, once the tasks are cancelled: let the records in flight finish, stop the
+    log threads, cancel deferred writes (their records are in the log), close the log if this
+    app opened it (``own_log``) and the database."""
+    if state.background:
+        await asyncio.gather(*state.background, return_exceptions=True)
+    state.log_pool.shutdown(wait=False)
+    if state.deferred_writes:
+        log.warning(
+            "%s: %d deferred database writes not done at shutdown", state.policy, len(state.deferred_writes)
+        )
+        for t in list(state.deferred_writes):
+            t.cancel()
+    if own_log:
+        state.log.close()
+    state.store.engine.dispose()

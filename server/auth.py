@@ -7,6 +7,10 @@ key is 401 on its next request). Any other token (the ``api_key="EMPTY"`` an Ope
 send when keys are off) and no header at all are anonymous: served when ``require_keys`` is off,
 401 when it is on.
 
+The key's tenant decides the policy that serves the request (``policy_of``): the tenant's own
+policy when it is one of ``Settings.tenant_policies``, else the global one; chat, feedback,
+episodes and the model list then work in that policy's state (``served_state``).
+
 The key's training setting (``core.keys.KeyInfo.train``) is read with it, on every request: a
 key opted out of training makes each answer it is sent ``train: false`` (``server.chat.trains``;
 docs/privacy.md).
@@ -20,21 +24,32 @@ from dataclasses import dataclass
 from fastapi import Request
 
 from core.keys import KeyStore, looks_like_key
+from core.policies import GLOBAL
+from core.settings import Settings
 from server.errors import ApiError
-from server.routes import state_of
+from server.routes import policy_state, state_of
+from server.state import ServerState
 
 
 @dataclass(frozen=True)
 class Caller:
     """The authenticated key's id and tenant, or both None (anonymous); ``train`` False when the
-    key opts out of training (anonymous callers: True, their ``store`` field decides alone)."""
+    key opts out of training (anonymous callers: True, their ``store`` field decides alone);
+    ``policy``: the policy that serves the caller (``policy_of``)."""
 
     key_id: str | None = None
     tenant: str | None = None
     train: bool = True
+    policy: str = GLOBAL
 
 
 ANONYMOUS = Caller()
+
+
+def policy_of(settings: Settings, tenant: str | None) -> str:
+    """The policy that serves a key of ``tenant`` (None: no key): the tenant's own when it is
+    in ``settings.tenant_policies``, else ``GLOBAL``."""
+    return tenant if tenant is not None and tenant in settings.tenant_policies else GLOBAL
 
 
 def unauthorized(message: str) -> ApiError:
@@ -67,7 +82,10 @@ async def authenticate(request: Request) -> Caller:
         raise unauthorized(f"API key {checked.key.id} is revoked")
     if checked.outcome != "ok":
         raise unauthorized("invalid API key: not a key of this server")
-    caller = Caller(key_id=checked.key.id, tenant=checked.key.tenant, train=checked.key.train)
+    tenant = checked.key.tenant
+    caller = Caller(
+        key_id=checked.key.id, tenant=tenant, train=checked.key.train, policy=policy_of(s.settings, tenant)
+    )
     request.state.caller = caller
     return caller
 
@@ -75,3 +93,8 @@ async def authenticate(request: Request) -> Caller:
 def caller_of(request: Request) -> Caller:
     """The caller ``authenticate`` found for this request (anonymous if it did not run)."""
     return getattr(request.state, "caller", ANONYMOUS)
+
+
+def served_state(request: Request) -> ServerState:
+    """The state of the policy that serves this request's caller (``Caller.policy``)."""
+    return policy_state(request, caller_of(request).policy)

@@ -239,9 +239,47 @@ NO_TENANT = "-"
 OTHER_TENANTS = "other"
 """The ``tenant`` label of every tenant past the first ``MAX_TENANT_LABELS`` one process saw."""
 MAX_TENANT_LABELS = 100
+# Seconds: the buckets of feedback→served, the global policy's and each tenant policy's.
+FEEDBACK_TO_SERVED_BUCKETS = (1, 2, 5, 10, 20, 30, 45, 60, 90, 120, 180, 300, 600)
 
 
-class ServerMetrics:
+class PolicySeries:
+    """The series of one policy's serving: the version it serves and since when, its swaps,
+    the stage notices and canary split of its lineage, feedback→served of its versions. Set by
+    that policy's ``PolicyWatcher``, ``CanaryRouter``, ``ServerState`` and the admin routes in
+    its namespace; ``ServerMetrics`` holds the global policy's, ``TenantPolicyMetrics`` a tenant
+    policy's (docs/tenants.md, "A policy per tenant"). A subclass binds ``policy_version``,
+    ``policy_swapped_at``, ``swaps``, ``swap_seconds``, ``feedback_to_served`` and
+    ``_awaiting_answer``."""
+
+    def serving(self, version: int) -> None:
+        """Record that ``version`` serves from now on (both gauges in one step, no await between,
+        so a scrape never pairs a version with another version's time)."""
+        self.policy_version.set(version)
+        self.policy_swapped_at.set(time.time())
+
+    def awaiting_answer(self, version: int, batch_completed_at: float | None) -> None:
+        """Start feedback→served for ``version``, trained on a batch completed at
+        ``batch_completed_at`` (unix s, from the policy event; None: not measured)."""
+        if batch_completed_at is not None:
+            self._awaiting_answer[version] = batch_completed_at
+
+    def answered(self, first_token_version: int) -> None:
+        """A whole answer was logged whose first token came from ``first_token_version``: it ends
+        feedback→served for every awaited version up to that one (each counted once)."""
+        done = [v for v in self._awaiting_answer if v <= first_token_version]
+        now = time.time()
+        for v in done:
+            self.feedback_to_served.observe(max(0.0, now - self._awaiting_answer.pop(v)))
+
+    def swapped(self, res) -> None:
+        """Record a successful swap (a ``server.engine.SwapResult``)."""
+        self.swaps.labels("ok").inc()
+        self.swap_seconds.observe(res.seconds)
+        self.serving(res.version)
+
+
+class ServerMetrics(PolicySeries):
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
@@ -315,7 +353,7 @@ class ServerMetrics:
             "saoserve_feedback_to_served_seconds",
             "From the join of the feedback that completed a learner batch to the first whole answer "
             "this replica logged whose first token came from the version trained on it, or a later one (s).",
-            buckets=(1, 2, 5, 10, 20, 30, 45, 60, 90, 120, 180, 300, 600),
+            buckets=FEEDBACK_TO_SERVED_BUCKETS,
             registry=r,
         )
         # Published versions awaiting their first answer: version -> batch_completed_at (unix s).
@@ -340,6 +378,62 @@ class ServerMetrics:
             registry=r,
         )
         self._tenants: set[str] = set()
+        # Per tenant policy (docs/tenants.md, "A policy per tenant"): a tenant policy's serving
+        # sets these, never the global policy's series above; ``tenant`` takes only the names
+        # of ``Settings.tenant_policies``.
+        self.tenant_policy_version = Gauge(
+            "saoserve_tenant_policy_version",
+            "Version of the tenant's own policy being served.",
+            ["tenant"],
+            registry=r,
+        )
+        self.tenant_policy_swapped_at = Gauge(
+            "saoserve_tenant_policy_swapped_at_seconds",
+            "Unix time at which the version of the tenant's policy being served started serving.",
+            ["tenant"],
+            registry=r,
+        )
+        self.tenant_policy_swaps = Counter(
+            "saoserve_tenant_policy_swaps_total",
+            "Loads of the tenant policy's versions by result.",
+            ["tenant", "result"],
+            registry=r,
+        )
+        self.tenant_policy_swap_seconds = Histogram(
+            "saoserve_tenant_policy_swap_seconds",
+            "Load duration of the tenant policy's versions (s).",
+            ["tenant"],
+            registry=r,
+        )
+        self.tenant_stage_events = Counter(
+            "saoserve_tenant_policy_stage_events_total",
+            "Lifecycle moves of the tenant policy's announced versions, by the stage moved to.",
+            ["tenant", "stage"],
+            registry=r,
+        )
+        self.tenant_canary_requests = Counter(
+            "saoserve_tenant_canary_requests_total",
+            "Chat requests of the tenant policy a canary split routed, by arm.",
+            ["tenant", "arm"],
+            registry=r,
+        )
+        self.tenant_canary_share = Gauge(
+            "saoserve_tenant_canary_share",
+            "The share of the tenant policy's new requests routed to its canary lineage (0: no split).",
+            ["tenant"],
+            registry=r,
+        )
+        self.tenant_feedback_to_served = Histogram(
+            "saoserve_tenant_feedback_to_served_seconds",
+            "feedback→served (as saoserve_feedback_to_served_seconds) of the tenant policy's versions (s).",
+            ["tenant"],
+            buckets=FEEDBACK_TO_SERVED_BUCKETS,
+            registry=r,
+        )
+
+    def of_tenant_policy(self, tenant: str) -> TenantPolicyMetrics:
+        """These metrics as ``tenant``'s own policy sets them (``TenantPolicyMetrics``)."""
+        return TenantPolicyMetrics(self, tenant)
 
     def tenant_label(self, tenant: str | None) -> str:
         """The ``tenant`` label of a request: its key's tenant (the registry's name), ``-``
@@ -351,26 +445,6 @@ class ServerMetrics:
             return OTHER_TENANTS
         self._tenants.add(tenant)
         return tenant
-
-    def serving(self, version: int) -> None:
-        """Record that ``version`` serves from now on (both gauges in one step, no await between,
-        so a scrape never pairs a version with another version's time)."""
-        self.policy_version.set(version)
-        self.policy_swapped_at.set(time.time())
-
-    def awaiting_answer(self, version: int, batch_completed_at: float | None) -> None:
-        """Start feedback→served for ``version``, trained on a batch completed at
-        ``batch_completed_at`` (unix s, from the policy event; None: not measured)."""
-        if batch_completed_at is not None:
-            self._awaiting_answer[version] = batch_completed_at
-
-    def answered(self, first_token_version: int) -> None:
-        """A whole answer was logged whose first token came from ``first_token_version``: it ends
-        feedback→served for every awaited version up to that one (each counted once)."""
-        done = [v for v in self._awaiting_answer if v <= first_token_version]
-        now = time.time()
-        for v in done:
-            self.feedback_to_served.observe(max(0.0, now - self._awaiting_answer.pop(v)))
 
     def outcomes(self) -> dict[str, dict[str, int]]:
         """This replica's request counts since it started (the dashboard's refusals): ``chat``
@@ -385,8 +459,36 @@ class ServerMetrics:
             "feedback": label_counts(self.feedback, "result"),
         }
 
-    def swapped(self, res) -> None:
-        """Record a successful swap (a ``server.engine.SwapResult``)."""
-        self.swaps.labels("ok").inc()
-        self.swap_seconds.observe(res.seconds)
-        self.serving(res.version)
+
+class Bound:
+    """A labelled metric with its first label fixed: ``labels(*rest)`` is
+    ``metric.labels(first, *rest)`` (a tenant policy's ``swaps.labels("ok")``)."""
+
+    def __init__(self, metric: Counter, first: str) -> None:
+        self.metric, self.first = metric, first
+
+    def labels(self, *rest: str):
+        return self.metric.labels(self.first, *rest)
+
+
+class TenantPolicyMetrics(PolicySeries):
+    """``ServerMetrics`` as a tenant policy's watcher, canary router, state and admin routes see
+    it: the policy series (``PolicySeries``, the stage events and the canary split) are the
+    ``saoserve_tenant_*{tenant}`` ones, so a tenant policy's swap never moves
+    ``saoserve_policy_version``; every other attribute (requests, trajectories, the log, the
+    registry) is the shared object's, counted once for the replica."""
+
+    def __init__(self, shared: ServerMetrics, tenant: str) -> None:
+        self.shared, self.tenant = shared, tenant
+        self.policy_version = shared.tenant_policy_version.labels(tenant)
+        self.policy_swapped_at = shared.tenant_policy_swapped_at.labels(tenant)
+        self.swaps = Bound(shared.tenant_policy_swaps, tenant)
+        self.swap_seconds = shared.tenant_policy_swap_seconds.labels(tenant)
+        self.stage_events = Bound(shared.tenant_stage_events, tenant)
+        self.canary_requests = Bound(shared.tenant_canary_requests, tenant)
+        self.canary_share = shared.tenant_canary_share.labels(tenant)
+        self.feedback_to_served = shared.tenant_feedback_to_served.labels(tenant)
+        self._awaiting_answer: dict[int, float] = {}
+
+    def __getattr__(self, name: str):
+        return getattr(self.shared, name)

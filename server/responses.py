@@ -28,16 +28,23 @@ class Readiness(BaseModel):
 
 
 class ModelCard(BaseModel):
+    """The served model as the caller's key is served (OpenAI's model object): ``policy`` the
+    policy that serves the key (``global``, or its tenant's own; docs/tenants.md), ``version``
+    (and ``policy_version``, the older name) the version of it served now; ``owned_by``
+    ``saoserve``, or ``saoserve/<tenant>`` for a tenant policy."""
+
     id: str
     object: Literal["model"] = "model"
     created: int = 0
     owned_by: str = "saoserve"
     policy_version: int
     max_model_len: int
+    policy: str = "global"
+    version: int
 
 
 class ModelList(BaseModel):
-    """``GET /v1/models``: the one served model, with the policy version it serves."""
+    """``GET /v1/models``: the one served model, with the policy and version that serve the caller."""
 
     object: Literal["list"] = "list"
     data: list[ModelCard]

@@ -1,4 +1,5 @@
-"""Shared state of one server app."""
+"""The state of one policy a server app serves: the global policy's, and one per tenant policy
+(``Settings.tenant_policies``; docs/tenants.md, "A policy per tenant")."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from sqlalchemy.exc import IntegrityError
 
 from core.lifecycle import Arm
 from core.logbus import LogTransport, LogUnavailable
+from core.policies import GLOBAL
 from core.records import (
     TOPIC_TRAJECTORIES,
     FrozenBaseline,
@@ -24,7 +26,7 @@ from core.settings import Settings
 from server.canary import CanaryRouter
 from server.engine import PolicyEngine
 from server.health import Health, is_storage_error
-from server.metrics import ServerMetrics
+from server.metrics import ServerMetrics, TenantPolicyMetrics
 from server.spool import Spool
 from server.store import ServerStore
 
@@ -38,18 +40,25 @@ BaselineReader = Callable[[str, int], Awaitable[FrozenBaseline | None]]
 
 @dataclass
 class ServerState:
-    """Everything a request handler needs; built in the lifespan."""
+    """Everything a request handler needs for one policy; built in the lifespan (``server.app``).
+
+    ``policy``: ``core.policies.GLOBAL`` or the tenant. A tenant policy's state has that
+    namespace's ``settings`` (``Settings.for_tenant``), database, log, spool and health, the
+    engine's view bound to the policy (``PolicyEngine.view``) and the shared metrics as that
+    policy sets them (``ServerMetrics.of_tenant_policy``).
+    """
 
     settings: Settings
     engine: PolicyEngine
     log: LogTransport
     store: ServerStore
-    metrics: ServerMetrics
+    metrics: ServerMetrics | TenantPolicyMetrics
     spool: Spool | None
     read_baseline: BaselineReader | None = None
     health: Health | None = None
     # The canary split of an engine serving adapters (None: every request gets the engine's version).
     canary: CanaryRouter | None = None
+    policy: str = GLOBAL
     background: set[asyncio.Task] = field(default_factory=set)
     deferred_writes: set[asyncio.Task] = field(default_factory=set)
     # Appends wait for the log through short outages (up to 30 s each): they get threads of

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import math
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -13,6 +14,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi import Path as PathParam
 from fastapi.responses import Response
 from pydantic import ConfigDict, Field, field_validator
+from sqlalchemy import func, select
 
 from core import lifecycle_store
 from core.control import (
@@ -25,6 +27,7 @@ from core.control import (
     get_flag,
     set_flag,
 )
+from core.db import ControlFlag, LearnerStep, PolicyVersion
 from core.dead_letters import KINDS as DEAD_LETTER_KINDS
 from core.dead_letters import recent as recent_dead_letters
 from core.evidence_store import EvidenceStore
@@ -38,8 +41,9 @@ from core.lifecycle import (
     promoted,
 )
 from core.limits import ID_CHARS, NAME_CHARS, PROMPT_ID_CHARS
+from core.policies import GLOBAL
 from core.policy_store import layout
-from core.records import POLICY_KEY, TOPIC_POLICY, TOPIC_TRAJECTORIES, TrajectoryRecord, utcnow
+from core.records import POLICY_KEY, TOPIC_POLICY, TOPIC_TRAJECTORIES, TrajectoryRecord, as_utc, utcnow
 from core.retention import forget_user, sql_log_engine
 from server.admin_schemas import (
     CanaryShareSet,
@@ -47,6 +51,7 @@ from server.admin_schemas import (
     GuardSwitched,
     LearnerStatus,
     LifecycleState,
+    PolicyList,
     Quarantine,
     Unpinned,
     VersionPinned,
@@ -63,7 +68,7 @@ from server.responses import (
     UncertainPrompts,
     UserForgotten,
 )
-from server.routes import state_of
+from server.routes import PolicyState, all_states, state_of
 from server.schemas import (
     MAX_INT32,
     EdgeModel,
@@ -73,6 +78,7 @@ from server.schemas import (
     LoadPolicyRequest,
     RollbackRequest,
 )
+from server.state import ServerState
 
 
 def weights_present(path: str) -> bool:
@@ -97,17 +103,18 @@ def require_admin(request: Request) -> None:
 
 router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)])
 ADMIN_ERRORS = errors(400, 401, 403, 503)
+# The routes in one policy's namespace: 404 ``unknown_policy`` as well (``namespace``).
+POLICY_ERRORS = ADMIN_ERRORS | errors(404)
 
 
 @router.get(
     "/trajectories/{trajectory_id}", response_model=TrajectoryRecord, responses=ADMIN_ERRORS | errors(404)
 )
 async def admin_trajectory(
-    trajectory_id: Annotated[EdgeStr, PathParam(max_length=ID_CHARS)], request: Request
+    trajectory_id: Annotated[EdgeStr, PathParam(max_length=ID_CHARS)], s: PolicyState
 ) -> Response:
     """The trajectory's record as the log holds it (its bytes, not re-serialised): 404 for an id
     not indexed, or indexed but gone from the log."""
-    s = state_of(request)
     traj = await asyncio.to_thread(s.store.find_trajectory, trajectory_id)
     if traj is None:
         raise ApiError(404, f"no trajectory {trajectory_id!r}", code="not_found")
@@ -158,11 +165,10 @@ def check_loadable(body: LoadPolicyRequest, recorded: dict | None, serving: int)
 
 
 @router.post("/load_policy", responses=ADMIN_ERRORS | errors(404, 409, 413, 422))
-async def admin_load_policy(body: LoadPolicyRequest, request: Request) -> PolicyLoaded:
+async def admin_load_policy(body: LoadPolicyRequest, s: PolicyState) -> PolicyLoaded:
     """Serve a recorded version's weights on this replica (``check_loadable``: 404 for a version
     not recorded, 409 ``version_behind`` for one older than served, 422 for a checksum that is
     not the recorded one or weights the engine refuses)."""
-    s = state_of(request)
     recorded = await asyncio.to_thread(s.store.policy_version, body.version)
     check_loadable(body, recorded, s.engine.version)
     try:
@@ -174,15 +180,15 @@ async def admin_load_policy(body: LoadPolicyRequest, request: Request) -> Policy
     return PolicyLoaded(policy_version=res.version, seconds=res.seconds, paused_seconds=res.paused_seconds)
 
 
-@router.post("/pause", responses=ADMIN_ERRORS)
-async def admin_pause(request: Request) -> LearningState:
-    await asyncio.to_thread(set_flag, state_of(request).store.engine, PAUSED, "1")
+@router.post("/pause", responses=POLICY_ERRORS)
+async def admin_pause(s: PolicyState) -> LearningState:
+    await asyncio.to_thread(set_flag, s.store.engine, PAUSED, "1")
     return LearningState(learning="paused")
 
 
-@router.post("/resume", responses=ADMIN_ERRORS)
-async def admin_resume(request: Request) -> LearningState:
-    await asyncio.to_thread(set_flag, state_of(request).store.engine, PAUSED, None)
+@router.post("/resume", responses=POLICY_ERRORS)
+async def admin_resume(s: PolicyState) -> LearningState:
+    await asyncio.to_thread(set_flag, s.store.engine, PAUSED, None)
     return LearningState(learning="running")
 
 
@@ -192,12 +198,11 @@ VERSION_UNAVAILABLE = {
 
 
 @router.post("/rollback", responses=ADMIN_ERRORS | errors(404, 413) | VERSION_UNAVAILABLE)
-async def admin_rollback(body: RollbackRequest, request: Request) -> RollbackRequested:
+async def admin_rollback(body: RollbackRequest, s: PolicyState) -> RollbackRequested:
     """Ask the learner to publish ``version``'s weights as a new version: 404 for a version the
     database does not know, 409 ``version_unavailable`` for one whose folder was pruned (the
     learner would refuse it). A prune between this check and the learner's turn is still
     refused there, in its log and its ``rollback_refused`` counter."""
-    s = state_of(request)
     versions = await asyncio.to_thread(s.store.policy_versions)
     row = next((v for v in versions if v["version"] == body.version), None)
     if row is None:
@@ -221,10 +226,9 @@ async def admin_rollback(body: RollbackRequest, request: Request) -> RollbackReq
     return RollbackRequested(rollback_to=body.version)
 
 
-@router.get("/policy_versions", responses=ADMIN_ERRORS)
-async def admin_versions(request: Request) -> PolicyVersions:
+@router.get("/policy_versions", responses=POLICY_ERRORS)
+async def admin_versions(s: PolicyState) -> PolicyVersions:
     """Every version, each with ``available``: whether its weights are still there to roll back to."""
-    s = state_of(request)
 
     def read() -> list[dict]:
         return [v | {"available": weights_present(v["path"])} for v in s.store.policy_versions()]
@@ -232,12 +236,11 @@ async def admin_versions(request: Request) -> PolicyVersions:
     return PolicyVersions(serving=s.engine.version, versions=await asyncio.to_thread(read))
 
 
-@router.get("/learner", response_model=LearnerStatus, responses=ADMIN_ERRORS)
-async def admin_learner(request: Request, limit: Annotated[int, Query(ge=1, le=1000)] = 50) -> dict:
+@router.get("/learner", response_model=LearnerStatus, responses=POLICY_ERRORS)
+async def admin_learner(s: PolicyState, limit: Annotated[int, Query(ge=1, le=1000)] = 50) -> dict:
     """The last ``limit`` learner steps (their metrics as the learner stored them), counters,
     ``learning`` (``running`` | ``paused``) and ``rollback_to`` (a requested rollback the learner
     has not carried out yet, or null)."""
-    s = state_of(request)
 
     def read() -> dict:
         flags = {"learning": "paused" if get_flag(s.store.engine, PAUSED) == "1" else "running"}
@@ -249,10 +252,10 @@ async def admin_learner(request: Request, limit: Annotated[int, Query(ge=1, le=1
 
 
 @router.get(
-    "/dead_letters", response_model=DeadLetters, response_model_exclude_unset=True, responses=ADMIN_ERRORS
+    "/dead_letters", response_model=DeadLetters, response_model_exclude_unset=True, responses=POLICY_ERRORS
 )
 async def admin_dead_letters(
-    request: Request,
+    s: PolicyState,
     limit: Annotated[int, Query(ge=1, le=1000)] = 50,
     kind: Annotated[Literal[DEAD_LETTER_KINDS] | None, Query()] = None,
     payload: bool = False,
@@ -260,17 +263,15 @@ async def admin_dead_letters(
     """What the learner set aside instead of joining or training it (``core/dead_letters.py``):
     the newest ``limit`` (of ``kind``, if given) with their reasons and log positions, the
     records themselves only with ``payload=true``; ``total``: how many there are."""
-    s = state_of(request)
     return await asyncio.to_thread(recent_dead_letters, s.store.engine, limit, kind, payload)
 
 
-@router.get("/evidence/{prompt_id:path}", responses=ADMIN_ERRORS)
+@router.get("/evidence/{prompt_id:path}", responses=POLICY_ERRORS)
 async def admin_evidence(
-    prompt_id: Annotated[EdgeStr, PathParam(min_length=1, max_length=PROMPT_ID_CHARS)], request: Request
+    prompt_id: Annotated[EdgeStr, PathParam(min_length=1, max_length=PROMPT_ID_CHARS)], s: PolicyState
 ) -> PromptEvidence:
     """A prompt's evidence at the served version. The rest of the path is the prompt id, ``/``
     included (a chat's ``prompt_id`` may hold any character; percent-encode the id)."""
-    s = state_of(request)
     ev = EvidenceStore(s.store.engine)
     row = await asyncio.to_thread(ev.get, prompt_id)
     base = await asyncio.to_thread(ev.read, prompt_id, s.engine.version)
@@ -283,15 +284,57 @@ async def admin_evidence(
     )
 
 
-@router.get("/evidence", responses=ADMIN_ERRORS)
-async def admin_uncertain(
-    request: Request, top: Annotated[int, Query(ge=1, le=1000)] = 10
-) -> UncertainPrompts:
-    s = state_of(request)
+@router.get("/evidence", responses=POLICY_ERRORS)
+async def admin_uncertain(s: PolicyState, top: Annotated[int, Query(ge=1, le=1000)] = 10) -> UncertainPrompts:
     rows = await asyncio.to_thread(EvidenceStore(s.store.engine).top_uncertain, top, s.engine.version)
     return UncertainPrompts(
         version=s.engine.version, prompts=[{"prompt_id": p, **b.model_dump()} for p, b in rows]
     )
+
+
+def policy_overview(s: ServerState) -> dict:
+    """One policy's row of ``GET /admin/policies`` (``server.admin_schemas.PolicyRow``), read
+    from its namespace's database in one connection. Raises the driver's error when the
+    database does not answer (503)."""
+    version = s.engine.version
+    with s.store.engine.connect() as conn:
+        stage = conn.execute(
+            select(PolicyVersion.lifecycle).where(PolicyVersion.version == version)
+        ).scalar_one_or_none()
+        paused = conn.execute(
+            select(ControlFlag.value).where(ControlFlag.name == PAUSED)
+        ).scalar_one_or_none()
+        steps = conn.execute(select(func.count()).select_from(LearnerStep)).scalar_one()
+        newest = conn.execute(
+            select(LearnerStep.metrics, LearnerStep.created_at).order_by(LearnerStep.id.desc()).limit(1)
+        ).one_or_none()
+    figures = newest.metrics if newest is not None and isinstance(newest.metrics, dict) else {}
+
+    def figure(name: str) -> float | None:
+        v = figures.get(name)
+        return (
+            float(v) if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) else None
+        )
+
+    return {
+        "policy": s.policy,
+        "tenant": None if s.policy == GLOBAL else s.policy,
+        "version": version,
+        "lifecycle": stage,
+        "paused": paused == "1",
+        "steps": steps,
+        "reward_mean": figure("reward_mean"),
+        "staleness_mean": figure("staleness_mean"),
+        "last_step_at": None if newest is None else as_utc(newest.created_at).isoformat(),
+    }
+
+
+@router.get("/policies", response_model=PolicyList, responses=ADMIN_ERRORS)
+async def admin_policies(request: Request) -> dict:
+    """Every policy this server serves, the global one first, then the tenant policies in the
+    order of ``tenant_policies``: the version each serves, its stage, whether its learner is
+    paused, and its newest learner step (``server.admin_schemas.PolicyRow``)."""
+    return {"policies": [await asyncio.to_thread(policy_overview, s) for s in all_states(request)]}
 
 
 @router.post("/forget", responses=ADMIN_ERRORS | errors(413))
@@ -299,17 +342,25 @@ async def admin_forget(body: ForgetRequest, request: Request) -> UserForgotten:
     """Remove ``user``'s trajectories (and every turn of their episodes) and feedback from the
     database and the SQL-table log, and tombstone them so the learner never reads them, also
     from a Kafka log, which keeps the records until its retention (docs/privacy.md). Idempotent:
-    a user with nothing left gets zeros."""
-    s = state_of(request)
-    log_engine = sql_log_engine(s.log)
-    report = await asyncio.to_thread(forget_user, s.store.engine, log_engine, body.user, utcnow())
+    a user with nothing left gets zeros. Runs in every policy's namespace (the global one and
+    each tenant policy's; ``?policy=`` is not read): the counts are their sums, ``deleted`` summed
+    by table; ``log`` is ``kafka`` when any namespace's log is Kafka."""
+    now, logs, reports = utcnow(), [], []
+    for s in all_states(request):
+        log_engine = sql_log_engine(s.log)
+        logs.append(log_engine)
+        reports.append(await asyncio.to_thread(forget_user, s.store.engine, log_engine, body.user, now))
+    deleted: dict[str, int] = {}
+    for r in reports:
+        for table, n in r.deleted.items():
+            deleted[table] = deleted.get(table, 0) + n
     return UserForgotten(
-        user=report.user,
-        trajectories=report.trajectories,
-        episodes=report.episodes,
-        tombstones=report.tombstones,
-        deleted=report.deleted,
-        log="sql" if log_engine is not None else "kafka",
+        user=body.user,
+        trajectories=sum(r.trajectories for r in reports),
+        episodes=sum(r.episodes for r in reports),
+        tombstones=sum(r.tombstones for r in reports),
+        deleted=deleted,
+        log="kafka" if any(e is None for e in logs) else "sql",
     )
 
 
@@ -411,34 +462,34 @@ async def _announce_moves(s, versions: list[int], stage: Stage, actor: str) -> b
     return True
 
 
-async def _operator_move(request: Request, version: int, target: Stage, reason: str) -> dict:
-    s, who = state_of(request), operator_of(request)
+async def _operator_move(request: Request, s: ServerState, version: int, target: Stage, reason: str) -> dict:
+    who = operator_of(request)
     moved = await asyncio.to_thread(_operator_transition, s.store.engine, version, target, who, reason)
     return moved | {"announced": await _announce_moves(s, moved["versions"], target, who)}
 
 
 @router.post("/lifecycle/promote", response_model=VersionsMoved, responses=LIFECYCLE_ERRORS | errors(413))
-async def admin_promote(body: VersionAction, request: Request) -> dict:
+async def admin_promote(body: VersionAction, request: Request, s: PolicyState) -> dict:
     """Promote a candidate or canary version (and the lineage before it): 404 unknown, 409 a
     move the lifecycle does not allow (a rejected version never serves again). ``announced``:
     whether the policy topic's stage notices went out."""
-    return await _operator_move(request, body.version, Stage.PROMOTED, body.reason)
+    return await _operator_move(request, s, body.version, Stage.PROMOTED, body.reason)
 
 
 @router.post("/lifecycle/reject", response_model=VersionsMoved, responses=LIFECYCLE_ERRORS | errors(413))
-async def admin_reject(body: VersionAction, request: Request) -> dict:
+async def admin_reject(body: VersionAction, request: Request, s: PolicyState) -> dict:
     """Reject a version: it never serves again. If it serves now, the learner publishes the
     promoted version's weights as a new version and quarantines the samples that trained it
     (its next guard check). 404 unknown, 409 already rejected or version 0."""
-    return await _operator_move(request, body.version, Stage.REJECTED, body.reason)
+    return await _operator_move(request, s, body.version, Stage.REJECTED, body.reason)
 
 
 @router.post("/lifecycle/pin", response_model=VersionPinned, responses=LIFECYCLE_ERRORS | errors(413))
-async def admin_pin(body: VersionAction, request: Request) -> dict:
+async def admin_pin(body: VersionAction, request: Request, s: PolicyState) -> dict:
     """Pin ``version`` (promoted first if it is a candidate or canary): the guard decides nothing
     by itself until ``unpin``. Pinning a version older than the promoted one does not make it
     the promoted one or serve it (``/admin/rollback`` does). 404 unknown, 409 rejected."""
-    s, who = state_of(request), operator_of(request)
+    who = operator_of(request)
 
     def pin() -> dict:
         with s.store.engine.connect() as conn:
@@ -462,10 +513,10 @@ async def admin_pin(body: VersionAction, request: Request) -> dict:
     return done | {"announced": await _announce_moves(s, done["promoted"], Stage.PROMOTED, who)}
 
 
-@router.post("/lifecycle/unpin", response_model=Unpinned, responses=ADMIN_ERRORS)
-async def admin_unpin(request: Request) -> dict:
+@router.post("/lifecycle/unpin", response_model=Unpinned, responses=POLICY_ERRORS)
+async def admin_unpin(request: Request, s: PolicyState) -> dict:
     """Let the guard decide again."""
-    s, who = state_of(request), operator_of(request)
+    who = operator_of(request)
 
     def unpin() -> dict:
         set_flag(s.store.engine, GUARD_PIN, None)
@@ -475,10 +526,10 @@ async def admin_unpin(request: Request) -> dict:
     return await asyncio.to_thread(unpin)
 
 
-@router.post("/lifecycle/guard", response_model=GuardSwitched, responses=ADMIN_ERRORS)
-async def admin_guard(body: GuardSwitch, request: Request) -> dict:
+@router.post("/lifecycle/guard", response_model=GuardSwitched, responses=POLICY_ERRORS)
+async def admin_guard(body: GuardSwitch, request: Request, s: PolicyState) -> dict:
     """Turn the guard on or off (off: no gate, every new version promoted when recorded)."""
-    s, who = state_of(request), operator_of(request)
+    who = operator_of(request)
 
     def switch() -> dict:
         set_flag(s.store.engine, GUARD_OFF, None if body.on else "1")
@@ -494,13 +545,13 @@ def serving_mode(s) -> str:
     return "canary" if s.engine.adapters is not None else "probation"
 
 
-@router.post("/lifecycle/canary", response_model=CanaryShareSet, responses=ADMIN_ERRORS)
-async def admin_canary(body: CanaryShare, request: Request) -> dict:
+@router.post("/lifecycle/canary", response_model=CanaryShareSet, responses=POLICY_ERRORS)
+async def admin_canary(body: CanaryShare, request: Request, s: PolicyState) -> dict:
     """Set the canary share: the share of new requests the candidate lineage gets on replicas
     that serve adapters (from their next read of the lifecycle, ``policy_poll_s``). A replica
     with a full-weight engine has no canary: the newest version serves all traffic on
     probation, and the share is only stored."""
-    s, who = state_of(request), operator_of(request)
+    who = operator_of(request)
     mode = serving_mode(s)
 
     def store() -> dict:
@@ -525,12 +576,11 @@ async def admin_canary(body: CanaryShare, request: Request) -> dict:
     return await asyncio.to_thread(store)
 
 
-@router.get("/lifecycle", response_model=LifecycleState, responses=ADMIN_ERRORS)
-async def admin_lifecycle(request: Request, limit: Annotated[int, Query(ge=1, le=1000)] = 20) -> dict:
+@router.get("/lifecycle", response_model=LifecycleState, responses=POLICY_ERRORS)
+async def admin_lifecycle(s: PolicyState, limit: Annotated[int, Query(ge=1, le=1000)] = 20) -> dict:
     """The promoted version, the lineage under watch, the guard's switches, this replica's
     canary split (``split``: lineage, control version and share; None when none is in effect)
     and the newest ``limit`` transitions (who and when)."""
-    s = state_of(request)
     db = s.store.engine
     split = s.canary.split if s.canary is not None else None
 
@@ -555,11 +605,11 @@ async def admin_lifecycle(request: Request, limit: Annotated[int, Query(ge=1, le
     return await asyncio.to_thread(read)
 
 
-@router.get("/quarantine", response_model=Quarantine, responses=ADMIN_ERRORS)
-async def admin_quarantine(request: Request, limit: Annotated[int, Query(ge=1, le=1000)] = 50) -> dict:
+@router.get("/quarantine", response_model=Quarantine, responses=POLICY_ERRORS)
+async def admin_quarantine(s: PolicyState, limit: Annotated[int, Query(ge=1, le=1000)] = 50) -> dict:
     """The samples that trained a rejected version, which the learner never trains again:
     ``total`` and the newest ``limit``."""
-    db = state_of(request).store.engine
+    db = s.store.engine
 
     def read() -> dict:
         with db.connect() as conn:

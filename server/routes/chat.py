@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from pydantic import BaseModel
 
+from core.policies import GLOBAL
 from server.answers import ChatCompletion, ChatCompletionChunk
 from server.auth import caller_of
 from server.chat import ChatHandler
@@ -70,8 +71,10 @@ async def client_gone(request: Request) -> None:
 
 
 def handler_of(request: Request) -> ChatHandler:
-    """The app's ``ChatHandler`` (built in the lifespan)."""
-    return request.app.state.chat
+    """The ``ChatHandler`` of the policy that serves the caller (``server.auth.Caller.policy``),
+    built in the lifespan: the global policy's, or a tenant policy's (``app.state.tenant_chats``)."""
+    policy = caller_of(request).policy
+    return request.app.state.chat if policy == GLOBAL else request.app.state.tenant_chats[policy]
 
 
 @router.post(

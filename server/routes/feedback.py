@@ -1,14 +1,14 @@
-"""``POST /v1/feedback``: a reward for a completion or an episode (``server.feedback``)."""
+"""``POST /v1/feedback``: a reward for a completion or an episode (``server.feedback``), in the
+namespace of the policy that serves the caller."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from server.auth import caller_of
+from server.auth import caller_of, served_state
 from server.errors import FEEDBACK_PATH, errors
 from server.feedback import accept_feedback
 from server.responses import FeedbackAccepted
-from server.routes import state_of
 from server.schemas import FeedbackRequest
 
 router = APIRouter()
@@ -16,7 +16,9 @@ router = APIRouter()
 
 @router.post(FEEDBACK_PATH, status_code=202, responses=errors(400, 401, 403, 404, 408, 409, 413, 422, 503))
 async def feedback(body: FeedbackRequest, request: Request) -> FeedbackAccepted:
-    s = state_of(request)
+    """Feedback in the namespace of the policy that serves the caller (``server.auth.served_state``):
+    a completion or episode of another policy is not found there (404)."""
+    s = served_state(request)
     accepted = await accept_feedback(s, body)
     s.metrics.tenant_feedback.labels(s.metrics.tenant_label(caller_of(request).tenant)).inc()
     return accepted

@@ -18,13 +18,16 @@ from sqlalchemy.engine import Engine
 from core.claims import TRAJECTORY_PREFIX
 from core.control import PAUSED, ROLLBACK_TO
 from core.db import ControlFlag, FeedbackClaim, LearnerSample, LearnerStep, PolicyVersion, TrajectoryIndex
+from core.policies import GLOBAL
 from core.records import as_utc
-from server.auth import authenticate
+from server.admin_schemas import PolicyRow
+from server.auth import authenticate, served_state
 from server.errors import ApiError, errors
 from server.health import RETRY_AFTER_S
 from server.metrics import read_lifecycle
 from server.responses import DashboardData, Liveness, ModelCard, ModelList, Readiness
-from server.routes import state_of
+from server.routes import PolicyState, all_states, state_of
+from server.routes.admin import policy_overview
 
 router = APIRouter()
 
@@ -88,7 +91,9 @@ class GuardState(BaseModel):
 
 
 class DashboardState(BaseModel):
-    """``GET /dashboard/state``: aggregates only (no prompts or texts)."""
+    """``GET /dashboard/state``: aggregates only (no prompts or texts) of one policy (``?policy=``),
+    and ``policies``: one row per policy served (``server.admin_schemas.PolicyRow``, as
+    ``GET /admin/policies``)."""
 
     serving: int
     newest_version: int | None
@@ -101,6 +106,7 @@ class DashboardState(BaseModel):
     requests_per_s_last_minute: float
     outcomes: dict[str, dict[str, int]]
     guard: GuardState
+    policies: list[PolicyRow]
 
 
 def learner_overview(db: Engine, n_versions: int) -> dict:
@@ -188,15 +194,29 @@ async def healthz() -> Liveness:
     "/readyz", response_model=Readiness, responses={503: {"model": Readiness, "description": "Not ready"}}
 )
 async def readyz(request: Request) -> JSONResponse:
-    """200 when the engine runs and the database and the log answer; 503 naming what is down."""
+    """200 when the engine runs and every policy's database and log answer and its watcher is
+    caught up; 503 naming what is down. Each part is "ok" when it is for every policy, else what
+    is wrong, a tenant policy's prefixed with its name (``acme: catching up: ...``)."""
     s = state_of(request)
-    deps = await s.health.report()
+    states = all_states(request)
+    reports = await asyncio.gather(*(st.health.report() for st in states))
+    deps = {
+        part: combined({st.policy: r[part] for st, r in zip(states, reports, strict=True)})
+        for part in reports[0]
+    }
     engine = "ok" if s.engine.engine is not None else "not running"
     ok = engine == "ok" and all(v == "ok" for v in deps.values())
     body = Readiness(ready=ok, policy_version=s.engine.version, engine=engine, **deps).model_dump()
     if ok:
         return JSONResponse(body)
     return JSONResponse(body, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+def combined(parts: dict[str, str]) -> str:
+    """One readiness part over every policy (``{policy: "ok" | what is wrong}``): "ok" when all
+    are, else the others joined with ``; ``, a tenant policy's prefixed with its name."""
+    wrong = [state if p == GLOBAL else f"{p}: {state}" for p, state in parts.items() if state != "ok"]
+    return "; ".join(wrong) or "ok"
 
 
 @router.get("/metrics", response_class=PlainTextResponse)
@@ -209,11 +229,16 @@ async def metrics(request: Request) -> Response:
 
 
 def model_card(request: Request) -> ModelCard:
-    s = state_of(request)
+    """The served model as the caller is served: by its policy (``server.auth.served_state``)."""
+    s = served_state(request)
+    version = s.engine.version
     return ModelCard(
         id=s.settings.served_model_name,
-        policy_version=s.engine.version,
+        owned_by="saoserve" if s.policy == GLOBAL else f"saoserve/{s.policy}",
+        policy_version=version,
         max_model_len=s.settings.max_model_len,
+        policy=s.policy,
+        version=version,
     )
 
 
@@ -260,18 +285,21 @@ async def dashboard_data(request: Request) -> DashboardData:
     )
 
 
-@router.get("/dashboard/state", responses=errors(503))
-async def dashboard_state(request: Request) -> DashboardState:
+@router.get("/dashboard/state", responses=errors(404, 503))
+async def dashboard_state(request: Request, s: PolicyState) -> DashboardState:
     """Learning running or paused, a pending rollback, the versions (their stages, rollbacks
     marked), the lifecycle (promoted version, lineage, the guard's switches and last verdict),
     sample counts, reward by version, requests/s over the last 60 s and this replica's request
-    outcomes; aggregates only, like ``/dashboard/data``."""
-    s = state_of(request)
+    outcomes; aggregates only, like ``/dashboard/data``. All of it for the policy ``?policy=``
+    names (the global one by default; 404 ``unknown_policy`` for a name not served, as the admin
+    routes); ``policies``: each policy's row."""
     overview = await asyncio.to_thread(learner_overview, s.store.engine, DASHBOARD_VERSIONS)
     last_minute = await asyncio.to_thread(s.store.request_rate, 60, 1)
+    policies = [await asyncio.to_thread(policy_overview, st) for st in all_states(request)]
     return DashboardState(
         serving=s.engine.version,
         requests_per_s_last_minute=last_minute[0],
         outcomes=s.metrics.outcomes(),
+        policies=[PolicyRow(**row) for row in policies],
         **overview,
     )

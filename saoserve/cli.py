@@ -4,6 +4,11 @@ The jobs of a deployment live here (``prepare-model``, ``migrate``, ``serve``, `
 ``pretrain-critic``, ``evidence-init``, ``retention``); the simulation's commands (``simulate``,
 ``demo``, ``compare``) in saoserve/run_commands.py and the operators' (``admin``) in
 saoserve/admin/. A refused command line exits 2 with one line on stderr (``saoserve.usage.fail``).
+
+The jobs that act on one policy (``migrate``, ``learn``, ``pretrain-critic``, ``evidence-init``)
+take ``--tenant T``: they run as they do for the global policy, on the settings of T's own
+namespace (``Settings.for_tenant``: its database, log and policy folder); ``retention`` covers
+every namespace (docs/tenants.md, "A policy per tenant").
 """
 
 from __future__ import annotations
@@ -14,7 +19,8 @@ from pathlib import Path
 
 import typer
 
-from core.settings import get_settings, server_secret_problems
+from core.policies import GLOBAL
+from core.settings import Settings, get_settings, server_secret_problems
 from saoserve.admin.app import admin_app
 from saoserve.run_commands import compare, demo, simulate
 from saoserve.usage import fail, given
@@ -23,6 +29,24 @@ app = typer.Typer(
     help="saoserve: a chat server that learns online from its own traffic.", no_args_is_help=True
 )
 app.add_typer(admin_app, name="admin")
+
+TENANT_HELP = (
+    "Act on this tenant's own policy (one of SAOSERVE_TENANT_POLICIES), in its namespace; "
+    "default: the global policy."
+)
+
+
+def namespace(tenant: str | None) -> Settings:
+    """The process settings, or with ``--tenant`` those of the tenant policy's namespace
+    (``Settings.for_tenant``). Exits 2 (``fail``) for a tenant without a policy of its own, with
+    ``for_tenant``'s message."""
+    settings = get_settings()
+    if tenant is None:
+        return settings
+    try:
+        return settings.for_tenant(tenant)
+    except ValueError as exc:
+        fail(str(exc))
 
 
 @app.command("prepare-model")
@@ -42,11 +66,16 @@ def prepare_model_cmd(
 
 
 @app.command()
-def migrate(url: str = typer.Option(None, help="Database URL (default: $SAOSERVE_DATABASE_URL).")) -> None:
+def migrate(
+    url: str = typer.Option(None, help="Database URL (default: $SAOSERVE_DATABASE_URL)."),
+    tenant: str = typer.Option(None, help=f"{TENANT_HELP} Not with --url."),
+) -> None:
     """Create or upgrade the database schema (Alembic)."""
     from core.db import migrate as run
 
-    run(url or get_settings().resolved_database_url)
+    if url is not None and tenant is not None:
+        fail("--url and --tenant both name the database: give one")
+    run(url or namespace(tenant).resolved_database_url)
     typer.echo("database at head")
 
 
@@ -115,11 +144,14 @@ def learn(
     ),
     lora_rank: int = typer.Option(None, help="lora: the adapter's rank r (8)."),
     lora_lr: float = typer.Option(None, help="lora: the adapter's learning rate (10 × the policy lr)."),
+    tenant: str = typer.Option(None, help=f"{TENANT_HELP} Needs --policy lora."),
 ) -> None:
     """Join trajectories with feedback, train the policy, publish versions.
 
     The run's settings are one ``learner.config.LearnerConfig``: a preset (or a JSON file), with
-    each option given here overriding its field.
+    each option given here overriding its field. With --tenant, the learner trains that tenant's
+    policy only, from its namespace, and publishes adapters (the engine serves each tenant
+    policy as an adapter over the base weights).
     """
     import logging
 
@@ -148,8 +180,13 @@ def learn(
             cfg = build_config(preset, algorithm, overrides, correction=correction)
     except ConfigError as exc:
         fail(str(exc))
+    settings = namespace(tenant)
+    if tenant is not None and cfg.policy.kind != "lora":
+        fail(
+            "a tenant policy is served as an adapter: run with --policy lora "
+            f"(the config's policy is {cfg.policy.kind!r})"
+        )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    settings = get_settings()
     from learner.process import run_learner
     from saoserve.model import prepare_model
 
@@ -166,6 +203,7 @@ def pretrain_critic_cmd(
     batch_size: int = typer.Option(8, min=1),
     lr: float = typer.Option(5e-5, min=0.0, help="Critic learning rate."),
     trainable: str = typer.Option("mlp", help="mlp | all"),
+    tenant: str = typer.Option(None, help=TENANT_HELP),
 ) -> None:
     """Fit the critic on logged trajectories with feedback before RL (value pretraining)."""
     from core.db import make_engine, migrate
@@ -173,7 +211,7 @@ def pretrain_critic_cmd(
     from core.retention import all_forgotten
     from learner.pretrain import pretrain_from_log
 
-    settings = get_settings()
+    settings = namespace(tenant)
     migrate(settings.resolved_database_url)
     try:
         path, losses = pretrain_from_log(
@@ -198,6 +236,7 @@ def evidence_init(
     file: Path = typer.Argument(
         ..., help="JSONL: {prompt_id, reward: 0|1} per rollout, or {prompt_id, successes, n}."
     ),
+    tenant: str = typer.Option(None, help=TENANT_HELP),
 ) -> None:
     """Initialise prompt evidence from offline rollouts (Jeffreys smoothing, mass 8, version 0)."""
     from core.db import make_engine
@@ -206,7 +245,7 @@ def evidence_init(
 
     if not file.is_file():
         fail(f"{file} does not exist")
-    url = get_settings().resolved_database_url
+    url = namespace(tenant).resolved_database_url
     run_migrate(url)
     try:
         n = init_from_file(file, make_engine(url))
@@ -223,7 +262,8 @@ def retention(
 ) -> None:
     """Delete trajectories and feedback older than N days from the database and the SQL log.
 
-    Also their index rows, feedback claims, pending joins and waiting learner samples (docs/privacy.md).
+    Also their index rows, feedback claims, pending joins and waiting learner samples (docs/privacy.md),
+    in the global policy's namespace and in each tenant policy's (SAOSERVE_TENANT_POLICIES).
     Run it from cron; a Kafka log keeps its records for its topics' retention.ms instead.
     """
     from core.db import make_engine
@@ -236,27 +276,36 @@ def retention(
     days = days or settings.retention_days
     if not days:
         fail("no retention period: pass --days N or set SAOSERVE_RETENTION_DAYS (0 keeps records for ever)")
-    url = settings.resolved_database_url
-    run_migrate(url)
-    log = open_log(settings.resolved_log_url)
-    log_engine = sql_log_engine(log)
-    try:
-        report = apply_retention(make_engine(url), log_engine, retention_cutoff(utcnow(), days))
-    finally:
-        log.close()
-    typer.echo(f"deleted what was created before {report.cutoff:%Y-%m-%d %H:%M:%S} UTC ({days} days):")
-    for name, n in report.deleted.items():
-        typer.echo(f"  {name}: {n}")
-    if log_engine is None:
+    # Every namespace resolved before anything is deleted: one that cannot be is refused first.
+    spaces = [(GLOBAL, settings)] + [(t, namespace(t)) for t in settings.tenant_policies]
+    cutoff = retention_cutoff(utcnow(), days)
+    typer.echo(f"deleted what was created before {cutoff:%Y-%m-%d %H:%M:%S} UTC ({days} days):")
+    kafka = False
+    for name, space in spaces:
+        url = space.resolved_database_url
+        run_migrate(url)
+        db, log = make_engine(url), open_log(space.resolved_log_url)
+        log_engine = sql_log_engine(log)
+        try:
+            report = apply_retention(db, log_engine, cutoff)
+        finally:
+            log.close()
+            db.dispose()
+        kafka = kafka or log_engine is None
+        typer.echo(f"  policy {name}:")
+        for table, n in report.deleted.items():
+            typer.echo(f"    {table}: {n}")
+        if report.unread:
+            typer.secho(
+                f"warning: {report.unread} of the deleted log records had not been read by the learner "
+                f"yet (policy {name})",
+                fg="yellow",
+                err=True,
+            )
+    if kafka:
         typer.echo(
             "the log is Kafka: its topics keep records for their retention.ms (deploy/compose.yaml), "
             "which this command does not change"
-        )
-    if report.unread:
-        typer.secho(
-            f"warning: {report.unread} of the deleted log records had not been read by the learner yet",
-            fg="yellow",
-            err=True,
         )
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import typer
 
+from core.keys import BadTenant, check_tenant
 from core.settings import get_settings
 from saoserve.run_options import (
     DEMO_SCHEDULE,
@@ -95,6 +96,17 @@ def simulate(
     prompt_pool: PromptPoolOpt = None,
     pace: PaceOpt = False,
     adversary: AdversaryOpt = None,
+    api_key: str = typer.Option(
+        None,
+        envvar="SAOSERVE_SIM_API_KEY",
+        help="API key the simulated users send with chat and feedback (`saoserve admin keys create`); "
+        "default: none (the admin key is sent only to the admin routes).",
+    ),
+    tenant: str = typer.Option(
+        None,
+        help="The key's tenant, when it has a policy of its own: the admin reads (evidence, versions, "
+        "the guard) ask for that policy (docs/tenants.md).",
+    ),
     out: Path = typer.Option(Path("report"), help="Report folder."),
 ) -> None:
     """Run the style-shift simulation against a running server and write the report."""
@@ -111,6 +123,11 @@ def simulate(
     traffic = traffic_fields(
         mode, concurrency, rate, feedback_delay_s, max_seconds, max_backlog, prompt_pool, pace
     )
+    if tenant is not None:
+        try:
+            check_tenant(tenant)
+        except BadTenant as exc:
+            fail(f"--tenant: {exc}")
     cfg = SimulationConfig(
         adversary=make_adversary(adversary),
         base_url=url,
@@ -122,6 +139,8 @@ def simulate(
         uncertainty_sampler=uncertainty_sampler,
         wait_for_version=wait_for_version,
         admin_key=get_settings().admin_key or None,
+        api_key=api_key,
+        policy=tenant,
         **traffic,
     )
     sim = Simulation(

@@ -11,7 +11,7 @@ from saoserve.admin.keys import keys_app
 from saoserve.admin.learning import pause, resume, rollback, versions
 from saoserve.admin.lifecycle import canary, guard, pin, promote, reject, unpin
 from saoserve.admin.records import dead_letters, forget, quarantine
-from saoserve.admin.status import status
+from saoserve.admin.status import policies, status
 
 admin_app = typer.Typer(
     help="Operators' commands over a running server's admin routes (URL and key from "
@@ -19,7 +19,7 @@ admin_app = typer.Typer(
     no_args_is_help=True,
 )
 
-for command in (status, versions, pause, resume, rollback, evidence, forget):
+for command in (status, policies, versions, pause, resume, rollback, evidence, forget):
     admin_app.command(epilog=EXIT_CODES_HELP)(command)
 admin_app.command("dead-letters", epilog=EXIT_CODES_HELP)(dead_letters)
 for command in (promote, reject, pin, unpin, guard, canary, quarantine):

@@ -5,6 +5,11 @@ Each command makes one to four blocking HTTP calls to the server at ``Settings.s
 <Settings.admin_key>``; ``--url`` and ``--key`` override both) and exits with a code naming the
 outcome (the ``EXIT_*`` constants). A failure is an ``AdminError``, printed as one line on
 stderr, ``error: ...``, with nothing on stdout (``reported``).
+
+A command about one policy takes ``--tenant T``: its client sends ``?policy=T`` on every call
+about a policy (``takes_policy``), so the server answers from that tenant policy's namespace
+(docs/tenants.md, "A policy per tenant"); a name the server does not serve is its 404
+``unknown_policy``, exit 5 with the server's message.
 """
 
 from __future__ import annotations
@@ -84,14 +89,28 @@ def _reason(exc: Exception) -> str:
     return text[0].lower() + text[1:]
 
 
+# The paths that answer about one policy: the admin routes and the dashboard's state, but not
+# the key registry (the global database's, one for every policy) nor the table of every policy.
+# /readyz answers for every policy at once.
+POLICY_PATHS = ("/admin/", "/dashboard/")
+GLOBAL_PATHS = ("/admin/keys", "/admin/policies")
+
+
+def takes_policy(path: str) -> bool:
+    """Whether a call to ``path`` is about one policy, and so carries ``?policy=``."""
+    return path.startswith(POLICY_PATHS) and not path.startswith(GLOBAL_PATHS)
+
+
 class AdminClient:
     """Blocking calls to one server (``settings.server_url``, ``settings.admin_key``); every
-    failure is raised as an AdminError."""
+    failure is raised as an AdminError. ``policy``: the tenant policy the calls are about
+    (``?policy=``, ``takes_policy``); None: the global policy, no parameter sent."""
 
-    def __init__(self, settings: Settings, timeout_s: float = TIMEOUT_S):
+    def __init__(self, settings: Settings, timeout_s: float = TIMEOUT_S, policy: str | None = None):
         self.url = settings.server_url.rstrip("/")
         self.key = settings.admin_key
         self.timeout_s = timeout_s
+        self.policy = policy
 
     def call(
         self,
@@ -109,6 +128,8 @@ class AdminClient:
         ``headers``: more headers (``X-Operator``)."""
         if admin and not self.key:
             raise AdminError(EXIT_AUTH, "no admin key: set SAOSERVE_ADMIN_KEY or pass --key")
+        if self.policy is not None and takes_policy(path):
+            params = (params or {}) | {"policy": self.policy}
         headers = ({"Authorization": f"Bearer {self.key}"} if admin else {}) | (headers or {})
         try:
             r = httpx.request(
@@ -150,12 +171,22 @@ KeyOption = Annotated[
     str | None, typer.Option("--key", help="Admin key (default: $SAOSERVE_ADMIN_KEY).", show_default=False)
 ]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON for scripts instead of tables.")]
+TenantOption = Annotated[
+    str | None,
+    typer.Option(
+        "--tenant",
+        help="The tenant whose own policy this is about (one of the server's SAOSERVE_TENANT_POLICIES; "
+        "`saoserve admin policies` lists them). Default: the global policy.",
+        show_default=False,
+    ),
+]
 
 
-def client(url: str | None, key: str | None) -> AdminClient:
-    """A client on the process settings with ``--url``/``--key`` applied over them."""
+def client(url: str | None, key: str | None, tenant: str | None = None) -> AdminClient:
+    """A client on the process settings with ``--url``/``--key`` applied over them, about the
+    policy of ``--tenant`` (None: the global one)."""
     update = {k: v for k, v in (("server_url", url), ("admin_key", key)) if v is not None}
-    return AdminClient(get_settings().model_copy(update=update))
+    return AdminClient(get_settings().model_copy(update=update), policy=tenant)
 
 
 @contextmanager

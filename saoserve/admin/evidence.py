@@ -16,6 +16,7 @@ from core.evidence import uncertainty_weight
 from saoserve.admin.client import (
     JsonOption,
     KeyOption,
+    TenantOption,
     UrlOption,
     client,
     reported,
@@ -36,6 +37,7 @@ def evidence(
     url: UrlOption = None,
     key: KeyOption = None,
     json_out: JsonOption = False,
+    tenant: TenantOption = None,
 ) -> None:
     """A prompt's success evidence, or the N most uncertain prompts (--top N).
 
@@ -46,7 +48,7 @@ def evidence(
             "give a PROMPT_ID or --top N (exactly one)", param_hint="'PROMPT_ID' / '--top'"
         )
     with reported():
-        c = client(url, key)
+        c = client(url, key, tenant)
         if top is not None:
             _, body = c.call("GET", "/admin/evidence", params={"top": top})
         else:

@@ -15,6 +15,7 @@ from rich.table import Table
 from saoserve.admin.client import (
     JsonOption,
     KeyOption,
+    TenantOption,
     UrlOption,
     client,
     reported,
@@ -27,13 +28,14 @@ def versions(
     key: KeyOption = None,
     json_out: JsonOption = False,
     last: Annotated[int, typer.Option("--last", min=0, help="Show the newest N versions; 0: all.")] = 20,
+    tenant: TenantOption = None,
 ) -> None:
     """The policy versions, newest last; * marks the one this server serves.
 
     A version whose weights are 'pruned' cannot be rolled back to.
     """
     with reported():
-        _, body = client(url, key).call("GET", "/admin/policy_versions")
+        _, body = client(url, key, tenant).call("GET", "/admin/policy_versions")
         rows = body["versions"][-last:] if last else body["versions"]
         if json_out:
             emit_json({"serving": body["serving"], "versions": rows})
@@ -62,22 +64,26 @@ def versions(
         console.print(table if rows else "no versions recorded yet (no learner has started)")
 
 
-def pause(url: UrlOption = None, key: KeyOption = None, json_out: JsonOption = False) -> None:
+def pause(
+    url: UrlOption = None, key: KeyOption = None, json_out: JsonOption = False, tenant: TenantOption = None
+) -> None:
     """Pause learning (chats are still answered).
 
     The learner finishes the step it is in and trains no more; it keeps joining feedback.
     """
-    _set_learning("/admin/pause", url, key, json_out)
+    _set_learning("/admin/pause", url, key, json_out, tenant)
 
 
-def resume(url: UrlOption = None, key: KeyOption = None, json_out: JsonOption = False) -> None:
+def resume(
+    url: UrlOption = None, key: KeyOption = None, json_out: JsonOption = False, tenant: TenantOption = None
+) -> None:
     """Resume learning after a pause."""
-    _set_learning("/admin/resume", url, key, json_out)
+    _set_learning("/admin/resume", url, key, json_out, tenant)
 
 
-def _set_learning(path: str, url: str | None, key: str | None, json_out: bool) -> None:
+def _set_learning(path: str, url: str | None, key: str | None, json_out: bool, tenant: str | None) -> None:
     with reported():
-        _, body = client(url, key).call("POST", path)
+        _, body = client(url, key, tenant).call("POST", path)
         if json_out:
             emit_json(body)
         else:
@@ -91,13 +97,14 @@ def rollback(
     url: UrlOption = None,
     key: KeyOption = None,
     json_out: JsonOption = False,
+    tenant: TenantOption = None,
 ) -> None:
     """Ask the learner to serve VERSION's weights again.
 
     The learner publishes them as a new version (versions stay monotone). Exit 5 if VERSION is unknown (404) or its weights were pruned (409).
     """
     with reported():
-        _, body = client(url, key).call("POST", "/admin/rollback", body={"version": version})
+        _, body = client(url, key, tenant).call("POST", "/admin/rollback", body={"version": version})
         if json_out:
             emit_json(body)
         else:

@@ -12,6 +12,7 @@ from core.lifecycle import CANARY_SHARE_MAX, CANARY_SHARE_MIN, check_canary_shar
 from saoserve.admin.client import (
     JsonOption,
     KeyOption,
+    TenantOption,
     UrlOption,
     client,
     reported,
@@ -40,9 +41,11 @@ AsOption = Annotated[
 ReasonOption = Annotated[str, typer.Option("--reason", help="Why, recorded with the action.")]
 
 
-def _lifecycle_call(path: str, body: dict | None, operator: str, url, key, json_out: bool, done) -> None:
+def _lifecycle_call(
+    path: str, body: dict | None, operator: str, url, key, tenant, json_out: bool, done
+) -> None:
     with reported():
-        _, answer = client(url, key).call("POST", path, body=body, headers={"X-Operator": operator})
+        _, answer = client(url, key, tenant).call("POST", path, body=body, headers={"X-Operator": operator})
         if json_out:
             emit_json(answer)
         else:
@@ -56,6 +59,7 @@ def promote(
     url: UrlOption = None,
     key: KeyOption = None,
     json_out: JsonOption = False,
+    tenant: TenantOption = None,
 ) -> None:
     """Promote VERSION (and the versions of its lineage before it). Exit 5 if it is unknown
     (404) or cannot be promoted (409: rejected, or promoted already)."""
@@ -65,6 +69,7 @@ def promote(
         operator,
         url,
         key,
+        tenant,
         json_out,
         lambda a: f"versions {a['versions']} promoted by {a['actor']}",
     )
@@ -77,6 +82,7 @@ def reject(
     url: UrlOption = None,
     key: KeyOption = None,
     json_out: JsonOption = False,
+    tenant: TenantOption = None,
 ) -> None:
     """Reject VERSION: it never serves again; if it serves now, the learner restores the promoted
     version's weights as a new version and quarantines its samples. Exit 5 if it is unknown
@@ -87,6 +93,7 @@ def reject(
         operator,
         url,
         key,
+        tenant,
         json_out,
         lambda a: f"version {version} rejected by {a['actor']}",
     )
@@ -99,6 +106,7 @@ def pin(
     url: UrlOption = None,
     key: KeyOption = None,
     json_out: JsonOption = False,
+    tenant: TenantOption = None,
 ) -> None:
     """Pin VERSION: the guard decides nothing by itself until `unpin`. A candidate or canary
     VERSION is promoted first; pinning a version older than the promoted one does not serve it
@@ -109,6 +117,7 @@ def pin(
         operator,
         url,
         key,
+        tenant,
         json_out,
         lambda a: f"version {a['pinned']} pinned by {a['actor']}",
     )
@@ -119,10 +128,18 @@ def unpin(
     url: UrlOption = None,
     key: KeyOption = None,
     json_out: JsonOption = False,
+    tenant: TenantOption = None,
 ) -> None:
     """Let the guard decide again."""
     _lifecycle_call(
-        "/admin/lifecycle/unpin", None, operator, url, key, json_out, lambda a: f"unpinned by {a['actor']}"
+        "/admin/lifecycle/unpin",
+        None,
+        operator,
+        url,
+        key,
+        tenant,
+        json_out,
+        lambda a: f"unpinned by {a['actor']}",
     )
 
 
@@ -132,6 +149,7 @@ def guard(
     url: UrlOption = None,
     key: KeyOption = None,
     json_out: JsonOption = False,
+    tenant: TenantOption = None,
 ) -> None:
     """Turn the guard on or off (off: no gate, every new version is promoted when recorded)."""
     if state not in ("on", "off"):
@@ -142,6 +160,7 @@ def guard(
         operator,
         url,
         key,
+        tenant,
         json_out,
         lambda a: f"guard {a['guard']} (by {a['actor']})",
     )
@@ -159,6 +178,7 @@ def canary(
     url: UrlOption = None,
     key: KeyOption = None,
     json_out: JsonOption = False,
+    tenant: TenantOption = None,
 ) -> None:
     """Set the canary share: replicas serving adapters give the lineage that share of new requests;
     a single full-weight engine has none (probation) and says so."""
@@ -167,5 +187,12 @@ def canary(
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="'SHARE'") from None
     _lifecycle_call(
-        "/admin/lifecycle/canary", {"share": share}, operator, url, key, json_out, lambda a: a["message"]
+        "/admin/lifecycle/canary",
+        {"share": share},
+        operator,
+        url,
+        key,
+        tenant,
+        json_out,
+        lambda a: a["message"],
     )

@@ -16,6 +16,7 @@ from core.dead_letters import KINDS as DEAD_LETTER_KINDS
 from saoserve.admin.client import (
     JsonOption,
     KeyOption,
+    TenantOption,
     UrlOption,
     client,
     reported,
@@ -63,6 +64,7 @@ def dead_letters(
     url: UrlOption = None,
     key: KeyOption = None,
     json_out: JsonOption = False,
+    tenant: TenantOption = None,
 ) -> None:
     """What the learner set aside instead of joining or training it, newest first, and why.
 
@@ -72,7 +74,7 @@ def dead_letters(
         raise typer.BadParameter(f"not a kind of dead letter: {kind!r}", param_hint="'--kind'")
     params = {"limit": limit, "payload": payload} | ({"kind": kind} if kind else {})
     with reported():
-        _, body = client(url, key).call("GET", "/admin/dead_letters", params=params)
+        _, body = client(url, key, tenant).call("GET", "/admin/dead_letters", params=params)
         if json_out:
             emit_json(body)
             return
@@ -103,10 +105,11 @@ def quarantine(
     url: UrlOption = None,
     key: KeyOption = None,
     json_out: JsonOption = False,
+    tenant: TenantOption = None,
 ) -> None:
     """The samples that trained a rejected version, which the learner never trains again."""
     with reported():
-        _, body = client(url, key).call("GET", "/admin/quarantine", params={"limit": limit})
+        _, body = client(url, key, tenant).call("GET", "/admin/quarantine", params={"limit": limit})
         if json_out:
             emit_json(body)
             return

@@ -1,6 +1,8 @@
 """``saoserve admin status``: readiness (``/readyz``), the version served and the newest recorded,
 learning running or paused, the learner's counters, the guard's state and its last verdict on
-the lineage on probation (``/dashboard/state``), and the learner's last steps.
+the lineage on probation (``/dashboard/state``), and the learner's last steps; of the global
+policy, or of a tenant's own (``--tenant``). ``saoserve admin policies``: one row per policy
+the server serves (``/admin/policies``).
 """
 
 from __future__ import annotations
@@ -12,11 +14,13 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from core.policies import GLOBAL
 from saoserve.admin.client import (
     EXIT_SERVER,
     AdminError,
     JsonOption,
     KeyOption,
+    TenantOption,
     UrlOption,
     client,
     reported,
@@ -29,6 +33,7 @@ def status(
     key: KeyOption = None,
     json_out: JsonOption = False,
     steps: Annotated[int, typer.Option("--steps", min=1, max=1000, help="Learner steps to show.")] = 5,
+    tenant: TenantOption = None,
 ) -> None:
     """Readiness, the version served, learning running or paused, the guard and its last verdict
     on the lineage on probation, the last learner steps.
@@ -36,7 +41,7 @@ def status(
     Exit 6 when /readyz says the server is not ready (the report is printed first).
     """
     with reported():
-        c = client(url, key)
+        c = client(url, key, tenant)
         code, ready = c.call("GET", "/readyz", admin=False, ok=(200, 503))
         not_ready = f"the server at {c.url} is not ready (503): {_down(ready)}"
         try:
@@ -54,6 +59,7 @@ def status(
         newest = rows[-1] if rows else None
         report = {
             "server_url": c.url,
+            "policy": tenant or GLOBAL,
             "ready": code == 200,
             "readiness": ready,
             "serving": versions["serving"],
@@ -72,6 +78,55 @@ def status(
             raise AdminError(EXIT_SERVER, not_ready)
 
 
+POLICY_COLUMNS = (
+    "policy",
+    "tenant",
+    "version",
+    "lifecycle",
+    "paused",
+    "steps",
+    "reward mean",
+    "staleness",
+    "last step (UTC)",
+)
+POLICY_NUMBERS = frozenset(("version", "steps", "reward mean", "staleness"))
+
+
+def policies(url: UrlOption = None, key: KeyOption = None, json_out: JsonOption = False) -> None:
+    """The policies the server serves, one row each: the global policy, then each tenant's own.
+
+    Each row: the version it serves and that version's lifecycle, whether its learning is paused, the learner steps recorded, and the newest step's reward mean, staleness and time. A tenant without a policy of its own is served by the global one.
+    """
+    with reported():
+        _, body = client(url, key).call("GET", "/admin/policies")
+        if json_out:
+            emit_json(body)
+            return
+        table = Table(title=f"policies ({len(body['policies'])})", box=box.SIMPLE_HEAD)
+        for col in POLICY_COLUMNS:
+            table.add_column(
+                col, justify="left" if col in ("policy", "tenant", "last step (UTC)") else "right"
+            )
+        for p in body["policies"]:
+            table.add_row(
+                *map(
+                    shown,
+                    (
+                        p["policy"],
+                        num(p["tenant"]),
+                        p["version"],
+                        num(p["lifecycle"]),
+                        "yes" if p["paused"] else "no",
+                        p["steps"],
+                        num(p["reward_mean"]),
+                        num(p["staleness_mean"], 2),
+                        when(p["last_step_at"]),
+                    ),
+                )
+            )
+        Console().print(table)
+
+
 READINESS_PARTS = ("database", "log", "engine", "policy")
 
 
@@ -88,6 +143,7 @@ def _print_status(r: dict) -> None:
     )
     grid = Table.grid(padding=(0, 2))
     grid.add_row("server", shown(f"{r['server_url']}: {'ready' if r['ready'] else 'NOT READY'} ({parts})"))
+    grid.add_row("policy", shown(r["policy"]))
     newest = r["newest_version"]
     if newest is None:
         published = "no versions recorded yet (no learner has started)"

@@ -51,17 +51,34 @@ class SimulationClient:
 
     @property
     def _headers(self) -> dict[str, str]:
+        """The ``/admin`` routes' header: the admin key as bearer (none without one)."""
         return {"Authorization": f"Bearer {self.config.admin_key}"} if self.config.admin_key else {}
+
+    @property
+    def _api_headers(self) -> dict[str, str]:
+        """The chat, feedback and model-list header: the API key as bearer (none without one),
+        so the server serves the key's policy and finds the answers it rates there."""
+        return {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
+
+    def _admin_params(self, **params: object) -> dict[str, object]:
+        """An admin read's query: ``params`` and, with a policy set, ``policy`` (the namespace
+        the read is about)."""
+        return params | {"policy": self.config.policy} if self.config.policy else params
 
     def _now(self) -> float:
         return time.monotonic() - self._t0
 
     async def _version(self, http: httpx.AsyncClient) -> int:
-        return (await http.get("/v1/models")).json()["data"][0]["policy_version"]
+        """The version the key's policy serves: the model card's ``version`` (a server with a
+        policy per tenant), else its ``policy_version``."""
+        card = (await http.get("/v1/models", headers=self._api_headers)).json()["data"][0]
+        return card.get("version", card["policy_version"])
 
     async def _weights(self, http: httpx.AsyncClient) -> list[float]:
         """Uncertainty sampler weights per request, from the evidence view (1 where unknown)."""
-        r = await http.get("/admin/evidence", params={"top": len(self.requests)}, headers=self._headers)
+        r = await http.get(
+            "/admin/evidence", params=self._admin_params(top=len(self.requests)), headers=self._headers
+        )
         r.raise_for_status()
         by_id = {p["prompt_id"]: p["value"] for p in r.json()["prompts"]}
         return [uncertainty_weight(by_id.get(self._prompt_id(i), 0.5)) for i in range(len(self.requests))]
@@ -164,7 +181,7 @@ class SimulationClient:
 
     async def _ask(self, http: httpx.AsyncClient, i: int, user: int | None = None) -> dict | None:
         """Send request ``i`` (from ``user``); the response body, or None (counted) on a non-200."""
-        r = await http.post("/v1/chat/completions", json=self._payload(i, user))
+        r = await http.post("/v1/chat/completions", json=self._payload(i, user), headers=self._api_headers)
         if r.status_code != 200:
             self.result.request_failures += 1
             return None
@@ -181,7 +198,10 @@ class SimulationClient:
         stream = ChatStream(self._now)
         try:
             async with http.stream(
-                "POST", "/v1/chat/completions", json=self._payload(i, user) | {"stream": True}
+                "POST",
+                "/v1/chat/completions",
+                json=self._payload(i, user) | {"stream": True},
+                headers=self._api_headers,
             ) as r:
                 if r.status_code != 200:
                     await r.aread()
@@ -214,6 +234,7 @@ class SimulationClient:
                 "reward": reward,
                 "source": "judge",
             },
+            headers=self._api_headers,
         )
         if fb.status_code != 202:
             self.result.request_failures += 1

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from core.keys import check_tenant
 from judge.adversary import Adversary
 from judge.styles import Schedule
 
@@ -41,6 +42,12 @@ class SimulationConfig:
     writing requests in order instead of sampling all of them. ``adversary``: the cohort of
     raters that rate by their own rule (``judge.adversary``; None: every rater is honest and
     requests carry no ``user``).
+
+    ``api_key``: the bearer of the chat, feedback and model-list requests (None: none is sent,
+    the server serves them anonymously or refuses them, ``require_keys``); ``admin_key`` stays
+    the bearer of the ``/admin`` routes. ``policy``: the policy those admin reads are about,
+    sent as ``?policy=`` (docs/tenants.md, "A policy per tenant"; None: the server's default,
+    the global policy). A tenant's run sets both: a key of the tenant, and its name.
     """
 
     base_url: str
@@ -65,6 +72,8 @@ class SimulationConfig:
     prompt_pool: int | None = None
     pace: bool = False
     adversary: Adversary | None = None
+    api_key: str | None = None
+    policy: str | None = None
 
     @property
     def total_steps(self) -> int:
@@ -82,3 +91,5 @@ class SimulationConfig:
             raise ValueError(f"prompt_pool must be >= 1, got {self.prompt_pool}")
         if self.pace and (self.mode != "async" or self.rate is not None):
             raise ValueError("pace applies to async mode with a fixed number in flight, not with a rate")
+        if self.policy is not None:
+            check_tenant(self.policy)

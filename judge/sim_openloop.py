@@ -59,7 +59,9 @@ class OpenLoopTraffic(SimulationClient):
         v = body["policy_version"]
         if not self.config.admin_key:
             return v, v, None
-        r = await http.get(f"/admin/trajectories/{body['id']}", headers=self._headers)
+        r = await http.get(
+            f"/admin/trajectories/{body['id']}", params=self._admin_params(), headers=self._headers
+        )
         if r.status_code != 200:
             return v, v, None
         record = r.json()

@@ -85,7 +85,9 @@ class Simulation(LockstepTraffic, OpenLoopTraffic):
         """The lifecycle's transitions, oldest first (admin view, the newest 1000); None when
         they cannot be read."""
         try:
-            r = await http.get("/admin/lifecycle", params={"limit": 1000}, headers=self._headers)
+            r = await http.get(
+                "/admin/lifecycle", params=self._admin_params(limit=1000), headers=self._headers
+            )
         except httpx.HTTPError:
             return None
         if r.status_code != 200:
@@ -95,9 +97,9 @@ class Simulation(LockstepTraffic, OpenLoopTraffic):
     async def _last_verdict(self, http: httpx.AsyncClient) -> dict | None:
         """The learner's last verdict on the lineage still under watch (``GET /dashboard/state``,
         ``guard.verdict``: the bounds on Δ, each arm's ratings and mean, the decision); None when
-        there is none or it cannot be read."""
+        there is none or it cannot be read; the run's policy's (``?policy=``)."""
         try:
-            r = await http.get("/dashboard/state")
+            r = await http.get("/dashboard/state", params=self._admin_params())
         except httpx.HTTPError:
             return None
         return r.json()["guard"]["verdict"] if r.status_code == 200 else None
@@ -105,7 +107,7 @@ class Simulation(LockstepTraffic, OpenLoopTraffic):
     async def _learner_steps(self, http: httpx.AsyncClient) -> list[dict]:
         """The learner's step metrics for the versions this run trained (admin view)."""
         try:
-            r = await http.get("/admin/learner", params={"limit": 1000}, headers=self._headers)
+            r = await http.get("/admin/learner", params=self._admin_params(limit=1000), headers=self._headers)
         except httpx.HTTPError:
             return []
         if r.status_code != 200:

@@ -23,7 +23,7 @@ from judge.runstats import (
 )
 from judge.sim_config import SimulationConfig
 from judge.simulate import Simulation
-from judge.styles import schedule_from_spec
+from judge.styles import schedule_from_spec, writing_requests
 
 SCHEDULE = schedule_from_spec("cute:2,pirate:1")
 
@@ -523,3 +523,125 @@ async def test_a_lockstep_transport_error_is_one_failed_request(fails_at) -> Non
     async with httpx.AsyncClient(base_url="http://sim", transport=httpx.MockTransport(handler)) as http:
         assert await sim._one(http, asyncio.Semaphore(1), 0, 0, "pirate") is None
     assert sim.result.request_failures == 1 and sim.in_flight == set()
+
+
+# ------------------------------------------------------------------ a tenant's run: keys and policy
+class _KeyedServer:
+    """A server double for every route a run calls; it records each request's path, bearer
+    (None without an ``Authorization`` header) and query."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, str | None, dict[str, str]]] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        self.seen.append((path, request.headers.get("authorization"), dict(request.url.params)))
+        answer = {
+            "id": "chatcmpl-1",
+            "policy_version": 0,
+            "prompt_id": "sim-0000",
+            "feedback_token": "tok",
+        }
+        if path == "/v1/chat/completions" and json.loads(request.content).get("stream"):
+            finish = answer | {
+                "object": "chat.completion.chunk",
+                "choices": [{"index": 0, "delta": {"content": "Ahoy"}, "finish_reason": "stop"}],
+            }
+            return httpx.Response(
+                200, content=_sse(finish, "[DONE]"), headers={"content-type": "text/event-stream"}
+            )
+        bodies = {
+            "/v1/chat/completions": answer
+            | {"choices": [{"message": {"role": "assistant", "content": "Ahoy"}, "finish_reason": "stop"}]},
+            "/v1/models": {"data": [{"policy_version": 0}]},
+            "/admin/trajectories/chatcmpl-1": {"token_versions": [[0, 0]], "arm": None},
+            "/admin/evidence": {"prompts": []},
+            "/admin/learner": {"steps": []},
+            "/admin/lifecycle": {"events": []},
+            "/dashboard/state": {"guard": {"verdict": None}},
+        }
+        if path == "/v1/feedback":
+            return httpx.Response(202, json={"accepted": True})
+        return httpx.Response(200, json=bodies[path])
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("keyed", [True, False], ids=["tenant", "plain"])
+async def test_a_tenant_run_sends_its_key_to_the_api_and_its_policy_to_the_admin_routes(
+    monkeypatch, mode, keyed
+) -> None:
+    """With ``api_key`` and ``policy``: chat, feedback and the model list carry the API key; every
+    ``/admin`` read carries the admin key and ``policy=acme``; ``/dashboard/state`` no key and
+    the policy.
+    Without them, as before: no bearer on the API routes and no ``policy`` anywhere."""
+    server = _KeyedServer()
+    real = httpx.AsyncClient
+    monkeypatch.setattr(
+        "judge.simulate.httpx.AsyncClient", lambda **kw: real(transport=httpx.MockTransport(server), **kw)
+    )
+    tenant = {"api_key": "sao-kacme.secret", "policy": "acme"} if keyed else {}
+    cfg = SimulationConfig(
+        base_url="http://sim",
+        schedule=schedule_from_spec("pirate:1"),
+        batch_size=2,
+        concurrency=1,
+        mode=mode,
+        max_seconds=0.3,
+        uncertainty_sampler=True,
+        admin_key="adm",
+        **tenant,
+    )
+    result = await Simulation(cfg, _OneJudge()).run()
+    assert result.records and result.request_failures == 0
+    paths = {p for p, _, _ in server.seen}
+    # Both modes: the sampler's evidence read, models, chat, feedback, and the learner's steps and
+    # the lifecycle at the end; async also reads each answer's spans; the last verdict is the
+    # dashboard's (of the run's policy).
+    spans = {"/admin/trajectories/chatcmpl-1"} if mode == "async" else set()
+    assert paths == spans | {
+        "/dashboard/state",
+        "/admin/evidence",
+        "/v1/models",
+        "/v1/chat/completions",
+        "/v1/feedback",
+        "/admin/learner",
+        "/admin/lifecycle",
+    }
+    assert result.lifecycle is not None and result.lifecycle["last_verdict"] is None
+    for path, auth, params in server.seen:
+        if path.startswith("/v1/"):
+            assert (auth, "policy" in params) == ("Bearer sao-kacme.secret" if keyed else None, False), path
+        elif path.startswith("/admin/"):
+            assert (auth, params.get("policy")) == ("Bearer adm", "acme" if keyed else None), path
+        else:
+            assert (auth, params) == (None, {"policy": "acme"} if keyed else {}), path
+    # The reads keep their own parameters beside the policy.
+    learner = next(params for p, _, params in server.seen if p == "/admin/learner")
+    assert learner == {"limit": "1000"} | ({"policy": "acme"} if keyed else {})
+    evidence = next(params for p, _, params in server.seen if p == "/admin/evidence")
+    assert evidence["top"] == str(len(writing_requests()))
+
+
+@pytest.mark.parametrize(
+    ("card", "expected"),
+    [({"policy_version": 7, "policy": "acme", "version": 2}, 2), ({"policy_version": 7}, 7)],
+    ids=["per-tenant-card", "global-card"],
+)
+async def test_the_served_version_is_the_key_policys(card, expected) -> None:
+    """A server with a policy per tenant lists the key's policy's ``version`` beside
+    ``policy_version``; the run follows the former, and the latter where there is no other."""
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json={"object": "list", "data": [card]})
+
+    sim = Simulation(
+        SimulationConfig(base_url="http://sim", schedule=SCHEDULE, api_key="sao-k1.x"), _NoJudge()
+    )
+    async with httpx.AsyncClient(base_url="http://sim", transport=httpx.MockTransport(handler)) as http:
+        assert await sim._version(http) == expected
+
+
+@pytest.mark.parametrize("policy", ["Acme", "", "-acme", "a" * 65])
+def test_a_policy_that_is_not_a_tenant_name_is_refused(policy) -> None:
+    with pytest.raises(ValueError, match="is not a valid name"):
+        SimulationConfig(base_url="http://sim", schedule=SCHEDULE, policy=policy)

@@ -97,8 +97,8 @@ class TenantServices:
             "SAOSERVE_ADMIN_KEY": self.admin_key,
             "SAOSERVE_TENANT_POLICIES": ",".join(TENANTS),
             "SAOSERVE_ADAPTER_SERVING": "adapter",
-            # Two slots a policy (its current adapter and the one before), three policies.
-            "SAOSERVE_MAX_CPU_LORAS": "8",
+            # Three slots a policy (core.settings.SLOTS_PER_POLICY), three policies.
+            "SAOSERVE_MAX_CPU_LORAS": "9",
             "TOKENIZERS_PARALLELISM": "false",
             "HF_HUB_OFFLINE": "1",
         }

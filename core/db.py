@@ -223,6 +223,10 @@ def make_engine(url: str) -> Engine:
 
 
 SEARCH_PATH = re.compile(r"-c\s*search_path=(\S+)")
+# The schema names ``core.policies.schema_name`` makes: the only ones ``migrate`` creates.
+TENANT_SCHEMA = re.compile(r"t_[a-z0-9_]{1,40}_[0-9a-f]{8}")
+# PostgreSQL advisory lock key held while migrating (any fixed 64-bit number; "saoserve" in ASCII).
+MIGRATION_LOCK_KEY = 0x73616F7365727665
 
 
 def search_path_schema(url: str) -> str | None:
@@ -237,20 +241,32 @@ def search_path_schema(url: str) -> str | None:
 
 
 def migrate(url: str, revision: str = "head") -> None:
-    """Run Alembic migrations up to ``revision`` on the database at ``url``; a PostgreSQL URL
-    whose search path names a schema (a tenant namespace) gets that schema made first, so its
-    tables and Alembic's version table land in it."""
+    """Run Alembic migrations up to ``revision`` on the database at ``url``. A PostgreSQL URL
+    whose search path is a tenant namespace's schema (``core.policies.tenant_database_url``) gets
+    that schema made first if it is missing, so its tables and Alembic's version table land in
+    it; any other search path is the operator's, used as it is."""
     from alembic import command
 
     schema = search_path_schema(url)
-    if schema is not None:
-        engine = create_engine(make_url(url).difference_update_query(["options"]))
-        try:
-            with engine.begin() as conn:
-                conn.execute(text(f'CREATE SCHEMA IF NOT EXISTS "{schema}"'))
-        finally:
-            engine.dispose()
+    if schema is not None and TENANT_SCHEMA.fullmatch(schema):
+        _make_schema(url, schema)
     command.upgrade(alembic_config(url), revision)
+
+
+def _make_schema(url: str, schema: str) -> None:
+    """Create ``schema`` (a ``TENANT_SCHEMA`` name, so it needs no quoting) unless it exists,
+    under the migrations' advisory lock: every replica and learner migrates at start, and two
+    ``CREATE SCHEMA IF NOT EXISTS`` at once can both miss the other's and one fail. A role that
+    may not create schemas can still migrate a schema an administrator made."""
+    engine = create_engine(make_url(url).difference_update_query(["options"]))
+    try:
+        with engine.begin() as conn:
+            conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK_KEY})
+            found = conn.execute(text("SELECT 1 FROM pg_namespace WHERE nspname = :s"), {"s": schema}).first()
+            if found is None:
+                conn.execute(text(f"CREATE SCHEMA {schema}"))
+    finally:
+        engine.dispose()
 
 
 def downgrade(url: str, revision: str = "base") -> None:

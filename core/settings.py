@@ -25,6 +25,11 @@ from core.policies import (
 
 DEFAULT_HOME = Path("var")
 
+SLOTS_PER_POLICY = 3
+"""Adapter slots (``max_cpu_loras``) each policy needs under tenant policies: its current adapter,
+the pinned promoted version of a canary split, and the next version loading beside them while
+requests in flight still use the old one."""
+
 # The ranks vLLM 0.32 accepts for max_lora_rank (its LoRAConfig).
 LoraRank = Literal[1, 8, 16, 32, 64, 128, 256, 320, 512]
 
@@ -161,7 +166,7 @@ class Settings(BaseSettings):
         [],
         description="Tenants served by a policy of their own (a LoRA adapter trained only on their "
         "ratings, `saoserve learn --tenant NAME`), comma-separated; every other tenant shares the "
-        "global policy. Needs adapter_serving 'adapter' and max_cpu_loras of at least twice the "
+        "global policy. Needs adapter_serving 'adapter' and max_cpu_loras of at least three times the "
         "policies (docs/tenants.md, 'A policy per tenant').",
     )
     retention_days: int = Field(
@@ -216,14 +221,19 @@ class Settings(BaseSettings):
                     "tenant_policies needs adapter_serving 'adapter': one engine serves several "
                     f"policies only as adapters over one base (adapter_serving is {self.adapter_serving.value!r})"
                 )
-            # Each policy's current adapter, and one more each for the previous version that
-            # requests in flight finish on (or a canary split's promoted version).
-            need = 2 * (len(self.tenant_policies) + 1)
+            # A policy on canary holds its candidate and the pinned promoted version, and its next
+            # candidate loads beside both before the old one is let go: three slots a policy.
+            need = SLOTS_PER_POLICY * (len(self.tenant_policies) + 1)
             if self.max_cpu_loras < need:
                 raise ValueError(
                     f"max_cpu_loras ({self.max_cpu_loras}) must be at least {need} for "
-                    f"{len(self.tenant_policies)} tenant policies and the global one (two slots a policy)"
+                    f"{len(self.tenant_policies)} tenant policies and the global one "
+                    f"({SLOTS_PER_POLICY} slots a policy)"
                 )
+            for tenant in self.tenant_policies:
+                # A namespace the database or log cannot hold is refused here, at start.
+                tenant_database_url(self.resolved_database_url, tenant)
+                tenant_log_url(self.resolved_log_url, tenant)
         return self
 
     def for_tenant(self, tenant: str) -> Settings:
@@ -258,6 +268,16 @@ class Settings(BaseSettings):
     @property
     def resolved_log_url(self) -> str:
         return self.log_url or self.resolved_database_url
+
+    @property
+    def schema_urls(self) -> list[str]:
+        """The databases whose schema this deployment's processes migrate: the database, and the
+        SQL-table log's when it is another one (a Kafka log has no schema)."""
+        urls = [self.resolved_database_url]
+        log = self.resolved_log_url
+        if not log.startswith("kafka://") and log != urls[0]:
+            urls.append(log)
+        return urls
 
     @property
     def resolved_model_dir(self) -> Path:

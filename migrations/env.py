@@ -3,12 +3,10 @@
 from alembic import context
 from sqlalchemy import text
 
-from core.db import Base, make_engine
+from core.db import MIGRATION_LOCK_KEY, Base, make_engine
 
 config = context.config
 target_metadata = Base.metadata
-# PostgreSQL advisory lock key held while migrating (any fixed 64-bit number; "saoserve" in ASCII).
-MIGRATION_LOCK_KEY = 0x73616F7365727665
 
 
 def run_migrations_online() -> None:

@@ -18,12 +18,13 @@ import sys
 from pathlib import Path
 
 import typer
+from pydantic import ValidationError
 
 from core.policies import GLOBAL
 from core.settings import Settings, get_settings, server_secret_problems
 from saoserve.admin.app import admin_app
 from saoserve.run_commands import compare, demo, simulate
-from saoserve.usage import fail, given
+from saoserve.usage import fail, given, settings_problems
 
 app = typer.Typer(
     help="saoserve: a chat server that learns online from its own traffic.", no_args_is_help=True
@@ -39,8 +40,11 @@ TENANT_HELP = (
 def namespace(tenant: str | None) -> Settings:
     """The process settings, or with ``--tenant`` those of the tenant policy's namespace
     (``Settings.for_tenant``). Exits 2 (``fail``) for a tenant without a policy of its own, with
-    ``for_tenant``'s message."""
-    settings = get_settings()
+    ``for_tenant``'s message, and for settings that are not valid."""
+    try:
+        settings = get_settings()
+    except ValidationError as exc:
+        fail(settings_problems(exc))
     if tenant is None:
         return settings
     try:
@@ -75,7 +79,8 @@ def migrate(
 
     if url is not None and tenant is not None:
         fail("--url and --tenant both name the database: give one")
-    run(url or namespace(tenant).resolved_database_url)
+    for one in [url] if url is not None else namespace(tenant).schema_urls:
+        run(one)
     typer.echo("database at head")
 
 
@@ -186,6 +191,12 @@ def learn(
             "a tenant policy is served as an adapter: run with --policy lora "
             f"(the config's policy is {cfg.policy.kind!r})"
         )
+    if settings.tenant_policies and cfg.policy.kind != "lora":
+        # The engine refuses full weights for every policy while tenant policies share its base.
+        fail(
+            f"with tenant policies ({', '.join(settings.tenant_policies)}) the global policy is served "
+            f"as an adapter too: run with --policy lora (the config's policy is {cfg.policy.kind!r})"
+        )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     from learner.process import run_learner
     from saoserve.model import prepare_model
@@ -281,6 +292,8 @@ def retention(
     cutoff = retention_cutoff(utcnow(), days)
     typer.echo(f"deleted what was created before {cutoff:%Y-%m-%d %H:%M:%S} UTC ({days} days):")
     kafka = False
+    # One block per policy where there are several; a single namespace prints as it always did.
+    grouped = len(spaces) > 1
     for name, space in spaces:
         url = space.resolved_database_url
         run_migrate(url)
@@ -292,13 +305,14 @@ def retention(
             log.close()
             db.dispose()
         kafka = kafka or log_engine is None
-        typer.echo(f"  policy {name}:")
+        if grouped:
+            typer.echo(f"  policy {name}:")
         for table, n in report.deleted.items():
-            typer.echo(f"    {table}: {n}")
+            typer.echo(f"{'    ' if grouped else '  '}{table}: {n}")
         if report.unread:
             typer.secho(
                 f"warning: {report.unread} of the deleted log records had not been read by the learner "
-                f"yet (policy {name})",
+                f"yet{f' (policy {name})' if grouped else ''}",
                 fg="yellow",
                 err=True,
             )
@@ -328,7 +342,12 @@ def _check_secrets(settings) -> None:
 
 def main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    sys.exit(app())
+    try:
+        sys.exit(app())
+    except ValidationError as exc:
+        # The environment's settings, read by whichever command ran: one line, not a traceback.
+        typer.secho(f"error: {settings_problems(exc)}", fg="red", err=True)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

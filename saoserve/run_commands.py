@@ -128,6 +128,9 @@ def simulate(
             check_tenant(tenant)
         except BadTenant as exc:
             fail(f"--tenant: {exc}")
+        if api_key is None:
+            # Without a key of the tenant the chats are the global policy's, the admin reads T's.
+            fail("--tenant needs --api-key: a key of that tenant, with which its policy serves the chats")
     cfg = SimulationConfig(
         adversary=make_adversary(adversary),
         base_url=url,

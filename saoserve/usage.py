@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import NoReturn
 
 import typer
+from pydantic import ValidationError
 
 
 def fail(message: str) -> NoReturn:
@@ -14,6 +15,17 @@ def fail(message: str) -> NoReturn:
     Raises typer.Exit(2), always."""
     typer.secho(f"error: {message}", fg="red", err=True)
     raise typer.Exit(2)
+
+
+def settings_problems(exc: ValidationError) -> str:
+    """The refusal of settings pydantic did not accept: each problem as ``SAOSERVE_<FIELD>:
+    message`` (the environment variable to mend), joined with ``; ``."""
+    parts = []
+    for err in exc.errors():
+        field = "_".join(str(x) for x in err["loc"][:1]).upper()
+        name = f"SAOSERVE_{field}: " if field else ""
+        parts.append(f"{name}{err['msg'].removeprefix('Value error, ')}")
+    return "invalid settings: " + "; ".join(parts)
 
 
 def given(top: dict, **sections: dict) -> dict:

@@ -176,15 +176,18 @@ class PolicyRow(BaseModel):
     serves and that version's ``lifecycle`` stage in its namespace (null while the version is
     not recorded there, as version 0 before its learner first ran), ``paused`` (its learner's
     pause flag), ``steps`` (learner steps recorded), and the newest step's ``reward_mean`` and
-    ``staleness_mean`` (versions behind) and time ``last_step_at`` (null before any step)."""
+    ``staleness_mean`` (versions behind) and time ``last_step_at`` (null before any step).
+    ``unavailable``: null, or why a tenant policy's database could not be read (then every
+    field after ``version`` is null)."""
 
     model_config = _CLOSED
     policy: str
     tenant: str | None
     version: int
+    unavailable: str | None
     lifecycle: Literal["candidate", "canary", "promoted", "rejected"] | None
-    paused: bool
-    steps: int
+    paused: bool | None
+    steps: int | None
     reward_mean: float | None
     staleness_mean: float | None
     last_step_at: str | None

@@ -62,7 +62,8 @@ def create_app(
     async def lifespan(app: FastAPI):
         namespaces = {t: settings.for_tenant(t) for t in settings.tenant_policies}
         for st in (settings, *namespaces.values()):
-            await asyncio.to_thread(migrate, st.resolved_database_url)
+            for url in st.schema_urls:
+                await asyncio.to_thread(migrate, url)
         own_engine = engine is None
         eng = engine or await PolicyEngine.start(settings)
         metrics = ServerMetrics()

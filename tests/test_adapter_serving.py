@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 
 from core.policy_store import ADAPTER_CONFIG, ADAPTER_FILE, version_dir
 from core.records import SamplingRecord
-from core.settings import AdapterServing
+from core.settings import SLOTS_PER_POLICY, AdapterServing
 from core.weights import TensorSpec, WeightsLayout, weights_sha256
 from server.adapter_files import AdapterMismatch, check_adapter, merge, stage
 from server.adapters import AdapterTable, TableFull
@@ -218,7 +218,7 @@ def standin_engine(tmp_path: Path, tenants: list[str]):
     base = tmp_path / "base"
     work = tmp_path / "work"
     work.mkdir()
-    slots = 2 * (len(tenants) + 1)
+    slots = SLOTS_PER_POLICY * (len(tenants) + 1)
     settings = make_settings(
         tmp_path, adapter_serving=AdapterServing.ADAPTER, max_cpu_loras=slots, tenant_policies=tenants
     )

@@ -55,6 +55,7 @@ def home(tmp_path, monkeypatch):
         (["simulate", "--judge", "oracle", "--schedule", "cute:1"], "unknown judge 'oracle'"),
         (["simulate", "--steps", "0"], "Invalid value for '--steps'"),
         (["simulate", "--tenant", "Acme!"], "--tenant: tenant 'Acme!' is not a valid name"),
+        (["simulate", "--tenant", "acme"], "--tenant needs --api-key"),
         (["demo", "--critic-init", "/no/such/critic.pt"], "--critic-init /no/such/critic.pt is not a file"),
         (
             ["compare", "--critic-init", "/no/such/critic.pt"],

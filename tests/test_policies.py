@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import inspect, text
 
-from core.db import make_engine, migrate, search_path_schema
+from core.db import TENANT_SCHEMA, make_engine, migrate, search_path_schema
 from core.keys import BadTenant
 from core.logbus import KafkaLog
 from core.policies import (
@@ -42,6 +42,13 @@ def test_schema_names_differ_where_the_tenants_differ_and_need_no_quoting():
     assert schema_name("a.b") != schema_name("a_b")
     long = schema_name("x" * 64)
     assert len(long) == 2 + 40 + 1 + 8 and long.startswith("t_") and long.replace("_", "").isalnum()
+
+
+def test_migrate_makes_only_a_tenant_namespaces_schema():
+    # An operator's own search path (a list, a quoted name, one that exists) is used as it is.
+    assert TENANT_SCHEMA.fullmatch(schema_name("acme")) and TENANT_SCHEMA.fullmatch(schema_name("x" * 64))
+    for other in ("app,public", '"$user",public', "public", "t_acme"):
+        assert not TENANT_SCHEMA.fullmatch(other)
 
 
 def test_a_kafka_namespace_prefixes_its_topics():
@@ -93,7 +100,7 @@ def places(s: Settings) -> tuple:
 
 
 def _settings(tmp_path: Path, **kw) -> Settings:
-    return Settings(home=tmp_path, adapter_serving="adapter", **kw)
+    return Settings(home=tmp_path, adapter_serving="adapter", max_cpu_loras=9, **kw)
 
 
 def test_for_tenant_moves_every_place_a_policy_keeps_state(tmp_path: Path):
@@ -123,8 +130,9 @@ def test_for_tenant_refuses_a_tenant_without_a_policy_of_its_own(tmp_path: Path)
         ({"tenant_policies": "acme", "adapter_serving": "merged"}, "needs adapter_serving 'adapter'"),
         ({"tenant_policies": "acme,acme"}, "names acme more than once"),
         ({"tenant_policies": "global"}, "names the shared policy"),
-        # Three tenant policies and the global one need 2 × 4 = 8 slots; 6 is too few.
-        ({"tenant_policies": "a,b,c", "max_cpu_loras": 6}, r"must be at least 8 for 3 tenant policies"),
+        # Three tenant policies and the global one need 3 × 4 = 12 slots; 8 (the default) is too few.
+        ({"tenant_policies": "a,b,c"}, r"must be at least 12 for 3 tenant policies"),
+        ({"tenant_policies": "acme", "database_url": "sqlite://"}, "in-memory SQLite database"),
     ],
 )
 def test_tenant_policy_settings_that_cannot_work_are_refused(tmp_path: Path, kw, message):
@@ -148,6 +156,8 @@ def test_a_namespace_database_migrates_on_sqlite(tmp_path: Path):
 def test_a_namespace_schema_is_made_and_migrated_on_postgres(pg_url):
     url = tenant_database_url(pg_url, "acme.two")
     migrate(pg_url)
+    # A search path of the operator's own is not a schema to make: public exists, nothing is made.
+    migrate(f"{pg_url}?options=-csearch_path%3Dpublic")
     migrate(url)
     migrate(url)  # idempotent: the schema and its revision are there
     engine = make_engine(url)

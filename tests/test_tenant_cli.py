@@ -43,7 +43,7 @@ def flat(text: str) -> str:
 @pytest.fixture
 def env(tmp_path, monkeypatch):
     """The process settings re-read from a clean environment with two tenant policies, acme and
-    beta (adapter serving; the default 8 CPU adapter slots are the 2 × 3 policies need and more)."""
+    beta (adapter serving, the 3 × 3 CPU adapter slots three policies need)."""
     from core.settings import get_settings
 
     for name in (
@@ -56,6 +56,7 @@ def env(tmp_path, monkeypatch):
     monkeypatch.setenv("SAOSERVE_HOME", str(tmp_path))
     monkeypatch.setenv("SAOSERVE_ADAPTER_SERVING", "adapter")
     monkeypatch.setenv("SAOSERVE_TENANT_POLICIES", "acme,beta")
+    monkeypatch.setenv("SAOSERVE_MAX_CPU_LORAS", "9")
     get_settings.cache_clear()
     yield monkeypatch
     get_settings.cache_clear()
@@ -198,6 +199,8 @@ def test_status_of_a_tenant_policy(stub):
     assert result.exit_code == EXIT_OK, result.output
     assert "policy beta" in flat(result.stdout)
     assert json.loads(admin(stub, "status", "--json").stdout)["policy"] == "global"
+    # The global policy's status table reads as it did before tenant policies: no policy row.
+    assert "policy global" not in flat(admin(stub, "status").stdout)
 
 
 def test_key_registry_and_forget_never_take_a_policy(stub):
@@ -281,6 +284,23 @@ def test_policies_prints_one_row_per_policy(stub):
     assert "--tenant" not in runner.invoke(app, ["admin", "policies", "--help"]).output
 
 
+def test_settings_that_are_not_valid_are_one_line_naming_the_variable(env):
+    # Tenant policies with the default merged serving; a slot count the bounds refuse.
+    env.setenv("SAOSERVE_ADAPTER_SERVING", "merged")
+    result = runner.invoke(app, ["migrate", "--tenant", "acme"])
+    assert result.exit_code == EXIT_USAGE
+    assert result.stderr.startswith(
+        "error: invalid settings: tenant_policies needs adapter_serving 'adapter'"
+    )
+    env.setenv("SAOSERVE_ADAPTER_SERVING", "adapter")
+    env.setenv("SAOSERVE_MAX_CPU_LORAS", "0")
+    result = runner.invoke(app, ["migrate"])
+    assert result.exit_code == EXIT_USAGE
+    assert result.stderr == (
+        "error: invalid settings: SAOSERVE_MAX_CPU_LORAS: Input should be greater than or equal to 1\n"
+    )
+
+
 def test_policies_of_a_server_without_the_route_is_exit_5(stub):
     result = admin(stub, "policies")
     assert result.exit_code == EXIT_NOT_FOUND
@@ -310,6 +330,11 @@ def learner_runs(env):
         (["learn", "--tenant", "zeta", "--policy", "lora"], NO_POLICY),
         (["learn", "--tenant", "acme"], LORA),  # the cpu preset trains every weight
         (["learn", "--tenant", "acme", "--policy", "full"], LORA),
+        (
+            ["learn"],  # the global learner beside tenant policies: the engine refuses full weights
+            "with tenant policies (acme, beta) the global policy is served as an adapter too: run "
+            "with --policy lora (the config's policy is 'full')",
+        ),
         (["migrate", "--tenant", "zeta"], NO_POLICY),
         (
             ["migrate", "--tenant", "acme", "--url", "sqlite:///x.db"],
@@ -368,7 +393,7 @@ def test_learn_runs_the_learner_on_the_tenants_namespace(learner_runs, tmp_path)
     assert settings.resolved_model_dir == get_settings().resolved_model_dir  # one base for all
     assert (config.policy.kind, config.policy.rank) == ("lora", 4)
     # Without --tenant: the global namespace, as before.
-    assert runner.invoke(app, ["learn"]).exit_code == EXIT_OK
+    assert runner.invoke(app, ["learn", "--policy", "lora"]).exit_code == EXIT_OK
     assert learner_runs[1][0] == get_settings()
 
 

@@ -54,12 +54,12 @@ UNKNOWN = "no policy named 'nope' (policies: global, acme, beta)"
 
 
 def tenant_settings(tmp: Path, **overrides):
-    """Settings with the tenant policies acme and beta (adapter serving, 2·3 = 6 slots)."""
+    """Settings with the tenant policies acme and beta (adapter serving, 3·3 = 9 slots)."""
     return make_settings(
         tmp,
         tenant_policies=TENANTS,
         adapter_serving=AdapterServing.ADAPTER,
-        max_cpu_loras=6,
+        max_cpu_loras=9,
         policy_poll_s=0.05,
         **overrides,
     )
@@ -214,7 +214,14 @@ def test_admin_policies_lists_every_policy_global_first(tmp_path):
         beta = client.get("/dashboard/state", params={"policy": "beta"}).json()
         acme = client.get("/dashboard/state", params={"policy": "acme"}).json()
         unknown = client.get("/dashboard/state", params={"policy": "zed"})
-    row = {"lifecycle": None, "paused": False, "steps": 0, "reward_mean": None, "staleness_mean": None}
+    row = {
+        "unavailable": None,
+        "lifecycle": None,
+        "paused": False,
+        "steps": 0,
+        "reward_mean": None,
+        "staleness_mean": None,
+    }
     assert body == {
         "policies": [
             {"policy": GLOBAL, "tenant": None, "version": 0, **row, "last_step_at": None},
@@ -247,6 +254,29 @@ def test_admin_policies_lists_every_policy_global_first(tmp_path):
         3,
     )
     assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "unknown_policy"
+
+
+def test_a_tenant_database_that_does_not_answer_leaves_the_other_rows_and_the_dashboard(tmp_path):
+    from sqlalchemy import create_engine
+
+    from server.app import create_app
+
+    app = create_app(tenant_settings(tmp_path), engine=SharedFakeEngine(), watch_policy=False)
+    with TestClient(app) as client:
+        # Beta's database is a file SQLite cannot open (its folder does not exist).
+        app.state.tenants["beta"].store.engine = create_engine(f"sqlite:///{tmp_path}/missing/dir/x.db")
+        rows = client.get("/admin/policies", headers=ADMIN).json()["policies"]
+        dashboard = client.get("/dashboard/state")
+    assert [r["policy"] for r in rows] == [GLOBAL, "acme", "beta"]
+    assert rows[1]["unavailable"] is None and rows[1]["paused"] is False
+    assert rows[2] == {
+        "policy": "beta",
+        "tenant": "beta",
+        "version": 0,
+        "unavailable": "its database does not answer (OperationalError)",
+        **dict.fromkeys(("lifecycle", "paused", "steps", "reward_mean", "staleness_mean", "last_step_at")),
+    }
+    assert dashboard.status_code == 200 and dashboard.json()["policies"] == rows
 
 
 def test_without_tenant_policies_there_is_one_policy(tmp_path):
@@ -356,9 +386,11 @@ def test_a_tenant_watcher_sets_the_tenant_series_and_readiness_covers_every_poli
     assert gauge(text, "saoserve_policy_version") == 0.0
     assert gauge(text, "saoserve_policy_swaps_total", result="ok") is None
     assert [r["version"] for r in rows] == [0, 2, 0]
-    assert ready.status_code == 503
+    # Beta's refused version is reported, and the replica stays ready for the global policy and
+    # acme (beta's own chats are refused by its watcher until a version of it loads).
+    assert ready.status_code == 200
     assert ready.json() == {
-        "ready": False,
+        "ready": True,
         "policy_version": 0,
         "database": "ok",
         "log": "ok",
@@ -376,7 +408,7 @@ PROMPT = [{"role": "user", "content": "Write two sentences about the sea."}]
 @pytest.fixture(scope="module")
 async def tenant_engine(model_dir, tmp_path_factory):
     """One LoRA engine serving the global policy and the tenant policies acme and beta
-    (6 adapter slots, 2 per batch, rank ≤ 16)."""
+    (9 adapter slots, 2 per batch, rank ≤ 16)."""
     from core.settings import Settings
     from server.engine import PolicyEngine
 
@@ -387,7 +419,7 @@ async def tenant_engine(model_dir, tmp_path_factory):
         adapter_serving=AdapterServing.ADAPTER,
         max_loras=2,
         max_lora_rank=16,
-        max_cpu_loras=6,
+        max_cpu_loras=9,
         tenant_policies=TENANTS,
     )
     engine = await PolicyEngine.start(settings, model_dir)

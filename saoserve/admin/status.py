@@ -143,7 +143,9 @@ def _print_status(r: dict) -> None:
     )
     grid = Table.grid(padding=(0, 2))
     grid.add_row("server", shown(f"{r['server_url']}: {'ready' if r['ready'] else 'NOT READY'} ({parts})"))
-    grid.add_row("policy", shown(r["policy"]))
+    if r["policy"] != GLOBAL:
+        # A tenant policy's status says whose it is; the global one's reads as it always did.
+        grid.add_row("policy", shown(r["policy"]))
     newest = r["newest_version"]
     if newest is None:
         published = "no versions recorded yet (no learner has started)"

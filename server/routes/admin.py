@@ -59,6 +59,7 @@ from server.admin_schemas import (
 )
 from server.engine import SwapRefused
 from server.errors import ApiError, errors
+from server.health import is_storage_error
 from server.responses import (
     LearningState,
     PolicyLoaded,
@@ -320,6 +321,7 @@ def policy_overview(s: ServerState) -> dict:
         "policy": s.policy,
         "tenant": None if s.policy == GLOBAL else s.policy,
         "version": version,
+        "unavailable": None,
         "lifecycle": stage,
         "paused": paused == "1",
         "steps": steps,
@@ -329,12 +331,35 @@ def policy_overview(s: ServerState) -> dict:
     }
 
 
+async def policy_rows(request: Request) -> list[dict]:
+    """Every policy's row (``policy_overview``), the global one first. A tenant policy whose
+    database does not answer gets a row of what the server knows without it (the version it
+    serves; ``unavailable`` says why the rest is null), so one namespace's outage does not take
+    the others' rows (nor the dashboard) with it; the global one's raises, a 503."""
+    rows = []
+    for s in all_states(request):
+        try:
+            rows.append(await asyncio.to_thread(policy_overview, s))
+        except Exception as exc:
+            if s.policy == GLOBAL or not is_storage_error(exc):
+                raise
+            log.warning("policy %s: its row is not readable: %s", s.policy, exc)
+            rows.append(
+                {"policy": s.policy, "tenant": s.policy, "version": s.engine.version}
+                | {"unavailable": f"its database does not answer ({exc.__class__.__name__})"}
+                | dict.fromkeys(
+                    ("lifecycle", "paused", "steps", "reward_mean", "staleness_mean", "last_step_at")
+                )
+            )
+    return rows
+
+
 @router.get("/policies", response_model=PolicyList, responses=ADMIN_ERRORS)
 async def admin_policies(request: Request) -> dict:
     """Every policy this server serves, the global one first, then the tenant policies in the
     order of ``tenant_policies``: the version each serves, its stage, whether its learner is
     paused, and its newest learner step (``server.admin_schemas.PolicyRow``)."""
-    return {"policies": [await asyncio.to_thread(policy_overview, s) for s in all_states(request)]}
+    return {"policies": await policy_rows(request)}
 
 
 @router.post("/forget", responses=ADMIN_ERRORS | errors(413))

@@ -27,7 +27,7 @@ from server.health import RETRY_AFTER_S
 from server.metrics import read_lifecycle
 from server.responses import DashboardData, Liveness, ModelCard, ModelList, Readiness
 from server.routes import PolicyState, all_states, state_of
-from server.routes.admin import policy_overview
+from server.routes.admin import policy_rows
 
 router = APIRouter()
 
@@ -194,9 +194,13 @@ async def healthz() -> Liveness:
     "/readyz", response_model=Readiness, responses={503: {"model": Readiness, "description": "Not ready"}}
 )
 async def readyz(request: Request) -> JSONResponse:
-    """200 when the engine runs and every policy's database and log answer and its watcher is
+    """200 when the engine runs and the global policy's database and log answer and its watcher is
     caught up; 503 naming what is down. Each part is "ok" when it is for every policy, else what
-    is wrong, a tenant policy's prefixed with its name (``acme: catching up: ...``)."""
+    is wrong, a tenant policy's prefixed with its name (``acme: catching up: ...``). A tenant
+    policy's problems (its database or log down, its watcher catching up or behind) are reported
+    but keep the replica ready: taking every replica out of service would stop the global policy
+    and the other tenants too, while the tenant's own requests get their 503 from its state
+    (its health and ``PolicyWatcher.require``)."""
     s = state_of(request)
     states = all_states(request)
     reports = await asyncio.gather(*(st.health.report() for st in states))
@@ -205,7 +209,7 @@ async def readyz(request: Request) -> JSONResponse:
         for part in reports[0]
     }
     engine = "ok" if s.engine.engine is not None else "not running"
-    ok = engine == "ok" and all(v == "ok" for v in deps.values())
+    ok = engine == "ok" and all(state == "ok" for state in reports[0].values())
     body = Readiness(ready=ok, policy_version=s.engine.version, engine=engine, **deps).model_dump()
     if ok:
         return JSONResponse(body)
@@ -295,7 +299,7 @@ async def dashboard_state(request: Request, s: PolicyState) -> DashboardState:
     routes); ``policies``: each policy's row."""
     overview = await asyncio.to_thread(learner_overview, s.store.engine, DASHBOARD_VERSIONS)
     last_minute = await asyncio.to_thread(s.store.request_rate, 60, 1)
-    policies = [await asyncio.to_thread(policy_overview, st) for st in all_states(request)]
+    policies = await policy_rows(request)
     return DashboardState(
         serving=s.engine.version,
         requests_per_s_last_minute=last_minute[0],

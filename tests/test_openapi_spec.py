@@ -10,7 +10,7 @@ import jsonschema
 import pytest
 from pydantic import ValidationError
 
-from server.routes.admin import CanaryShare
+from server.routes.admin import CanaryShare, VersionAction
 from server.schemas import MAX_SEED, ChatCompletionRequest, FeedbackRequest, LoadPolicyRequest
 from tests.conftest import make_settings
 
@@ -96,6 +96,9 @@ CASES = [
     (ChatCompletionRequest, {"messages": USER, "stop": ["\x00"]}, True),
     (LoadPolicyRequest, {"version": 1, "path": "/w\x00", "sha256": "0" * 64}, False),
     (FeedbackRequest, {"id": "c\x00", "feedback_token": "t", "reward": 1}, False),
+    # an operator's reason is stored with the lifecycle event (schemathesis found the NUL unstated)
+    (VersionAction, {"version": 1, "reason": "r\x00"}, False),
+    (VersionAction, {"version": 1, "reason": "off-tone \u00e9"}, True),
     # feedback: exactly one of id and episode_id, exactly one of reward and thumbs
     (FeedbackRequest, {"id": "c", "feedback_token": "t", "reward": 2, "thumbs": "up"}, False),
     (FeedbackRequest, {"id": "c", "feedback_token": "t", "reward": 0.5, "thumbs": "up"}, False),

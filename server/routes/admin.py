@@ -78,6 +78,7 @@ from server.schemas import (
     ForgetRequest,
     LoadPolicyRequest,
     RollbackRequest,
+    StoredStr,
 )
 from server.state import ServerState
 
@@ -401,7 +402,8 @@ class VersionAction(EdgeModel):
 
     model_config = ConfigDict(extra="forbid")
     version: int = Field(ge=0, le=MAX_INT32)
-    reason: str = Field("", max_length=1000)
+    # StoredStr: the OpenAPI document says a NUL is refused (400), as the edge check does.
+    reason: StoredStr = Field("", max_length=1000)
 
 
 class GuardSwitch(EdgeModel):

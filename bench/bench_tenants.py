@@ -48,7 +48,7 @@ from judge.sim_result import SimulationResult, save_records
 from judge.simulate import Simulation
 from judge.styles import Schedule, Segment, system_prompt, writing_requests
 from learner.config import build_config
-from saoserve.demo import free_port
+from saoserve.demo import free_port, wait_until_ready
 from saoserve.model import prepare_model
 from saoserve.run_options import make_judge
 
@@ -120,17 +120,7 @@ class TenantServices:
         """Start ``saoserve serve`` and wait for ``/readyz``. Raises RuntimeError if it exits,
         TimeoutError if it is not ready within ``timeout_s``."""
         self._spawn("server", ["serve", "--port", str(self.port)], self.env)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.procs["server"].poll() is not None:
-                raise RuntimeError(f"the server exited; see {self.log_dir / 'server.log'}")
-            try:
-                if httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        raise TimeoutError(f"the server did not start within {timeout_s:.0f}s")
+        wait_until_ready(self.url, self.procs["server"], self.log_dir / "server.log", timeout_s)
 
     def start_learner(self, tenant: str, config: Path) -> None:
         """``saoserve learn --tenant TENANT --config CONFIG``, on ``learner_threads`` threads

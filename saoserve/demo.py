@@ -46,6 +46,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_until_ready(url: str, server: subprocess.Popen, log_file: Path, timeout_s: float) -> None:
+    """Wait until the server at ``url`` (the child process ``server``, logging to ``log_file``)
+    answers ``/readyz`` with 200, polling each second. Raises RuntimeError if it exits first,
+    TimeoutError if it is not ready within ``timeout_s`` seconds."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"the server exited; see {log_file}")
+        try:
+            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"the server did not start within {timeout_s:.0f}s")
+
+
 class Services:
     """``saoserve serve`` and ``saoserve learn`` as child processes of one home folder."""
 
@@ -81,18 +98,7 @@ class Services:
     def start(self, timeout_s: float = 600) -> None:
         self.home.mkdir(parents=True, exist_ok=True)
         server = self._spawn("server", ["serve", "--port", str(self.port)])
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if server.poll() is not None:
-                raise RuntimeError(f"the server exited; see {self.log_dir / 'server.log'}")
-            try:
-                if httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        else:
-            raise TimeoutError(f"the server did not start within {timeout_s:.0f}s")
+        wait_until_ready(self.url, server, self.log_dir / "server.log", timeout_s)
         self._spawn("learner", ["learn", *self.learn_args])
 
     def exited(self) -> str | None:

@@ -121,7 +121,7 @@ def _version_row(r) -> dict:
         "status": r.status,
         "lifecycle": r.lifecycle,
         "parent_version": r.parent_version,
-        "created_at": r.created_at.isoformat(),
+        "created_at": as_utc(r.created_at).isoformat(),
     }
 
 
@@ -448,7 +448,7 @@ class ServerStore:
             counters = dict(conn.execute(select(LearnerCounter.name, LearnerCounter.value)).all())
         return {
             "steps": [
-                {"step": s, "version": v, "created_at": c.isoformat(), **m} for s, v, m, c in reversed(steps)
+                {"step": s, "version": v, "created_at": as_utc(c).isoformat(), **m} for s, v, m, c in reversed(steps)
             ],
             "counters": counters,
         }

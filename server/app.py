@@ -150,7 +150,7 @@ def open_policy(
     engine, a spool (``log_required`` off), the evidence reader (``read_baseline``, else the
     namespace's evidence store) and health; the served version in ``metrics``."""
     db = make_engine(settings.resolved_database_url)
-    spool = None if settings.log_required else Spool(settings.home / "spool", lt, ServerStore(db))
+    spool = None if settings.log_required else Spool(settings.home / "spool", lt, ServerStore(db), policy=policy)
     reader = read_baseline or evidence_reader(EvidenceStore(db))
     health = Health(db, lt, settings.log_required)
     state = ServerState(settings, eng, lt, ServerStore(db), metrics, spool, reader, health, policy=policy)
@@ -178,13 +178,19 @@ async def follow(state: ServerState, watch_policy: bool) -> list[asyncio.Task]:
     adapters, its canary router; its spool's sender."""
     tasks = []
     if watch_policy:
-        watcher = PolicyWatcher(state.log, state.engine, state.metrics, state.settings.policy_poll_s)
+        watcher = PolicyWatcher(
+            state.log, state.engine, state.metrics, state.settings.policy_poll_s, policy=state.policy
+        )
         state.health.policy = watcher
         await watcher.catch_up()
         tasks.append(asyncio.create_task(watcher.run()))
         if state.engine.adapters is not None:
             state.canary = CanaryRouter(
-                state.store.engine, state.engine, state.metrics, state.settings.canary_share
+                state.store.engine,
+                state.engine,
+                state.metrics,
+                state.settings.canary_share,
+                policy=state.policy,
             )
             tasks.append(asyncio.create_task(state.canary.run(state.settings.policy_poll_s)))
     if state.spool is not None:

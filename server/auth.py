@@ -14,11 +14,17 @@ episodes and the model list then work in that policy's state (``served_state``).
 The key's training setting (``core.keys.KeyInfo.train``) is read with it, on every request: a
 key opted out of training makes each answer it is sent ``train: false`` (``server.chat.trains``;
 docs/privacy.md).
+
+The pages that need no key (the dashboard, ``/readyz``) show a tenant policy only to a request
+that may see it (``visible_policies``): with the admin key, every one; with a valid key of the
+tenant, its own; else none, and a policy not shown is as unknown as one that does not exist
+(``visible_state``; docs/tenants.md, "What the public pages show").
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -27,7 +33,8 @@ from core.keys import KeyStore, looks_like_key
 from core.policies import GLOBAL
 from core.settings import Settings
 from server.errors import ApiError
-from server.routes import policy_state, state_of
+from server.health import is_storage_error
+from server.routes import policy_names, policy_state, state_of, unknown_policy
 from server.state import ServerState
 
 
@@ -98,3 +105,46 @@ def caller_of(request: Request) -> Caller:
 def served_state(request: Request) -> ServerState:
     """The state of the policy that serves this request's caller (``Caller.policy``)."""
     return policy_state(request, caller_of(request).policy)
+
+
+def admin_key_given(request: Request) -> bool:
+    """Whether the request carries the admin key (``Authorization: Bearer <admin key>``,
+    compared in constant time); always False while no admin key is set."""
+    key = state_of(request).settings.admin_key
+    given = request.headers.get("authorization", "")
+    return bool(key) and given.startswith("Bearer ") and hmac.compare_digest(given[7:].encode(), key.encode())
+
+
+async def visible_policies(request: Request) -> list[str]:
+    """The policies the pages without a key (the dashboard, ``/readyz``) show this request, in
+    ``policy_names`` order: ``GLOBAL``; then every tenant policy with the admin key
+    (``admin_key_given``), else the key's own tenant policy (``policy_of``) when the request
+    carries a valid, unrevoked key. No key, another token, a wrong or revoked key, or a key the
+    database cannot check (it does not answer) see the global policy alone: these pages need no
+    key, so a bad one is never their 401."""
+    names = policy_names(request)
+    if admin_key_given(request):
+        return names
+    token = bearer(request)
+    # Without tenant policies there is nothing to hide: no key lookup.
+    if len(names) == 1 or token is None or not looks_like_key(token):
+        return [GLOBAL]
+    s = state_of(request)
+    try:
+        checked = await asyncio.to_thread(KeyStore(s.store.engine).check, token)
+    except Exception as exc:
+        if not is_storage_error(exc):
+            raise
+        return [GLOBAL]
+    own = policy_of(s.settings, checked.key.tenant) if checked.outcome == "ok" else GLOBAL
+    return [GLOBAL] if own == GLOBAL else [GLOBAL, own]
+
+
+def visible_state(request: Request, visible: list[str], policy: str | None) -> ServerState:
+    """The state of ``?policy=`` (None: ``GLOBAL``) when it is one of ``visible``
+    (``visible_policies``). Raises ApiError 404 ``unknown_policy`` listing only ``visible`` for
+    any other name, a tenant policy not shown to this request as for one that does not exist."""
+    name = GLOBAL if policy is None else policy
+    if name not in visible:
+        raise unknown_policy(name, visible)
+    return policy_state(request, name)

@@ -32,9 +32,11 @@ from core import lifecycle_store, policy_store
 from core.control import CANARY_SHARE, GUARD_OFF, canary_share_flag
 from core.db import ControlFlag, PolicyVersion
 from core.lifecycle import Arm, CanarySplit, lineage, promoted, route
+from core.policies import GLOBAL
 from core.policy_store import Layout
 from server.engine import PolicyEngine, SwapRefused
 from server.metrics import ServerMetrics
+from server.policy_log import PolicyLog
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +84,8 @@ def read_plan(db: Engine, default_share: float) -> CanaryPlan | None:
 
 class CanaryRouter:
     """The canary split of one engine: ``dispatch`` picks each request's version and arm,
-    ``refresh`` follows the database. ``rng`` draws the arms (seeded in tests)."""
+    ``refresh`` follows the database. ``rng`` draws the arms (seeded in tests); ``policy``
+    (``core.policies.GLOBAL`` or a tenant) starts each of its log lines."""
 
     def __init__(
         self,
@@ -91,8 +94,10 @@ class CanaryRouter:
         metrics: ServerMetrics,
         default_share: float,
         rng: random.Random | None = None,
+        policy: str = GLOBAL,
     ) -> None:
         self.db = db
+        self.logger = PolicyLog(log, policy)
         self.engine = engine
         self.metrics = metrics
         self.default_share = default_share
@@ -122,7 +127,9 @@ class CanaryRouter:
                 await self.engine.hold(control, plan.path, plan.sha256)
             except SwapRefused as exc:
                 if self._refused != control:
-                    log.error("canary: promoted version %d cannot be held, no split: %s", control, exc)
+                    self.logger.error(
+                        "canary: promoted version %d cannot be held, no split: %s", control, exc
+                    )
                 self._refused = control
                 control = None
         if self.held is not None and self.held != control:
@@ -153,5 +160,5 @@ class CanaryRouter:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                log.warning("canary: reading the lifecycle failed, the split is kept: %s", exc)
+                self.logger.warning("canary: reading the lifecycle failed, the split is kept: %s", exc)
             await asyncio.sleep(poll_s)

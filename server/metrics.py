@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -17,8 +17,68 @@ from core import lifecycle_store
 from core.control import GUARD_OFF, GUARD_PIN, GUARD_VERDICT
 from core.db import ControlFlag, LearnerCounter, LearnerStep
 from core.lifecycle import Stage, lineage, promoted
+from core.policies import GLOBAL
+from server.policy_log import PolicyLog
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class Series:
+    """One policy's samples of one metric, before /metrics names the family: ``name`` without
+    the ``saoserve_`` prefix (``policy_versions``), ``kind`` ``GaugeMetricFamily`` or
+    ``CounterMetricFamily``, ``labels``, and ``samples`` as (label values, value)."""
+
+    kind: type[GaugeMetricFamily] | type[CounterMetricFamily]
+    name: str
+    doc: str
+    labels: tuple[str, ...] = ()
+    samples: list[tuple[tuple[str, ...], float]] = field(default_factory=list)
+
+    def add(self, values: tuple[str, ...], value: float) -> Series:
+        self.samples.append((values, value))
+        return self
+
+
+class PolicyCollector:
+    """A collector of figures that each policy's database holds, read for each scrape: the
+    values of each policy's last ``read``, one family per metric name over every policy.
+
+    The global policy's series are ``saoserve_<name>{labels}``; a tenant policy's are
+    ``saoserve_tenant_<name>{tenant, labels}`` (docs/tenants.md, "Metrics"), the ``tenant``
+    label taking only the policy names the scrape reads (``Settings.tenant_policies``). A
+    subclass binds ``what`` (the figures, for the warning), ``fetch(conn)`` (one policy's
+    figures, in the caller's connection) and ``series(figures)`` (their ``Series``)."""
+
+    what: str
+
+    def __init__(self) -> None:
+        self.readings: dict[str, object] = {}
+
+    def read(self, db: Engine, policy: str = GLOBAL) -> None:
+        """Take ``policy``'s figures from its database ``db``; while it does not answer, keep
+        the last ones (a warning naming the policy)."""
+        try:
+            with db.connect() as conn:
+                self.readings[policy] = self.fetch(conn)
+        except Exception as exc:
+            PolicyLog(log, policy).warning("%s not read for /metrics: %s", self.what, exc.__class__.__name__)
+
+    def collect(self):
+        families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {}
+        # A snapshot (another scrape's reads may add a policy meanwhile); the global policy
+        # first, then the tenants by name (the reads finish in any order).
+        for policy, figures in sorted(list(self.readings.items()), key=lambda kv: (kv[0] != GLOBAL, kv[0])):
+            tenant = () if policy == GLOBAL else (policy,)
+            for s in self.series(figures):
+                name = f"saoserve_{s.name}" if policy == GLOBAL else f"saoserve_tenant_{s.name}"
+                family = families.get(name)
+                if family is None:
+                    labels = [*(("tenant",) if tenant else ()), *s.labels]
+                    family = families[name] = s.kind(name, s.doc, labels=labels)
+                for values, value in s.samples:
+                    family.add_metric([*tenant, *values], value)
+        yield from families.values()
 
 
 IDENTITY_GAUGES = {
@@ -31,44 +91,57 @@ IDENTITY_GAUGES = {
 ``saoserve_learner_<name>`` gauges."""
 
 
-class LearnerEvents:
-    """A collector of the learner's counters (``learner_counters``, which the learner bumps in its
-    commits: ``expired``, ``dead_letters``, ``excluded_*``...) as
-    ``saoserve_learner_events_total{event=<counter>}``, and of the newest step's identity
-    figures (``IDENTITY_GAUGES``, absent before a step has them): the values of the last ``read``."""
+@dataclass(frozen=True)
+class LearnerFigures:
+    """One policy's learner as /metrics shows it: ``counters`` (``learner_counters``, which the
+    learner bumps in its commits: ``expired``, ``dead_letters``, ``excluded_*``...; name ->
+    count) and ``identity`` (the newest step's ``IDENTITY_GAUGES`` figures, those it has)."""
+
+    counters: dict[str, int]
+    identity: dict[str, float]
+
+
+def read_learner(conn: Connection) -> LearnerFigures:
+    """The learner's counters and the newest step's identity figures, in the caller's connection."""
+    counters = dict(conn.execute(select(LearnerCounter.name, LearnerCounter.value)).all())
+    newest = conn.execute(
+        select(LearnerStep.metrics).order_by(LearnerStep.id.desc()).limit(1)
+    ).scalar_one_or_none()
+    figures = newest if isinstance(newest, dict) else {}
+    identity = {k: float(figures[k]) for k in IDENTITY_GAUGES if isinstance(figures.get(k), int | float)}
+    return LearnerFigures(counters, identity)
+
+
+class LearnerEvents(PolicyCollector):
+    """A collector of each policy's learner (``read_learner``): its counters as
+    ``saoserve_learner_events_total{event=<counter>}`` and the newest step's identity figures
+    as ``saoserve_learner_<IDENTITY_GAUGES name>`` (absent before a step has them); a tenant
+    policy's as ``saoserve_tenant_learner_events_total{tenant,event}`` and
+    ``saoserve_tenant_learner_<name>{tenant}``. The global events family is shown before its
+    first read, empty."""
+
+    what = "learner counters"
 
     def __init__(self) -> None:
-        self.values: dict[str, int] = {}
-        self.identity: dict[str, float] = {}
+        super().__init__()
+        self.readings[GLOBAL] = LearnerFigures({}, {})
 
-    def read(self, db: Engine) -> None:
-        """Take the counters and the newest step's identity figures from the database; while it
-        does not answer, keep the last ones."""
-        try:
-            with db.connect() as conn:
-                self.values = dict(conn.execute(select(LearnerCounter.name, LearnerCounter.value)).all())
-                newest = conn.execute(
-                    select(LearnerStep.metrics).order_by(LearnerStep.id.desc()).limit(1)
-                ).scalar_one_or_none()
-        except Exception as exc:
-            log.warning("learner counters not read for /metrics: %s", exc.__class__.__name__)
-            return
-        figures = newest if isinstance(newest, dict) else {}
-        self.identity = {
-            k: float(figures[k]) for k in IDENTITY_GAUGES if isinstance(figures.get(k), int | float)
-        }
+    def fetch(self, conn: Connection) -> LearnerFigures:
+        return read_learner(conn)
 
-    def collect(self):
-        family = CounterMetricFamily(
-            "saoserve_learner_events",
+    @staticmethod
+    def series(f: LearnerFigures):
+        events = Series(
+            CounterMetricFamily,
+            "learner_events",
             "Learner counters from the database (dead_letters: records and samples set aside).",
-            labels=["event"],
+            ("event",),
         )
-        for name, value in sorted(self.values.items()):
-            family.add_metric([name], value)
-        yield family
-        for name, value in self.identity.items():
-            yield GaugeMetricFamily(f"saoserve_learner_{name}", IDENTITY_GAUGES[name], value=value)
+        for name, value in sorted(f.counters.items()):
+            events.add((name,), value)
+        yield events
+        for name, value in f.identity.items():
+            yield Series(GaugeMetricFamily, f"learner_{name}", IDENTITY_GAUGES[name]).add((), value)
 
 
 @dataclass(frozen=True)
@@ -124,9 +197,9 @@ def read_lifecycle(conn: Connection) -> LifecycleState:
     )
 
 
-class LifecycleGauges:
-    """A collector of the lifecycle's state (``read_lifecycle``) as gauges of bounded cardinality
-    (no label takes a version number): the values of the last ``read``.
+class LifecycleGauges(PolicyCollector):
+    """A collector of each policy's lifecycle (``read_lifecycle``) as gauges of bounded
+    cardinality (no label takes a version number); a policy is absent until its first read.
 
     ``saoserve_policy_versions{stage}`` (the four stages), ``saoserve_policy_promoted_version``,
     ``saoserve_policy_candidate_version`` (the newest version on probation; absent when none),
@@ -135,91 +208,82 @@ class LifecycleGauges:
     the current lineage, ``saoserve_guard_delta_bound{bound=lower|upper}``,
     ``saoserve_guard_ratings{arm=candidate|promoted}``, ``saoserve_guard_arm_mean{arm}``,
     ``saoserve_guard_decision{decision=continue|promote|reject}`` (1 for the verdict's) and
-    ``saoserve_guard_verdict_timestamp_seconds``."""
+    ``saoserve_guard_verdict_timestamp_seconds``. A tenant policy's are the same as
+    ``saoserve_tenant_policy_versions{tenant,stage}``, ``saoserve_tenant_guard_enabled{tenant}``..."""
 
-    def __init__(self) -> None:
-        self.state: LifecycleState | None = None
+    what = "lifecycle"
 
-    def read(self, db: Engine) -> None:
-        """Take the state from the database; while it does not answer, keep the last one."""
-        try:
-            with db.connect() as conn:
-                self.state = read_lifecycle(conn)
-        except Exception as exc:
-            log.warning("lifecycle not read for /metrics: %s", exc.__class__.__name__)
+    def fetch(self, conn: Connection) -> LifecycleState:
+        return read_lifecycle(conn)
 
-    def collect(self):
-        st = self.state
-        if st is None:
-            return
-        by_stage = GaugeMetricFamily(
-            "saoserve_policy_versions", "Policy versions by lifecycle stage.", labels=["stage"]
+    @staticmethod
+    def series(st: LifecycleState):
+        by_stage = Series(
+            GaugeMetricFamily, "policy_versions", "Policy versions by lifecycle stage.", ("stage",)
         )
         for stage, n in st.stages.items():
-            by_stage.add_metric([stage], n)
+            by_stage.add((stage,), n)
         yield by_stage
         if st.promoted is not None:
-            yield GaugeMetricFamily(
-                "saoserve_policy_promoted_version", "The promoted policy version.", value=st.promoted
+            yield Series(GaugeMetricFamily, "policy_promoted_version", "The promoted policy version.").add(
+                (), st.promoted
             )
         if st.lineage:
-            yield GaugeMetricFamily(
-                "saoserve_policy_candidate_version",
+            yield Series(
+                GaugeMetricFamily,
+                "policy_candidate_version",
                 "The newest policy version on probation (canary or candidate).",
-                value=st.lineage[-1],
-            )
-        yield GaugeMetricFamily(
-            "saoserve_policy_lineage_versions", "Versions in the lineage on probation.", value=len(st.lineage)
-        )
-        yield GaugeMetricFamily(
-            "saoserve_guard_enabled", "1 unless an operator turned the guard off.", value=int(st.guard_on)
+            ).add((), st.lineage[-1])
+        yield Series(
+            GaugeMetricFamily, "policy_lineage_versions", "Versions in the lineage on probation."
+        ).add((), len(st.lineage))
+        yield Series(GaugeMetricFamily, "guard_enabled", "1 unless an operator turned the guard off.").add(
+            (), int(st.guard_on)
         )
         if st.pinned is not None:
-            yield GaugeMetricFamily(
-                "saoserve_guard_pinned_version",
-                "The version an operator pinned as promoted.",
-                value=st.pinned,
-            )
+            yield Series(
+                GaugeMetricFamily, "guard_pinned_version", "The version an operator pinned as promoted."
+            ).add((), st.pinned)
         v = st.verdict
         if v is None:
             return
-        bounds = GaugeMetricFamily(
-            "saoserve_guard_delta_bound",
+        bounds = Series(
+            GaugeMetricFamily,
+            "guard_delta_bound",
             "The decision rule's confidence bounds on reward(lineage) - reward(promoted), in [-1, 1].",
-            labels=["bound"],
+            ("bound",),
         )
-        ratings = GaugeMetricFamily(
-            "saoserve_guard_ratings", "Rated answers in each arm of the decision rule.", labels=["arm"]
+        ratings = Series(
+            GaugeMetricFamily, "guard_ratings", "Rated answers in each arm of the decision rule.", ("arm",)
         )
-        means = GaugeMetricFamily(
-            "saoserve_guard_arm_mean", "Mean reward of each arm, in [0, 1].", labels=["arm"]
-        )
+        means = Series(GaugeMetricFamily, "guard_arm_mean", "Mean reward of each arm, in [0, 1].", ("arm",))
         for side in ("lower", "upper"):
             if v.get(side) is not None:
-                bounds.add_metric([side], v[side])
+                bounds.add((side,), v[side])
         for arm in ("candidate", "promoted"):
             a = v.get(arm) or {}
             if a.get("n") is not None:
-                ratings.add_metric([arm], a["n"])
+                ratings.add((arm,), a["n"])
             if a.get("mean") is not None:
-                means.add_metric([arm], a["mean"])
-        decision = GaugeMetricFamily(
-            "saoserve_guard_decision",
+                means.add((arm,), a["mean"])
+        decision = Series(
+            GaugeMetricFamily,
+            "guard_decision",
             "1 for the decision of the last verdict on the lineage.",
-            labels=["decision"],
+            ("decision",),
         )
         for d in ("continue", "promote", "reject"):
-            decision.add_metric([d], int(v.get("decision") == d))
+            decision.add((d,), int(v.get("decision") == d))
         yield from (bounds, ratings, means, decision)
         try:
             at = datetime.fromisoformat(v["at"]).timestamp()
         except (KeyError, TypeError, ValueError):
             return
-        yield GaugeMetricFamily(
-            "saoserve_guard_verdict_timestamp_seconds",
+        yield Series(
+            GaugeMetricFamily,
+            "guard_verdict_timestamp_seconds",
             "Unix time of the last verdict on the lineage.",
-            value=at,
-        )
+        ).add((), at)
 
 
 def label_counts(counter: Counter, label: str) -> dict[str, int]:
@@ -430,6 +494,13 @@ class ServerMetrics(PolicySeries):
             buckets=FEEDBACK_TO_SERVED_BUCKETS,
             registry=r,
         )
+
+    def read_policy(self, policy: str, db: Engine) -> None:
+        """Read ``policy``'s learner counters and lifecycle from its namespace's database ``db``
+        for a scrape (blocking: run it in a thread); a database that does not answer leaves that
+        policy's last figures (``PolicyCollector.read``)."""
+        self.learner.read(db, policy)
+        self.lifecycle.read(db, policy)
 
     def of_tenant_policy(self, tenant: str) -> TenantPolicyMetrics:
         """These metrics as ``tenant``'s own policy sets them (``TenantPolicyMetrics``)."""

@@ -44,9 +44,11 @@ from pathlib import Path
 from core.breaker import Unavailable
 from core.lifecycle import Stage
 from core.logbus import LogTransport
+from core.policies import GLOBAL
 from core.records import TOPIC_POLICY, PolicyEvent
 from server.engine import PolicyEngine, SwapRefused
-from server.metrics import ServerMetrics
+from server.metrics import ServerMetrics, TenantPolicyMetrics
+from server.policy_log import PolicyLog
 
 log = logging.getLogger(__name__)
 
@@ -60,10 +62,19 @@ class CatchingUp(Unavailable):
 
 
 class PolicyWatcher:
+    """The watcher of one policy's topic: ``policy`` (``core.policies.GLOBAL`` or a tenant)
+    starts each of its log lines (``acme: policy version 3 refused: ...``)."""
+
     def __init__(
-        self, log_transport: LogTransport, engine: PolicyEngine, metrics: ServerMetrics, poll_s: float
+        self,
+        log_transport: LogTransport,
+        engine: PolicyEngine,
+        metrics: ServerMetrics | TenantPolicyMetrics,
+        poll_s: float,
+        policy: str = GLOBAL,
     ):
         self.log = log_transport
+        self.logger = PolicyLog(log, policy)
         self.engine = engine
         self.metrics = metrics
         self.poll_s = poll_s
@@ -93,7 +104,7 @@ class PolicyWatcher:
                     try:
                         events.append((e.offset, PolicyEvent.model_validate_json(e.value)))
                     except ValueError:
-                        log.error("ignoring malformed policy event at %s/%d", p, e.offset)
+                        self.logger.error("ignoring malformed policy event at %s/%d", p, e.offset)
                 offsets[p] = batch[-1].offset + 1
         self.offsets = offsets
         return [ev for _, ev in sorted(events, key=lambda x: (x[1].created_at, x[0]))]
@@ -111,7 +122,9 @@ class PolicyWatcher:
             if live:
                 stage = e.lifecycle if e.lifecycle in set(Stage) else "other"
                 self.metrics.stage_events.labels(stage).inc()
-                log.info("policy version %d is now %s (by %s)", e.version, stage, e.actor or "unknown")
+                self.logger.info(
+                    "policy version %d is now %s (by %s)", e.version, stage, e.actor or "unknown"
+                )
         return [e for e in out if e.version not in self.rejected]
 
     def _ignore(self, event: PolicyEvent) -> None:
@@ -119,7 +132,7 @@ class PolicyWatcher:
         self.metrics.swaps.labels("stale").inc()
         if event.version not in self._ignored:
             self._ignored.add(event.version)
-            log.warning(
+            self.logger.warning(
                 "policy event for version %d ignored: version %d serves and versions only go forward",
                 event.version,
                 self.engine.version,
@@ -147,7 +160,7 @@ class PolicyWatcher:
         if event.lifecycle == "rejected" or event.version in self.rejected:
             # A rejected version never serves (core/lifecycle.py); the learner never announces
             # one as rejected, so such an event is a bug, a forgery, or one rejected since.
-            log.error("policy event for version %d ignored: it is rejected", event.version)
+            self.logger.error("policy event for version %d ignored: it is rejected", event.version)
             return False
         if event.version == self.engine.version and Path(event.path) == self.engine.path:
             return False
@@ -160,7 +173,7 @@ class PolicyWatcher:
         except SwapRefused as exc:
             self.metrics.swaps.labels("refused").inc()
             self.refused = event.version
-            log.error("policy version %d refused: %s", event.version, exc)
+            self.logger.error("policy version %d refused: %s", event.version, exc)
             return False
         finally:
             self.swapping = None
@@ -188,7 +201,9 @@ class PolicyWatcher:
     def _read_through(self) -> None:
         self.read_once = True
         if self.failures:
-            log.info("policy watcher: the policy topic answers again after %d failed reads", self.failures)
+            self.logger.info(
+                "policy watcher: the policy topic answers again after %d failed reads", self.failures
+            )
             self.failures = 0
 
     async def poll(self) -> None:
@@ -235,7 +250,7 @@ class PolicyWatcher:
     def failed(self, exc: Exception) -> None:
         """Count a failed read and log it: one line, the traceback only on an outage's first."""
         self.failures += 1
-        log.warning(
+        self.logger.warning(
             "policy watcher: reading the policy topic failed (%d in a row; next try in %.1f s): %s: %s",
             self.failures,
             self.delay_s(),

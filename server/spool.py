@@ -16,14 +16,27 @@ from pathlib import Path
 from sqlalchemy.exc import IntegrityError
 
 from core.logbus import LogTransport
+from core.policies import GLOBAL
 from core.records import TOPIC_TRAJECTORIES, TrajectoryRecord
+from server.policy_log import PolicyLog
 from server.store import ServerStore
 
 log = logging.getLogger(__name__)
 
 
 class Spool:
-    def __init__(self, folder: Path, log_transport: LogTransport, store: ServerStore, retry_s: float = 2.0):
+    """The spool of one policy's trajectories in ``folder``; ``policy`` (``GLOBAL`` or a tenant)
+    starts each of its log lines (``server.policy_log``)."""
+
+    def __init__(
+        self,
+        folder: Path,
+        log_transport: LogTransport,
+        store: ServerStore,
+        retry_s: float = 2.0,
+        policy: str = GLOBAL,
+    ):
+        self.logger = PolicyLog(log, policy)
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.log = log_transport
@@ -72,7 +85,7 @@ class Spool:
                 try:
                     n = await asyncio.to_thread(self.flush_once)
                     if n:
-                        log.info("re-sent %d spooled trajectories", n)
+                        self.logger.info("re-sent %d spooled trajectories", n)
                 except Exception as exc:
-                    log.warning("spool flush failed, will retry: %s", exc)
+                    self.logger.warning("spool flush failed, will retry: %s", exc)
             await asyncio.sleep(self.retry_s)

@@ -27,6 +27,7 @@ from server.canary import CanaryRouter
 from server.engine import PolicyEngine
 from server.health import Health, is_storage_error
 from server.metrics import ServerMetrics, TenantPolicyMetrics
+from server.policy_log import PolicyLog
 from server.spool import Spool
 from server.store import ServerStore
 
@@ -67,6 +68,11 @@ class ServerState:
     log_pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(max_workers=64, thread_name_prefix="log-append")
     )
+    # This policy's log lines start with its name (``acme: trajectory ... spooled``).
+    logger: PolicyLog = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.logger = PolicyLog(log, self.policy)
 
     async def _in_log_pool(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.log_pool, fn, *args)
@@ -130,15 +136,15 @@ class ServerState:
                 raise LogUnavailable(str(exc)) from exc
             await asyncio.to_thread(self.spool.put, rec)
             self.metrics.spooled.inc()
-            log.warning("trajectory %s spooled: %s", rec.id, exc)
+            self.logger.warning("trajectory %s spooled: %s", rec.id, exc)
         else:
             try:
                 await asyncio.to_thread(self.store.index_trajectory, rec, part, off)
             except Exception as exc:
                 if not is_storage_error(exc):
-                    log.exception("trajectory %s logged but not indexed", rec.id)
+                    self.logger.exception("trajectory %s logged but not indexed", rec.id)
                     raise
-                log.warning("trajectory %s logged, index row deferred: %s", rec.id, exc)
+                self.logger.warning("trajectory %s logged, index row deferred: %s", rec.id, exc)
                 self._retry(self.store.index_trajectory, rec, part, off)
         self.metrics.trajectories.labels(rec.finish_reason).inc()
         self.metrics.tokens.inc(len(rec.response_token_ids))
@@ -157,7 +163,7 @@ class ServerState:
         except Exception as exc:
             if not is_storage_error(exc):
                 raise
-            log.warning("feedback %s logged, claim update deferred: %s", target, exc)
+            self.logger.warning("feedback %s logged, claim update deferred: %s", target, exc)
             self._retry(self.store.mark_received, target, reward, feedback_id)
 
     async def release_turn(self, trajectory_id: str) -> None:
@@ -171,7 +177,7 @@ class ServerState:
         except Exception as exc:
             if not is_storage_error(exc):
                 raise
-            log.warning("episode turn %s not released yet: %s", trajectory_id, exc)
+            self.logger.warning("episode turn %s not released yet: %s", trajectory_id, exc)
             self._retry(self.store.release_turn, trajectory_id)
 
     def _retry(self, write, *args) -> None:
@@ -189,7 +195,7 @@ class ServerState:
             except IntegrityError:
                 return
             except Exception as exc:
-                log.debug("deferred write %s%r still refused: %s", write.__name__, args[:1], exc)
+                self.logger.debug("deferred write %s%r still refused: %s", write.__name__, args[:1], exc)
                 continue
-            log.info("deferred write %s%r done", write.__name__, args[:1])
+            self.logger.info("deferred write %s%r done", write.__name__, args[:1])
             return

@@ -83,11 +83,11 @@ async def test_an_outage_is_logged_once_with_backoff(monkeypatch, caplog):
     assert len(failures) == 8
     assert [r.exc_info is not None for r in failures] == [True] + [False] * 7
     assert failures[1].getMessage() == (
-        "policy watcher: reading the policy topic failed (2 in a row; next try in 1.0 s): "
+        "global: policy watcher: reading the policy topic failed (2 in a row; next try in 1.0 s): "
         "LogUnavailable: the Kafka log is unavailable: KafkaConnectionError: broker down"
     )
     recovered = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
-    assert recovered == ["policy watcher: the policy topic answers again after 8 failed reads"]
+    assert recovered == ["global: policy watcher: the policy topic answers again after 8 failed reads"]
     assert watcher.failures == 0
 
 
@@ -100,7 +100,7 @@ async def test_an_event_older_than_the_served_version_is_ignored(caplog):
     assert await watcher.apply(event(6)) is True
     assert engine.swaps == [(6, Path("/policies/v6"), "0" * 64)]
     assert [r.getMessage() for r in caplog.records] == [
-        "policy event for version 3 ignored: version 5 serves and versions only go forward"
+        "global: policy event for version 3 ignored: version 5 serves and versions only go forward"
     ]
 
 
@@ -138,8 +138,8 @@ async def test_stage_notices_are_logged_and_counted_once_caught_up_and_never_loa
     assert metrics.stage_events.labels("promoted")._value.get() == 0  # the start's history
     shown = [r.getMessage() for r in caplog.records if "is now" in r.getMessage()]
     assert shown == [
-        "policy version 2 is now rejected (by guard)",
-        "policy version 3 is now other (by guard)",
+        "global: policy version 2 is now rejected (by guard)",
+        "global: policy version 3 is now other (by guard)",
     ]
 
 

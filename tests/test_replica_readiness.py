@@ -228,8 +228,8 @@ async def test_stale_and_out_of_order_events_never_take_a_version_back(caplog):
     # 2, 1, 2: three stale events, two versions logged (a read is taken in created_at order).
     assert metrics.registry.get_sample_value("saoserve_policy_swaps_total", {"result": "stale"}) == 3
     assert [r.getMessage() for r in caplog.records] == [
-        "policy event for version 1 ignored: version 3 serves and versions only go forward",
-        "policy event for version 2 ignored: version 3 serves and versions only go forward",
+        "global: policy event for version 1 ignored: version 3 serves and versions only go forward",
+        "global: policy event for version 2 ignored: version 3 serves and versions only go forward",
     ]
 
 

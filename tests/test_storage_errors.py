@@ -3,6 +3,10 @@ and the spool's re-send after an index row was refused (SQLite, no mocks)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
+
 import pytest
 from sqlalchemy import event, select
 from sqlalchemy.exc import IntegrityError, OperationalError
@@ -91,3 +95,24 @@ def test_spool_appends_once_when_the_index_row_was_refused(tmp_path):
     assert len(rows) == 1
     assert spool.store.find_trajectory("chatcmpl-spool1").log_offset == rows[0][0]
     assert spool.pending() == [] and list((tmp_path / "spool").iterdir()) == []
+
+
+def test_a_spools_log_lines_name_its_policy(tmp_path, caplog):
+    """A tenant policy's spool (``policy="acme"``) starts its lines with the policy: the flush
+    refused by a read-only database is logged as ``acme: spool flush failed, will retry: ...``."""
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    migrate(url)
+    read_only = make_engine(url)
+    event.listen(read_only, "connect", lambda conn, _: conn.execute("PRAGMA query_only = ON"))
+    spool = Spool(tmp_path / "spool", SqlLog(url), ServerStore(read_only), retry_s=0.01, policy="acme")
+    spool.put(_record(1))
+
+    async def one_flush() -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(spool.run(), 0.2)
+
+    with caplog.at_level(logging.WARNING, logger="server.spool"):
+        asyncio.run(one_flush())
+    lines = [r.getMessage() for r in caplog.records if r.name == "server.spool"]
+    assert lines and all(line.startswith("acme: spool flush failed, will retry: ") for line in lines)
+    assert {r.policy for r in caplog.records if r.name == "server.spool"} == {"acme"}

@@ -208,12 +208,13 @@ def test_admin_policies_lists_every_policy_global_first(tmp_path):
         client.post("/admin/pause", params={"policy": "beta"}, headers=ADMIN)
         assert client.get("/admin/policies").status_code == 401
         body = client.get("/admin/policies", headers=ADMIN).json()
-        dashboard = client.get("/dashboard/state").json()["policies"]
+        # With the admin key the dashboard shows every policy (without it: test_tenant_visibility).
+        dashboard = client.get("/dashboard/state", headers=ADMIN).json()["policies"]
         # The dashboard's own fields are one policy's: beta's when asked (paused, serving 0),
         # acme's serving version 3; an unknown name is 404 as on the admin routes.
-        beta = client.get("/dashboard/state", params={"policy": "beta"}).json()
-        acme = client.get("/dashboard/state", params={"policy": "acme"}).json()
-        unknown = client.get("/dashboard/state", params={"policy": "zed"})
+        beta = client.get("/dashboard/state", params={"policy": "beta"}, headers=ADMIN).json()
+        acme = client.get("/dashboard/state", params={"policy": "acme"}, headers=ADMIN).json()
+        unknown = client.get("/dashboard/state", params={"policy": "zed"}, headers=ADMIN)
     row = {
         "unavailable": None,
         "lifecycle": None,
@@ -266,7 +267,7 @@ def test_a_tenant_database_that_does_not_answer_leaves_the_other_rows_and_the_da
         # Beta's database is a file SQLite cannot open (its folder does not exist).
         app.state.tenants["beta"].store.engine = create_engine(f"sqlite:///{tmp_path}/missing/dir/x.db")
         rows = client.get("/admin/policies", headers=ADMIN).json()["policies"]
-        dashboard = client.get("/dashboard/state")
+        dashboard = client.get("/dashboard/state", headers=ADMIN)
     assert [r["policy"] for r in rows] == [GLOBAL, "acme", "beta"]
     assert rows[1]["unavailable"] is None and rows[1]["paused"] is False
     assert rows[2] == {
@@ -374,7 +375,8 @@ def test_a_tenant_watcher_sets_the_tenant_series_and_readiness_covers_every_poli
         while engine.views["acme"].version != 2 and time.monotonic() < deadline:
             time.sleep(0.05)
         text = client.get("/metrics").text
-        ready = client.get("/readyz")
+        # With the admin key, the tenant's name (without it: test_tenant_visibility).
+        ready = client.get("/readyz", headers=ADMIN)
         rows = client.get("/admin/policies", headers=ADMIN).json()["policies"]
     assert engine.views["acme"].swaps == [(2, tmp_path / "acme-v2", "0" * 64)]
     assert engine.version == 0 and engine.swaps == []

@@ -42,14 +42,15 @@ def status(
     """
     with reported():
         c = client(url, key, tenant)
-        code, ready = c.call("GET", "/readyz", admin=False, ok=(200, 503))
+        # The admin key, when there is one: /readyz names the tenant policies only to it.
+        code, ready = c.call("GET", "/readyz", admin=bool(c.key), ok=(200, 503))
         not_ready = f"the server at {c.url} is not ready (503): {_down(ready)}"
         try:
             _, versions = c.call("GET", "/admin/policy_versions")
             _, learner = c.call("GET", "/admin/learner", params={"limit": steps})
             # The lifecycle as the dashboard reads it (server.metrics.read_lifecycle): the verdict
             # is the learner's last one on *this* lineage, none once it was promoted or rejected.
-            _, dashboard = c.call("GET", "/dashboard/state", admin=False)
+            _, dashboard = c.call("GET", "/dashboard/state")
         except AdminError as exc:
             # A storage outage fails the admin routes too: name what /readyz found down.
             if code == 200 or exc.code != EXIT_SERVER:

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import math
 from pathlib import Path
@@ -57,6 +56,7 @@ from server.admin_schemas import (
     VersionPinned,
     VersionsMoved,
 )
+from server.auth import admin_key_given
 from server.engine import SwapRefused
 from server.errors import ApiError, errors
 from server.health import is_storage_error
@@ -94,12 +94,10 @@ log = logging.getLogger(__name__)
 
 def require_admin(request: Request) -> None:
     """Raise ApiError 403 while admin routes are disabled, 401 without the right key (compared
-    in constant time)."""
-    key = state_of(request).settings.admin_key
-    given = request.headers.get("authorization", "")
-    if not key:
+    in constant time: ``server.auth.admin_key_given``)."""
+    if not state_of(request).settings.admin_key:
         raise ApiError(403, "admin routes are disabled: SAOSERVE_ADMIN_KEY is not set", "permission_error")
-    if not given.startswith("Bearer ") or not hmac.compare_digest(given[7:].encode(), key.encode()):
+    if not admin_key_given(request):
         raise ApiError(401, "admin routes need 'Authorization: Bearer <admin key>'", "authentication_error")
 
 
@@ -332,13 +330,14 @@ def policy_overview(s: ServerState) -> dict:
     }
 
 
-async def policy_rows(request: Request) -> list[dict]:
-    """Every policy's row (``policy_overview``), the global one first. A tenant policy whose
-    database does not answer gets a row of what the server knows without it (the version it
-    serves; ``unavailable`` says why the rest is null), so one namespace's outage does not take
-    the others' rows (nor the dashboard) with it; the global one's raises, a 503."""
+async def policy_rows(states: list[ServerState]) -> list[dict]:
+    """The row (``policy_overview``) of each policy of ``states``, in their order: every
+    policy's for ``/admin/policies``, those the request may see for the dashboard. A tenant
+    policy whose database does not answer gets a row of what the server knows without it (the
+    version it serves; ``unavailable`` says why the rest is null), so one namespace's outage does
+    not take the others' rows (nor the dashboard) with it; the global one's raises, a 503."""
     rows = []
-    for s in all_states(request):
+    for s in states:
         try:
             rows.append(await asyncio.to_thread(policy_overview, s))
         except Exception as exc:
@@ -360,7 +359,7 @@ async def admin_policies(request: Request) -> dict:
     """Every policy this server serves, the global one first, then the tenant policies in the
     order of ``tenant_policies``: the version each serves, its stage, whether its learner is
     paused, and its newest learner step (``server.admin_schemas.PolicyRow``)."""
-    return {"policies": await policy_rows(request)}
+    return {"policies": await policy_rows(all_states(request))}
 
 
 @router.post("/forget", responses=ADMIN_ERRORS | errors(413))

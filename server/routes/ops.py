@@ -1,5 +1,9 @@
 """Operators' pages: liveness, readiness, Prometheus metrics, the model list, the dashboard;
-and the chat page, where a person tries the learning loop by hand."""
+and the chat page, where a person tries the learning loop by hand.
+
+Readiness and the dashboard need no key, so they name a tenant policy, or give its figures, only
+to a request that may see it (``server.auth.visible_policies``); ``/metrics``, scraped from
+inside the deployment, keeps its ``tenant`` labels."""
 
 from __future__ import annotations
 
@@ -21,12 +25,12 @@ from core.db import ControlFlag, FeedbackClaim, LearnerSample, LearnerStep, Poli
 from core.policies import GLOBAL
 from core.records import as_utc
 from server.admin_schemas import PolicyRow
-from server.auth import authenticate, served_state
+from server.auth import authenticate, served_state, visible_policies, visible_state
 from server.errors import ApiError, errors
 from server.health import RETRY_AFTER_S
 from server.metrics import read_lifecycle
 from server.responses import DashboardData, Liveness, ModelCard, ModelList, Readiness
-from server.routes import PolicyState, all_states, state_of
+from server.routes import PolicyQuery, all_states, policy_state, state_of
 from server.routes.admin import policy_rows
 
 router = APIRouter()
@@ -196,16 +200,20 @@ async def healthz() -> Liveness:
 async def readyz(request: Request) -> JSONResponse:
     """200 when the engine runs and the global policy's database and log answer and its watcher is
     caught up; 503 naming what is down. Each part is "ok" when it is for every policy, else what
-    is wrong, a tenant policy's prefixed with its name (``acme: catching up: ...``). A tenant
-    policy's problems (its database or log down, its watcher catching up or behind) are reported
-    but keep the replica ready: taking every replica out of service would stop the global policy
-    and the other tenants too, while the tenant's own requests get their 503 from its state
-    (its health and ``PolicyWatcher.require``)."""
+    is wrong, a tenant policy's prefixed with its name when the request may see that policy
+    (``server.auth.visible_policies``: the admin key, or the tenant's own key), else with
+    ``tenant policy`` (``acme: catching up: ...``, ``tenant policy: catching up: ...``; the
+    names are in ``/admin/policies``). A tenant policy's problems (its database or log down, its
+    watcher catching up or behind) are reported but keep the replica ready: taking every replica
+    out of service would stop the global policy and the other tenants too, while the tenant's
+    own requests get their 503 from its state (its health and ``PolicyWatcher.require``)."""
     s = state_of(request)
     states = all_states(request)
-    reports = await asyncio.gather(*(st.health.report() for st in states))
+    visible, *reports = await asyncio.gather(
+        readiness_viewer(request), *(st.health.report(READY_PROBE_S) for st in states)
+    )
     deps = {
-        part: combined({st.policy: r[part] for st, r in zip(states, reports, strict=True)})
+        part: combined({st.policy: r[part] for st, r in zip(states, reports, strict=True)}, visible)
         for part in reports[0]
     }
     engine = "ok" if s.engine.engine is not None else "not running"
@@ -216,19 +224,40 @@ async def readyz(request: Request) -> JSONResponse:
     return JSONResponse(body, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
-def combined(parts: dict[str, str]) -> str:
+# Seconds /readyz waits for each probe, and for the key lookup of ``readiness_viewer``.
+READY_PROBE_S = 2.0
+
+
+async def readiness_viewer(request: Request) -> list[str]:
+    """``server.auth.visible_policies`` for ``/readyz``, cut off after ``READY_PROBE_S`` as the
+    probes are: a global database that does not answer (it holds the keys) must not hold the
+    answer back, and then the request sees what no key sees (``GLOBAL``)."""
+    try:
+        return await asyncio.wait_for(visible_policies(request), READY_PROBE_S)
+    except TimeoutError:
+        return [GLOBAL]
+
+
+def combined(parts: dict[str, str], named: list[str]) -> str:
     """One readiness part over every policy (``{policy: "ok" | what is wrong}``): "ok" when all
-    are, else the others joined with ``; ``, a tenant policy's prefixed with its name."""
-    wrong = [state if p == GLOBAL else f"{p}: {state}" for p, state in parts.items() if state != "ok"]
+    are, else the others joined with ``; ``, a tenant policy's prefixed with its name when it is
+    one of ``named`` (those the request may see), else with ``tenant policy``."""
+    wrong = [
+        state if p == GLOBAL else f"{p if p in named else 'tenant policy'}: {state}"
+        for p, state in parts.items()
+        if state != "ok"
+    ]
     return "; ".join(wrong) or "ok"
 
 
 @router.get("/metrics", response_class=PlainTextResponse)
 async def metrics(request: Request) -> Response:
     s = state_of(request)
-    # The learner's counters are in the database it commits to: read them for this scrape.
-    await asyncio.to_thread(s.metrics.learner.read, s.store.engine)
-    await asyncio.to_thread(s.metrics.lifecycle.read, s.store.engine)
+    # Each policy's learner counters and lifecycle are in its namespace's database: read them
+    # for this scrape, every namespace at once (one that does not answer keeps its last figures).
+    await asyncio.gather(
+        *(asyncio.to_thread(s.metrics.read_policy, st.policy, st.store.engine) for st in all_states(request))
+    )
     return Response(generate_latest(s.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
@@ -277,10 +306,14 @@ async def chat_page() -> HTMLResponse:
     return HTMLResponse(CHAT_HTML, headers={"Content-Security-Policy": CHAT_CSP})
 
 
-@router.get("/dashboard/data", responses=errors(503))
-async def dashboard_data(request: Request) -> DashboardData:
-    """Aggregates only (no prompts or texts), so operators can watch without the admin key."""
-    s = state_of(request)
+@router.get("/dashboard/data", responses=errors(404, 503))
+async def dashboard_data(request: Request, policy: PolicyQuery = None) -> DashboardData:
+    """The learner's last 500 steps (``DASHBOARD_KEYS``), its counters, the version served and
+    requests/s in 10 s buckets over the last 600 s, of the policy ``?policy=`` names (the global
+    one by default). Aggregates only (no prompts or texts), so operators can watch without the
+    admin key; a tenant policy only for a request that may see it
+    (``server.auth.visible_policies``), else 404 ``unknown_policy`` listing those it may."""
+    s = visible_state(request, await visible_policies(request), policy)
     status = await asyncio.to_thread(s.store.learner_status, 500)
     steps = [{k: st.get(k) for k in DASHBOARD_KEYS} for st in status["steps"]]
     rps = await asyncio.to_thread(s.store.request_rate, 10, 60)
@@ -290,16 +323,20 @@ async def dashboard_data(request: Request) -> DashboardData:
 
 
 @router.get("/dashboard/state", responses=errors(404, 503))
-async def dashboard_state(request: Request, s: PolicyState) -> DashboardState:
+async def dashboard_state(request: Request, policy: PolicyQuery = None) -> DashboardState:
     """Learning running or paused, a pending rollback, the versions (their stages, rollbacks
     marked), the lifecycle (promoted version, lineage, the guard's switches and last verdict),
     sample counts, reward by version, requests/s over the last 60 s and this replica's request
     outcomes; aggregates only, like ``/dashboard/data``. All of it for the policy ``?policy=``
-    names (the global one by default; 404 ``unknown_policy`` for a name not served, as the admin
-    routes); ``policies``: each policy's row."""
+    names (the global one by default); ``policies``: the row of each policy the request may see
+    (``server.auth.visible_policies``: the global one; with the admin key every tenant policy,
+    with a tenant's key its own). Any other name, a tenant policy not shown included, is 404
+    ``unknown_policy`` listing only those rows' policies."""
+    visible = await visible_policies(request)
+    s = visible_state(request, visible, policy)
     overview = await asyncio.to_thread(learner_overview, s.store.engine, DASHBOARD_VERSIONS)
     last_minute = await asyncio.to_thread(s.store.request_rate, 60, 1)
-    policies = await policy_rows(request)
+    policies = await policy_rows([policy_state(request, p) for p in visible])
     return DashboardState(
         serving=s.engine.version,
         requests_per_s_last_minute=last_minute[0],

@@ -152,7 +152,7 @@ def open_policy(
     db = make_engine(settings.resolved_database_url)
     spool = None if settings.log_required else Spool(settings.home / "spool", lt, ServerStore(db), policy=policy)
     reader = read_baseline or evidence_reader(EvidenceStore(db))
-    health = Health(db, lt, settings.log_required)
+    health = Health(db, lt, settings.log_required, policy=policy)
     state = ServerState(settings, eng, lt, ServerStore(db), metrics, spool, reader, health, policy=policy)
     metrics.policy_version.set(eng.version)
     return state

@@ -19,11 +19,12 @@ from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
 from core.breaker import Breaker, Unavailable
 from core.logbus import LogTransport
+from core.policies import GLOBAL
+from server.policy_log import PolicyLog
 
 if TYPE_CHECKING:
     from server.policy_watch import PolicyWatcher
 
-log = logging.getLogger(__name__)
 
 # Seconds a client is asked to wait before retrying after a 503 (the breakers' cooldown is 1 s
 # and a probe takes at most ~1 s, so by then the server knows whether storage is back).
@@ -61,9 +62,11 @@ def is_storage_error(exc: BaseException) -> bool:
 
 
 class Health:
-    """Breakers for the database and the log of one server."""
+    """Breakers for the database and the log of one policy's state; ``policy`` (``GLOBAL`` or a
+    tenant) starts each of its log lines (``server.policy_log``)."""
 
-    def __init__(self, db: Engine, log: LogTransport, log_required: bool):
+    def __init__(self, db: Engine, log: LogTransport, log_required: bool, policy: str = GLOBAL):
+        self.logger = PolicyLog(logging.getLogger(__name__), policy)
         self.engine = db
         self.log = log
         self.log_required = log_required
@@ -123,7 +126,9 @@ class Health:
             before = self._reported.get(part, "ok")
             self._reported[part] = state
             if before != state:
-                log.log(logging.INFO if state == "ok" else logging.WARNING, "%s: %s %s", part, state, detail)
+                self.logger.log(
+                    logging.INFO if state == "ok" else logging.WARNING, "%s: %s %s", part, state, detail
+                )
             return state
 
         log_name = getattr(getattr(self.log, "breaker", None), "name", "the log")
@@ -134,5 +139,5 @@ class Health:
         before = self._reported.get("policy", "ok")
         self._reported["policy"] = policy
         if before != policy:
-            log.log(logging.INFO if policy == "ok" else logging.WARNING, "policy: %s", policy)
+            self.logger.log(logging.INFO if policy == "ok" else logging.WARNING, "policy: %s", policy)
         return {"database": db, "log": lg, "policy": policy}

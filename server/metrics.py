@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -47,8 +50,8 @@ class PolicyCollector:
     The global policy's series are ``saoserve_<name>{labels}``; a tenant policy's are
     ``saoserve_tenant_<name>{tenant, labels}`` (docs/tenants.md, "Metrics"), the ``tenant``
     label taking only the policy names the scrape reads (``Settings.tenant_policies``). A
-    subclass binds ``what`` (the figures, for the warning), ``fetch(conn)`` (one policy's
-    figures, in the caller's connection) and ``series(figures)`` (their ``Series``)."""
+    subclass binds ``what`` (the figures, for the warning), ``fetch(conn, policy)`` (one
+    policy's figures, in the caller's connection) and ``series(figures)`` (their ``Series``)."""
 
     what: str
 
@@ -56,13 +59,8 @@ class PolicyCollector:
         self.readings: dict[str, object] = {}
 
     def read(self, db: Engine, policy: str = GLOBAL) -> None:
-        """Take ``policy``'s figures from its database ``db``; while it does not answer, keep
-        the last ones (a warning naming the policy)."""
-        try:
-            with db.connect() as conn:
-                self.readings[policy] = self.fetch(conn)
-        except Exception as exc:
-            PolicyLog(log, policy).warning("%s not read for /metrics: %s", self.what, exc.__class__.__name__)
+        """Take ``policy``'s figures from its database ``db`` (``read_figures``)."""
+        read_figures((self,), db, policy)
 
     def collect(self):
         families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {}
@@ -79,6 +77,21 @@ class PolicyCollector:
                 for values, value in s.samples:
                     family.add_metric([*tenant, *values], value)
         yield from families.values()
+
+
+def read_figures(collectors: Sequence[PolicyCollector], db: Engine, policy: str) -> None:
+    """Take ``policy``'s figures of every one of ``collectors`` from its database ``db``, in one
+    connection (a database that does not answer costs one connect wait, not one a collector);
+    while it does not answer, each keeps its last ones (one warning naming the policy)."""
+    try:
+        with db.connect() as conn:
+            figures = [c.fetch(conn, policy) for c in collectors]
+    except Exception as exc:
+        what = " and ".join(c.what for c in collectors)
+        PolicyLog(log, policy).warning("%s not read for /metrics: %s", what, exc.__class__.__name__)
+        return
+    for c, f in zip(collectors, figures, strict=True):
+        c.readings[policy] = f
 
 
 IDENTITY_GAUGES = {
@@ -126,7 +139,7 @@ class LearnerEvents(PolicyCollector):
         super().__init__()
         self.readings[GLOBAL] = LearnerFigures({}, {})
 
-    def fetch(self, conn: Connection) -> LearnerFigures:
+    def fetch(self, conn: Connection, policy: str) -> LearnerFigures:
         return read_learner(conn)
 
     @staticmethod
@@ -166,8 +179,8 @@ class LifecycleState:
     verdict: dict | None
 
 
-def read_lifecycle(conn: Connection) -> LifecycleState:
-    """The lifecycle's state from the database, in the caller's connection."""
+def read_lifecycle(conn: Connection, policy: str = GLOBAL) -> LifecycleState:
+    """``policy``'s lifecycle state from its namespace's database, in the caller's connection."""
     st = lifecycle_store.stages(conn)
     flags = dict(
         conn.execute(
@@ -182,7 +195,7 @@ def read_lifecycle(conn: Connection) -> LifecycleState:
     try:
         verdict = json.loads(flags.get(GUARD_VERDICT) or "null")
     except ValueError:
-        log.warning("the guard_verdict flag is not JSON; not shown")
+        PolicyLog(log, policy).warning("the guard_verdict flag is not JSON; not shown")
     # A verdict on an earlier lineage (promoted or rejected since) says nothing of this one.
     if not (isinstance(verdict, dict) and members and (verdict.get("lineage") or [None])[0] == members[0]):
         verdict = None
@@ -213,8 +226,8 @@ class LifecycleGauges(PolicyCollector):
 
     what = "lifecycle"
 
-    def fetch(self, conn: Connection) -> LifecycleState:
-        return read_lifecycle(conn)
+    def fetch(self, conn: Connection, policy: str) -> LifecycleState:
+        return read_lifecycle(conn, policy)
 
     @staticmethod
     def series(st: LifecycleState):
@@ -345,6 +358,9 @@ class PolicySeries:
 
 class ServerMetrics(PolicySeries):
     def __init__(self) -> None:
+        # Each policy's scrape read in flight, and the one thread it runs in (``read_for_scrape``).
+        self._scrape_reads: dict[str, Future] = {}
+        self._scrape_pools: dict[str, ThreadPoolExecutor] = {}
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -497,10 +513,32 @@ class ServerMetrics(PolicySeries):
 
     def read_policy(self, policy: str, db: Engine) -> None:
         """Read ``policy``'s learner counters and lifecycle from its namespace's database ``db``
-        for a scrape (blocking: run it in a thread); a database that does not answer leaves that
-        policy's last figures (``PolicyCollector.read``)."""
-        self.learner.read(db, policy)
-        self.lifecycle.read(db, policy)
+        for a scrape, in one connection (blocking; ``read_for_scrape`` runs it); a database that
+        does not answer leaves that policy's last figures (``read_figures``)."""
+        read_figures((self.learner, self.lifecycle), db, policy)
+
+    async def read_for_scrape(self, dbs: dict[str, Engine], timeout_s: float) -> None:
+        """Read every policy's figures (``read_policy``; ``dbs``: policy -> its database) at
+        once, each in a thread of its own policy's, and wait at most ``timeout_s`` seconds: a
+        policy whose read has not ended by then keeps its last figures for this scrape, and its
+        read goes on (it is not started again while it runs). So one database that does not
+        answer neither holds the scrape back past the scraper's own time-out nor takes threads
+        from the pool that chat's database work runs in."""
+        waits = []
+        for policy, db in dbs.items():
+            running = self._scrape_reads.get(policy)
+            if running is None or running.done():
+                pool = self._scrape_pools.setdefault(
+                    policy, ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"scrape-{policy}")
+                )
+                running = self._scrape_reads[policy] = pool.submit(self.read_policy, policy, db)
+            waits.append(asyncio.wrap_future(running))
+        await asyncio.wait(waits, timeout=timeout_s)
+        for policy in dbs:
+            if not self._scrape_reads[policy].done():
+                PolicyLog(log, policy).warning(
+                    "learner counters and lifecycle not read within %s s for /metrics", timeout_s
+                )
 
     def of_tenant_policy(self, tenant: str) -> TenantPolicyMetrics:
         """These metrics as ``tenant``'s own policy sets them (``TenantPolicyMetrics``)."""

@@ -561,6 +561,8 @@ def test_haproxy_balances_over_the_server_replicas(compose, env_example):
     assert re.search(r"^\s*bind :8080$", cfg, re.M)
     assert compose["services"]["lb"]["ports"] == [f"{env_example['HTTP_PORT']}:8080"]
     assert "./haproxy.cfg:/usr/local/etc/haproxy/haproxy.cfg:ro" in compose["services"]["lb"]["volumes"]
+    # /metrics (every tenant's figures) is not served through the balancer, even percent-encoded.
+    assert re.search(r"^\s*http-request deny deny_status 404 if \{ path,url_dec -m str /metrics \}$", cfg, re.M)
 
 
 @pytest.mark.skipif(

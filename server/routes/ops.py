@@ -37,9 +37,10 @@ router = APIRouter()
 
 DASHBOARD_HTML = (Path(__file__).parent.parent / "dashboard.html").read_text()
 CHAT_HTML = (Path(__file__).parent.parent / "chat.html").read_text()
-# The chat page's scripts and styles are inline and it talks only to this server; the browser
-# enforces that (no script, style, image or connection from anywhere else).
-CHAT_CSP = (
+# The chat page's and the dashboard's scripts and styles are inline and they talk only to this
+# server; the browser enforces that (no script, style, image or connection from anywhere else),
+# which matters most where a page keeps a key (the dashboard's, in sessionStorage).
+PAGE_CSP = (
     "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
     "connect-src 'self'; form-action 'none'; base-uri 'none'; frame-ancestors 'none'"
 )
@@ -113,7 +114,7 @@ class DashboardState(BaseModel):
     policies: list[PolicyRow]
 
 
-def learner_overview(db: Engine, n_versions: int) -> dict:
+def learner_overview(db: Engine, n_versions: int, policy: str = GLOBAL) -> dict:
     """What the dashboard shows beside the step metrics, read in one connection.
 
     ``learning`` (``running`` | ``paused``) and ``rollback_to`` (a requested rollback the learner
@@ -157,7 +158,7 @@ def learner_overview(db: Engine, n_versions: int) -> dict:
             .group_by(TrajectoryIndex.dispatch_version)
             .order_by(TrajectoryIndex.dispatch_version)
         ).all()
-        lc = read_lifecycle(conn)
+        lc = read_lifecycle(conn, policy)
     versions = [
         VersionPoint(
             version=v,
@@ -201,9 +202,9 @@ async def readyz(request: Request) -> JSONResponse:
     """200 when the engine runs and the global policy's database and log answer and its watcher is
     caught up; 503 naming what is down. Each part is "ok" when it is for every policy, else what
     is wrong, a tenant policy's prefixed with its name when the request may see that policy
-    (``server.auth.visible_policies``: the admin key, or the tenant's own key), else with
-    ``tenant policy`` (``acme: catching up: ...``, ``tenant policy: catching up: ...``; the
-    names are in ``/admin/policies``). A tenant policy's problems (its database or log down, its
+    (``server.auth.visible_policies``: the admin key, or the tenant's own key:
+    ``acme: catching up: ...``); the others' only as ``HIDDEN_NOT_READY``, once, with no detail
+    (``combined``). A tenant policy's problems (its database or log down, its
     watcher catching up or behind) are reported but keep the replica ready: taking every replica
     out of service would stop the global policy and the other tenants too, while the tenant's
     own requests get their 503 from its state (its health and ``PolicyWatcher.require``)."""
@@ -238,15 +239,24 @@ async def readiness_viewer(request: Request) -> list[str]:
         return [GLOBAL]
 
 
+# What /readyz says for the tenant policies a request may not see, when any of them is not "ok":
+# one line, however many, and none of their details (versions, counts), which a tenant's own
+# answers could be matched against.
+HIDDEN_NOT_READY = "a tenant policy is not ready (the admin key's /readyz and /admin/policies say which)"
+
+
 def combined(parts: dict[str, str], named: list[str]) -> str:
     """One readiness part over every policy (``{policy: "ok" | what is wrong}``): "ok" when all
-    are, else the others joined with ``; ``, a tenant policy's prefixed with its name when it is
-    one of ``named`` (those the request may see), else with ``tenant policy``."""
+    are, else what is wrong joined with ``; ``: the global policy's, each tenant policy's of
+    ``named`` (those the request may see) prefixed with its name, and ``HIDDEN_NOT_READY`` once
+    for all the others."""
     wrong = [
-        state if p == GLOBAL else f"{p if p in named else 'tenant policy'}: {state}"
+        state if p == GLOBAL else f"{p}: {state}"
         for p, state in parts.items()
-        if state != "ok"
+        if state != "ok" and (p == GLOBAL or p in named)
     ]
+    if any(state != "ok" for p, state in parts.items() if p != GLOBAL and p not in named):
+        wrong.append(HIDDEN_NOT_READY)
     return "; ".join(wrong) or "ok"
 
 
@@ -254,10 +264,9 @@ def combined(parts: dict[str, str], named: list[str]) -> str:
 async def metrics(request: Request) -> Response:
     s = state_of(request)
     # Each policy's learner counters and lifecycle are in its namespace's database: read them
-    # for this scrape, every namespace at once (one that does not answer keeps its last figures).
-    await asyncio.gather(
-        *(asyncio.to_thread(s.metrics.read_policy, st.policy, st.store.engine) for st in all_states(request))
-    )
+    # for this scrape, every namespace at once, waiting no longer than a readiness probe (one
+    # that does not answer keeps its last figures).
+    await s.metrics.read_for_scrape({st.policy: st.store.engine for st in all_states(request)}, READY_PROBE_S)
     return Response(generate_latest(s.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
@@ -297,13 +306,14 @@ async def model(model: str, request: Request) -> ModelCard:
 
 @router.get("/dashboard", response_class=HTMLResponse)
 async def dashboard() -> HTMLResponse:
-    return HTMLResponse(DASHBOARD_HTML)
+    """The operators' dashboard: its figures from ``/dashboard/data`` and ``/dashboard/state``."""
+    return HTMLResponse(DASHBOARD_HTML, headers={"Content-Security-Policy": PAGE_CSP})
 
 
 @router.get("/chat", response_class=HTMLResponse)
 async def chat_page() -> HTMLResponse:
     """A chat that streams its answers with their policy version, and thumbs up/down for each."""
-    return HTMLResponse(CHAT_HTML, headers={"Content-Security-Policy": CHAT_CSP})
+    return HTMLResponse(CHAT_HTML, headers={"Content-Security-Policy": PAGE_CSP})
 
 
 @router.get("/dashboard/data", responses=errors(404, 503))
@@ -327,14 +337,15 @@ async def dashboard_state(request: Request, policy: PolicyQuery = None) -> Dashb
     """Learning running or paused, a pending rollback, the versions (their stages, rollbacks
     marked), the lifecycle (promoted version, lineage, the guard's switches and last verdict),
     sample counts, reward by version, requests/s over the last 60 s and this replica's request
-    outcomes; aggregates only, like ``/dashboard/data``. All of it for the policy ``?policy=``
-    names (the global one by default); ``policies``: the row of each policy the request may see
+    outcomes; aggregates only, like ``/dashboard/data``. All of it but the outcomes (the whole
+    replica's, every policy's requests) for the policy ``?policy=`` names (the global one by
+    default); ``policies``: the row of each policy the request may see
     (``server.auth.visible_policies``: the global one; with the admin key every tenant policy,
     with a tenant's key its own). Any other name, a tenant policy not shown included, is 404
     ``unknown_policy`` listing only those rows' policies."""
     visible = await visible_policies(request)
     s = visible_state(request, visible, policy)
-    overview = await asyncio.to_thread(learner_overview, s.store.engine, DASHBOARD_VERSIONS)
+    overview = await asyncio.to_thread(learner_overview, s.store.engine, DASHBOARD_VERSIONS, s.policy)
     last_minute = await asyncio.to_thread(s.store.request_rate, 60, 1)
     policies = await policy_rows([policy_state(request, p) for p in visible])
     return DashboardState(

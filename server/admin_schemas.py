@@ -1,6 +1,7 @@
 """The 200 bodies of the admin routes that answer what ``core`` returns as dicts: API keys
-(``server/routes/keys.py``), the version lifecycle, the learner's status, dead letters and
-quarantined samples, the policies (``server/routes/admin.py``). Each route names its model as
+(``server/routes/keys.py``), the version lifecycle and quarantined samples
+(``server/routes/lifecycle.py``), the learner's status, dead letters, the policies
+(``server/routes/admin.py``). Each route names its model as
 ``response_model=``, so ``/openapi.json`` states the shape (``tests/test_openapi_spec.py``
 checks that every JSON route has one).
 

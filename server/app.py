@@ -34,7 +34,7 @@ from server.health import Health
 from server.limits import BodySizeLimit, max_body_bytes
 from server.metrics import ServerMetrics, TenantPolicyMetrics
 from server.policy_watch import PolicyWatcher
-from server.routes import admin, chat, feedback, keys, ops
+from server.routes import admin, chat, feedback, keys, lifecycle, ops
 from server.spool import Spool
 from server.state import BaselineReader, ServerState
 from server.store import ServerStore
@@ -104,7 +104,7 @@ def create_app(
     app.include_router(ops.router)
     for family in (chat, feedback):
         app.include_router(family.router, dependencies=[Depends(authenticate)])
-    for family in (admin, keys):
+    for family in (admin, lifecycle, keys):
         app.include_router(family.router)
     state_limits_in_openapi(app, settings)
     return app

@@ -32,7 +32,7 @@ from core.sequential import Decision
 from learner.config import GuardConfig
 from learner.gate import GateConfig, GateResult, decide
 from learner.process import Learner
-from server.metrics import read_lifecycle
+from server.db_figures import read_lifecycle
 from tests.learner_harness import (
     BATCH,
     GATE_VOCAB,

@@ -10,7 +10,7 @@ import jsonschema
 import pytest
 from pydantic import ValidationError
 
-from server.routes.admin import CanaryShare, VersionAction
+from server.routes.lifecycle import CanaryShare, VersionAction
 from server.schemas import MAX_SEED, ChatCompletionRequest, FeedbackRequest, LoadPolicyRequest
 from tests.conftest import make_settings
 

@@ -233,7 +233,7 @@ def test_a_tenant_database_that_does_not_answer_keeps_its_last_figures_and_the_s
     app = create_app(settings, engine=SharedFakeEngine(), watch_policy=False)
     # A file SQLite cannot open (its folder does not exist).
     missing = create_engine(f"sqlite:///{tmp_path}/missing/dir/x.db")
-    with caplog.at_level(logging.WARNING, logger="server.metrics"), TestClient(app) as client:
+    with caplog.at_level(logging.WARNING, logger="server.db_figures"), TestClient(app) as client:
         acme, beta = app.state.tenants["acme"].store, app.state.tenants["beta"].store
         # Beta's database does not answer from the first scrape: no figures of it to keep.
         beta_db, beta.engine = beta.engine, missing

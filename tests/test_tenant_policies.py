@@ -48,6 +48,7 @@ from server.auth import policy_of
 from server.engine import SwapRefused, SwapResult
 from tests.conftest import ADMIN, make_settings, running_server
 from tests.fake_engine import FakeEngine, index_answer
+from tests.tenant_rows import row
 
 TENANTS = ["acme", "beta"]
 UNKNOWN = "no policy named 'nope' (policies: global, acme, beta)"
@@ -215,36 +216,19 @@ def test_admin_policies_lists_every_policy_global_first(tmp_path):
         beta = client.get("/dashboard/state", params={"policy": "beta"}, headers=ADMIN).json()
         acme = client.get("/dashboard/state", params={"policy": "acme"}, headers=ADMIN).json()
         unknown = client.get("/dashboard/state", params={"policy": "zed"}, headers=ADMIN)
-    row = {
-        "unavailable": None,
-        "lifecycle": None,
-        "paused": False,
-        "steps": 0,
-        "reward_mean": None,
-        "staleness_mean": None,
-    }
     assert body == {
         "policies": [
-            {"policy": GLOBAL, "tenant": None, "version": 0, **row, "last_step_at": None},
-            {
-                "policy": "acme",
-                "tenant": "acme",
-                "version": 3,
-                **row,
-                "lifecycle": "canary",
-                "last_step_at": None,
-            },
-            {
-                "policy": "beta",
-                "tenant": "beta",
-                "version": 0,
-                **row,
-                "paused": True,
-                "steps": 2,
-                "reward_mean": 0.25,  # the newest step's (step 2), not the mean of the two
-                "staleness_mean": 1.5,
-                "last_step_at": "2025-06-01T12:00:00+00:00",
-            },
+            row(GLOBAL, 0),
+            row("acme", 3, lifecycle="canary"),
+            row(
+                "beta",
+                0,
+                paused=True,
+                steps=2,
+                reward_mean=0.25,  # the newest step's (step 2), not the mean of the two
+                staleness_mean=1.5,
+                last_step_at="2025-06-01T12:00:00+00:00",
+            ),
         ]
     }
     assert dashboard == body["policies"]

@@ -22,6 +22,7 @@ from core.policies import GLOBAL
 from server.routes import ops
 from tests.conftest import ADMIN, make_settings
 from tests.fake_engine import FakeEngine, index_answer
+from tests.tenant_rows import row
 from tests.test_tenant_policies import SharedFakeEngine, bearer, make_key, namespaces, tenant_settings
 
 AT = datetime(2025, 6, 1, 12, 0, tzinfo=UTC)
@@ -35,22 +36,6 @@ ACME_STEP = {
     "critic_loss": 0.0625,
     "sample_ids": ["s1", "s2"],
 }
-
-
-def row(policy: str, version: int, **figures) -> dict:
-    """A policy's row of ``/dashboard/state`` (``PolicyRow``) with nothing recorded but ``figures``."""
-    return {
-        "policy": policy,
-        "tenant": None if policy == GLOBAL else policy,
-        "version": version,
-        "unavailable": None,
-        "lifecycle": None,
-        "paused": False,
-        "steps": 0,
-        "reward_mean": None,
-        "staleness_mean": None,
-        "last_step_at": None,
-    } | figures
 
 
 GLOBAL_ROW = row(GLOBAL, 1)

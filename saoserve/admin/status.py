@@ -48,7 +48,7 @@ def status(
         try:
             _, versions = c.call("GET", "/admin/policy_versions")
             _, learner = c.call("GET", "/admin/learner", params={"limit": steps})
-            # The lifecycle as the dashboard reads it (server.metrics.read_lifecycle): the verdict
+            # The lifecycle as the dashboard reads it (server.db_figures.read_lifecycle): the verdict
             # is the learner's last one on *this* lineage, none once it was promoted or rejected.
             _, dashboard = c.call("GET", "/dashboard/state")
         except AdminError as exc:

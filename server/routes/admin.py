@@ -1,5 +1,7 @@
 """``/admin/*``: routes behind the admin key (``Authorization: Bearer <SAOSERVE_ADMIN_KEY>``;
-403 for all of them while no key is set). ``saoserve admin`` (saoserve/admin/) is their client."""
+403 for all of them while no key is set: ``require_admin``). ``saoserve admin`` (saoserve/admin/)
+is their client. The version lifecycle's routes are ``server.routes.lifecycle``'s, the API keys'
+``server.routes.keys``'; both take ``require_admin`` and the errors from here."""
 
 from __future__ import annotations
 
@@ -12,50 +14,20 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi import Path as PathParam
 from fastapi.responses import Response
-from pydantic import ConfigDict, Field, field_validator
 from sqlalchemy import func, select
 
-from core import lifecycle_store
-from core.control import (
-    CANARY_SHARE,
-    GUARD_OFF,
-    GUARD_PIN,
-    PAUSED,
-    ROLLBACK_TO,
-    canary_share_flag,
-    get_flag,
-    set_flag,
-)
+from core.control import PAUSED, ROLLBACK_TO, get_flag, set_flag
 from core.db import ControlFlag, LearnerStep, PolicyVersion
 from core.dead_letters import KINDS as DEAD_LETTER_KINDS
 from core.dead_letters import recent as recent_dead_letters
 from core.evidence_store import EvidenceStore
-from core.lifecycle import (
-    CANARY_SHARE_MAX,
-    CANARY_SHARE_MIN,
-    Stage,
-    TransitionError,
-    check_canary_share,
-    lineage,
-    promoted,
-)
-from core.limits import ID_CHARS, NAME_CHARS, PROMPT_ID_CHARS
+from core.lifecycle import Stage
+from core.limits import ID_CHARS, PROMPT_ID_CHARS
 from core.policies import GLOBAL
 from core.policy_store import layout
-from core.records import POLICY_KEY, TOPIC_POLICY, TOPIC_TRAJECTORIES, TrajectoryRecord, as_utc, utcnow
+from core.records import TOPIC_TRAJECTORIES, TrajectoryRecord, as_utc, utcnow
 from core.retention import forget_user, sql_log_engine
-from server.admin_schemas import (
-    CanaryShareSet,
-    DeadLetters,
-    GuardSwitched,
-    LearnerStatus,
-    LifecycleState,
-    PolicyList,
-    Quarantine,
-    Unpinned,
-    VersionPinned,
-    VersionsMoved,
-)
+from server.admin_schemas import DeadLetters, LearnerStatus, PolicyList
 from server.auth import admin_key_given
 from server.engine import SwapRefused
 from server.errors import ApiError, errors
@@ -70,16 +42,7 @@ from server.responses import (
     UserForgotten,
 )
 from server.routes import PolicyState, all_states, state_of
-from server.schemas import (
-    MAX_INT32,
-    EdgeModel,
-    EdgeStr,
-    ErrorResponse,
-    ForgetRequest,
-    LoadPolicyRequest,
-    RollbackRequest,
-    StoredStr,
-)
+from server.schemas import EdgeStr, ErrorResponse, ForgetRequest, LoadPolicyRequest, RollbackRequest
 from server.state import ServerState
 
 
@@ -387,259 +350,3 @@ async def admin_forget(body: ForgetRequest, request: Request) -> UserForgotten:
         deleted=deleted,
         log="kafka" if any(e is None for e in logs) else "sql",
     )
-
-
-# ------------------------------------------------------------------ the version lifecycle
-OPERATOR_HEADER = "x-operator"
-"""Who the operator is (the admin key names no one): recorded with each lifecycle action."""
-
-LIFECYCLE_ERRORS = ADMIN_ERRORS | errors(404, 409)
-
-
-class VersionAction(EdgeModel):
-    """``POST /admin/lifecycle/{promote,reject,pin}``: the version and, optionally, why."""
-
-    model_config = ConfigDict(extra="forbid")
-    version: int = Field(ge=0, le=MAX_INT32)
-    # StoredStr: the OpenAPI document says a NUL is refused (400), as the edge check does.
-    reason: StoredStr = Field("", max_length=1000)
-
-
-class GuardSwitch(EdgeModel):
-    """``POST /admin/lifecycle/guard``: turn the guard on or off."""
-
-    model_config = ConfigDict(extra="forbid")
-    on: bool
-
-
-class CanaryShare(EdgeModel):
-    """``POST /admin/lifecycle/canary``: the share of traffic a canary gets, in
-    [``CANARY_SHARE_MIN``, ``CANARY_SHARE_MAX``] (``core.lifecycle.check_canary_share`` says why;
-    400 naming ``share`` otherwise)."""
-
-    model_config = ConfigDict(extra="forbid")
-    share: float = Field(json_schema_extra={"minimum": CANARY_SHARE_MIN, "maximum": CANARY_SHARE_MAX})
-
-    @field_validator("share")
-    @classmethod
-    def _bounded(cls, v: float) -> float:
-        return check_canary_share(v)
-
-
-def operator_of(request: Request) -> str:
-    """The ``X-Operator`` header (1–64 printable characters), ``operator`` when absent; 400
-    otherwise."""
-    name = request.headers.get(OPERATOR_HEADER)
-    if name is None:
-        return "operator"
-    name = name.strip()
-    if not name or len(name) > NAME_CHARS or not name.isprintable():
-        raise ApiError(400, "X-Operator must be 1 to 64 printable characters", param="X-Operator")
-    return name
-
-
-def _operator_transition(db, version: int, target: Stage, actor: str, reason: str) -> dict:
-    """Move ``version`` to ``target`` by ``actor``: 404 unknown, 409 not allowed. Promoting a
-    version promotes the versions of its lineage before it too, as the guard does."""
-    now = utcnow()
-    with db.begin() as conn:
-        st = lifecycle_store.stages(conn)
-        if version not in {v.version for v in st}:
-            raise ApiError(404, f"no policy version {version}", code="not_found", param="version")
-        moved = [version]
-        if target == Stage.PROMOTED and version in lineage(st):
-            moved = [v for v in lineage(st) if v <= version]
-        try:
-            for v in moved:
-                lifecycle_store.transition(conn, v, target, actor, reason or f"by {actor}", now)
-        except TransitionError as exc:
-            raise ApiError(409, str(exc), code="transition_refused", param="version") from None
-    return {"versions": moved, "lifecycle": str(target), "actor": actor}
-
-
-def _note(db, actor: str, reason: str, version: int | None = None) -> None:
-    """Record an operator's switch (pin, guard, share) as an event on ``version`` (default: the
-    promoted version), its stage unchanged."""
-    with db.begin() as conn:
-        st = lifecycle_store.stages(conn)
-        if not st:
-            return  # no version recorded yet (a fresh database): nothing to attach the note to
-        v = promoted(st) if version is None else version
-        stage = next((x.stage for x in st if x.version == v), None)
-        if stage is not None:
-            lifecycle_store.record_event(conn, v, stage, stage, actor, reason, utcnow())
-
-
-async def _announce_moves(s, versions: list[int], stage: Stage, actor: str) -> bool:
-    """Append the policy topic's stage notices of an operator's move (committed already);
-    returns whether they went out. A log that refuses them is logged, not answered as an
-    error: the move stands, and a notice changes nothing served."""
-
-    def read() -> list:
-        with s.store.engine.connect() as conn:
-            return lifecycle_store.stage_events(conn, versions, stage, actor)
-
-    try:
-        for e in await asyncio.to_thread(read):
-            await s.append(TOPIC_POLICY, POLICY_KEY, e.to_json())
-    except Exception as exc:
-        log.warning("stage notices of versions %s (%s) not sent: %s", versions, stage, exc)
-        return False
-    return True
-
-
-async def _operator_move(request: Request, s: ServerState, version: int, target: Stage, reason: str) -> dict:
-    who = operator_of(request)
-    moved = await asyncio.to_thread(_operator_transition, s.store.engine, version, target, who, reason)
-    return moved | {"announced": await _announce_moves(s, moved["versions"], target, who)}
-
-
-@router.post("/lifecycle/promote", response_model=VersionsMoved, responses=LIFECYCLE_ERRORS | errors(413))
-async def admin_promote(body: VersionAction, request: Request, s: PolicyState) -> dict:
-    """Promote a candidate or canary version (and the lineage before it): 404 unknown, 409 a
-    move the lifecycle does not allow (a rejected version never serves again). ``announced``:
-    whether the policy topic's stage notices went out."""
-    return await _operator_move(request, s, body.version, Stage.PROMOTED, body.reason)
-
-
-@router.post("/lifecycle/reject", response_model=VersionsMoved, responses=LIFECYCLE_ERRORS | errors(413))
-async def admin_reject(body: VersionAction, request: Request, s: PolicyState) -> dict:
-    """Reject a version: it never serves again. If it serves now, the learner publishes the
-    promoted version's weights as a new version and quarantines the samples that trained it
-    (its next guard check). 404 unknown, 409 already rejected or version 0."""
-    return await _operator_move(request, s, body.version, Stage.REJECTED, body.reason)
-
-
-@router.post("/lifecycle/pin", response_model=VersionPinned, responses=LIFECYCLE_ERRORS | errors(413))
-async def admin_pin(body: VersionAction, request: Request, s: PolicyState) -> dict:
-    """Pin ``version`` (promoted first if it is a candidate or canary): the guard decides nothing
-    by itself until ``unpin``. Pinning a version older than the promoted one does not make it
-    the promoted one or serve it (``/admin/rollback`` does). 404 unknown, 409 rejected."""
-    who = operator_of(request)
-
-    def pin() -> dict:
-        with s.store.engine.connect() as conn:
-            stage = {v.version: v.stage for v in lifecycle_store.stages(conn)}.get(body.version)
-        if stage is None:
-            raise ApiError(404, f"no policy version {body.version}", code="not_found", param="version")
-        if stage == Stage.REJECTED:
-            raise ApiError(
-                409, f"version {body.version} is rejected: it never serves again", code="transition_refused"
-            )
-        moved = []
-        if stage != Stage.PROMOTED:
-            moved = _operator_transition(
-                s.store.engine, body.version, Stage.PROMOTED, who, body.reason or "pinned"
-            )["versions"]
-        set_flag(s.store.engine, GUARD_PIN, str(body.version))
-        _note(s.store.engine, who, body.reason or "pinned: the guard decides nothing by itself", body.version)
-        return {"pinned": body.version, "actor": who, "promoted": moved}
-
-    done = await asyncio.to_thread(pin)
-    return done | {"announced": await _announce_moves(s, done["promoted"], Stage.PROMOTED, who)}
-
-
-@router.post("/lifecycle/unpin", response_model=Unpinned, responses=POLICY_ERRORS)
-async def admin_unpin(request: Request, s: PolicyState) -> dict:
-    """Let the guard decide again."""
-    who = operator_of(request)
-
-    def unpin() -> dict:
-        set_flag(s.store.engine, GUARD_PIN, None)
-        _note(s.store.engine, who, "unpinned: the guard decides again")
-        return {"pinned": None, "actor": who}
-
-    return await asyncio.to_thread(unpin)
-
-
-@router.post("/lifecycle/guard", response_model=GuardSwitched, responses=POLICY_ERRORS)
-async def admin_guard(body: GuardSwitch, request: Request, s: PolicyState) -> dict:
-    """Turn the guard on or off (off: no gate, every new version promoted when recorded)."""
-    who = operator_of(request)
-
-    def switch() -> dict:
-        set_flag(s.store.engine, GUARD_OFF, None if body.on else "1")
-        _note(s.store.engine, who, f"guard turned {'on' if body.on else 'off'}")
-        return {"guard": "on" if body.on else "off", "actor": who}
-
-    return await asyncio.to_thread(switch)
-
-
-def serving_mode(s) -> str:
-    """``canary`` when this replica's engine serves adapters (a canary share splits the traffic),
-    else ``probation`` (a single full-weight engine: the newest version serves all of it)."""
-    return "canary" if s.engine.adapters is not None else "probation"
-
-
-@router.post("/lifecycle/canary", response_model=CanaryShareSet, responses=POLICY_ERRORS)
-async def admin_canary(body: CanaryShare, request: Request, s: PolicyState) -> dict:
-    """Set the canary share: the share of new requests the candidate lineage gets on replicas
-    that serve adapters (from their next read of the lifecycle, ``policy_poll_s``). A replica
-    with a full-weight engine has no canary: the newest version serves all traffic on
-    probation, and the share is only stored."""
-    who = operator_of(request)
-    mode = serving_mode(s)
-
-    def store() -> dict:
-        set_flag(s.store.engine, CANARY_SHARE, repr(body.share))
-        stored = "" if mode == "canary" else " (stored; probation mode has no share)"
-        _note(s.store.engine, who, f"canary share set to {body.share:g}{stored}")
-        message = (
-            f"new requests go to the candidate lineage with probability {body.share:g}, to the "
-            "promoted version otherwise"
-            if mode == "canary"
-            else "a single full-weight engine has no canary share: each new version serves all "
-            "traffic on probation; the share is stored for adapter deployments"
-        )
-        return {
-            "canary_share": body.share,
-            "mode": mode,
-            "applied": mode == "canary",
-            "message": message,
-            "actor": who,
-        }
-
-    return await asyncio.to_thread(store)
-
-
-@router.get("/lifecycle", response_model=LifecycleState, responses=POLICY_ERRORS)
-async def admin_lifecycle(s: PolicyState, limit: Annotated[int, Query(ge=1, le=1000)] = 20) -> dict:
-    """The promoted version, the lineage under watch, the guard's switches, this replica's
-    canary split (``split``: lineage, control version and share; None when none is in effect)
-    and the newest ``limit`` transitions (who and when)."""
-    db = s.store.engine
-    split = s.canary.split if s.canary is not None else None
-
-    def read() -> dict:
-        with db.connect() as conn:
-            st = lifecycle_store.stages(conn)
-            recent = lifecycle_store.events(conn, limit)
-        pin, share = get_flag(db, GUARD_PIN), get_flag(db, CANARY_SHARE)
-        return {
-            "mode": serving_mode(s),
-            "guard": "off" if get_flag(db, GUARD_OFF) == "1" else "on",
-            "promoted": promoted(st) if st else None,
-            "lineage": lineage(st) if st else [],
-            "pinned": None if pin is None else int(pin),
-            "canary_share": canary_share_flag(share),
-            "split": None
-            if split is None
-            else {"lineage": sorted(split.lineage), "control": split.control, "share": split.share},
-            "events": recent,
-        }
-
-    return await asyncio.to_thread(read)
-
-
-@router.get("/quarantine", response_model=Quarantine, responses=POLICY_ERRORS)
-async def admin_quarantine(s: PolicyState, limit: Annotated[int, Query(ge=1, le=1000)] = 50) -> dict:
-    """The samples that trained a rejected version, which the learner never trains again:
-    ``total`` and the newest ``limit``."""
-    db = s.store.engine
-
-    def read() -> dict:
-        with db.connect() as conn:
-            total, rows = lifecycle_store.quarantined(conn, limit)
-        return {"total": total, "samples": rows}
-
-    return await asyncio.to_thread(read)

@@ -26,9 +26,9 @@ from core.policies import GLOBAL
 from core.records import as_utc
 from server.admin_schemas import PolicyRow
 from server.auth import authenticate, served_state, visible_policies, visible_state
+from server.db_figures import read_lifecycle
 from server.errors import ApiError, errors
 from server.health import RETRY_AFTER_S
-from server.metrics import read_lifecycle
 from server.responses import DashboardData, Liveness, ModelCard, ModelList, Readiness
 from server.routes import PolicyQuery, all_states, policy_state, state_of
 from server.routes.admin import policy_rows
@@ -82,7 +82,7 @@ class VersionReward(BaseModel):
 
 
 class GuardState(BaseModel):
-    """The lifecycle's state (``server.metrics.LifecycleState``): versions per stage, the
+    """The lifecycle's state (``server.db_figures.LifecycleState``): versions per stage, the
     promoted version, the lineage on probation, the operators' switches, and the learner's last
     verdict on this lineage (bounds on Δ, each arm's ratings and mean, the decision; None until
     it judged it)."""

@@ -11,9 +11,10 @@ test: install
 	.venv/bin/pytest -q -p no:cacheprovider
 
 # The fast tier: pure modules and plans, no engine, model, broker or PostgreSQL; two workers
-# (pytest-xdist), one per core.
+# (pytest-xdist), one per core, each with one torch thread: two workers of two OpenMP threads
+# each on two cores spin against each other (README, the fast tier's figures).
 test-unit: install
-	.venv/bin/pytest -q -p no:cacheprovider -m "not integration" -n 2
+	OMP_NUM_THREADS=1 .venv/bin/pytest -q -p no:cacheprovider -m "not integration" -n 2
 
 bench: install
 	.venv/bin/python bench/bench_serving.py

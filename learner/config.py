@@ -18,7 +18,8 @@ base model (``lora``, ``learner.lora``, docs/lora.md).
 
 Presets (``PRESETS``): ``paper`` (the papers' numbers: SAO §3 setup, papers/003 §三(一)),
 ``cpu`` (the defaults of ``saoserve learn`` for the 135M model on CPU; the model defaults here)
-and ``demo`` (``saoserve demo``/``compare``: the bf16 learner, batch 16, policy lr 1e-4, critic
+and ``demo`` (``saoserve demo``/``compare``: the bf16 learner where the CPU has bf16 units
+(``core.hardware``), float32 where it has not; batch 16, policy lr 1e-4, critic
 lr 2e-4, AdamW β1 0.5, KL anchor 0.1; measured in docs/demo.md). A preset's algorithm fields apply to the
 chosen algorithm where it has them (``demo`` with ``spo`` takes its batch and learning rate but
 has no KL anchor to set).
@@ -32,6 +33,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from core.hardware import bf16_native
 from core.sequential import Decision, RuleParams
 from learner.gate_config import GateConfig
 
@@ -466,10 +468,12 @@ PRESETS: dict[str, dict[str, Any]] = {
     # batch 8 one or two rewarded answers a step carried too little signal to follow a switch;
     # without the KL anchor answer quality fell within a few steps of a switch; a policy lr of
     # 2e-4 collapsed the text; AdamW's usual β1 0.9 kept pushing the old style after a switch.
-    # bf16 took the demo-shaped step at batch 16 from 38 s to 12 s; compiled layers did not make
-    # it faster (the shared prefix's cached pass recompiles them) and cost a compile first.
+    # bf16 took the demo-shaped step at batch 16 from 38 s to 12 s where the CPU has bf16 units;
+    # without them (AVX2 only) a bf16 matmul is hundreds of times slower than float32, so the
+    # preset follows the CPU (core.hardware). Compiled layers did not make the step faster (the
+    # shared prefix's cached pass recompiles them) and cost a compile first.
     "demo": {
-        "bf16": True,
+        "bf16": bf16_native(),
         "batch_size": 16,
         "optimizer": {"policy_lr": 1e-4, "adam_beta1": 0.5},
         "algorithm": {"critic_lr": 2e-4, "kl_coef": 0.1},

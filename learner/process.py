@@ -48,6 +48,7 @@ from core import lifecycle_store
 from core.control import PAUSED, Flag, get_flag
 from core.db import LearnerSample, LearnerStep, make_engine, migrate
 from core.dead_letters import MAX_TRIES, describe
+from core.hardware import bf16_warning
 from core.lifecycle import LEARNER, Stage
 from core.logbus import LogTransport, open_log
 from core.policy_store import version_dir
@@ -511,6 +512,10 @@ def run_learner(settings: Settings, config: LearnerConfig, stop: threading.Event
     """Migrate, build, and run a learner in this thread (``saoserve learn``)."""
     migrate(settings.resolved_database_url)
     log.info("learner config: %s", config.model_dump_json())
+    if config.bf16 or config.autocast_bf16:
+        warning = bf16_warning("the learner's models")
+        if warning:
+            log.warning("%s", warning)
     learner = Learner(settings, config)
     learner.load()
     stop = stop or threading.Event()

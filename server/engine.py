@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from core import policy_store
+from core.hardware import bf16_warning
 from core.policies import GLOBAL
 from core.policy_store import Layout
 from core.records import SamplingRecord
@@ -202,6 +203,7 @@ class PolicyEngine:
         """Start vLLM on ``model_dir`` (default: the prepared model) as policy version 0."""
         from transformers import AutoTokenizer
         from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
         model_dir = Path(model_dir or settings.resolved_model_dir)
@@ -236,6 +238,10 @@ class PolicyEngine:
             **lora_args,
         )
         layout = WeightsLayout.of_model(model_dir, settings.dtype)
+        if settings.dtype in ("bfloat16", "bf16") and current_platform.is_cpu():
+            warning = bf16_warning("the engine's models")
+            if warning:
+                log.warning("%s", warning)
         engine = AsyncLLM.from_engine_args(args)
         await engine.update_weight_version("0")
         tok = AutoTokenizer.from_pretrained(model_dir)

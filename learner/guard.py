@@ -80,13 +80,15 @@ class Guard:
         return Stage.REJECTED if gate is not None and not gate.passed else Stage.CANARY
 
     def why(self, gate) -> str:
-        """The reason recorded with that stage (``stage_of_new``)."""
+        """The reason recorded with that stage (``stage_of_new``). "Under watch" names a canary
+        share and probation alike: the servers, not the learner, decide which one a version
+        gets (``core.lifecycle.check_canary_share``, docs/guard.md "The canary share")."""
         if not self.on():
             return "the guard is off"
         if gate is None:
-            return "no gate configured; on probation"
+            return "no gate configured; under watch"
         if gate.passed:
-            return f"gate passed (KL to base {gate.kl_base}, to parent {gate.kl_promoted}); on probation"
+            return f"gate passed (KL to base {gate.kl_base}, to parent {gate.kl_promoted}); under watch"
         return "gate failed: " + "; ".join(gate.reasons)
 
     def run_gate(self, policy, parent: int):

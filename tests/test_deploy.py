@@ -562,7 +562,9 @@ def test_haproxy_balances_over_the_server_replicas(compose, env_example):
     assert compose["services"]["lb"]["ports"] == [f"{env_example['HTTP_PORT']}:8080"]
     assert "./haproxy.cfg:/usr/local/etc/haproxy/haproxy.cfg:ro" in compose["services"]["lb"]["volumes"]
     # /metrics (every tenant's figures) is not served through the balancer, even percent-encoded.
-    assert re.search(r"^\s*http-request deny deny_status 404 if \{ path,url_dec -m str /metrics \}$", cfg, re.M)
+    assert re.search(
+        r"^\s*http-request deny deny_status 404 if \{ path,url_dec -m str /metrics \}$", cfg, re.M
+    )
 
 
 @pytest.mark.skipif(

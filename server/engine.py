@@ -238,7 +238,7 @@ class PolicyEngine:
             **lora_args,
         )
         layout = WeightsLayout.of_model(model_dir, settings.dtype)
-        if settings.dtype in ("bfloat16", "bf16") and current_platform.is_cpu():
+        if settings.dtype == "bfloat16" and current_platform.is_cpu():
             warning = bf16_warning("the engine's models")
             if warning:
                 log.warning("%s", warning)

@@ -90,7 +90,7 @@ def create_app(
             for s in states:
                 await close_policy(s, own_log=s is not state or log_transport is None)
             if own_engine:
-                eng.shutdown()
+                await eng.close()
 
     app = FastAPI(title="saoserve", version="0.1.0", lifespan=lifespan)
     app.add_middleware(
@@ -150,7 +150,9 @@ def open_policy(
     engine, a spool (``log_required`` off), the evidence reader (``read_baseline``, else the
     namespace's evidence store) and health; the served version in ``metrics``."""
     db = make_engine(settings.resolved_database_url)
-    spool = None if settings.log_required else Spool(settings.home / "spool", lt, ServerStore(db), policy=policy)
+    spool = (
+        None if settings.log_required else Spool(settings.home / "spool", lt, ServerStore(db), policy=policy)
+    )
     reader = read_baseline or evidence_reader(EvidenceStore(db))
     health = Health(db, lt, settings.log_required, policy=policy)
     state = ServerState(settings, eng, lt, ServerStore(db), metrics, spool, reader, health, policy=policy)

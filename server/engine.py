@@ -22,6 +22,7 @@ every policy's adapters apply to the base weights.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import shutil
@@ -146,6 +147,7 @@ class PolicyEngine:
     adapters: AdapterTable | None = None
     work_dir: Path | None = None
     _swap_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    _closing: bool = False
     _byte_decoder: dict[str, int] | None = field(default=None, repr=False)
     _removals: set[asyncio.Task] = field(default_factory=set, repr=False)
     _tenant_served: dict[str, tuple[int, Path]] = field(default_factory=dict, repr=False)
@@ -425,7 +427,7 @@ class PolicyEngine:
 
     async def _swap_full(self, version: int, path: Path, sha256: str) -> SwapResult:
         t0 = time.perf_counter()
-        async with self._swap_lock:
+        async with self._loading():
             await asyncio.to_thread(self._check_weights, path, sha256)
             t1 = time.perf_counter()
             await self._paused_reload(version, path, path)
@@ -437,7 +439,7 @@ class PolicyEngine:
 
     async def _swap_merged(self, version: int, path: Path, sha256: str) -> SwapResult:
         t0 = time.perf_counter()
-        async with self._swap_lock:
+        async with self._loading():
             name = f"v{version}-{uuid.uuid4().hex[:8]}"
             staged, merged = self.work_dir / f"adapter-{name}", self.work_dir / f"merged-{name}"
             try:
@@ -480,7 +482,7 @@ class PolicyEngine:
         self.check_policy(policy)
         if self.adapters is None:
             raise RuntimeError("adapters are not served as LoRA by this engine")
-        async with self._swap_lock:
+        async with self._loading():
             if self.adapters.find(version, policy) is not None:
                 self._remove_later(self.adapters.pin(version, policy=policy))
                 return
@@ -489,7 +491,7 @@ class PolicyEngine:
 
     async def _add_adapter(self, version: int, path: Path, sha256: str, policy: str) -> SwapResult:
         t0 = time.perf_counter()
-        async with self._swap_lock:
+        async with self._loading():
             cur = self.adapters.current_of(policy)
             if cur is not None and version < cur.version:
                 raise SwapRefused(
@@ -625,7 +627,28 @@ class PolicyEngine:
         if old is not None and old != weights and old.parent == self.work_dir:
             shutil.rmtree(old, ignore_errors=True)  # the merge of the adapter served until now
 
+    @contextlib.asynccontextmanager
+    async def _loading(self) -> AsyncIterator[None]:
+        """The swap lock, held for one load or hold; SwapRefused once ``close`` has begun (the
+        engine is about to go, so nothing new is loaded into it)."""
+        async with self._swap_lock:
+            if self._closing:
+                raise SwapRefused("the engine is shutting down: no version is loaded")
+            yield
+
+    async def close(self) -> None:
+        """Shut the engine down once the load in flight, if any, has ended (a load is shielded
+        from its caller's cancellation, so it would otherwise find the engine gone mid-reload)
+        and the adapter removals under way are done; loads asked for from now on are refused
+        with SwapRefused. The app's shutdown (``server.app``) calls this."""
+        self._closing = True
+        async with self._swap_lock:
+            await self.removals_done()
+            self.shutdown()
+
     def shutdown(self) -> None:
+        """Stop vLLM at once and delete the work directory (merged weights, staged adapters);
+        ``close`` first waits for a load in flight."""
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None

@@ -288,6 +288,48 @@ async def test_each_policy_swaps_and_serves_its_own_versions_over_one_table(tmp_
         await anext(eng.generate([1], TWO_TOKENS, policy="zeta"))
 
 
+class GatedLLM(StandInLLM):
+    """A ``StandInLLM`` whose ``add_lora`` waits for ``gate`` (``entered`` set on arrival) and
+    whose ``shutdown`` is recorded in order with the loads it saw finish."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered, self.gate = asyncio.Event(), asyncio.Event()
+        self.events: list[str] = []
+
+    async def add_lora(self, request) -> bool:
+        self.entered.set()
+        await self.gate.wait()
+        self.events.append(f"added {request.lora_name}")
+        return await super().add_lora(request)
+
+    def shutdown(self) -> None:
+        self.events.append("shutdown")
+
+
+async def test_close_waits_for_the_load_in_flight_and_refuses_later_ones(tmp_path):
+    """The CI failure of 2026-12-03: a replica's lifespan shut vLLM down while a shielded swap
+    (its watcher's, cancelled) was mid-reload, and the swap died on ``None.pause_generation``.
+    ``close`` shuts down only once that load has ended; a load asked for after it is refused."""
+    from server.engine import SwapRefused
+
+    eng = standin_engine(tmp_path, ["acme"])
+    llm = eng.engine = GatedLLM()
+    x = write_toy_adapter(tmp_path / "x")
+    caller = asyncio.create_task(eng.swap(1, x, weights_sha256(x)))
+    await llm.entered.wait()
+    caller.cancel()  # the watcher's task, cancelled at shutdown; the swap itself is shielded
+    closing = asyncio.create_task(eng.close())
+    await asyncio.sleep(0.05)
+    assert llm.events == [] and not closing.done()
+    llm.gate.set()
+    await closing
+    assert llm.events == ["added policy-v1-1", "shutdown"]
+    assert eng.engine is None and not eng.work_dir.exists()
+    with pytest.raises(SwapRefused, match="the engine is shutting down: no version is loaded"):
+        await eng.swap(2, x, weights_sha256(x))
+
+
 async def test_full_weights_are_refused_for_every_policy_while_tenant_policies_are_served(tmp_path):
     from server.engine import SwapRefused
 

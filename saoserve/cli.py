@@ -14,6 +14,7 @@ every namespace (docs/tenants.md, "A policy per tenant").
 from __future__ import annotations
 
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -100,6 +101,7 @@ def serve(
 
     settings = get_settings()
     _check_secrets(settings)
+    sock = _bound_socket(host, port)
     # The server's own lines (the version each swap serves, storage outages) at INFO; other
     # libraries' at WARNING. uvicorn configures its own loggers.
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -107,7 +109,26 @@ def serve(
         logging.getLogger(name).setLevel(logging.INFO)
     prepare_model(settings.resolved_model_dir)
     http = header_timeout_protocol(settings.header_read_timeout_s)
-    uvicorn.run(create_app(settings), host=host, port=port, log_level="info", http=http)
+    config = uvicorn.Config(create_app(settings), host=host, port=port, log_level="info", http=http)
+    typer.echo(f"saoserve: http://{host}:{port} answers once the engine has started", err=True)
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+def _bound_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host``:``port``, before the engine starts (a minute or more):
+    a port in use, or a host that is not this machine's, is one CLI error at once instead of
+    uvicorn's exit after the engine has loaded, and no other process can take the port while it
+    loads (until uvicorn listens on it, a connection is refused, as it was). Our own ten lines
+    rather than uvicorn's ``Config.bind_socket``, which logs the bare OS error and exits 3."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        fail(f"cannot listen on {host}:{port}: {exc.strerror or exc}")
+    return sock
 
 
 LEARN_HELP = "Default: the preset's (see learner.config)."

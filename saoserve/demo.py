@@ -34,16 +34,9 @@ from judge.simulate import Simulation
 from judge.styles import Schedule
 from learner.config import LearnerConfig, SAOAlgorithm, build_config
 from learner.pretrain import PRETRAINED_CRITIC
+from saoserve.ports import free_port
 
 console = Console(stderr=True)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_until_ready(url: str, server: subprocess.Popen, log_file: Path, timeout_s: float) -> None:

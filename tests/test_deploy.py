@@ -531,7 +531,7 @@ def run_healthcheck(compose, port: int) -> int:
 def test_server_healthcheck_command_follows_readyz(compose, status):
     handler = type("Stand", (_Stand,), {"status": status})
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread = threading.Thread(target=httpd.serve_forever, args=(0.05,), daemon=True)
     thread.start()
     try:
         rc = run_healthcheck(compose, httpd.server_address[1])

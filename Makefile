@@ -8,7 +8,7 @@ demo: install
 	.venv/bin/saoserve demo --out report
 
 # Bytecode is written even where the shell says not to (PYTHONDONTWRITEBYTECODE): without it,
-# every run compiles and assertion-rewrites some 600 modules again, 6 s of each worker's collection.
+# every run compiles and assertion-rewrites every module again (README, the fast tier's figures).
 test: install
 	PYTHONDONTWRITEBYTECODE= .venv/bin/pytest -q -p no:cacheprovider
 

@@ -203,9 +203,9 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 
 def pytest_collection_finish(session) -> None:
-    """Move everything collection made (torch, vLLM, the test modules: ~600,000 objects that
-    live all session) out of the collector's reach, so the per-module ``gc.collect`` scans only
-    what the tests made: 0.3-0.7 s a module otherwise, a third of the fast tier's time."""
+    """Move everything collection made (torch, vLLM, the test modules: objects that live all
+    session) out of the collector's reach, so the per-module ``gc.collect`` of
+    ``_return_freed_memory`` scans only what the tests made."""
     gc.collect()
     gc.freeze()
 

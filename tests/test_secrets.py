@@ -100,7 +100,13 @@ def started(monkeypatch) -> list[str]:
 
     calls: list[str] = []
     monkeypatch.setattr(saoserve.model, "prepare_model", lambda *a, **k: calls.append("prepare"))
-    monkeypatch.setattr(uvicorn.Server, "run", lambda *a, **k: calls.append("run"))
+
+    def run(server, sockets) -> None:
+        calls.append("run")
+        for sock in sockets:
+            sock.close()
+
+    monkeypatch.setattr(uvicorn.Server, "run", run)
     monkeypatch.setattr("server.app.create_app", lambda *a, **k: None)
     get_settings.cache_clear()
     yield calls

@@ -99,6 +99,22 @@ class Settings(BaseSettings):
         "serves 1.5-1.7x the tokens/s on this CPU and differs from either learner by up to 0.4 nats "
         "on a token (docs/precision.md, 'Serving in bf16').",
     )
+    engine_threads: int | None = Field(
+        None,
+        ge=1,
+        description="CPU engines: run vLLM's worker inside its engine process with this many compute "
+        "threads. Unset keeps vLLM's own layout: a separate worker process, whose hand-off spins a "
+        "second core while requests are in flight. Set it where the engine shares the machine, as "
+        "`saoserve demo` does (docs/precision.md, 'Sharing the cores').",
+    )
+    learner_threads: int | None = Field(
+        None,
+        ge=1,
+        description="torch compute threads of `saoserve learn`; unset: torch's default (every core). "
+        "Beside an engine on the same cores, give each its own: a learner thread that shares a core "
+        "with the engine stalls every other thread at each operator (docs/precision.md, 'Sharing the "
+        "cores').",
+    )
     max_model_len: int = Field(2048, ge=64, description="Context length in tokens (prompt plus answer).")
     max_tokens_limit: int = Field(1024, ge=1, description="Largest max_tokens a request may ask.")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens of a request that gives none.")

@@ -509,7 +509,10 @@ class Learner:
 
 
 def run_learner(settings: Settings, config: LearnerConfig, stop: threading.Event | None = None) -> Learner:
-    """Migrate, build, and run a learner in this thread (``saoserve learn``)."""
+    """Migrate, build, and run a learner in this thread (``saoserve learn``), on
+    ``settings.learner_threads`` torch threads where that is set (``core.cores``)."""
+    if settings.learner_threads is not None:
+        torch.set_num_threads(settings.learner_threads)
     migrate(settings.resolved_database_url)
     log.info("learner config: %s", config.model_dump_json())
     if config.bf16 or config.autocast_bf16:

@@ -26,6 +26,7 @@ import httpx
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from core.cores import available_cores, split_cores
 from judge.base import Judge
 from judge.guardstats import guard_lines
 from judge.sim_config import SimulationConfig
@@ -63,13 +64,24 @@ class Services:
         self.home = home
         self.port = free_port()
         self.admin_key = secrets.token_hex(16)
-        self.env = os.environ | {
-            "SAOSERVE_HOME": str(home),
-            "SAOSERVE_FEEDBACK_SECRET": secrets.token_hex(16),
-            "SAOSERVE_ADMIN_KEY": self.admin_key,
-            "TOKENIZERS_PARALLELISM": "false",
-            "HF_HUB_OFFLINE": "1",
+        # The engine and the learner share this machine: each gets its own cores (core.cores),
+        # unless the caller's environment already says how many.
+        engine_threads, learner_threads = split_cores(available_cores())
+        cores = {
+            "SAOSERVE_ENGINE_THREADS": str(engine_threads),
+            "SAOSERVE_LEARNER_THREADS": str(learner_threads),
         }
+        self.env = (
+            cores
+            | os.environ
+            | {
+                "SAOSERVE_HOME": str(home),
+                "SAOSERVE_FEEDBACK_SECRET": secrets.token_hex(16),
+                "SAOSERVE_ADMIN_KEY": self.admin_key,
+                "TOKENIZERS_PARALLELISM": "false",
+                "HF_HUB_OFFLINE": "1",
+            }
+        )
         self.learn_args = learn_args
         self.log_dir = log_dir
         self.procs: list[subprocess.Popen] = []

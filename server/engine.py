@@ -41,6 +41,7 @@ from core.settings import AdapterServing, Settings
 from core.weights import WeightsLayout, WeightsMismatch, weights_sha256
 from server.adapter_files import AdapterMismatch, AdapterSpec, check_adapter, merge, stage
 from server.adapters import Adapter, AdapterTable, PolicyAdapters, TableFull
+from server.cpu_worker import in_process_worker
 
 log = logging.getLogger(__name__)
 
@@ -244,7 +245,8 @@ class PolicyEngine:
             warning = bf16_warning("the engine's models")
             if warning:
                 log.warning("%s", warning)
-        engine = AsyncLLM.from_engine_args(args)
+        with in_process_worker(settings.engine_threads if current_platform.is_cpu() else None):
+            engine = AsyncLLM.from_engine_args(args)
         await engine.update_weight_version("0")
         tok = AutoTokenizer.from_pretrained(model_dir)
         # Adapter copies and merged weights of this engine only (replicas may share a home).

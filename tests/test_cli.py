@@ -360,3 +360,21 @@ def test_simulate_steps_stops_before_the_schedule_ends(monkeypatch, tmp_path, ar
     assert result.exit_code == 0, result.output
     assert seen[0].total_steps == total
     assert [seen[0].schedule.target_at(s) for s in range(total)] == ["pirate", "pirate", "poetic"][:total]
+
+
+@pytest.mark.parametrize("variable", ["SAOSERVE_ENGINE_THREADS", "SAOSERVE_LEARNER_THREADS"])
+@pytest.mark.parametrize("command", [["serve", "--port", "8999"], ["learn"]])
+def test_thread_counts_below_one_are_refused(monkeypatch, capsys, variable, command):
+    import sys
+
+    from saoserve.cli import main
+
+    monkeypatch.setenv("SAOSERVE_FEEDBACK_SECRET", "s")
+    monkeypatch.setenv(variable, "0")
+    monkeypatch.setattr(sys, "argv", ["saoserve", *command])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == (
+        f"error: invalid settings: {variable}: Input should be greater than or equal to 1\n"
+    )

@@ -1,0 +1,84 @@
+"""A CPU engine with its worker in-process (``Settings.engine_threads``, server/cpu_worker.py),
+on the real vLLM: no worker process, the server's environment as it was, and the same served
+logprobs and swaps as vLLM's own layout (tests/test_hotswap.py)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import psutil
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from core.records import SamplingRecord
+from core.weights import weights_sha256
+from server.cpu_worker import IN_PROCESS_WORKER, THREADS
+from tests.test_hotswap import LOGPROB_BOUND, learner_logprobs
+
+pytestmark = pytest.mark.engine
+
+PROMPT = [{"role": "user", "content": "Write two lines about the sea."}]
+
+
+@pytest.fixture(scope="module")
+async def threaded_engine(model_dir, tmp_path_factory):
+    from core.settings import Settings
+    from server.engine import PolicyEngine
+
+    before = {k: os.environ.get(k) for k in (IN_PROCESS_WORKER, THREADS)}
+    settings = Settings(
+        home=tmp_path_factory.mktemp("threads"), model_dir=model_dir, kv_cache_gib=1.0, engine_threads=1
+    )
+    engine = await PolicyEngine.start(settings, model_dir)
+    yield engine, before
+    engine.shutdown()
+
+
+async def answer(engine, seed: int) -> tuple[list[int], list[int], list[float], list]:
+    prompt = engine.render(PROMPT)
+    ids, lps, spans = [], [], None
+    async for d in engine.generate(
+        prompt, SamplingRecord(temperature=1.0, max_tokens=24, seed=seed), ignore_eos=True
+    ):
+        ids += d.token_ids
+        lps += d.logprobs
+        spans = d.weight_versions or spans
+    return prompt, ids, lps, spans
+
+
+def gap(model_dir, prompt, ids, lps) -> float:
+    ref = learner_logprobs(model_dir, prompt, ids, 1.0, "float32")
+    return max(abs(a - b) for a, b in zip(ref, lps, strict=True))
+
+
+async def test_the_worker_runs_in_the_engine_process_and_the_environment_is_restored(threaded_engine):
+    engine, before = threaded_engine
+    assert {k: os.environ.get(k) for k in before} == before
+    titles = [" ".join(p.cmdline()) for p in psutil.Process().children(recursive=True)]
+    assert any("VLLM::EngineCore" in t for t in titles), titles
+    assert not any("VLLM::Worker" in t for t in titles), titles
+
+
+async def test_it_serves_the_learners_logprobs_before_and_after_a_swap(threaded_engine, model_dir, tmp_path):
+    engine, _ = threaded_engine
+    prompt, ids, lps, spans = await answer(engine, seed=3)
+    assert spans == [(0, 0, 24)]
+    assert gap(model_dir, prompt, ids, lps) < LOGPROB_BOUND[("float32", "float32")]
+
+    v1 = tmp_path / "v1"
+    shutil.copytree(model_dir, v1)
+    weights = load_file(v1 / "model.safetensors")
+    gen = torch.Generator().manual_seed(1)
+    noisy = {
+        k: (v.float() * (1 + 0.05 * torch.randn(v.shape, generator=gen))).to(v.dtype)
+        for k, v in weights.items()
+    }
+    save_file(noisy, v1 / "model.safetensors", metadata={"format": "pt"})
+    await engine.swap(1, v1, weights_sha256(v1))
+    prompt, ids, lps, spans = await answer(engine, seed=3)
+    assert spans == [(1, 0, 24)]
+    assert gap(v1, prompt, ids, lps) < LOGPROB_BOUND[("float32", "float32")]
+    # The new weights are what serves: the base model's logprobs of these tokens differ.
+    assert gap(model_dir, prompt, ids, lps) > 1e-2

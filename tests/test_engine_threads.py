@@ -28,11 +28,14 @@ async def threaded_engine(model_dir, tmp_path_factory):
     from server.engine import PolicyEngine
 
     before = {k: os.environ.get(k) for k in (IN_PROCESS_WORKER, THREADS)}
+    # The session's other engines (vLLM's own layout) are children of this process too.
+    others = {p.pid for p in psutil.Process().children(recursive=True)}
     settings = Settings(
         home=tmp_path_factory.mktemp("threads"), model_dir=model_dir, kv_cache_gib=1.0, engine_threads=1
     )
     engine = await PolicyEngine.start(settings, model_dir)
-    yield engine, before
+    started = [p for p in psutil.Process().children(recursive=True) if p.pid not in others]
+    yield engine, before, started
     engine.shutdown()
 
 
@@ -54,15 +57,15 @@ def gap(model_dir, prompt, ids, lps) -> float:
 
 
 async def test_the_worker_runs_in_the_engine_process_and_the_environment_is_restored(threaded_engine):
-    engine, before = threaded_engine
+    engine, before, started = threaded_engine
     assert {k: os.environ.get(k) for k in before} == before
-    titles = [" ".join(p.cmdline()) for p in psutil.Process().children(recursive=True)]
+    titles = [" ".join(p.cmdline()) for p in started]
     assert any("VLLM::EngineCore" in t for t in titles), titles
     assert not any("VLLM::Worker" in t for t in titles), titles
 
 
 async def test_it_serves_the_learners_logprobs_before_and_after_a_swap(threaded_engine, model_dir, tmp_path):
-    engine, _ = threaded_engine
+    engine, _, _ = threaded_engine
     prompt, ids, lps, spans = await answer(engine, seed=3)
     assert spans == [(0, 0, 24)]
     assert gap(model_dir, prompt, ids, lps) < LOGPROB_BOUND[("float32", "float32")]

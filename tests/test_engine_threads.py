@@ -5,17 +5,14 @@ logprobs and swaps as vLLM's own layout (tests/test_hotswap.py)."""
 from __future__ import annotations
 
 import os
-import shutil
 
 import psutil
 import pytest
-import torch
-from safetensors.torch import load_file, save_file
 
 from core.records import SamplingRecord
 from core.weights import weights_sha256
 from server.cpu_worker import IN_PROCESS_WORKER, THREADS
-from tests.test_hotswap import LOGPROB_BOUND, learner_logprobs
+from tests.test_hotswap import LOGPROB_BOUND, learner_logprobs, perturb_model
 
 pytestmark = pytest.mark.engine
 
@@ -70,15 +67,7 @@ async def test_it_serves_the_learners_logprobs_before_and_after_a_swap(threaded_
     assert spans == [(0, 0, 24)]
     assert gap(model_dir, prompt, ids, lps) < LOGPROB_BOUND[("float32", "float32")]
 
-    v1 = tmp_path / "v1"
-    shutil.copytree(model_dir, v1)
-    weights = load_file(v1 / "model.safetensors")
-    gen = torch.Generator().manual_seed(1)
-    noisy = {
-        k: (v.float() * (1 + 0.05 * torch.randn(v.shape, generator=gen))).to(v.dtype)
-        for k, v in weights.items()
-    }
-    save_file(noisy, v1 / "model.safetensors", metadata={"format": "pt"})
+    v1 = perturb_model(model_dir, tmp_path / "v1")
     await engine.swap(1, v1, weights_sha256(v1))
     prompt, ids, lps, spans = await answer(engine, seed=3)
     assert spans == [(1, 0, 24)]

@@ -60,9 +60,9 @@ def logprob_gap(model_dir, rec: TrajectoryRecord, temperature: float, precision:
     return max(abs(a - b) for a, b in zip(ref, rec.rollout_logprobs, strict=True))
 
 
-@pytest.fixture(scope="module")
-def perturbed_model(model_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("perturbed") / "v1"
+def perturb_model(model_dir, out):
+    """A copy of the model in ``out`` with every weight scaled by 1 + 5 % Gaussian noise (seed 1);
+    returns ``out``."""
     shutil.copytree(model_dir, out)
     weights = load_file(out / "model.safetensors")
     gen = torch.Generator().manual_seed(1)
@@ -73,6 +73,11 @@ def perturbed_model(model_dir, tmp_path_factory):
     assert "model.embed_tokens.weight" in noisy  # tied: the LM head is the embedding
     save_file(noisy, out / "model.safetensors", metadata={"format": "pt"})
     return out
+
+
+@pytest.fixture(scope="module")
+def perturbed_model(model_dir, tmp_path_factory):
+    return perturb_model(model_dir, tmp_path_factory.mktemp("perturbed") / "v1")
 
 
 async def test_swap_keeps_in_flight_requests_and_serves_new_weights(

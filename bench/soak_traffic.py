@@ -62,7 +62,8 @@ class SoakTraffic:
                     call.status = r.status_code
                     raw = r.read().decode()
                 if r.status_code == 200:
-                    data = [ln[6:] for ln in raw.splitlines() if ln.startswith("data: ")]
+                    # SSE lines end at "\n" only: the server's JSON keeps U+2028 and the like raw.
+                    data = [ln[6:] for ln in raw.split("\n") if ln.startswith("data: ")]
                     if not data or data[-1] != "[DONE]" or any('"error"' in d for d in data):
                         call.broken = True
                     else:

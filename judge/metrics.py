@@ -82,17 +82,30 @@ def last_k_mean(rewards: Sequence[float], k: int = 5) -> float:
 
 
 def adaptation_lag(
-    style_share_target_series: Sequence[float], switch_steps: Sequence[int], threshold: float = 0.5
+    style_share_target_series: Sequence[float],
+    switch_steps: Sequence[int],
+    threshold: float = 0.5,
+    window: int = 1,
 ) -> list[int | None]:
     """Steps after each switch until the new target style's share reaches ``threshold``.
 
     ``style_share_target_series[t]`` is the share (in [0, 1]) of answers at step ``t`` written in
-    the style that is the target at step ``t``. For a switch at step ``s`` (the first step of
-    the new target) the lag is the smallest ``d >= 0`` with ``series[s + d] >= threshold`` and
-    ``s + d`` before the next switch (or the end of the series); ``None`` if that never happens.
-    One entry per switch, in order. docs/design.md §6; SAO §3.4 (adaptation lag of the running mean).
-    Raises ``ValueError`` for switch steps that are not increasing.
+    the style that is the target at step ``t``, pooled over a trailing ``window`` of steps that
+    never reaches back past the switch (``rolling_share`` with the switches as ``starts``). For a
+    switch at step ``s`` (the first step of the new target) the lag is the smallest
+    ``d >= window - 1`` with ``series[s + d] >= threshold`` and ``s + d`` before the next switch
+    (or the end of the series); ``None`` if that never happens. One entry per switch, in order.
+
+    Why ``d >= window - 1``: before then the window holds fewer steps than it should (one step
+    at ``d = 0``: 16 answers at the demo's batch), all answered by versions trained before or
+    just after the switch, and a lucky step reads as adaptation (a share of 0.5 at ``d = 0`` in
+    an unadapted run, docs/demo.md, eleventh session). So the lag of a window of ``w`` steps is
+    at least ``w - 1``. docs/design.md §6; SAO §3.4 (adaptation lag of the running mean).
+
+    Raises ``ValueError`` for switch steps that are not increasing or ``window < 1``.
     """
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
     switches = list(switch_steps)
     if any(b <= a for a, b in zip(switches[:-1], switches[1:], strict=True)):
         raise ValueError(f"switch steps must be strictly increasing, got {switches}")
@@ -100,7 +113,8 @@ def adaptation_lag(
     for i, start in enumerate(switches):
         end = switches[i + 1] if i + 1 < len(switches) else len(style_share_target_series)
         end = min(end, len(style_share_target_series))
-        lag = next((t - start for t in range(start, end) if style_share_target_series[t] >= threshold), None)
+        full = start + window - 1
+        lag = next((t - start for t in range(full, end) if style_share_target_series[t] >= threshold), None)
         lags.append(lag)
     return lags
 
@@ -231,7 +245,7 @@ def method_metrics(
     return {
         "auc": present_auc(series.reward),
         "last5_mean": last_k_mean(present, 5),
-        "adaptation_lag": adaptation_lag(target_share, schedule.switch_steps, threshold),
+        "adaptation_lag": adaptation_lag(target_share, schedule.switch_steps, threshold, window),
         "segment_mean_reward": segment_mean,
         "steps": n,
         "records": series.n_records,

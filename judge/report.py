@@ -87,8 +87,8 @@ img{{max-width:100%}}figure{{margin:1em 0}}</style></head><body>
 <h1>Online preference-shift simulation (SAO §3.4)</h1>
 <p>Reward = quality × [detected style = target style]; per-step values are means over the
 step's judged answers. Adaptation lag: steps after a switch until the target style's share
-(window {metrics["window"]}) reaches {metrics["threshold"]}; "never" if not before the next
-switch. AUC: trapezoid area under the per-step reward divided by the step span.</p>
+over a full window of {metrics["window"]} steps after the switch reaches {metrics["threshold"]}
+(so at least {metrics["window"] - 1}); "never" if not before the next switch. AUC: trapezoid area under the per-step reward divided by the step span.</p>
 <h2>Schedule</h2>
 <table><tr><th>target style</th><th>first step</th><th>end step (exclusive)</th></tr>{seg_rows}</table>
 <h2>Metrics</h2>
@@ -381,11 +381,15 @@ def write_report(
 
 
 def load_records(path: str | Path) -> list[dict[str, Any]]:
-    """Records from a JSON list file or a JSON-lines file (one record per non-empty line)."""
+    """Records from a JSON list file or a JSON-lines file (one record per non-empty line).
+
+    Lines end at ``\n`` only: ``judge.sim_result.save_records`` writes ``ensure_ascii=False``,
+    so an answer keeps U+2028, U+2029 or U+0085 raw inside its string, and ``str.splitlines``
+    would cut the record there. Raises ``json.JSONDecodeError`` for a line that is not JSON."""
     text = Path(path).read_text(encoding="utf-8").strip()
     if text.startswith("["):
         return list(json.loads(text))
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
+    return [json.loads(line) for line in text.split("\n") if line.strip()]
 
 
 def load_runs(folder: str | Path) -> tuple[dict[str, list[dict[str, Any]]], dict[str, Any]]:

@@ -56,8 +56,10 @@ class SimulationResult:
 
 
 def save_records(path: Path, records: list[dict]) -> None:
-    """One JSON record per line (the report's input)."""
+    """One JSON record per line (the report's input), UTF-8 whatever the locale: answers keep
+    their characters raw (``ensure_ascii=False``), U+2028 and the like included, which
+    ``judge.report.load_records`` reads back."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
+    with open(path, "w", encoding="utf-8") as f:
         for r in records:
             f.write(json.dumps(r, ensure_ascii=False) + "\n")

@@ -63,6 +63,45 @@ def test_adaptation_lag_by_hand() -> None:
     assert adaptation_lag([0.2, 0.3], [5]) == [None]
     with pytest.raises(ValueError):
         adaptation_lag([0.0] * 5, [3, 2])
+    with pytest.raises(ValueError):
+        adaptation_lag([0.0] * 5, [3], window=0)
+
+
+def test_adaptation_lag_waits_for_a_full_window() -> None:
+    """The demo's seed 0 (docs/demo.md, eleventh session): window 3, switch at step 8. Step 8's
+    window held step 8 alone, 8 of its 16 answers poetic (0.5) from versions trained only on
+    pirate; the full windows first reached 0.4 at step 24."""
+    #       steps 8 .. 25 of the run's target share, rounded to two places
+    after = [
+        0.5,
+        0.44,
+        0.31,
+        0.19,
+        0.17,
+        0.19,
+        0.23,
+        0.23,
+        0.33,
+        0.33,
+        0.29,
+        0.21,
+        0.23,
+        0.27,
+        0.33,
+        0.35,
+        0.4,
+        0.4,
+    ]
+    series = [0.2] * 8 + after
+    # Window 1 (the old rule for every window): step 8 counts, lag 0.
+    assert adaptation_lag(series, [8], threshold=0.4) == [0]
+    # Window 3: steps 8 and 9 hold 1 and 2 steps; the first full window is step 10 (0.31), and
+    # the first full one at 0.4 or more is step 24: lag 24 - 8 = 16.
+    assert adaptation_lag(series, [8], threshold=0.4, window=3) == [16]
+    # A share at the threshold on the first full step: lag window - 1 = 2, the least there is.
+    assert adaptation_lag([0.0, 0.0, 0.9, 0.9, 0.4], [2], threshold=0.4, window=3) == [2]
+    # A segment shorter than the window never has a full one.
+    assert adaptation_lag([0.0, 0.9, 0.9], [1], threshold=0.4, window=3) == [None]
 
 
 def test_rolling_share_by_hand() -> None:
@@ -168,6 +207,21 @@ def test_write_report_window_and_spec(tmp_path: Path) -> None:
     assert metrics["methods"]["sao"]["adaptation_lag"] == [2]
     with pytest.raises(ValueError):
         write_report(tmp_path, SCHEDULE, {})
+
+
+def test_records_with_unicode_line_separators_round_trip(tmp_path: Path) -> None:
+    """A demo's seed 1 (docs/demo.md, eleventh session) answered "…grammar:\u2028They say…";
+    ``save_records`` keeps U+2028 raw (ensure_ascii=False), and a reader that split lines with
+    ``str.splitlines`` cut that record in two (``python -m judge.report --runs`` failed)."""
+    from judge.sim_result import save_records
+
+    answers = ["grammar:\u2028They say", "a\u2029b", "next\x85line", "form\x0cfeed\x1cfile", "tab\there"]
+    records = [{"step": i, "answer": a} for i, a in enumerate(answers)]
+    path = tmp_path / "records-sao.jsonl"
+    save_records(path, records)
+    # Five records, one a line: only "\n" ends a line (the raw separators sit inside strings).
+    assert path.read_text(encoding="utf-8").count("\n") == 5
+    assert load_records(path) == records
 
 
 def test_cli_reads_json_lines(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

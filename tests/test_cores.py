@@ -77,6 +77,18 @@ def test_the_demo_gives_the_engine_and_the_learner_their_own_cores(monkeypatch, 
     assert (env["SAOSERVE_ENGINE_THREADS"], env["SAOSERVE_LEARNER_THREADS"]) == ("1", "1")
 
 
+@pytest.mark.parametrize(("native", "dtype"), [(True, "bfloat16"), (False, "float32")])
+def test_the_demo_serves_in_bf16_where_the_cpu_has_bf16_units(monkeypatch, tmp_path, native, dtype):
+    import saoserve.demo
+    from saoserve.demo import Services
+
+    monkeypatch.delenv("SAOSERVE_DTYPE", raising=False)
+    monkeypatch.setattr(saoserve.demo, "bf16_native", lambda: native)
+    assert Services(tmp_path, [], tmp_path / "logs").env["SAOSERVE_DTYPE"] == dtype
+    monkeypatch.setenv("SAOSERVE_DTYPE", "float32")
+    assert Services(tmp_path, [], tmp_path / "logs").env["SAOSERVE_DTYPE"] == "float32"
+
+
 def test_the_learner_takes_its_thread_count_before_it_builds_anything(monkeypatch, tmp_path):
     import torch
 

@@ -140,7 +140,10 @@ def make_schedule(spec: str, steps_per_style: int):
         fail(str(exc))
 
 
-DEMO_SCHEDULE = "pirate:6,poetic:16"
+# 30 learner steps, as many as the 15 minutes of `make demo` hold on 2 cores with the demo's
+# defaults (docs/demo.md, eleventh session); 22 of them after the switch, where the earlier
+# 16 left the crossing at the threshold's edge.
+DEMO_SCHEDULE = "pirate:8,poetic:22"
 # Async traffic of demo/compare: 8 requests in flight, and new requests held while two batches
 # of samples wait for the learner or are on their way (staleness 1 after the first step). Not
 # paced by default: on 2 shared cores, pacing (judge.pacing.pace_gap) kept vLLM serving through

@@ -139,7 +139,7 @@ def test_registry_picks_each_implementation():
     spo = build_algorithm(build_config(algorithm="spo"), tiny_policy)
     assert type(spo) is SPOLearner and spo.config.optimizer.policy_lr == 5e-5
     kl = build_algorithm(build_config("demo"), tiny_policy)
-    assert kl.policy_update.anchor is not None and kl.config.algorithm.kl_coef == 0.1
+    assert kl.policy_update.anchor is not None and kl.config.algorithm.kl_coef == 0.04
 
 
 def test_presets():
@@ -149,7 +149,7 @@ def test_presets():
     assert (cpu.batch_size, opt.policy_lr, cpu.algorithm.critic_lr, opt.adam_beta1) == (8, 5e-5, 1e-4, 0.9)
     demo = build_config("demo")
     assert (demo.batch_size, demo.optimizer.policy_lr, demo.optimizer.adam_beta1) == (16, 1e-4, 0.5)
-    assert (demo.algorithm.critic_lr, demo.algorithm.kl_coef) == (2e-4, 0.1)
+    assert (demo.algorithm.critic_lr, demo.algorithm.kl_coef) == (2e-4, 0.04)
     # The bf16 learner where the CPU has bf16 units, float32 where a bf16 matmul is the slow one;
     # eager: compiled layers were no faster at the demo's shape (docs/demo.md).
     assert (demo.bf16, demo.compile_layers, cpu.bf16) == (bf16_native(), False, False)
@@ -170,7 +170,7 @@ def test_json_round_trip(tmp_path):
     assert load_config(path) == config
     # Overrides on top of a file: the algorithm switch keeps only the fields the new one has.
     switched = load_config(path, algorithm="sao", overrides={"algorithm": {"critic_lr": 3e-4}})
-    assert switched.algorithm.kl_coef == 0.1 and switched.algorithm.critic_lr == 3e-4
+    assert switched.algorithm.kl_coef == 0.04 and switched.algorithm.critic_lr == 3e-4
 
 
 @pytest.mark.parametrize(
@@ -222,4 +222,4 @@ def test_an_optimizer_override_keeps_the_presets_other_optimizer_fields():
     """The sections are merged field by field: demo's β1 0.5 survives a new learning rate."""
     config = build_config("demo", overrides={"optimizer": {"policy_lr": 3e-4}})
     assert (config.optimizer.policy_lr, config.optimizer.adam_beta1) == (3e-4, 0.5)
-    assert config.algorithm.kl_coef == 0.1
+    assert config.algorithm.kl_coef == 0.04

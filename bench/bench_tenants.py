@@ -164,10 +164,11 @@ class TenantServices:
         return None
 
     def stop(self) -> None:
-        """SIGINT every child's process group (learners first), SIGKILL after 30 s."""
+        """SIGTERM every child's process group (learners first), SIGKILL after 30 s; SIGTERM as
+        ``saoserve.demo.Services.stop``: a child of a background job ignores SIGINT."""
         for p in reversed(self.procs.values()):
             if p.poll() is None:
-                os.killpg(p.pid, signal.SIGINT)
+                os.killpg(p.pid, signal.SIGTERM)
         for p in reversed(self.procs.values()):
             try:
                 p.wait(timeout=30)

@@ -17,8 +17,10 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -123,9 +125,12 @@ class Services:
         return None
 
     def stop(self) -> None:
+        """Stop the children (each its process group, vLLM's engine process included): SIGTERM,
+        which ``serve`` (uvicorn) and ``learn`` take as a clean stop, then SIGKILL after 30 s.
+        Not SIGINT: a child started from a shell's background job inherits SIGINT ignored."""
         for p in reversed(self.procs):
             if p.poll() is None:
-                os.killpg(p.pid, signal.SIGINT)
+                os.killpg(p.pid, signal.SIGTERM)
         for p in reversed(self.procs):
             try:
                 p.wait(timeout=30)
@@ -133,6 +138,27 @@ class Services:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
         self.procs.clear()
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+@contextmanager
+def sigterm_as_ctrl_c():
+    """Within it, SIGTERM (``kill``, ``timeout``, a cancelled CI job) stops a run as Ctrl-C
+    does: the services are stopped and the report is written from what was measured. Without
+    it, SIGTERM ended ``demo``/``compare`` at once and left their server and learner running.
+    The previous handler is restored on exit. Off the main thread (where Python allows no
+    handler) it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def drop_weights(home: Path) -> int:
@@ -313,7 +339,7 @@ def run_methods(
     ``window`` in steps and the lag ``threshold``) and return its metrics.
 
     The model is prepared once at ``model_dir`` (``prepare_model``) and linked into each run's
-    fresh home ``out/run-<name>``. A run that is interrupted (Ctrl-C, a service that died) ends
+    fresh home ``out/run-<name>``. A run that is interrupted (Ctrl-C or SIGTERM, a service that died) ends
     the loop and the report is written from what completed, marked partial on the console.
     Raises RuntimeError if no run completed a step.
     """
@@ -324,35 +350,36 @@ def run_methods(
     out.mkdir(parents=True, exist_ok=True)
     runs: dict[str, list[dict]] = {m: [] for m in configs}
     interrupted: str | None = None
-    for s in range(seed, seed + seeds):
-        for method, config in configs.items():
-            name = method if seeds == 1 else f"{method}-s{s}"
-            home = out / f"run-{name}"
-            shutil.rmtree(home, ignore_errors=True)
-            home.mkdir(parents=True)
-            (home / "model").symlink_to(model_dir.resolve(), target_is_directory=True)
-            result = run_method(
-                method,
-                schedule,
-                judge,
-                out,
-                batch_size=batch_size,
-                max_tokens=max_tokens,
-                seed=s,
-                learner_config=config,
-                keep_weights=keep_weights,
-                traffic=traffic,
-                name=name,
-                critic_init=critic_init,
-            )
-            if result.records:
-                runs[method].append({"seed": s, "records": result.records, "details": result.details()})
-            if result.interrupted:
-                interrupted = result.stopped_by or "interrupted"
+    with sigterm_as_ctrl_c():
+        for s in range(seed, seed + seeds):
+            for method, config in configs.items():
+                name = method if seeds == 1 else f"{method}-s{s}"
+                home = out / f"run-{name}"
+                shutil.rmtree(home, ignore_errors=True)
+                home.mkdir(parents=True)
+                (home / "model").symlink_to(model_dir.resolve(), target_is_directory=True)
+                result = run_method(
+                    method,
+                    schedule,
+                    judge,
+                    out,
+                    batch_size=batch_size,
+                    max_tokens=max_tokens,
+                    seed=s,
+                    learner_config=config,
+                    keep_weights=keep_weights,
+                    traffic=traffic,
+                    name=name,
+                    critic_init=critic_init,
+                )
+                if result.records:
+                    runs[method].append({"seed": s, "records": result.records, "details": result.details()})
+                if result.interrupted:
+                    interrupted = result.stopped_by or "interrupted"
+                    break
+            if interrupted:
+                console.print(f"{interrupted}: writing a partial report", style="yellow", markup=False)
                 break
-        if interrupted:
-            console.print(f"{interrupted}: writing a partial report", style="yellow", markup=False)
-            break
     runs = {m: r for m, r in runs.items() if r}
     if not runs:
         raise RuntimeError("no step completed; nothing to report")

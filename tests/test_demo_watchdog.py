@@ -1,8 +1,10 @@
-"""The main job stops, keeping what it measured, when the server or the learner exits."""
+"""The main job stops, keeping what it measured, when the server or the learner exits, and
+stops its children when it is stopped itself (Ctrl-C, SIGTERM)."""
 
 from __future__ import annotations
 
 import asyncio
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -63,3 +65,38 @@ def test_a_learner_done_with_its_steps_does_not_stop_the_simulation(tmp_path):
     server.wait()
     services.procs.append(server)
     assert services.exited() == f"saoserve serve exited (exit code 0); see {tmp_path / 'logs'}"
+
+
+def test_stop_ends_children_that_ignore_sigint(tmp_path):
+    """A demo started from a shell's background job passes SIGINT ignored to its children;
+    ``stop`` sends SIGTERM, so they end at once rather than by SIGKILL after 30 s."""
+    services = Services(tmp_path / "home", [], tmp_path / "logs")
+    code = "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); print('ready', flush=True); time.sleep(60)"
+    proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True, stdout=subprocess.PIPE)
+    assert proc.stdout.readline() == b"ready\n"
+    services.procs.append(proc)
+    services.stop()
+    assert proc.returncode == -signal.SIGTERM and services.procs == []
+
+
+def test_sigterm_stops_a_run_as_ctrl_c_does():
+    """``kill`` of ``saoserve demo`` ended it at once and left its server and learner running;
+    within ``sigterm_as_ctrl_c`` SIGTERM is a KeyboardInterrupt, which ``run_method`` turns into
+    a stopped run and a report, and the previous handler is back afterwards."""
+    code = (
+        "import signal, time\n"
+        "from saoserve.demo import sigterm_as_ctrl_c\n"
+        "try:\n"
+        "    with sigterm_as_ctrl_c():\n"
+        "        print('ready', flush=True)\n"
+        "        time.sleep(60)\n"
+        "except KeyboardInterrupt:\n"
+        "    print('interrupted', flush=True)\n"
+        "print(signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, flush=True)\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=root, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "ready\n"
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert (proc.returncode, out) == (0, "interrupted\nTrue\n")

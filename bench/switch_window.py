@@ -1,0 +1,113 @@
+"""What each method's baseline held at the first switch of a demo/compare run (SAO Figure 5).
+
+The paper's claim (SAO §3.4, Figure 5): after a preference switch the running-mean baseline
+lags, because each prompt's window of its last 8 rewards still holds the old target's rewards.
+That needs an old target that was learned (its share high before the switch) and prompts that
+recur within the window. This script reads a ``saoserve demo``/``compare`` folder and replays,
+for each run, the learner's batches in training order (``learner_steps[*].sample_ids`` →
+records) up to the first batch that holds an answer judged under the new target:
+
+- the old target's share over the last ``--share-window`` steps before the switch (the report's
+  trailing window);
+- the running mean's window at that batch: for each of the batch's prompts, the mean of its last
+  ``--rm-window`` rewards trained before it (``learner.baselines.RunningMeanBaseline``'s
+  window), averaged over the batch, with the prompts whose window was full;
+- SAO's critic at that batch: the step's ``value_mean`` (the clamped values GAE used);
+- the lag, AUC and last-5 of the run (``judge.metrics.method_metrics``, the report's window and
+  threshold).
+
+Prints a Markdown table, one row per run.
+
+    .venv/bin/python bench/switch_window.py /tmp/R/fig5
+
+Pure reading of the folder's ``records-*.jsonl``, ``details-*.json`` and ``metrics.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+from collections import defaultdict, deque
+from pathlib import Path
+
+
+def sample_ids(step: dict) -> list[str]:
+    """The learner step's sample ids (stored as the repr of a list in the step metrics)."""
+    ids = step.get("sample_ids") or []
+    return ast.literal_eval(ids) if isinstance(ids, str) else list(ids)
+
+
+def replay(records: list[dict], details: dict, new_target: str, rm_window: int) -> dict:
+    """The running mean's and the critic's baseline at the first batch with a ``new_target``
+    answer: {"step", "rm_baseline", "rm_full_prompts", "batch_prompts", "value_mean"}."""
+    by_id = {r["id"]: r for r in records}
+    windows: dict[str, deque] = defaultdict(lambda: deque(maxlen=rm_window))
+    for step in sorted(details["learner_steps"], key=lambda s: s["step"]):
+        batch = [by_id[i] for i in sample_ids(step) if i in by_id]
+        if any(r["target_style"] == new_target for r in batch):
+            means = [
+                sum(windows[r["prompt_id"]]) / len(windows[r["prompt_id"]])
+                for r in batch
+                if windows[r["prompt_id"]]
+            ]
+            full = sum(1 for r in batch if len(windows[r["prompt_id"]]) == rm_window)
+            return {
+                "step": step["step"],
+                "rm_baseline": sum(means) / len(means) if means else None,
+                "rm_full_prompts": full,
+                "batch_prompts": len(batch),
+                "value_mean": step.get("value_mean"),
+            }
+        for r in batch:
+            windows[r["prompt_id"]].append(float(r["reward"]))
+    return {}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("folder", type=Path)
+    parser.add_argument("--rm-window", type=int, default=8, help="the running mean's window (rewards)")
+    parser.add_argument("--schedule", help="default: the folder's metrics.json (a run still going has none)")
+    parser.add_argument("--window", type=int, default=3, help="share window in steps, with --schedule")
+    parser.add_argument("--threshold", type=float, default=0.4, help="lag threshold, with --schedule")
+    args = parser.parse_args()
+
+    from judge.metrics import method_metrics
+    from judge.report import load_records
+    from judge.styles import schedule_from_spec
+
+    if args.schedule is None:
+        meta = json.loads((args.folder / "metrics.json").read_text())
+        spec = ",".join(f"{s['style']}:{s['end'] - s['start']}" for s in meta["schedule"])
+    else:
+        meta = {"window": args.window, "threshold": args.threshold}
+        spec = args.schedule
+    schedule = schedule_from_spec(spec)
+    switch = schedule.switch_steps[0]
+    old, new = schedule.styles[0], schedule.styles[1]
+    print(
+        f"| run | {old} share before the switch (window {meta['window']}) | mean reward, {old} segment "
+        f"| first batch with {new} | running mean's window: mean (full prompts / batch) | critic value mean "
+        f"| lag | AUC | last-5 |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for path in sorted(args.folder.glob("details-*.json")):
+        name = path.stem.removeprefix("details-")
+        details = json.loads(path.read_text())
+        records = load_records(args.folder / f"records-{name}.jsonl")
+        m = method_metrics(records, schedule, meta["window"], meta["threshold"], details)
+        at = replay(records, details, new, args.rm_window)
+        rm = at.get("rm_baseline")
+        value = at.get("value_mean")
+        print(
+            f"| {name} | {m['target_share'][switch - 1]:.2f} | {m['segment_mean_reward'][0]:.3f} "
+            f"| step {at.get('step')} | {'—' if rm is None else f'{rm:.3f}'} "
+            f"({at.get('rm_full_prompts')} / {at.get('batch_prompts')}) "
+            f"| {'—' if value is None else f'{value:.3f}'} | {m['adaptation_lag']} | {m['auc']:.3f} "
+            f"| {m['last5_mean']:.3f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -48,7 +48,7 @@ from judge.sim_result import SimulationResult, save_records
 from judge.simulate import Simulation
 from judge.styles import Schedule, Segment, system_prompt, writing_requests
 from learner.config import build_config
-from saoserve.demo import wait_until_ready
+from saoserve.demo import sigterm_as_ctrl_c, wait_until_ready
 from saoserve.model import prepare_model
 from saoserve.ports import free_port
 from saoserve.run_options import make_judge
@@ -317,10 +317,6 @@ async def drive(sims: dict[str, Simulation], services: TenantServices) -> str | 
     return why
 
 
-def _stop_on_sigterm(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path("/tmp/bench-tenants"))
@@ -349,27 +345,29 @@ def main(argv: list[str] | None = None) -> int:
     (home / "model").symlink_to(model_dir, target_is_directory=True)
     (home / "learner.json").write_text(config, encoding="utf-8")
     services = TenantServices(home, args.out / "logs", args.learner_threads)
-    signal.signal(signal.SIGTERM, _stop_on_sigterm)
     sims: dict[str, Simulation] = {}
     stopped_by = None
     started = time.time()
-    try:
-        print(f"starting the server in {home} …", file=sys.stderr)
-        services.start_server()
-        keys = {t: services.create_key(t) for t in TENANTS}
-        cards = {t: services.check_key(t, k) for t, k in keys.items()}
-        for t in TENANTS:
-            services.start_learner(t, home / "learner.json")
-        sims = simulations(args, services.url, services.admin_key, keys)
-        print(f"server ready, cards {cards}; running the tenants for {args.seconds:.0f} s", file=sys.stderr)
+    with sigterm_as_ctrl_c():
         try:
-            stopped_by = asyncio.run(drive(sims, services))
-        except KeyboardInterrupt:
-            stopped_by = "interrupted"
-    finally:
-        services.stop()
-        if not args.keep_home:
-            shutil.rmtree(home, ignore_errors=True)
+            print(f"starting the server in {home} …", file=sys.stderr)
+            services.start_server()
+            keys = {t: services.create_key(t) for t in TENANTS}
+            cards = {t: services.check_key(t, k) for t, k in keys.items()}
+            for t in TENANTS:
+                services.start_learner(t, home / "learner.json")
+            sims = simulations(args, services.url, services.admin_key, keys)
+            print(
+                f"server ready, cards {cards}; running the tenants for {args.seconds:.0f} s", file=sys.stderr
+            )
+            try:
+                stopped_by = asyncio.run(drive(sims, services))
+            except KeyboardInterrupt:
+                stopped_by = "interrupted"
+        finally:
+            services.stop()
+            if not args.keep_home:
+                shutil.rmtree(home, ignore_errors=True)
     rows = [tenant_row(t, sims[t].result, args.window) for t in sims]
     for t, sim in sims.items():
         save_records(args.out / f"records-{t}.jsonl", sim.result.records)

@@ -7,8 +7,8 @@ recur within the window. This script reads a ``saoserve demo``/``compare`` folde
 for each run, the learner's batches in training order (``learner_steps[*].sample_ids`` →
 records) up to the first batch that holds an answer judged under the new target:
 
-- the old target's share over the last ``--share-window`` steps before the switch (the report's
-  trailing window);
+- the old target's share over the report's trailing window (``metrics.json``'s, or ``--window``
+  with ``--schedule`` for a folder whose run has not written one) at the step before the switch;
 - the running mean's window at that batch: for each of the batch's prompts, the mean of its last
   ``--rm-window`` rewards trained before it (``learner.baselines.RunningMeanBaseline``'s
   window), averaged over the batch, with the prompts whose window was full;
@@ -20,7 +20,8 @@ Prints a Markdown table, one row per run.
 
     .venv/bin/python bench/switch_window.py /tmp/R/fig5
 
-Pure reading of the folder's ``records-*.jsonl``, ``details-*.json`` and ``metrics.json``.
+Pure reading of the folder's ``records-*.jsonl``, ``details-*.json`` and ``metrics.json``;
+the running mean's window is replayed here, not read from the learner, which does not log it.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from __future__ import annotations
 import argparse
 import ast
 import json
-from collections import defaultdict, deque
 from pathlib import Path
 
 
@@ -40,27 +40,26 @@ def sample_ids(step: dict) -> list[str]:
 
 def replay(records: list[dict], details: dict, new_target: str, rm_window: int) -> dict:
     """The running mean's and the critic's baseline at the first batch with a ``new_target``
-    answer: {"step", "rm_baseline", "rm_full_prompts", "batch_prompts", "value_mean"}."""
+    answer: {"step", "rm_baseline", "rm_full_prompts", "batch_prompts", "value_mean"}. The
+    running mean is the learner's own (``RunningMeanBaseline``), fed the batches in training
+    order: "rm_baseline" is the mean over the batch of what it would subtract."""
+    from learner.baselines import RunningMeanBaseline
+
     by_id = {r["id"]: r for r in records}
-    windows: dict[str, deque] = defaultdict(lambda: deque(maxlen=rm_window))
+    baseline = RunningMeanBaseline(window=rm_window)
     for step in sorted(details["learner_steps"], key=lambda s: s["step"]):
         batch = [by_id[i] for i in sample_ids(step) if i in by_id]
+        prompts = [r["prompt_id"] for r in batch]
         if any(r["target_style"] == new_target for r in batch):
-            means = [
-                sum(windows[r["prompt_id"]]) / len(windows[r["prompt_id"]])
-                for r in batch
-                if windows[r["prompt_id"]]
-            ]
-            full = sum(1 for r in batch if len(windows[r["prompt_id"]]) == rm_window)
+            history = baseline.state_dict()["history"]
             return {
                 "step": step["step"],
-                "rm_baseline": sum(means) / len(means) if means else None,
-                "rm_full_prompts": full,
+                "rm_baseline": baseline.baselines(prompts).mean().item() if prompts else None,
+                "rm_full_prompts": sum(1 for p in prompts if len(history.get(p, [])) == rm_window),
                 "batch_prompts": len(batch),
                 "value_mean": step.get("value_mean"),
             }
-        for r in batch:
-            windows[r["prompt_id"]].append(float(r["reward"]))
+        baseline.update(prompts, [float(r["reward"]) for r in batch])
     return {}
 
 

@@ -88,7 +88,8 @@ img{{max-width:100%}}figure{{margin:1em 0}}</style></head><body>
 <p>Reward = quality × [detected style = target style]; per-step values are means over the
 step's judged answers. Adaptation lag: steps after a switch until the target style's share
 over a full window of {metrics["window"]} steps after the switch reaches {metrics["threshold"]}
-(so at least {metrics["window"] - 1}); "never" if not before the next switch. AUC: trapezoid area under the per-step reward divided by the step span.</p>
+(so at least {metrics["window"] - 1}); "never" if not before the next switch. AUC: trapezoid
+area under the per-step reward divided by the step span.</p>
 <h2>Schedule</h2>
 <table><tr><th>target style</th><th>first step</th><th>end step (exclusive)</th></tr>{seg_rows}</table>
 <h2>Metrics</h2>

@@ -68,36 +68,34 @@ def test_adaptation_lag_by_hand() -> None:
 
 
 def test_adaptation_lag_waits_for_a_full_window() -> None:
-    """The demo's seed 0 (docs/demo.md, eleventh session): window 3, switch at step 8. Step 8's
-    window held step 8 alone, 8 of its 16 answers poetic (0.5) from versions trained only on
-    pirate; the full windows first reached 0.4 at step 24."""
-    #       steps 8 .. 25 of the run's target share, rounded to two places
-    after = [
-        0.5,
-        0.44,
-        0.31,
-        0.19,
-        0.17,
-        0.19,
-        0.23,
-        0.23,
-        0.33,
-        0.33,
-        0.29,
-        0.21,
-        0.23,
-        0.27,
-        0.33,
-        0.35,
-        0.4,
-        0.4,
-    ]
-    series = [0.2] * 8 + after
-    # Window 1 (the old rule for every window): step 8 counts, lag 0.
-    assert adaptation_lag(series, [8], threshold=0.4) == [0]
-    # Window 3: steps 8 and 9 hold 1 and 2 steps; the first full window is step 10 (0.31), and
-    # the first full one at 0.4 or more is step 24: lag 24 - 8 = 16.
-    assert adaptation_lag(series, [8], threshold=0.4, window=3) == [16]
+    """The demo's seed 0 at KL 0.1 (docs/demo.md, eleventh session): window 3, switch at step 8,
+    16 answers a step. Poetic answers at steps 8..29, as the run's records have them:"""
+    poetic = [8, 6, 1, 2, 5, 2, 4, 5, 7, 4, 3, 3, 5, 5, 6, 6, 7, 6, 6, 4, 9, 6]
+    styles = [["pirate"] * 16 for _ in range(8)] + [["poetic"] * k + ["plain"] * (16 - k) for k in poetic]
+    sched = schedule_from_spec("pirate:8,poetic:22")
+
+    def lag_and_share(per_step: list[list[str]]) -> tuple[list, list[float]]:
+        records = [
+            {"step": t, "target_style": sched.target_at(t), "detected_style": s, "reward": 0.0}
+            for t, step in enumerate(per_step)
+            for s in step
+        ]
+        m = method_metrics(records, sched, window=3, threshold=0.4)
+        return m["adaptation_lag"], m["target_share"]
+
+    lag, share = lag_and_share(styles)
+    # The window never reaches back past step 8: step 8 alone 8/16, steps 8-9 (8 + 6)/32, then
+    # full windows, the first (8 + 6 + 1)/48.
+    assert share[8:11] == [8 / 16, 14 / 32, 15 / 48]
+    # The full windows' best: steps 22-24, 24-26 and 27-29 each hold 19 of 48 = 0.396 < 0.4.
+    assert max(share[10:]) == 19 / 48 and share[24] == (6 + 6 + 7) / 48
+    assert lag == [None]
+    # The old rule (every step counts) read step 8's one-step window, 0.5, as a lag of 0.
+    assert adaptation_lag(share, [8], threshold=0.4) == [0]
+    # One more poetic answer at step 29 (7): steps 27-29 hold 4 + 9 + 7 = 20 of 48 = 0.417, the
+    # first full window at 0.4 or more (steps 26-28 still hold 6 + 4 + 9 = 19): lag 29 - 8 = 21.
+    crossed = styles[:29] + [["poetic"] * 7 + ["plain"] * 9]
+    assert lag_and_share(crossed)[0] == [21]
     # A share at the threshold on the first full step: lag window - 1 = 2, the least there is.
     assert adaptation_lag([0.0, 0.0, 0.9, 0.9, 0.4], [2], threshold=0.4, window=3) == [2]
     # A segment shorter than the window never has a full one.

@@ -83,6 +83,10 @@ class SAOAlgorithm(_DISLoss):
     """Discount per action token (1.0)."""
     value_range: tuple[float, float] | None = (0.0, 1.0)
     """(low, high) the values fed to GAE are clamped to (the returns' range; None: no clamp)."""
+    advantage_values: Literal["after_updates", "before_updates"] = "after_updates"
+    """Critic values GAE scores the batch with: after its K updates on the batch (SAO §2.2) or
+    from before them (ablation: a critic that has not seen the batch's rewards; docs/design.md
+    §5.2)."""
 
     @model_validator(mode="after")
     def _increasing_range(self) -> SAOAlgorithm:

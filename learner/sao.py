@@ -46,7 +46,8 @@ class SAOLearner(Algorithm):
            ``V(s_t)`` and the Monte-Carlo return (λ_critic = 1, γ; with γ = 1 this is the row's
            reward on every action token). Learning rate warms up linearly over
            ``critic_warmup_steps`` learner steps.
-        2. Values recomputed with the updated critic (no grad) and clamped to ``value_range``
+        2. Values recomputed with the updated critic (no grad; with ``advantage_values``
+           ``before_updates`` the first update's forward values instead) and clamped to ``value_range``
            (the returns' range, [0, 1]; not in the paper: the feedback contract bounds rewards
            to [0, 1], so a value outside it is a critic error that would otherwise give the whole
            batch one-signed advantages, docs/demo.md); per-row λ_policy = 1 − 1/(α·L_i) with L_i
@@ -225,7 +226,8 @@ class SAOLearner(Algorithm):
         return algo.critic_lr * (min(1.0, (self.steps + 1) / warm) if warm > 0 else 1.0)
 
     def _critic_phase(self, batch: Batch, mask: torch.Tensor, rewards: torch.Tensor) -> tuple:
-        """Steps 1-2: the K critic updates, then the clamped values ([B, T] float32) and the
+        """Steps 1-2: the K critic updates, then the clamped values ([B, T] float32) GAE scores
+        the batch with (after the updates, or from before them: ``advantage_values``) and the
         critic's metrics."""
         algo = self.config.algorithm
         _, returns = token_gae(rewards, torch.zeros_like(rewards), mask, algo.gamma, 1.0)
@@ -239,11 +241,15 @@ class SAOLearner(Algorithm):
             loss = masked_mse(v, returns, mask)
             if k == 0:
                 # Before any update on this batch: an out-of-sample measure of the critic.
-                ev_before = explained_variance(returns, v.detach(), mask)
+                before = v.detach().float()
+                ev_before = explained_variance(returns, before, mask)
             norms.append(optimizer_step(self.critic_opt, loss, params, self.config.optimizer.grad_clip))
             losses.append(loss.item())
-        with torch.no_grad():
-            values = self.values(batch).float()
+        if algo.advantage_values == "before_updates":
+            values = before
+        else:
+            with torch.no_grad():
+                values = self.values(batch).float()
         outside = 0.0
         if algo.value_range is not None:
             low, high = algo.value_range
@@ -253,11 +259,12 @@ class SAOLearner(Algorithm):
             "critic_loss": sum(losses) / len(losses),
             "critic_grad_norm": sum(norms) / len(norms),
             "explained_variance": ev_before,
-            "explained_variance_after": explained_variance(returns, values, mask),
             "value_mean": values[mask].mean().item(),
             "value_clamped_fraction": outside,
             "critic_lr": lr,
         }
+        if algo.advantage_values == "after_updates":
+            metrics["explained_variance_after"] = explained_variance(returns, values, mask)
         return values, metrics
 
     def _advantages(self, values: torch.Tensor, mask: torch.Tensor, rewards: torch.Tensor) -> torch.Tensor:
@@ -280,7 +287,8 @@ class SAOLearner(Algorithm):
         forward passes), action_tokens, step_time_s, tokens_per_s, policy_lr, step; with the
         critic also critic_loss (mean over the K updates), critic_grad_norm (mean, before
         clipping), explained_variance (critic before this step's updates, over action tokens),
-        explained_variance_after and value_mean (of the clamped values), value_clamped_fraction
+        explained_variance_after (with ``advantage_values`` ``after_updates``) and value_mean
+        (of the clamped values GAE used), value_clamped_fraction
         (action tokens whose value was outside ``value_range``), critic_lr; with the running-mean
         baseline baseline_mean; with ``token_staleness`` also mean_abs_log_ratio_by_staleness
         ({int: float}); with the KL anchor also kl_ref (k3 estimate of KL(πθ ‖ π_ref), nats per

@@ -19,6 +19,7 @@ from saoserve.run_options import (
     DEMO_SCHEDULE,
     MAX_BACKLOG_HELP,
     AdamBeta1Opt,
+    AdvantageValuesOpt,
     AdversaryOpt,
     BatchSizeOpt,
     BrokenLearnerOpt,
@@ -190,6 +191,7 @@ def _run_command(methods: list[str], out_default: Path, schedule_default: str, s
         judge: JudgeOpt = "offline",
         policy_lr: PolicyLrOpt = None,
         critic_lr: CriticLrOpt = None,
+        advantage_values: AdvantageValuesOpt = None,
         adam_beta1: AdamBeta1Opt = None,
         kl_coef: KlCoefOpt = None,
         policy: PolicyOpt = None,
@@ -226,7 +228,7 @@ def _run_command(methods: list[str], out_default: Path, schedule_default: str, s
         overrides = given(
             top,
             optimizer={"policy_lr": policy_lr, "adam_beta1": adam_beta1},
-            algorithm={"critic_lr": critic_lr, "kl_coef": kl_coef},
+            algorithm={"critic_lr": critic_lr, "kl_coef": kl_coef, "advantage_values": advantage_values},
             policy={"kind": policy},
             guard={"enabled": guard, "gate": {} if gate else None},
         )

@@ -178,6 +178,13 @@ KeepWeightsOpt = Annotated[
 PolicyOpt = Annotated[
     str | None, typer.Option(help=f"Learner policy: full | lora (docs/lora.md). {PRESET_HELP}")
 ]
+AdvantageValuesOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="SAO's critic values for GAE: after_updates (after its K updates on the batch, the "
+        f"paper's) | before_updates (ablation, docs/design.md §5.2). {PRESET_HELP}"
+    ),
+]
 CorrectionOpt = Annotated[
     str, typer.Option(help="Learner off-policy correction: dis | mis_snapshot | mis_ewma (learner.config).")
 ]

@@ -58,6 +58,10 @@ def home(tmp_path, monkeypatch):
         (["simulate", "--tenant", "acme"], "--tenant needs --api-key"),
         (["demo", "--critic-init", "/no/such/critic.pt"], "--critic-init /no/such/critic.pt is not a file"),
         (
+            ["demo", "--advantage-values", "before"],
+            "algorithm.sao.advantage_values: Input should be 'after_updates' or 'before_updates'",
+        ),
+        (
             ["compare", "--critic-init", "/no/such/critic.pt"],
             "--critic-init /no/such/critic.pt is not a file",
         ),
@@ -155,8 +159,8 @@ def test_learn_maps_its_options_onto_one_config(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("command", ["demo", "compare"])
 def test_learning_rates_reach_the_learner(monkeypatch, tmp_path, command):
-    """--policy-lr/--critic-lr/--adam-beta1/--kl-coef/--correction become each method's learner
-    config (the critic's learning rate only where the method has a critic)."""
+    """--policy-lr/--critic-lr/--advantage-values/--adam-beta1/--kl-coef/--correction become each
+    method's learner config (the critic's options only where the method has a critic)."""
     import saoserve.demo
     import saoserve.model
     from judge.sim_result import SimulationResult
@@ -182,6 +186,8 @@ def test_learning_rates_reach_the_learner(monkeypatch, tmp_path, command):
             "0.0003",
             "--critic-lr",
             "0.0007",
+            "--advantage-values",
+            "before_updates",
             "--adam-beta1",
             "0.5",
             "--kl-coef",
@@ -199,6 +205,8 @@ def test_learning_rates_reach_the_learner(monkeypatch, tmp_path, command):
         assert (config.batch_size, opt.policy_lr, opt.adam_beta1) == (16, 0.0003, 0.5)
         assert config.algorithm.kl_coef == 0.05
         assert getattr(config.algorithm, "critic_lr", None) == (0.0007 if method == "sao" else None)
+        want = "before_updates" if method == "sao" else None
+        assert getattr(config.algorithm, "advantage_values", None) == want
 
 
 @pytest.mark.parametrize("command", ["demo", "compare"])

@@ -400,3 +400,40 @@ def test_warm_start_loads_the_pretrained_critic_and_says_so(tmp_path):
     assert learner.warm_start(tmp_path) == tmp_path / PRETRAINED_CRITIC
     assert all(torch.equal(donor.state_dict()[k], v) for k, v in critic.state_dict().items())
     assert SAOLearner(make_config("running_mean", policy_lr=1e-2), policy).warm_start(tmp_path) is None
+
+
+def test_before_updates_scores_the_batch_with_the_critic_it_had():
+    """``advantage_values`` ``before_updates``: GAE takes the critic's values from before its K
+    updates on the batch, which still take place.
+
+    The critic starts at V = 0.3 on every token (zero head weights, bias 0.3), critic lr 1e-2,
+    rewards (1, 0, 1, 0). Row 0 has L = 7 action tokens, λ = 1 − 1/(1.5·7) = 0.904762; inside the
+    row V(s_t) = V(s_t+1) = 0.3, so δ_t = 0 but on the last action token, where V(terminal) = 0
+    and δ = 1 − 0.3 = 0.7: Â_last = 0.7, Â_first = 0.7·λ⁶ = 0.7 · 0.548537 = 0.383976. Row 1
+    (reward 0, 5 action tokens around an observation gap): Â_last = 0 − 0.3 = −0.3.
+    ``after_updates`` (the paper's) scores with the updated critic instead, whose values moved.
+    """
+    policy = tiny_policy()
+    learner = SAOLearner(
+        make_config(advantage_values="before_updates", **FAST),
+        policy,
+        ValueModel.from_policy(policy, head_bias=0.3),
+    )
+    batch = make_batch(policy)
+    mask = batch.action_mask.bool()
+    values, metrics = learner._critic_phase(batch, mask, batch.token_rewards())
+    adv = learner._advantages(values, mask, batch.token_rewards())
+    row0, row1 = adv[0][mask[0]], adv[1][mask[1]]
+    assert row0[-1].item() == pytest.approx(0.7, abs=1e-6)
+    assert row0[0].item() == pytest.approx(0.7 * (1 - 1 / 10.5) ** 6, abs=1e-6)
+    assert row0[0].item() == pytest.approx(0.383976, abs=1e-6)
+    assert row1[-1].item() == pytest.approx(-0.3, abs=1e-6)
+    assert metrics["value_mean"] == pytest.approx(0.3, abs=1e-6)
+    assert "explained_variance_after" not in metrics
+    assert learner.critic.head.bias.item() != pytest.approx(0.3, abs=1e-4)  # the K updates ran
+
+    policy = tiny_policy()
+    learner = SAOLearner(make_config(**FAST), policy, ValueModel.from_policy(policy, head_bias=0.3))
+    assert learner.config.algorithm.advantage_values == "after_updates"
+    values, metrics = learner._critic_phase(batch, mask, batch.token_rewards())
+    assert metrics["value_mean"] != pytest.approx(0.3, abs=1e-3) and "explained_variance_after" in metrics

@@ -13,6 +13,12 @@ records) up to the first batch that holds an answer judged under the new target:
   ``--rm-window`` rewards trained before it (``learner.baselines.RunningMeanBaseline``'s
   window), averaged over the batch, with the prompts whose window was full;
 - SAO's critic at that batch: the step's ``value_mean`` (the clamped values GAE used);
+- how long the old target had been learned at the switch: the steps since its share first
+  reached the threshold (the precondition: a running mean's window of 8 rewards per prompt holds
+  the learned rate only if that is at least 8 steps with every prompt in each batch);
+- from the switch's batch on, the medians of the critic's explained variance before and after
+  its K updates (``explained_variance``, ``explained_variance_after``) and of the policy's
+  gradient norm: how much of the batch's return the critic had already fitted when it scored it;
 - the lag, AUC and last-5 of the run (``judge.metrics.method_metrics``, the report's window and
   threshold).
 
@@ -63,6 +69,29 @@ def replay(records: list[dict], details: dict, new_target: str, rm_window: int) 
     return {}
 
 
+def learned_for(share: list[float | None], switch: int, threshold: float) -> int | None:
+    """Steps between the first step whose old-target share reached ``threshold`` and the switch
+    (``switch`` − that step); None if it never did before the switch."""
+    for step, value in enumerate(share[:switch]):
+        if value is not None and value >= threshold:
+            return switch - step
+    return None
+
+
+def median_from(steps: list[dict], first: int, key: str) -> float | None:
+    """The median of ``key`` over the learner steps numbered ``first`` and later (None: none
+    has it)."""
+    values = sorted(s[key] for s in steps if s["step"] >= first and s.get(key) is not None)
+    if not values:
+        return None
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
+def _fmt(value: float | None) -> str:
+    return "—" if value is None else f"{value:.2f}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("folder", type=Path)
@@ -87,10 +116,12 @@ def main() -> None:
     old, new = schedule.styles[0], schedule.styles[1]
     print(
         f"| run | {old} share before the switch (window {meta['window']}) | mean reward, {old} segment "
-        f"| first batch with {new} | running mean's window: mean (full prompts / batch) | critic value mean "
+        f"| steps since {old} reached {meta['threshold']} | first batch with {new} "
+        f"| running mean's window: mean (full prompts / batch) | critic value mean "
+        f"| critic EV before / after its updates, median from there | policy grad norm, median from there "
         f"| lag | AUC | last-5 |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for path in sorted(args.folder.glob("details-*.json")):
         name = path.stem.removeprefix("details-")
         details = json.loads(path.read_text())
@@ -99,12 +130,18 @@ def main() -> None:
         at = replay(records, details, new, args.rm_window)
         rm = at.get("rm_baseline")
         value = at.get("value_mean")
+        steps = details["learner_steps"]
+        first = at.get("step", 0)
         print(
             f"| {name} | {m['target_share'][switch - 1]:.2f} | {m['segment_mean_reward'][0]:.3f} "
+            f"| {learned_for(m['target_share'], switch, meta['threshold'])} "
             f"| step {at.get('step')} | {'—' if rm is None else f'{rm:.3f}'} "
             f"({at.get('rm_full_prompts')} / {at.get('batch_prompts')}) "
-            f"| {'—' if value is None else f'{value:.3f}'} | {m['adaptation_lag']} | {m['auc']:.3f} "
-            f"| {m['last5_mean']:.3f} |"
+            f"| {'—' if value is None else f'{value:.3f}'} "
+            f"| {_fmt(median_from(steps, first, 'explained_variance'))} / "
+            f"{_fmt(median_from(steps, first, 'explained_variance_after'))} "
+            f"| {_fmt(median_from(steps, first, 'policy_grad_norm'))} "
+            f"| {m['adaptation_lag']} | {m['auc']:.3f} | {m['last5_mean']:.3f} |"
         )
 
 

@@ -37,6 +37,7 @@ from saoserve.run_options import (
     KlCoefOpt,
     MaxSecondsOpt,
     MaxTokensOpt,
+    MethodsOpt,
     ModeOpt,
     OutOpt,
     PaceOpt,
@@ -53,6 +54,7 @@ from saoserve.run_options import (
     make_judge,
     make_schedule,
     parse_broken_learner,
+    parse_methods,
     traffic_fields,
 )
 from saoserve.usage import fail, given
@@ -175,13 +177,17 @@ def simulate(
     typer.echo(f"report: {out.resolve()}/index.html")
 
 
-def _run_command(methods: list[str], out_default: Path, schedule_default: str, steps_default: int, doc: str):
-    """The ``demo`` or ``compare`` command: ``methods`` run on the same schedule, prompts and judge
-    (``saoserve.demo.run_methods``), with the command's own defaults for the report folder, the
-    schedule and the steps per style; every other option is the same for both."""
+def _run_command(
+    default_methods: list[str], out_default: Path, schedule_default: str, steps_default: int, doc: str
+):
+    """The ``demo`` or ``compare`` command: the methods (``--methods``, else ``default_methods``)
+    run on the same schedule, prompts and judge (``saoserve.demo.run_methods``), with the
+    command's own defaults for the report folder, the schedule and the steps per style; every
+    other option is the same for both."""
 
     def command(
         out: OutOpt = out_default,
+        methods: MethodsOpt = None,
         schedule: ScheduleOpt = schedule_default,
         steps_per_style: StepsPerStyleOpt = steps_default,
         batch_size: DemoBatchSizeOpt = None,
@@ -215,6 +221,10 @@ def _run_command(methods: list[str], out_default: Path, schedule_default: str, s
         from saoserve.demo import run_methods
 
         sched = make_schedule(schedule, steps_per_style)
+        try:
+            chosen = default_methods if methods is None else parse_methods(methods)
+        except ValueError as exc:
+            fail(str(exc))
         if gate and guard is False:
             fail("--gate is part of the guard: not with --no-guard")
         if critic_init is not None and not critic_init.is_file():
@@ -235,10 +245,10 @@ def _run_command(methods: list[str], out_default: Path, schedule_default: str, s
         base = overlay(PRESETS["demo"], overrides)
         try:
             # A field a method lacks (the critic's learning rate for running_mean) is left out.
-            configs = {m: build_config(algorithm=m, base=base, correction=correction) for m in methods}
+            configs = {m: build_config(algorithm=m, base=base, correction=correction) for m in chosen}
         except ConfigError as exc:
             fail(str(exc))
-        size = configs[methods[0]].batch_size
+        size = configs[chosen[0]].batch_size
         traffic = demo_traffic(
             mode, size, concurrency, rate, feedback_delay_s, max_seconds, max_backlog, prompt_pool, pace
         )

@@ -229,6 +229,34 @@ BrokenLearnerOpt = Annotated[
 ]
 
 
+RUN_METHODS = ("sao", "running_mean")
+"""The methods ``demo``/``compare`` run (SAO §3.4's comparison: ``saoserve.demo.run_method``)."""
+
+MethodsOpt = Annotated[
+    str | None,
+    typer.Option(
+        help=f"Methods to run, comma-separated, each on the same schedule, prompts and judge: "
+        f"{', '.join(RUN_METHODS)}. Default: demo sao, compare both."
+    ),
+]
+
+
+def parse_methods(spec: str) -> list[str]:
+    """The methods of ``--methods`` (``sao,running_mean``), in the given order.
+
+    Raises ValueError: an empty list, a method not in ``RUN_METHODS``, or one named twice.
+    """
+    names = [name.strip() for name in spec.split(",") if name.strip()]
+    if not names:
+        raise ValueError(f"--methods {spec!r}: name at least one of {', '.join(RUN_METHODS)}")
+    for name in names:
+        if name not in RUN_METHODS:
+            raise ValueError(f"--methods: unknown method {name!r}: choose {', '.join(RUN_METHODS)}")
+    if len(set(names)) < len(names):
+        raise ValueError(f"--methods {spec!r}: a method is named twice")
+    return names
+
+
 def parse_broken_learner(spec: str) -> dict:
     """The ``LearnerConfig.broken_learner`` fields of ``--broken-learner``: ``flip``, ``scale``
     (factor 100) or ``scale=F``. The factor's bound (F > 1) is checked by the config.

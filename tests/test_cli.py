@@ -57,6 +57,9 @@ def home(tmp_path, monkeypatch):
         (["simulate", "--tenant", "Acme!"], "--tenant: tenant 'Acme!' is not a valid name"),
         (["simulate", "--tenant", "acme"], "--tenant needs --api-key"),
         (["demo", "--critic-init", "/no/such/critic.pt"], "--critic-init /no/such/critic.pt is not a file"),
+        (["compare", "--methods", "sao,ppo"], "--methods: unknown method 'ppo': choose sao, running_mean"),
+        (["compare", "--methods", " , "], "--methods ' , ': name at least one of sao, running_mean"),
+        (["demo", "--methods", "sao,sao"], "--methods 'sao,sao': a method is named twice"),
         (
             ["demo", "--advantage-values", "before"],
             "algorithm.sao.advantage_values: Input should be 'after_updates' or 'before_updates'",
@@ -212,7 +215,7 @@ def test_learning_rates_reach_the_learner(monkeypatch, tmp_path, command):
 @pytest.mark.parametrize("command", ["demo", "compare"])
 def test_demo_and_compare_default_to_the_demo_preset(monkeypatch, tmp_path, command):
     """Without learner options each method runs the ``demo`` preset as it stands in
-    learner.config (batch 16, policy lr 1e-4, β1 0.5, critic lr 2e-4 and KL 0.1 where the
+    learner.config (batch 16, policy lr 1e-4, β1 0.5, critic lr 2e-4 and KL 0.04 where the
     method has them): the preset is the only place those defaults are written."""
     import saoserve.demo
     import saoserve.model
@@ -231,6 +234,35 @@ def test_demo_and_compare_default_to_the_demo_preset(monkeypatch, tmp_path, comm
     assert result.exit_code == 2 and "no step completed" in result.output
     methods = ["sao"] if command == "demo" else ["sao", "running_mean"]
     assert seen == [(build_config("demo", algorithm=m), 16) for m in methods]
+
+
+@pytest.mark.parametrize(
+    ("command", "spec", "want"),
+    [
+        ("compare", "running_mean", ["running_mean"]),
+        ("compare", " running_mean , sao ", ["running_mean", "sao"]),
+        ("demo", "sao,running_mean", ["sao", "running_mean"]),
+    ],
+)
+def test_methods_choose_what_runs(monkeypatch, tmp_path, command, spec, want):
+    """--methods runs the named methods in the given order, each with the demo preset."""
+    import saoserve.demo
+    import saoserve.model
+    from judge.sim_result import SimulationResult
+    from learner.config import build_config
+
+    seen: list = []
+
+    def fake_run_method(method, schedule, judge, out, **kw):
+        seen.append((method, kw["learner_config"]))
+        return SimulationResult()
+
+    monkeypatch.setattr(saoserve.demo, "run_method", fake_run_method)
+    monkeypatch.setattr(saoserve.model, "prepare_model", lambda path: path)
+    args = [command, "--out", str(tmp_path / "r"), "--schedule", "cute:1", "--methods", spec]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2 and "no step completed" in result.output
+    assert seen == [(m, build_config("demo", algorithm=m)) for m in want]
 
 
 def test_demo_run_starts_the_learner_with_its_config_file(monkeypatch, tmp_path):

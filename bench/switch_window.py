@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import statistics
 from pathlib import Path
 
 
@@ -81,11 +82,8 @@ def learned_for(share: list[float | None], switch: int, threshold: float) -> int
 def median_from(steps: list[dict], first: int, key: str) -> float | None:
     """The median of ``key`` over the learner steps numbered ``first`` and later (None: none
     has it)."""
-    values = sorted(s[key] for s in steps if s["step"] >= first and s.get(key) is not None)
-    if not values:
-        return None
-    mid = len(values) // 2
-    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+    values = [s[key] for s in steps if s["step"] >= first and s.get(key) is not None]
+    return statistics.median(values) if values else None
 
 
 def _fmt(value: float | None) -> str:

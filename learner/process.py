@@ -360,10 +360,13 @@ class Learner:
             # Never served, never restored: only its figures (in the database) matter.
             shutil.rmtree(version_dir(self.policy_dir, new_version), ignore_errors=True)
             log.warning("version %d rejected by the gate: %s", new_version, "; ".join(gate.reasons))
+        # Announced before the checkpoint is written (seconds, every checkpoint_every-th step):
+        # servers need only the committed version, and a restart takes the policy's weights from
+        # the database's latest version whether or not the checkpoint caught up.
+        self._announce_latest()
         if step % self.config.checkpoint_every == 0:
             self._checkpoint(new_version)
             fault_point("after_checkpoint")
-        self._announce_latest()
         self._prune()
         log.info(
             "version %d: reward %.3f kept %.3f EV %s loss %.4f (%.1fs)",

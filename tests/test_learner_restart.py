@@ -210,3 +210,29 @@ def test_sigterm_stops_saoserve_learn_cleanly_with_a_checkpoint(tmp_path):
 def versions_of(engine) -> list[int]:
     with engine.connect() as conn:
         return list(conn.execute(select(PolicyVersion.version).order_by(PolicyVersion.version)).scalars())
+
+
+def test_a_version_is_announced_before_its_checkpoint_is_written(tmp_path, monkeypatch):
+    # The checkpoint (critic, optimizer moments: seconds at the demo's size) is written every
+    # checkpoint_every-th step; servers need only the committed version, so its policy event is
+    # on the topic before the checkpoint starts, and a checkpoint that fails leaves it announced.
+    from core.records import TOPIC_POLICY, PolicyEvent
+
+    learner = in_process(tmp_path, f"sqlite:///{tmp_path / 'db.sqlite'}", checkpoint_every=1)
+    log = open_log(learner.settings.resolved_database_url)
+    feed(log, 2, 0)
+    learner.poll_once()
+    announced_at_checkpoint: list[list[int]] = []
+
+    def checkpoint(version: int) -> None:
+        events = [PolicyEvent.model_validate_json(e.value) for e in log.read(TOPIC_POLICY, 0, 0, 500, 0.0)]
+        announced_at_checkpoint.append([e.version for e in events])
+        raise OSError("disk full")
+
+    monkeypatch.setattr(learner, "_checkpoint", checkpoint)
+    with pytest.raises(OSError, match="disk full"):
+        learner.train_step()
+    assert announced_at_checkpoint == [[1]]
+    # Committed and announced: a restart serves on from the database's version 1.
+    learner.load()
+    assert learner.version == 1 and not learner._unannounced

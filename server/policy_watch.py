@@ -54,6 +54,8 @@ log = logging.getLogger(__name__)
 
 # Longest wait (s) between reads of a policy topic that keeps failing.
 MAX_BACKOFF_S = 10.0
+# How long (s) a partition's first read of a turn waits for a new event (it returns on one).
+READ_WAIT_S = 0.2
 
 
 class CatchingUp(Unavailable):
@@ -96,10 +98,14 @@ class PolicyWatcher:
         offsets = dict(self.offsets)
         parts = await asyncio.to_thread(self.log.partitions, TOPIC_POLICY)
         for p in parts:
+            wait_s = READ_WAIT_S
             while True:
-                batch = await asyncio.to_thread(self.log.read, TOPIC_POLICY, p, offsets.get(p, 0), 500, 0.2)
+                batch = await asyncio.to_thread(self.log.read, TOPIC_POLICY, p, offsets.get(p, 0), 500, wait_s)
                 if not batch:
                     break
+                # The rest of what is there, without waiting for more: a read that waited for
+                # nothing would delay the swap of the version just found.
+                wait_s = 0.0
                 for e in batch:
                     try:
                         events.append((e.offset, PolicyEvent.model_validate_json(e.value)))

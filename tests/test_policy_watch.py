@@ -167,3 +167,31 @@ async def test_a_replica_that_restarts_never_catches_up_to_a_rejected_version():
     log.entries.append(LogEntry(TOPIC_POLICY, 0, 3, "policy", event(8).to_json()))
     await watcher.poll()
     assert engine.version == 8
+
+
+class WaitsLog(OutageLog):
+    """``OutageLog`` that records each read's offset and wait, and hands out two events a read."""
+
+    def __init__(self, events: list[PolicyEvent]):
+        super().__init__(0, events)
+        self.reads: list[tuple[int, float]] = []
+
+    def read(self, topic, partition, offset, max_records=500, timeout_s=0.5) -> list[LogEntry]:
+        self.reads.append((offset, timeout_s))
+        return self.entries[offset : offset + 2]
+
+
+async def test_once_a_read_found_events_the_rest_is_read_without_waiting():
+    # Three events, two a read: the first read of the turn waits up to READ_WAIT_S (it returns on
+    # an event), the reads after an event found wait 0 s, down to the empty one that ends the
+    # turn; before, that last read waited 0.2 s more and delayed the swap by as much.
+    log = WaitsLog([event(1), event(2), event(3)])
+    engine = FakeEngine()
+    watcher = PolicyWatcher(log, engine, ServerMetrics(), poll_s=0.25)
+    await watcher.poll()
+    assert policy_watch.READ_WAIT_S == 0.2
+    assert log.reads == [(0, 0.2), (2, 0.0), (3, 0.0)]
+    assert engine.swaps == [(3, Path("/policies/v3"), "0" * 64)]
+    # The next turn finds nothing: one read, which waits.
+    await watcher.poll()
+    assert log.reads[3:] == [(3, 0.2)]

@@ -385,8 +385,9 @@ class LearnerConfig(BaseModel):
     """Tokens per LM-head chunk when computing log-probabilities (memory ≈ chunk · V · 12 bytes)."""
     expire_s: float = Field(900.0, ge=1.0)
     """Seconds a trajectory waits for its feedback before it is dropped."""
-    poll_s: float = Field(0.5, gt=0.0)
-    """Seconds between polls of the log when there is nothing to do."""
+    poll_s: float = Field(0.1, gt=0.0)
+    """Seconds between polls of the log when there is nothing to do: part of the wait from the
+    feedback that fills a batch to its step (each poll also waits up to 0.05 s per partition)."""
     checkpoint_every: int = Field(10, ge=1)
     """Write ``checkpoint.pt`` every this many steps."""
     keep_versions: int = Field(4, ge=0)

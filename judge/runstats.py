@@ -148,7 +148,7 @@ def feedback_to_swap(
     return out
 
 
-def _unix_s(value: Any) -> float:
+def unix_s(value: Any) -> float:
     """Unix seconds of a learner step's ``created_at`` (an ISO string as ``GET /admin/learner``
     returns it, a datetime, or a number); a time without a zone is UTC, as the database stores it."""
     if isinstance(value, int | float):
@@ -176,7 +176,7 @@ def learner_utilisation(steps: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """
     timed = sorted(
         (
-            (_unix_s(s["created_at"]), float(s["step_time_s"]), s.get("batch_completed_at"))
+            (unix_s(s["created_at"]), float(s["step_time_s"]), s.get("batch_completed_at"))
             for s in steps
             if s.get("created_at") is not None and isinstance(s.get("step_time_s"), int | float)
         ),

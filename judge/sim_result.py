@@ -20,7 +20,8 @@ class SimulationResult:
     figures (``attack_summary``; None without one); ``lifecycle``: what the lifecycle did with
     the run's versions (``lifecycle_summary``, plus ``last_verdict``: the learner's last verdict
     on the lineage still under watch at the end, or None; None without an admin key or when it
-    could not be read)."""
+    could not be read). ``t0_wall``: the Unix time (s) of the run's ``t`` = 0, which puts the
+    records' times beside the learner's and servers' clocks."""
 
     records: list[dict] = field(default_factory=list)
     judge_failures: int = 0
@@ -36,6 +37,7 @@ class SimulationResult:
     traffic: dict = field(default_factory=dict)
     attack: dict | None = None
     lifecycle: dict | None = None
+    t0_wall: float | None = None
 
     def details(self) -> dict:
         """What ``judge.report.write_report`` reads besides the records."""
@@ -52,6 +54,7 @@ class SimulationResult:
             "stopped_by": self.stopped_by,
             "attack": self.attack,
             "lifecycle": self.lifecycle,
+            "t0_wall": self.t0_wall,
         }
 
 

@@ -59,6 +59,7 @@ class Simulation(LockstepTraffic, OpenLoopTraffic):
         /v1/models``) cannot be read at the start."""
         cfg = self.config
         self._t0, self._t0_wall = time.monotonic(), time.time()
+        self.result.t0_wall = self._t0_wall
         async with httpx.AsyncClient(base_url=cfg.base_url, timeout=600) as http:
             self.result.start_version = self._version_now = await self._version(http)
             try:

@@ -36,6 +36,7 @@ import logging
 import shutil
 import signal
 import threading
+import time
 import uuid
 from functools import partial
 from pathlib import Path
@@ -385,7 +386,10 @@ class Learner:
         return sample_queue.next_batch(self.db, self.config.batch_size, self.config.max_identity_share)
 
     def _step(self, batch) -> dict:
+        started = time.time()
         metrics = self.algorithm.step(batch)
+        # Unix s: with step_time_s, where the step sat between its batch's join and its commit.
+        metrics["step_started_at"] = started
         stale = batch.token_staleness[batch.action_mask.bool()]
         metrics["staleness_mean"] = stale.float().mean().item()
         metrics["staleness_max"] = int(stale.max().item())

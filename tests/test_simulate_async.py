@@ -20,6 +20,7 @@ from judge.runstats import (
     requests_per_second,
     staleness_distribution,
     step_series,
+    unix_s,
 )
 from judge.sim_config import SimulationConfig
 from judge.simulate import Simulation
@@ -266,6 +267,13 @@ async def test_async_run_against_server_and_learner(policy_engine, model_dir, tm
             ids = {r["id"] for r in recs}
             assert all(s["completing_sample"] in ids for s in result.learner_steps)
             assert max(x["version"] for x in result.timeline) == 2
+            # The times that put each step between its feedback and its answers (one clock, Unix
+            # s): the batch was joined after the run began, the step started after its join and
+            # ended before its commit (bench/bench_feedback_latency.py's parts of the way).
+            for s in result.learner_steps:
+                start, end = s["step_started_at"], s["step_started_at"] + s["step_time_s"]
+                assert result.t0_wall < s["batch_completed_at"] <= start < end <= unix_s(s["created_at"])
+            assert result.details()["t0_wall"] == result.t0_wall
     finally:
         stop.set()
         await asyncio.to_thread(thread.join, 120)

@@ -127,10 +127,12 @@ class Algorithm(ABC):
         self.policy_opt.state.clear()
 
     def policy_weights(self, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
-        """A detached copy of the policy's state dict cast to ``dtype`` (for publishing); with
-        LoRA the adapter's tensors (``Adapter.state`` names)."""
+        """The policy's state dict in ``dtype``, detached (for publishing); with LoRA the
+        adapter's tensors (``Adapter.state`` names). A tensor already in ``dtype`` shares the
+        policy's storage (publishing a bf16 policy copies nothing), so read the result before
+        the next update."""
         state = self.adapter.state() if self.adapter is not None else self.policy.state_dict()
-        return {k: v.detach().to(dtype=dtype, copy=True) for k, v in state.items()}
+        return {k: v.detach().to(dtype=dtype) for k, v in state.items()}
 
     def policy_state(self) -> dict[str, torch.Tensor]:
         """The policy's part of a checkpoint: its state dict, or with LoRA only the adapter's

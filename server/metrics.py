@@ -45,8 +45,8 @@ class PolicySeries:
     that policy's ``PolicyWatcher``, ``CanaryRouter``, ``ServerState`` and the admin routes in
     its namespace; ``ServerMetrics`` holds the global policy's, ``TenantPolicyMetrics`` a tenant
     policy's (docs/tenants.md, "A policy per tenant"). A subclass binds ``policy_version``,
-    ``policy_swapped_at``, ``swaps``, ``swap_seconds``, ``feedback_to_served`` and
-    ``_awaiting_answer``."""
+    ``policy_swapped_at``, ``swaps``, ``swap_seconds``, ``feedback_to_swap``,
+    ``feedback_to_served`` and ``_awaiting_answer``."""
 
     def serving(self, version: int) -> None:
         """Record that ``version`` serves from now on (both gauges in one step, no await between,
@@ -55,10 +55,12 @@ class PolicySeries:
         self.policy_swapped_at.set(time.time())
 
     def awaiting_answer(self, version: int, batch_completed_at: float | None) -> None:
-        """Start feedback→served for ``version``, trained on a batch completed at
-        ``batch_completed_at`` (unix s, from the policy event; None: not measured)."""
+        """``version`` serves from now on: observe feedback→swap and start feedback→served for
+        it, trained on a batch completed at ``batch_completed_at`` (unix s, from the policy
+        event; None: not measured). A clock behind the learner's counts 0 s, never less."""
         if batch_completed_at is not None:
             self._awaiting_answer[version] = batch_completed_at
+            self.feedback_to_swap.observe(max(0.0, time.time() - batch_completed_at))
 
     def answered(self, first_token_version: int) -> None:
         """A whole answer was logged whose first token came from ``first_token_version``: it ends
@@ -155,6 +157,13 @@ class ServerMetrics(PolicySeries):
             buckets=FEEDBACK_TO_SERVED_BUCKETS,
             registry=r,
         )
+        self.feedback_to_swap = Histogram(
+            "saoserve_feedback_to_swap_seconds",
+            "From the join of the feedback that completed a learner batch to this replica serving the "
+            "version trained on it (s): feedback→served less the wait for and generation of an answer.",
+            buckets=FEEDBACK_TO_SERVED_BUCKETS,
+            registry=r,
+        )
         # Published versions awaiting their first answer: version -> batch_completed_at (unix s).
         self._awaiting_answer: dict[int, float] = {}
         # Per tenant (docs/tenants.md): the label comes from the key registry, never the request.
@@ -220,6 +229,13 @@ class ServerMetrics(PolicySeries):
             "saoserve_tenant_canary_share",
             "The share of the tenant policy's new requests routed to its canary lineage (0: no split).",
             ["tenant"],
+            registry=r,
+        )
+        self.tenant_feedback_to_swap = Histogram(
+            "saoserve_tenant_feedback_to_swap_seconds",
+            "feedback→swap (as saoserve_feedback_to_swap_seconds) of the tenant policy's versions (s).",
+            ["tenant"],
+            buckets=FEEDBACK_TO_SERVED_BUCKETS,
             registry=r,
         )
         self.tenant_feedback_to_served = Histogram(
@@ -315,6 +331,7 @@ class TenantPolicyMetrics(PolicySeries):
         self.stage_events = Bound(shared.tenant_stage_events, tenant)
         self.canary_requests = Bound(shared.tenant_canary_requests, tenant)
         self.canary_share = shared.tenant_canary_share.labels(tenant)
+        self.feedback_to_swap = shared.tenant_feedback_to_swap.labels(tenant)
         self.feedback_to_served = shared.tenant_feedback_to_served.labels(tenant)
         self._awaiting_answer: dict[int, float] = {}
 

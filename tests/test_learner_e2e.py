@@ -98,6 +98,10 @@ async def test_learner_publishes_a_version_the_server_serves(policy_engine, mode
             total = float(re.search(r"^saoserve_feedback_to_served_seconds_sum (\S+)$", page, re.M)[1])
             assert count == 1.0
             assert 0.0 < total <= served_at - metrics["batch_completed_at"]
+            # feedback→swap, its part before the answer: observed once, and no longer.
+            swap_count = float(re.search(r"^saoserve_feedback_to_swap_seconds_count (\S+)$", page, re.M)[1])
+            swap_total = float(re.search(r"^saoserve_feedback_to_swap_seconds_sum (\S+)$", page, re.M)[1])
+            assert swap_count == 1.0 and 0.0 < swap_total <= total
             rec = TrajectoryRecord.model_validate_json(
                 (await http.get(f"/admin/trajectories/{r.json()['id']}", headers=ADMIN)).content
             )

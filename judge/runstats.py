@@ -5,8 +5,9 @@ Pure functions over plain records (no I/O), used by ``judge.report`` and
 
 - learner steps: the learner's per-step metrics as ``GET /admin/learner`` returns them
   (``learner_steps`` rows): ``{"version": int, "staleness_hist": {"<versions>": tokens},
-  "completing_sample": trajectory id, "batch_completed_at": unix s, "step_time_s",
-  "created_at": the version's commit (ISO), "kept_fraction", "mean_abs_log_ratio", ...}``.
+  "completing_sample": trajectory id, "batch_completed_at": unix s, "step_started_at": unix s,
+  "step_time_s", "created_at": the version's commit (ISO), "kept_fraction",
+  "mean_abs_log_ratio", ...}``.
 - answer records of the async simulation (``judge.simulate``): ``{"id", "first_version",
   "t_first_token": s since the run started (the answer's first text chunk) or None,
   "t_answer": s (the answer complete), "t_feedback": s or None}``.

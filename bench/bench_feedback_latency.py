@@ -73,39 +73,33 @@ def served_at(server_log: Path) -> dict[int, float]:
 def phases(records: list[dict], details: dict, server_log: Path) -> dict[str, float | None]:
     """Median seconds of each of ``PHASES`` over the run's versions, from the feedback that
     completed a version's batch to the first whole answer of that version (or a later one): the
-    simulation's clock (``t0_wall`` + record times), the learner's step (``step_started_at``,
-    ``step_time_s``, ``batch_completed_at``, ``created_at`` = its commit) and the server's log.
-    Also ``serving_p50``: the median from the feedback to the server serving the version (the
+    simulation's clock (``t0_wall`` + record times, as ``judge.runstats.feedback_to_served``
+    picks them), the learner's step (``step_started_at``, ``step_time_s``,
+    ``batch_completed_at``, ``created_at`` = its commit) and the server's log. Also
+    ``serving_p50``: the median from the feedback to the server serving the version (the
     learner's and server's part, before any answer). A figure is None where a run lacks its
     times (runs from before they were recorded)."""
     t0 = details.get("t0_wall")
     steps = details.get("learner_steps") or []
     swaps = served_at(server_log)
-    by_id = {r["id"]: r for r in records if "id" in r}
+    answers = {x["version"]: x for x in feedback_to_served(steps, records)}
+    tokens = {x["version"]: x["served"] for x in feedback_to_served(steps, records, at="t_first_token")}
     parts: dict[str, list[float]] = {k: [] for k, _ in PHASES}
     serving: list[float] = []  # feedback → the server serving the version, per version
     for s in steps:
-        rec = by_id.get(s.get("completing_sample"))
         v = int(s["version"])
-        if t0 is None or rec is None or rec.get("t_feedback") is None or "step_started_at" not in s:
-            continue
-        later = [r for r in records if r.get("first_version") is not None and r["first_version"] >= v]
-        tokens = [r["t_first_token"] for r in later if r.get("t_first_token") is not None]
-        answers = [r["t_answer"] for r in later if r.get("t_answer") is not None]
-        if v not in swaps or not tokens or not answers:
+        if t0 is None or "step_started_at" not in s or v not in swaps or v not in answers or v not in tokens:
             continue
         start = float(s["step_started_at"])
-        end = start + float(s["step_time_s"])
-        commit = unix_s(s["created_at"])
         times = [
-            t0 + float(rec["t_feedback"]),
+            t0 + answers[v]["completed"],
             float(s["batch_completed_at"]),
             start,
-            end,
-            commit,
+            start + float(s["step_time_s"]),
+            unix_s(s["created_at"]),
             swaps[v],
-            t0 + min(tokens),
-            t0 + min(answers),
+            t0 + tokens[v],
+            t0 + answers[v]["served"],
         ]
         for (key, _), (a, b) in zip(PHASES, pairwise(times), strict=True):
             parts[key].append(b - a)

@@ -1,0 +1,1 @@
+"""Benchmarks: scripts that print tables of ratios measured side by side (README, "Benchmarks")."""

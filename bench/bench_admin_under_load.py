@@ -39,9 +39,9 @@ from typing import TYPE_CHECKING
 import httpx
 
 if TYPE_CHECKING:
-    from tests.replicas import Deployment
+    from testing.replicas import Deployment
 
-# The harness lives in tests/ (not an installed package): imported once ROOT is on the path.
+# The harness lives in testing/ (installed with the package; found on the path from ROOT too).
 ROOT = Path(__file__).resolve().parent.parent
 
 # (label, method, path, JSON body); the first three write the flag the learner reads.
@@ -146,9 +146,8 @@ def main() -> None:
 
     sys.path.insert(0, str(ROOT))
     from saoserve.model import prepare_model
-    from tests.conftest import fresh_pg_database
-    from tests.dependencies import TansuBroker
-    from tests.replicas import Deployment
+    from testing.dependencies import TansuBroker, fresh_pg_database
+    from testing.replicas import Deployment
 
     model_dir = prepare_model(ROOT / "var" / "model")
     home = Path(tempfile.mkdtemp(prefix="bench-admin-load-"))
@@ -179,7 +178,7 @@ def main() -> None:
 
 
 def run(args, dep: Deployment, model_dir: Path) -> None:
-    from tests.replicas import ADMIN, metric
+    from testing.replicas import ADMIN, metric
 
     server = dep.serve("server", {"SAOSERVE_MAX_TOKENS_LIMIT": str(max(args.max_tokens, 64))})
     startup = dep.wait_ready([server])

@@ -42,9 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from core.logbus import open_log  # noqa: E402
 from core.records import POLICY_KEY, TOPIC_POLICY, PolicyEvent, utcnow  # noqa: E402
 from core.weights import weights_sha256  # noqa: E402
-from tests.conftest import fresh_pg_database  # noqa: E402
-from tests.dependencies import TansuBroker  # noqa: E402
-from tests.replicas import Deployment, metric, swap_delays, wait_serving  # noqa: E402
+from testing.dependencies import TansuBroker, fresh_pg_database  # noqa: E402
+from testing.replicas import Deployment, metric, swap_delays, wait_serving  # noqa: E402
 
 WEIGHTS_FILE = "model.safetensors"
 

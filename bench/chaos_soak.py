@@ -72,9 +72,9 @@ from soak_traffic import EXPIRE_S, Call, SoakTraffic
 if TYPE_CHECKING:
     from sqlalchemy.engine import Engine
 
-    from tests.replicas import Deployment, Process, Replica
+    from testing.replicas import Deployment, Process, Replica
 
-# The harness lives in tests/ (not an installed package): imported once ROOT is on the path.
+# The harness lives in testing/ (installed with the package; found on the path from ROOT too).
 ROOT = Path(__file__).resolve().parent.parent
 # Files of the prepared model that a tiny model with the same tokenizer shares.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
@@ -153,8 +153,8 @@ class Soak(SoakTraffic, SoakFaults, SoakAudit):
         from learner.config import build_config
         from learner.faults import CYCLE_POINTS
         from saoserve.model import prepare_model
-        from tests.dependencies import PgCluster, TansuBroker
-        from tests.replicas import Deployment
+        from testing.dependencies import PgCluster, TansuBroker
+        from testing.replicas import Deployment
 
         t_begin = time.time()
         model_dir = tiny_model(prepare_model(ROOT / "var" / "model"), self.home / "model")

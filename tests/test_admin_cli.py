@@ -35,7 +35,9 @@ from saoserve.admin.client import (
     error_for,
 )
 from saoserve.cli import app
-from tests.conftest import ROOT, free_port, make_settings, running_server
+from saoserve.ports import free_port
+from testing import ROOT
+from testing.servers import make_settings, running_server
 
 runner = CliRunner()
 KEY = "test-admin-key"

@@ -24,8 +24,8 @@ from core.db import make_engine
 from core.evidence_store import EvidenceStore
 from saoserve.admin.output import shown, visible
 from saoserve.cli import app
-from tests.conftest import ADMIN, make_settings, running_server
-from tests.fake_engine import FakeEngine
+from testing.fakes import FakeEngine
+from testing.servers import ADMIN, make_settings, running_server
 
 KEY = "test-admin-key"
 TERMINAL_ATTACK = "\x1b]0;pwned\x07\x1b[2Jx"

@@ -19,9 +19,9 @@ from typer.testing import CliRunner
 from core.control import GUARD_OFF, GUARD_PIN, GUARD_VERDICT, set_flag
 from core.db import PolicyVersion, make_engine
 from saoserve.cli import app
-from tests.conftest import make_settings, running_server
-from tests.fake_engine import FakeEngine
-from tests.test_lifecycle import add_version
+from testing.fakes import FakeEngine
+from testing.guard import add_version
+from testing.servers import make_settings, running_server
 
 KEY = "test-admin-key"
 runner = CliRunner()

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-from dataclasses import dataclass
 
 import httpx
 import pytest
@@ -22,30 +21,12 @@ from core.db import ApiKey, make_engine
 from core.keys import BadTenant, KeyRevoked, KeyStore, check_tenant, identity_of
 from core.records import utcnow
 from saoserve.cli import app as cli_app
-from server.engine import GenerationDelta
-from tests.conftest import ADMIN, make_settings, running_server
-from tests.fake_engine import FakeEngine
+from testing.fakes import TIMEOUT_S, FakeEngine, ScriptedEngine
+from testing.servers import ADMIN, make_settings, running_server
 
 runner = CliRunner()
 KEY = "test-admin-key"
-# The first chat imports vLLM (its SamplingParams) inside the server's loop: tens of seconds here.
-TIMEOUT_S = 120.0
 CHAT = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
-
-
-@dataclass
-class ScriptedEngine(FakeEngine):
-    """FakeEngine that answers: every prompt renders as 3 tokens and every answer is the two
-    tokens 7, 8 (logprobs -0.5, -0.25), finished with ``stop``, at the served version."""
-
-    tokenizer: tuple = tuple(range(100))  # only its length is read (the top-k bound)
-
-    def render(self, messages: list[dict]) -> list[int]:
-        return [1, 2, 3]
-
-    async def generate(self, prompt_ids, sampling, request_id=None, top_logprobs=0, **_):
-        yield GenerationDelta([7], [-0.5], "hi", self.version)
-        yield GenerationDelta([8], [-0.25], "!", self.version, "stop", [(self.version, 0, 2)])
 
 
 def admin(url: str, *args: str):

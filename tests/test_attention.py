@@ -10,7 +10,7 @@ from learner import attention
 from learner.attention import grouped_attention
 from learner.batch import policy_logprobs
 from learner.prefix import body_hidden
-from tests.test_sao_step import tiny_policy
+from testing.models import tiny_policy
 
 B, H, KV, D = 2, 6, 2, 8
 

@@ -33,8 +33,8 @@ from server.adapters import AdapterTable
 from server.canary import CanaryRouter, read_plan
 from server.engine import SwapRefused
 from server.metrics import ServerMetrics
-from tests.ratings import add_rated
-from tests.test_lifecycle import add_version as lifecycle_version
+from testing.guard import add_rated
+from testing.guard import add_version as lifecycle_version
 
 SPLIT = CanarySplit(lineage=frozenset({6, 7}), control=5, share=0.2)
 BOUNDS = re.escape("share must be a number in [0.01, 0.99]")

@@ -20,7 +20,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT
+from testing import ROOT
 
 pytestmark = [
     pytest.mark.slow,

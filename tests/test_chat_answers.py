@@ -19,8 +19,9 @@ from server.chat import ChatHandler
 from server.engine import GenerationDelta
 from server.fate import Fate
 from server.schemas import ChatCompletionRequest
-from tests.conftest import make_settings
-from tests.test_fate import FakeState, rollout
+from testing.builders import rollout
+from testing.fakes import FakeState
+from testing.servers import make_settings
 
 SECRET = "s" * 32
 USER = [{"role": "user", "content": "hi"}]

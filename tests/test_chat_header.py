@@ -12,9 +12,8 @@ import asyncio
 
 import pytest
 
-from tests.conftest import make_settings, running_server
-from tests.fake_engine import FakeEngine
-from tests.test_chat_page import browser as browser
+from testing.fakes import FakeEngine
+from testing.servers import make_settings, running_server
 
 # Two of the page's polls, and room for a loaded machine.
 HEADER_TIMEOUT_S = 30

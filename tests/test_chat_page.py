@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import shutil
-from collections.abc import Iterator
 from types import SimpleNamespace
 
 import httpx
@@ -18,8 +16,8 @@ from starlette.testclient import TestClient
 from core.db import FeedbackClaim, make_engine
 from core.logbus import open_log
 from core.records import FeedbackRecord, TrajectoryRecord, feedback_token
-from tests.conftest import IN_CI, make_settings, running_server
-from tests.logutil import read_topic
+from testing.logs import read_topic
+from testing.servers import make_settings, running_server
 
 # One answer's wait: the first request on a fresh engine warms it up.
 ANSWER_TIMEOUT_S = 180
@@ -96,43 +94,6 @@ def test_chat_page_tells_the_browser_to_connect_only_to_its_server(pages):
     )
     assert csp["default-src"] == "'none'" and csp["connect-src"] == "'self'"
     assert csp["script-src"] == csp["style-src"] == "'unsafe-inline'"
-
-
-@pytest.fixture
-def browser() -> Iterator[object]:
-    """Headless Chromium under Debian's chromedriver (same version); a failure under CI, a skip
-    elsewhere, when either or selenium is missing."""
-    chromium, driver_exe = shutil.which("chromium"), shutil.which("chromedriver")
-    try:
-        from selenium import webdriver
-        from selenium.webdriver.chrome.service import Service
-    except ImportError:
-        webdriver = None
-    if chromium is None or driver_exe is None or webdriver is None:
-        what = "selenium (the dev extra)" if webdriver is None else "chromium and chromium-driver"
-        if IN_CI:
-            pytest.fail(f"{what} not installed (apt-get install chromium chromium-driver)")
-        pytest.skip(f"{what} not installed")
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = chromium
-    for arg in (
-        "--headless=new",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-dev-shm-usage",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-    ):
-        opts.add_argument(arg)
-    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    # An explicit driver path: Selenium Manager never looks for (or downloads) one.
-    driver = webdriver.Chrome(options=opts, service=Service(driver_exe))
-    try:
-        yield driver
-    finally:
-        driver.quit()
 
 
 def turn_done(driver, n: int):

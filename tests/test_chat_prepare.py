@@ -13,7 +13,7 @@ from server.chat import ChatHandler
 from server.errors import ApiError
 from server.metrics import ServerMetrics
 from server.schemas import ChatCompletionRequest, ChatMessage
-from tests.conftest import make_settings
+from testing.servers import make_settings
 
 USER = [{"role": "user", "content": "hi"}]
 

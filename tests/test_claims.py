@@ -16,11 +16,11 @@ from core.claims import (
     trajectory_target,
 )
 from core.records import feedback_token, is_whole_answer
+from learner.join_plan import JoinState
 from learner.samples import NotWholeAnswer, single_turn_sample
 from server.feedback import accept_feedback
-from tests.test_edge_contracts import SECRET, episode_token, feedback, feedback_state, refused
-from tests.test_edges import record
-from tests.test_join_plan import JoinState, fb, plan, read, traj
+from testing.builders import fb, plan, read, record, traj
+from testing.edges import SECRET, episode_token, feedback, feedback_state, refused
 
 
 def test_claim_keys_and_token_subjects():

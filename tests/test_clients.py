@@ -16,7 +16,7 @@ import pytest
 
 from core.records import TrajectoryRecord, feedback_token
 from server.chat import logprobs_body
-from tests.conftest import ADMIN, make_settings, running_server
+from testing.servers import ADMIN, make_settings, running_server
 
 pytestmark = pytest.mark.engine
 

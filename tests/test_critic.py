@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from learner.critic import ValueModel
-from tests.test_sao_step import tiny_policy
+from testing.models import tiny_policy
 
 
 def _train_steps(critic: ValueModel, n: int) -> None:

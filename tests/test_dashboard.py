@@ -33,11 +33,7 @@ from core.db import (
 from core.records import utcnow
 from core.sequential import RuleParams, decide
 from server.metrics import label_counts
-from tests import test_chat_page
-from tests.conftest import ADMIN, make_settings, running_server
-
-# Headless Chromium under chromedriver, as the chat page's test drives it.
-browser = test_chat_page.browser
+from testing.servers import ADMIN, make_settings, running_server
 
 # Trajectories logged 11..40 s ago (none in the last 10 s) and 12 more 2..3.8 minutes ago:
 # over the last 60 s, 30 requests / 60 s = 0.5 requests/s.

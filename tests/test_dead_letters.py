@@ -42,10 +42,10 @@ from saoserve.cli import app as cli_app
 from server.metrics import ServerMetrics
 from server.state import ServerState
 from server.store import ServerStore
-from tests.conftest import ADMIN, make_settings, running_server
-from tests.fake_engine import FakeEngine
-from tests.learner_harness import feed, in_process, trained_ids, wait_for
-from tests.test_join_plan import EXPIRE_S, NOW, episode_turns, fb, plan, read, sent, traj
+from testing.builders import EXPIRE_S, NOW, episode_turns, fb, plan, read, sent, traj
+from testing.fakes import FakeEngine
+from testing.learner import feed, in_process, trained_ids, wait_for
+from testing.servers import ADMIN, make_settings, running_server
 
 runner = CliRunner()
 KEY = "test-admin-key"

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from judge.sim_result import SimulationResult
 from saoserve.demo import Services, _watched
+from testing import ROOT
 
 
 class WaitingSimulation:
@@ -94,8 +95,7 @@ def test_sigterm_stops_a_run_as_ctrl_c_does():
         "    print('interrupted', flush=True)\n"
         "print(signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, flush=True)\n"
     )
-    root = Path(__file__).resolve().parents[1]
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=root, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline() == "ready\n"
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=60)

@@ -20,7 +20,8 @@ import re
 from functools import cache
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from testing import ROOT
+
 DESIGN = ROOT / "docs" / "design.md"
 PAPERS = ROOT / "docs" / "papers.md"
 

@@ -30,26 +30,23 @@ import pytest
 from pydantic import ValidationError
 from sqlalchemy import create_engine, select, text, update
 
-from core.claims import episode_token_subject
 from core.db import EpisodeTurn, LearnerSample, make_engine, migrate
 from core.limits import MAX_EPISODE_TURNS
 from core.logbus import LogTransport, LogUnavailable, SqlLog, open_log
 from core.records import TOPIC_TRAJECTORIES, FeedbackRecord, TrajectoryRecord, feedback_token, utcnow
+from learner.join_plan import JoinState
 from server.chat import ChatHandler
-from server.errors import ApiError
 from server.feedback import accept_feedback
-from server.metrics import ServerMetrics
-from server.schemas import ChatCompletionRequest, FeedbackRequest
+from server.schemas import ChatCompletionRequest
 from server.state import ServerState
 from server.store import ServerStore, Slot, plan_turn
-from tests.conftest import ADMIN, make_settings, running_server
-from tests.logutil import logged_trajectories, read_topic
-from tests.test_edges import edge_app, post_raw, record
-from tests.test_join_plan import JoinState, episode_turns, fb, plan, read, tomb
+from testing.builders import episode_turns, fb, plan, read, record, tomb
+from testing.edges import SECRET, edge_app, episode_token, feedback, feedback_state, post_raw, refused
+from testing.logs import logged_trajectories, read_topic
+from testing.servers import ADMIN, make_settings, running_server
 
 USER = [{"role": "user", "content": "Write one sentence about the sea."}]
 CHAT = "/v1/chat/completions"
-SECRET = "test-feedback-secret"  # make_settings' feedback secret
 
 
 def chat_body(**extra) -> bytes:
@@ -59,10 +56,6 @@ def chat_body(**extra) -> bytes:
 def error_of(r: httpx.Response) -> tuple[int, str | None, str | None, str]:
     err = r.json()["error"]
     return r.status_code, err["code"], err["param"], err["message"]
-
-
-def episode_token(ep: str) -> str:
-    return feedback_token(SECRET, episode_token_subject(ep))
 
 
 # --- 3. fields the server does not do --------------------------------------------------------
@@ -304,13 +297,6 @@ async def turn_of(s, ep: str, cid: str, turn: int | None, token: bool = True) ->
     return await handler.start_episode_turn(ChatCompletionRequest.model_validate(body), cid)
 
 
-async def refused(coro) -> tuple[int, str | None, str | None, str]:
-    with pytest.raises(ApiError) as info:
-        await coro
-    e = info.value
-    return e.status, e.code, e.param, e.message
-
-
 async def test_turns_are_numbered_in_order_each_once(tmp_path):
     s = SimpleNamespace(settings=make_settings(tmp_path), store=sqlite_store(tmp_path))
     # A new episode starts at turn 0.
@@ -523,25 +509,12 @@ def test_turn_ids_belong_to_episode_feedback():
 # --- 2, 5. feedback on an episode, and what its errors say ---------------------------------------
 
 
-def feedback_state(tmp_path) -> ServerState:
-    """A server's state without an engine: SQLite database and SQL-table log (feedback needs no
-    generation)."""
-    settings = make_settings(tmp_path)
-    url = settings.resolved_database_url
-    migrate(url)
-    return ServerState(settings, None, SqlLog(url), ServerStore(make_engine(url)), ServerMetrics(), None)
-
-
 def logged_episode(s: ServerState, ep: str, ids: list[str]) -> None:
     s.store.start_episode_turn(ep, ids[0], token_ok=False)
     for i, tid in enumerate(ids):
         if i:
             s.store.start_episode_turn(ep, tid, token_ok=True)
         s.store.index_trajectory(record(tid, ep, "stop"), 0, i)
-
-
-def feedback(**body) -> FeedbackRequest:
-    return FeedbackRequest.model_validate({"reward": 1, **body})
 
 
 @pytest.mark.parametrize("episode_first", [True, False])
@@ -799,8 +772,7 @@ async def test_a_turn_appended_late_by_a_paused_broker_is_never_an_episode_turn(
     second turn 1 is the one the episode's feedback lists and the joiner trains."""
     from core.logbus import KafkaLog
     from learner.joiner import Joiner
-    from tests.conftest import fresh_pg_database
-    from tests.dependencies import TansuBroker
+    from testing.dependencies import TansuBroker, fresh_pg_database
 
     broker = TansuBroker()
     broker.start()

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -21,15 +20,14 @@ from sqlalchemy import func, select
 from core.claims import episode_token_subject
 from core.db import Episode, TrajectoryIndex, make_engine, migrate
 from core.logbus import open_log
-from core.records import FeedbackRecord, SamplingRecord, TrajectoryRecord, feedback_token, utcnow
+from core.records import FeedbackRecord, feedback_token
 from server.limits import BodySizeLimit, max_body_bytes, max_message_chars
-from server.metrics import ServerMetrics
 from server.schemas import ChatCompletionRequest, FeedbackRequest, LoadPolicyRequest, RollbackRequest
 from server.store import ServerStore
-from tests.conftest import ADMIN, make_settings, running_server
-from tests.logutil import logged_trajectories, read_topic
-
-USER = [{"role": "user", "content": "Write one sentence about the sea."}]
+from testing.builders import record
+from testing.edges import USER, chat_json, edge_app, post_raw
+from testing.logs import logged_trajectories, read_topic
+from testing.servers import ADMIN, make_settings, running_server
 
 
 def refusal(cls, body: dict) -> tuple[tuple, str]:
@@ -168,29 +166,6 @@ def test_episode_token_needs_an_episode():
 
 
 # --- the app's edge, without an engine -------------------------------------------------------
-
-
-def edge_app(tmp_path):
-    """The real app with a fake state (settings and metrics only): bodies the edge refuses never
-    reach the engine, the log or the database, so nothing else is needed."""
-    from server.app import create_app
-
-    settings = make_settings(tmp_path)
-    app = create_app(settings, engine=SimpleNamespace(), watch_policy=False)
-    app.state.s = SimpleNamespace(settings=settings, metrics=ServerMetrics())
-    return app
-
-
-async def post_raw(app, path: str, body: bytes, headers: dict | None = None) -> httpx.Response:
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
-        return await http.post(
-            path, content=body, headers={"content-type": "application/json", **(headers or {})}
-        )
-
-
-def chat_json(**extra) -> bytes:
-    # ensure_ascii escapes a lone surrogate as \ud83d, exactly what a JSON client sends.
-    return json.dumps({"messages": USER, **extra}).encode()
 
 
 @pytest.mark.parametrize(
@@ -334,24 +309,6 @@ def test_openapi_says_what_the_server_answers(tmp_path):
 
 
 # --- the store: episode starts and turns in flight ------------------------------------------
-
-
-def record(rid: str, episode_id: str | None, finish: str) -> TrajectoryRecord:
-    return TrajectoryRecord(
-        id=rid,
-        prompt_id="p-1",
-        episode_id=episode_id,
-        turn=0,
-        created_at=utcnow(),
-        model="m",
-        prompt_token_ids=[1, 2],
-        response_token_ids=[3],
-        rollout_logprobs=[-0.5],
-        token_versions=[(0, 1)],
-        dispatch_version=0,
-        sampling=SamplingRecord(temperature=1.0, top_p=1.0, top_k=0, max_tokens=8, seed=None),
-        finish_reason=finish,
-    )
 
 
 def sqlite_store(tmp_path) -> ServerStore:

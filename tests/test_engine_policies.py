@@ -19,8 +19,8 @@ from core.records import SamplingRecord
 from core.settings import SLOTS_PER_POLICY, AdapterServing
 from core.weights import weights_sha256
 from server.adapters import AdapterTable
-from tests.conftest import make_settings
-from tests.test_adapter_serving import toy_layout, write_toy_adapter
+from testing.adapters import toy_layout, write_toy_adapter
+from testing.servers import make_settings
 
 
 class StandInLLM:

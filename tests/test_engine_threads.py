@@ -13,7 +13,7 @@ import pytest
 from core.records import SamplingRecord
 from core.weights import weights_sha256
 from server.cpu_worker import IN_PROCESS_WORKER, THREADS
-from tests.test_hotswap import LOGPROB_BOUND, learner_logprobs, perturb_model
+from testing.hotswap import LOGPROB_BOUND, learner_logprobs, perturb_model
 
 pytestmark = pytest.mark.engine
 

@@ -26,11 +26,11 @@ from server.engine import GenerationDelta
 from server.errors import ApiError
 from server.feedback import accept_feedback
 from server.store import plan_turn
-from tests.conftest import ADMIN, make_settings, running_server
-from tests.learner_harness import in_process, run_until, trained_ids, wait_for
-from tests.test_api_keys import TIMEOUT_S, ScriptedEngine
-from tests.test_edge_contracts import episode_token, feedback, feedback_state
-from tests.test_edges import record
+from testing.builders import record
+from testing.edges import episode_token, feedback, feedback_state
+from testing.fakes import TIMEOUT_S, ScriptedEngine
+from testing.learner import in_process, run_until, trained_ids, wait_for
+from testing.servers import ADMIN, make_settings, running_server
 
 USER = {"role": "user", "content": "hello"}
 ANSWER = {"role": "assistant", "content": "hi!"}

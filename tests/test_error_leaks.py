@@ -29,22 +29,12 @@ from core.db import make_engine
 from core.logbus import SqlLog
 from core.records import feedback_token
 from server.store import ServerStore
-from tests.conftest import ADMIN, make_settings, running_server
-from tests.fake_engine import FakeEngine, index_answer
+from testing.fakes import FakeEngine, index_answer
+from testing.metrics import metric
+from testing.servers import ADMIN, make_settings, running_server
 
 SECRET = "test-feedback-secret"  # make_settings' feedback secret
 VICTIM_PROMPT = "victim-prompt-7f3a"
-
-
-def metric(body: str, name: str, **labels: str) -> float:
-    """The value of one sample in a Prometheus text exposition (0 when absent); the exposition
-    writes labels in name order."""
-    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-    line = f"{name}{{{want}}} " if want else f"{name} "
-    for row in body.splitlines():
-        if row.startswith(line):
-            return float(row.split()[-1])
-    return 0.0
 
 
 async def test_a_failed_insert_reaches_no_client(tmp_path):

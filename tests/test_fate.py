@@ -7,76 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from datetime import UTC, datetime
 
 import pytest
 
 from core.logbus import LogUnavailable
-from core.records import SamplingRecord
 from server.chat import ChatStream
 from server.fate import Fate
-from server.metrics import ServerMetrics
-from server.rollout import Rollout
-
-
-class FakeState:
-    """What ``Fate`` uses of ``ServerState``: the write (``refuse``: LogUnavailable, or another
-    exception), the turn release, background tasks and the metrics."""
-
-    def __init__(self, refuse: BaseException | None = None) -> None:
-        self.metrics = ServerMetrics()
-        self.refuse = refuse
-        self.persisted: list = []
-        self.released: list[str] = []
-        self.order: list[str] = []  # "release" and "persist", as they ran
-        self.tasks: list[asyncio.Task] = []
-
-    async def persist_trajectory(self, rec) -> None:
-        self.order.append("persist")
-        if self.refuse is not None:
-            raise self.refuse
-        self.persisted.append(rec)
-
-    async def release_turn(self, trajectory_id: str) -> None:
-        self.order.append("release")
-        self.released.append(trajectory_id)
-
-    def spawn(self, coro) -> None:
-        self.tasks.append(asyncio.ensure_future(coro))
-
-    async def drained(self) -> FakeState:
-        await asyncio.gather(*self.tasks)
-        return self
-
-    def count(self, stream: str, outcome: str) -> float:
-        return self.metrics.requests.labels(stream, outcome)._value.get()
-
-    def refused_before_generation(self) -> float:
-        return self.metrics.failed_before_generation.labels("engine_error")._value.get()
-
-    def latencies(self) -> float:
-        return self.metrics.registry.get_sample_value("saoserve_request_seconds_count")
-
-
-def rollout(tokens: int = 2, episode: str | None = "ep") -> Rollout:
-    """A rollout with ``tokens`` sampled tokens (ids 5, 6, ...; logprob -0.5 each) at version 3,
-    finished ``stop``; a turn of episode ``episode`` (None: no episode)."""
-    r = Rollout(
-        id="chatcmpl-1",
-        prompt_id="p",
-        model="m",
-        prompt_token_ids=[1, 2, 3],
-        sampling=SamplingRecord(temperature=1.0, top_p=1.0, top_k=0, max_tokens=8, seed=None),
-        dispatch_version=3,
-        created_at=datetime(2025, 6, 1, tzinfo=UTC),
-        episode_id=episode,
-        turn=0 if episode else None,
-    )
-    r.token_ids = [5 + i for i in range(tokens)]
-    r.logprobs = [-0.5] * tokens
-    r.delta_versions = [(3, tokens)] if tokens else []
-    r.finish_reason = "stop" if tokens else None
-    return r
+from testing.builders import rollout
+from testing.fakes import FakeState
 
 
 async def test_an_answer_is_written_once_and_counted_ok():

@@ -19,8 +19,8 @@ from core.logbus import SqlLog
 from core.records import TOPIC_FEEDBACK, TOPIC_TRAJECTORIES, FeedbackRecord, TrajectoryRecord, utcnow
 from learner.joiner import Joiner
 from server.schemas import ChatCompletionRequest, FeedbackRequest
-from tests.conftest import make_settings
-from tests.test_join_plan import fb, traj
+from testing.builders import fb, traj
+from testing.servers import make_settings
 
 # Every string column and the bound of what it holds.
 COLUMNS = {

@@ -10,7 +10,7 @@ from learner.batch import policy_logprobs
 from learner.critic import ValueModel
 from learner.fused import compile_layers
 from learner.prefix import body_hidden
-from tests.test_sao_step import make_batch, tiny_policy
+from testing.models import make_batch, tiny_policy
 
 
 @pytest.mark.slow  # inductor compiles C++ kernels: about a minute on 2 cores

@@ -10,8 +10,7 @@ from importlib import resources
 import pytest
 import torch
 from pydantic import ValidationError
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaForCausalLM
 
 from learner.gate import (
     GateConfig,
@@ -29,16 +28,7 @@ from learner.gate import (
     repetition_rate,
     run_gate,
 )
-
-# SmolLM2's chat template (var/model/chat_template.jinja), so the probes render as served.
-CHAT_TEMPLATE = (
-    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
-    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
-    "<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
-    "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
-    "{% endif %}"
-)
-
+from testing.models import EOS, byte_tokenizer, tiny_base
 
 # ----------------------------------------------------------------------------- pure statistics
 
@@ -238,41 +228,6 @@ def test_load_probes_names_a_bad_file(tmp_path):
 
 
 # ----------------------------------------------------------------------------- the gate on a tiny model
-
-
-def byte_tokenizer(eos: bool = True) -> PreTrainedTokenizerFast:
-    """256 byte tokens (no merges) plus <|im_start|> = 256 and <|im_end|> = 257 (end of sequence)."""
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
-    special = {"eos_token": "<|im_end|>", "pad_token": "<|im_end|>"} if eos else {}
-    out = PreTrainedTokenizerFast(tokenizer_object=tok, **special)
-    out.chat_template = CHAT_TEMPLATE
-    return out
-
-
-EOS = 257
-
-
-def tiny_base(seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=258,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
-        initializer_range=0.2,
-        bos_token_id=256,
-        eos_token_id=EOS,
-        pad_token_id=EOS,
-    )
-    return LlamaForCausalLM(cfg).eval()
 
 
 def shifted(model: LlamaForCausalLM, direction: dict[str, torch.Tensor], scale: float) -> LlamaForCausalLM:

@@ -17,7 +17,7 @@ from core.records import utcnow
 from learner.config import LearnerConfig
 from learner.identity_cap import identity_shares, per_identity_limit, select_batch
 from learner.process import Learner
-from tests.conftest import make_settings
+from testing.servers import make_settings
 
 
 # ------------------------------------------------------------------ hand-computed
@@ -235,7 +235,7 @@ def test_the_joiner_keeps_each_samples_identity(tmp_path):
     from core.logbus import SqlLog
     from core.records import TOPIC_FEEDBACK, TOPIC_TRAJECTORIES
     from learner.joiner import Joiner
-    from tests.test_join_plan import fb, traj
+    from testing.builders import fb, traj
 
     url = f"sqlite:///{tmp_path / 'j.db'}"
     migrate(url)

@@ -3,70 +3,16 @@
 from __future__ import annotations
 
 import json
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from core.logbus import LogEntry
-from core.records import TOPIC_FEEDBACK, TOPIC_TRAJECTORIES, FeedbackRecord, TrajectoryRecord
-from learner.join_plan import TOMBSTONE_TTL, JoinPlan, JoinState, PendingRow, Records, plan_join
-
-NOW = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
-EXPIRE_S = 3600.0
-
-
-def traj(id: str = "t1", prompt_id: str = "p", **kw) -> TrajectoryRecord:
-    base = dict(
-        id=id,
-        prompt_id=prompt_id,
-        created_at=NOW,
-        model="m",
-        prompt_token_ids=[1, 2, 3],
-        response_token_ids=[4, 5],
-        rollout_logprobs=[-0.5, -0.25],
-        token_versions=[(2, 2)],
-        dispatch_version=2,
-        sampling={"temperature": 0.8, "max_tokens": 4},
-        finish_reason="stop",
-        baseline={"alpha": 4, "beta": 4, "value": 0.5, "version": 2, "z": 0.27},
-    )
-    base.update(kw)
-    return TrajectoryRecord(**base)
-
-
-def fb(tid: str | None = "t1", reward: float = 1.0, prompt_id: str = "p", episode: str | None = None):
-    return FeedbackRecord(
-        trajectory_id=None if episode else tid,
-        episode_id=episode,
-        prompt_id=prompt_id,
-        reward=reward,
-        received_at=NOW,
-    )
-
-
-def read(*recs: TrajectoryRecord | FeedbackRecord | tuple[str, bytes]) -> Records:
-    """Records parsed from log entries numbered 0, 1, ... per topic, one partition each."""
-    entries = []
-    counts = {TOPIC_TRAJECTORIES: 0, TOPIC_FEEDBACK: 0}
-    for r in recs:
-        if isinstance(r, tuple):
-            topic, value = r
-        else:
-            topic = TOPIC_TRAJECTORIES if isinstance(r, TrajectoryRecord) else TOPIC_FEEDBACK
-            value = r.to_json()
-        entries.append(LogEntry(topic, 0, counts[topic], "k", value))
-        counts[topic] += 1
-    return Records.parse(entries)
-
-
-def plan(records: Records, state: JoinState | None = None) -> JoinPlan:
-    return plan_join(records, state or JoinState(), NOW, EXPIRE_S)
-
-
-def tomb(key: str, prompt_id: str = "p") -> PendingRow:
-    return PendingRow(key, "joined", prompt_id, "", NOW)
+from core.records import TOPIC_FEEDBACK, TOPIC_TRAJECTORIES, FeedbackRecord
+from learner.join_plan import TOMBSTONE_TTL, JoinPlan, JoinState, PendingRow, Records
+from testing.builders import EXPIRE_S, NOW, episode_turns, fb, plan, read, sent, tomb, traj
 
 
 def test_trajectory_then_feedback_in_one_read():
@@ -139,13 +85,6 @@ def test_second_feedback_while_the_first_waits():
     assert p.counters == {"duplicate_feedback": 1}
     p = plan(read(fb(reward=0.0)), JoinState(feedback={"t1": first}))
     assert p.inserts == [] and p.counters == {"duplicate_feedback": 1}
-
-
-def sent(
-    fid: str, tid: str | None = "t1", reward: float = 1.0, prompt_id: str = "p", episode: str | None = None
-):
-    """A feedback record as the server logs it: with its id ``fid``."""
-    return fb(tid, reward, prompt_id, episode).model_copy(update={"feedback_id": fid})
 
 
 def unconfirmed(rec: FeedbackRecord) -> PendingRow:
@@ -259,33 +198,6 @@ def test_a_length_finish_is_a_whole_answer():
     p = plan(read(traj(finish_reason="length"), fb(reward=1.0)))
     assert [(s.id, s.reward, s.actions) for s in p.samples] == [("t1", 1.0, [(3, 5)])]
     assert p.counters == {}
-
-
-def episode_turns(e: str = "E", prompt_id: str = "q"):
-    """Turn 0: prompt [1, 2], answer [3, 4]; turn 1 re-renders it, adds an observation [7, 8]."""
-    t0 = traj(
-        f"{e}0",
-        prompt_id,
-        episode_id=e,
-        turn=0,
-        prompt_token_ids=[1, 2],
-        response_token_ids=[3, 4],
-        rollout_logprobs=[-0.1, -0.2],
-        token_versions=[(5, 2)],
-        dispatch_version=4,
-    )
-    t1 = traj(
-        f"{e}1",
-        prompt_id,
-        episode_id=e,
-        turn=1,
-        prompt_token_ids=[1, 2, 3, 4, 7, 8],
-        response_token_ids=[9],
-        rollout_logprobs=[-0.3],
-        token_versions=[(6, 1)],
-        dispatch_version=6,
-    )
-    return t0, t1
 
 
 def test_listed_turns_are_joined_in_the_order_the_feedback_lists_them():

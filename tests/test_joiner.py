@@ -16,7 +16,7 @@ from core.records import TOPIC_FEEDBACK, TOPIC_TRAJECTORIES, utcnow
 from learner.joiner import Joiner, JoinStats
 from learner.pretrain import logged_samples
 from server.store import ServerStore
-from tests.test_join_plan import episode_turns, fb, traj
+from testing.builders import episode_turns, fb, traj
 
 
 @pytest.fixture

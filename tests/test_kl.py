@@ -12,7 +12,7 @@ from learner.critic import ValueModel
 from learner.dis import dis_loss
 from learner.kl import MAX_K3, MAX_LOG_RATIO, k3, k3_kl
 from learner.sao import SAOLearner
-from tests.test_sao_step import make_batch, make_config, tiny_policy
+from testing.models import make_batch, make_config, tiny_policy
 
 
 def test_k3_by_hand():

@@ -23,7 +23,7 @@ from learner.critic import ValueModel
 from learner.registry import ALGORITHMS, build_algorithm
 from learner.sao import SAOLearner
 from learner.spo import SPOLearner
-from tests.test_sao_step import FAST, make_batch, make_config, tiny_policy
+from testing.models import FAST, make_batch, make_config, tiny_policy
 
 # Two SAO steps (the second batch sampled before the first step, so its ratios differ from 1)
 # on tiny_policy() with a critic from its body (trainable="mlp") and FAST. Obtained by running

@@ -15,8 +15,8 @@ from core.evidence_store import EvidenceStore
 from core.records import TrajectoryRecord
 from learner.process import Learner, LearnerConfig
 from saoserve.model import weights_sha256
-from tests.conftest import ADMIN, make_settings, running_server
-from tests.logutil import read_topic
+from testing.logs import read_topic
+from testing.servers import ADMIN, make_settings, running_server
 
 pytestmark = pytest.mark.engine
 

@@ -25,7 +25,7 @@ from core.logbus import open_log
 from core.policy_store import CHECKPOINT_FILE
 from learner.process import Learner
 from learner.publish import storable
-from tests.learner_harness import (
+from testing.learner import (
     assert_policy_is,
     committed_weights,
     feed,

@@ -15,7 +15,7 @@ from core.control import ROLLBACK_TO, get_flag, set_flag
 from core.db import LearnerCounter, PolicyVersion
 from core.logbus import open_log
 from learner.process import Learner
-from tests.learner_harness import assert_policy_is, committed_weights, feed, in_process, run_until
+from testing.learner import assert_policy_is, committed_weights, feed, in_process, run_until
 
 
 def test_rollback_publishes_the_old_weights_as_a_new_version(tmp_path):

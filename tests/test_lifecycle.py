@@ -3,7 +3,6 @@ guard's verdict on hand-made reward streams, and the database side on a migrated
 
 from __future__ import annotations
 
-import math
 from datetime import timedelta
 
 import pytest
@@ -36,7 +35,7 @@ from core.lifecycle_store import (
 )
 from core.records import utcnow
 from core.sequential import Decision, RuleParams
-from tests.ratings import add_rated
+from testing.guard import add_rated, add_version, prpl_eb_lower
 
 C, P, R, X = Stage.CANDIDATE, Stage.CANARY, Stage.PROMOTED, Stage.REJECTED
 
@@ -82,26 +81,6 @@ def test_lineage_is_what_follows_the_newest_promoted_version_minus_the_rejected(
     assert promoted(rows(R, R, R, X, R)) == 4 and lineage(rows(R, R, R, X, R)) == []
     with pytest.raises(ValueError, match="no promoted version"):
         promoted(rows(P, P))
-
-
-# ------------------------------------------------------------------ the verdict
-def prpl_eb_lower(xs: list[float], alpha_side: float, cap: float = 0.5) -> float:
-    """docs/guard.md's formulas written out one rating at a time (lower bound, no intersection
-    needed for a constant stream... kept anyway: the running max)."""
-    log_inv = math.log(1 / alpha_side)
-    s_x = s_sq = s_lam = s_lamx = s_pen = 0.0
-    best = 0.0
-    for i, x in enumerate(xs, start=1):
-        mu_prev = (0.5 + s_x) / i  # μ̂_{i−1}
-        var_prev = (0.25 + s_sq) / i  # σ̂²_{i−1}
-        lam = min(cap, math.sqrt(2 * log_inv / (var_prev * i * math.log(1 + i))))
-        s_x += x
-        s_sq += (x - (0.5 + s_x) / (i + 1)) ** 2
-        s_lam += lam
-        s_lamx += lam * x
-        s_pen += (x - mu_prev) ** 2 * (-math.log(1 - lam) - lam)
-        best = max(best, (s_lamx - log_inv - s_pen) / s_lam)
-    return min(max(best, 0.0), 1.0)
 
 
 def test_a_lineage_that_loses_every_rating_is_rejected_with_the_bounds_written_out():
@@ -154,25 +133,6 @@ def db(request, tmp_path):
     engine = make_engine(url)
     yield engine
     engine.dispose()
-
-
-def add_version(
-    conn, version: int, lifecycle: str = "canary", at=None, root: str = "/p", sha256: str = "0" * 64
-) -> None:
-    """A ``policy_versions`` row as the learner writes it: published at ``root``/v<version>, the
-    parent the version before, recorded ``at`` (default now) in stage ``lifecycle``."""
-    conn.execute(
-        insert(PolicyVersion).values(
-            version=version,
-            path=f"{root}/v{version}",
-            sha256=sha256,
-            status="published",
-            parent_version=version - 1 if version else None,
-            metrics={},
-            created_at=at or utcnow(),
-            lifecycle=lifecycle,
-        )
-    )
 
 
 def test_a_version_row_without_a_stage_is_promoted_and_transitions_are_recorded(db):

@@ -33,7 +33,8 @@ from learner.config import GuardConfig
 from learner.gate import GateConfig, GateResult, decide
 from learner.process import Learner
 from server.db_figures import read_lifecycle
-from tests.learner_harness import (
+from testing.guard import add_rated, prpl_eb_lower
+from testing.learner import (
     BATCH,
     GATE_VOCAB,
     assert_policy_is,
@@ -43,9 +44,7 @@ from tests.learner_harness import (
     in_process,
     trained_ids,
 )
-from tests.logutil import read_topic
-from tests.ratings import add_rated
-from tests.test_lifecycle import prpl_eb_lower
+from testing.logs import read_topic
 
 # Bounds stated here, not the calibrated defaults: 1.0 nats/token to the base, 0.5 to the parent.
 GATE = GateConfig(max_kl_base=1.0, max_kl_promoted=0.5)

@@ -15,33 +15,20 @@ from sqlalchemy import select
 from typer.testing import CliRunner
 
 from core.control import CANARY_SHARE, GUARD_OFF, GUARD_PIN, get_flag
-from core.db import PolicyVersion, VersionStatusEvent, make_engine, migrate
-from core.lifecycle_store import quarantine
+from core.db import PolicyVersion, VersionStatusEvent, make_engine
 from core.logbus import open_log
-from core.records import TOPIC_POLICY, PolicyEvent, utcnow
+from core.records import TOPIC_POLICY, PolicyEvent
 from saoserve.cli import app as cli_app
 from server.metrics import ServerMetrics
 from server.policy_watch import PolicyWatcher
-from tests.conftest import ADMIN, make_settings, running_server
-from tests.fake_engine import FakeEngine
-from tests.logutil import read_topic
-from tests.test_lifecycle import add_version
-from tests.test_policy_watch import OutageLog, event
+from testing.fakes import FakeEngine, OutageLog, event
+from testing.guard import seed
+from testing.logs import read_topic
+from testing.servers import ADMIN, make_settings, running_server
 
 runner = CliRunner()
 KEY = "test-admin-key"
 JSON = {"content-type": "application/json"}
-
-
-def seed(url: str) -> None:
-    """Versions 0, 1 promoted; 2, 3 canary (the lineage); 4 rejected; two quarantined samples."""
-    migrate(url)
-    engine = make_engine(url)
-    with engine.begin() as conn:
-        for v, stage in enumerate(("promoted", "promoted", "canary", "canary", "rejected")):
-            add_version(conn, v, stage)
-        quarantine(conn, {4: ["t00001", "t00002"]}, "trained a version the gate rejected", utcnow())
-    engine.dispose()
 
 
 def stage_events(url: str) -> list[tuple]:

@@ -11,8 +11,8 @@ import pytest
 from core.breaker import Breaker
 from core.db import migrate
 from core.logbus import KafkaLog, LogUnavailable, SqlLog, open_log
-from tests.dependencies import TansuBroker
-from tests.logutil import read_topic
+from testing.dependencies import TansuBroker
+from testing.logs import read_topic
 
 
 def _exercise(log):
@@ -59,13 +59,13 @@ def test_kafka_log_tansu(tansu):
     log.close()
 
 
-def test_sql_log_without_schema_is_unavailable(tmp_path):
+def test_sql_log_without_schema_isunavailable(tmp_path):
     log = open_log(f"sqlite:///{tmp_path / 'empty.db'}")
     with pytest.raises(LogUnavailable, match="SQL log append failed"):
         log.append("feedback", "k", b"{}")
 
 
-def test_kafka_log_broker_down_is_unavailable():
+def test_kafka_log_broker_down_isunavailable():
     log = KafkaLog("kafka://127.0.0.1:9", send_timeout_s=1.0)
     with pytest.raises(LogUnavailable):
         log.append("feedback", "k", b"{}")

@@ -30,8 +30,8 @@ from learner.old_logits import SnapshotOldPolicy
 from learner.process import Learner
 from learner.sao import SAOLearner
 from learner.spo import SPOLearner
-from tests.learner_harness import feed, in_process
-from tests.test_sao_step import FAST, make_batch, make_config, tiny_policy
+from testing.learner import feed, in_process
+from testing.models import FAST, make_batch, make_config, tiny_policy
 
 RANK = 2
 LORA = {"kind": "lora", "rank": RANK}

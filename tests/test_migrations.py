@@ -15,7 +15,7 @@ from core.logbus import SqlLog
 from core.records import TOPIC_FEEDBACK, TOPIC_TRAJECTORIES
 from learner.joiner import Joiner
 from server.store import ServerStore
-from tests.test_join_plan import fb, traj
+from testing.builders import fb, traj
 
 
 def _check(url: str) -> None:

@@ -13,7 +13,7 @@ from learner.batch import policy_logprobs
 from learner.config import ConfigError, build_config
 from learner.mis import mis_loss
 from learner.registry import build_algorithm
-from tests.test_sao_step import make_batch, tiny_policy
+from testing.models import make_batch, tiny_policy
 
 
 def test_mis_loss_by_hand():
@@ -229,7 +229,7 @@ def test_the_learner_process_snapshots_each_version_and_drops_too_stale_samples(
     """In ``learner.process``: a snapshot per published version (W + 1 = 2 kept), samples of
     version 0 trained at version 1 (staleness 1 = W) and dropped at version 2 (staleness 2)."""
     from core.logbus import open_log
-    from tests.learner_harness import BATCH, feed, in_process
+    from testing.learner import BATCH, feed, in_process
 
     db = f"sqlite:///{tmp_path / 'db.sqlite'}"
     learner = in_process(tmp_path, db, correction={"kind": "mis_snapshot", "window": 1})

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 
 from server.routes.lifecycle import CanaryShare, VersionAction
 from server.schemas import MAX_SEED, ChatCompletionRequest, FeedbackRequest, LoadPolicyRequest
-from tests.conftest import make_settings
+from testing.servers import make_settings
 
 USER = [{"role": "user", "content": "hi"}]
 
@@ -209,9 +209,9 @@ async def test_the_admin_answers_are_what_the_spec_says(tmp_path):
     from core.db import LearnerCounter, LearnerStep, make_engine
     from core.dead_letters import Letter, set_aside
     from core.records import utcnow
-    from tests.conftest import ADMIN, running_server
-    from tests.fake_engine import FakeEngine
-    from tests.test_lifecycle_server import seed
+    from testing.fakes import FakeEngine
+    from testing.guard import seed
+    from testing.servers import ADMIN, running_server
 
     settings = make_settings(tmp_path)
     seed(settings.resolved_database_url)

@@ -20,9 +20,9 @@ import pytest
 
 from core.logbus import open_log
 from core.records import FeedbackRecord, TrajectoryRecord
-from tests.conftest import fresh_pg_database, make_settings, running_server
-from tests.dependencies import PgCluster, TansuBroker
-from tests.logutil import read_topic
+from testing.dependencies import PgCluster, TansuBroker, fresh_pg_database
+from testing.logs import read_topic
+from testing.servers import make_settings, running_server
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 

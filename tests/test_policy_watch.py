@@ -16,40 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from core.logbus import LogEntry, LogUnavailable
+from core.logbus import LogEntry
 from core.records import TOPIC_POLICY, PolicyEvent
 from server import policy_watch
 from server.metrics import ServerMetrics
 from server.policy_watch import MAX_BACKOFF_S, PolicyWatcher
-from tests.fake_engine import FakeEngine
-
-
-class OutageLog:
-    """A policy topic that refuses its first ``down_for`` reads, then holds ``events``."""
-
-    def __init__(self, down_for: int, events: list[PolicyEvent] = ()):
-        self.down_for, self.calls = down_for, 0
-        self.entries = [LogEntry(TOPIC_POLICY, 0, i, "policy", e.to_json()) for i, e in enumerate(events)]
-
-    def partitions(self, topic: str) -> list[int]:
-        self.calls += 1
-        if self.calls <= self.down_for:
-            raise LogUnavailable("the Kafka log is unavailable: KafkaConnectionError: broker down")
-        return [0]
-
-    def read(self, topic, partition, offset, max_records=500, timeout_s=0.5) -> list[LogEntry]:
-        return self.entries[offset : offset + max_records]
-
-
-def event(version: int) -> PolicyEvent:
-    return PolicyEvent(
-        version=version,
-        path=f"/policies/v{version}",
-        sha256="0" * 64,
-        created_at=datetime(2025, 6, 1, 0, 0, version, tzinfo=UTC),
-        parent_version=version - 1,
-        metrics={},
-    )
+from testing.fakes import FakeEngine, OutageLog, event
 
 
 async def run_for(watcher: PolicyWatcher, n_sleeps: int, monkeypatch) -> list[float]:

@@ -15,7 +15,7 @@ from learner.optim import make_adamw, optimizer_step
 from learner.precision import MasterWeights, MixedPrecisionAdamW
 from learner.sao import SAOLearner
 from learner.spo import SPOLearner
-from tests.test_sao_step import FAST, make_batch, make_config, tiny_policy
+from testing.models import FAST, make_batch, make_config, tiny_policy
 
 
 def _policy_loss(model, batch):

@@ -7,7 +7,7 @@ import learner.prefix as prefix
 from learner.batch import policy_logprobs
 from learner.critic import ValueModel
 from learner.prefix import body_hidden, position_ids_from_mask, shared_prefix_length
-from tests.test_sao_step import tiny_policy
+from testing.models import tiny_policy
 
 
 def _rows(prefix_len: int = 20, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

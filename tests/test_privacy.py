@@ -24,9 +24,9 @@ from learner.samples import NotWholeAnswer, OptedOut, episode_sample, single_tur
 from server.auth import ANONYMOUS, Caller
 from server.chat import trains
 from server.schemas import ChatCompletionRequest
-from tests.conftest import ADMIN
-from tests.test_edges import chat_json, edge_app, post_raw
-from tests.test_join_plan import episode_turns, fb, plan, read, tomb, traj
+from testing.builders import episode_turns, fb, plan, read, tomb, traj
+from testing.edges import chat_json, edge_app, post_raw
+from testing.servers import ADMIN
 
 USER_MSG = [{"role": "user", "content": "hi"}]
 

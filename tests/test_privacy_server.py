@@ -24,8 +24,8 @@ from core.logbus import SqlLog
 from core.records import TOPIC_TRAJECTORIES, TrajectoryRecord
 from learner.joiner import Joiner
 from saoserve.cli import app
-from tests.conftest import ADMIN, make_settings, running_server
-from tests.test_privacy_storage import keys_of
+from testing.rows import keys_of
+from testing.servers import ADMIN, make_settings, running_server
 
 runner = CliRunner()
 
@@ -182,8 +182,8 @@ async def test_forget_on_kafka_keeps_the_records_in_the_log_and_out_of_the_learn
     policy_engine, tmp_path, pg_url
 ):
     from core.logbus import KafkaLog
-    from tests.dependencies import TansuBroker
-    from tests.logutil import read_topic
+    from testing.dependencies import TansuBroker
+    from testing.logs import read_topic
 
     broker = TansuBroker()  # a broker of its own: the learner below reads every record in it
     broker.start()

@@ -13,7 +13,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
-from sqlalchemy import func, select, update
+from sqlalchemy import select, update
 from typer.testing import CliRunner
 
 from core.claims import claim_target
@@ -33,7 +33,7 @@ from core.db import (
 )
 from core.dead_letters import Letter, set_aside
 from core.logbus import SqlLog
-from core.records import TOPIC_FEEDBACK, TOPIC_TRAJECTORIES, FeedbackRecord, TrajectoryRecord, utcnow
+from core.records import TOPIC_FEEDBACK, FeedbackRecord, utcnow
 from core.retention import (
     all_forgotten,
     apply_retention,
@@ -46,9 +46,11 @@ from learner.joiner import Joiner
 from learner.pretrain import logged_samples
 from saoserve.cli import app
 from server.store import ServerStore
-from tests.conftest import ROOT, fresh_pg_database
-from tests.test_deploy import COMPOSE, environment, interpolate, load, read_env_file
-from tests.test_join_plan import NOW, episode_turns, fb, traj
+from testing import ROOT
+from testing.builders import NOW, episode_turns, fb, traj
+from testing.dependencies import fresh_pg_database
+from testing.deploy import COMPOSE, environment, interpolate, load, read_env_file
+from testing.rows import backdate, count, keys_of, logged
 
 runner = CliRunner()
 
@@ -71,13 +73,6 @@ def db(request, tmp_path):
         engine.dispose()
 
 
-def logged(store: ServerStore, log: SqlLog, rec: TrajectoryRecord) -> int:
-    """Log and index ``rec`` as the server does; returns its offset."""
-    part, off = log.append(TOPIC_TRAJECTORIES, rec.prompt_id, rec.to_json())
-    store.index_trajectory(rec, part, off)
-    return off
-
-
 def rated(store: ServerStore, log: SqlLog, f: FeedbackRecord, mark: bool = True) -> int:
     """Claim, log and (``mark``) confirm feedback as the server does; returns its offset."""
     f = f.model_copy(update={"feedback_id": str(uuid.uuid4()), "received_at": utcnow()})
@@ -87,21 +82,6 @@ def rated(store: ServerStore, log: SqlLog, f: FeedbackRecord, mark: bool = True)
     if mark:
         store.mark_received(target, f.reward, f.feedback_id)
     return off
-
-
-def backdate(engine, table, column, keys, when) -> None:
-    with engine.begin() as conn:
-        conn.execute(update(table).where(column.in_(keys)).values(created_at=when))
-
-
-def count(engine, model, *where) -> int:
-    with engine.connect() as conn:
-        return conn.execute(select(func.count()).select_from(model).where(*where)).scalar_one()
-
-
-def keys_of(engine, column) -> list:
-    with engine.connect() as conn:
-        return sorted(conn.execute(select(column)).scalars())
 
 
 def test_retention_deletes_what_is_older_than_n_days_read_or_not_and_offsets_hold(db):

@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 from core.settings import Settings
 from server.limits import header_timeout_protocol
-from tests.conftest import make_settings, running_server
+from testing.servers import make_settings, running_server
 
 
 def test_the_read_timeouts_default_to_30_s():

@@ -33,10 +33,10 @@ from core.logbus import SqlLog
 from core.records import TrajectoryRecord, feedback_token, prompt_id_for
 from server.chat import messages_of
 from server.schemas import ChatCompletionRequest
-from tests.conftest import ADMIN, make_settings, running_server
-from tests.fake_engine import FakeEngine
-from tests.logutil import logged_trajectories
-from tests.test_error_leaks import metric
+from testing.fakes import FakeEngine
+from testing.logs import logged_trajectories
+from testing.metrics import metric
+from testing.servers import ADMIN, make_settings, running_server
 
 MODEL = "smollm2-135m-instruct"  # Settings.served_model_name
 

@@ -28,8 +28,8 @@ from core.records import TOPIC_POLICY, PolicyEvent
 from server.engine import SwapRefused, SwapResult
 from server.metrics import ServerMetrics
 from server.policy_watch import PolicyWatcher
-from tests.conftest import make_settings, running_server
-from tests.fake_engine import FakeEngine
+from testing.fakes import FakeEngine
+from testing.servers import make_settings, running_server
 
 SHA = "ab" * 32
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
@@ -297,9 +297,8 @@ def test_a_restarted_replica_is_unready_until_it_serves_the_newest_version(model
     and 200 from then on; its chats then carry version 3 in every token. A stale event (version
     2 again, twice) is ignored, counted twice and logged once."""
     from core.db import make_engine
-    from tests.conftest import fresh_pg_database
-    from tests.dependencies import TansuBroker
-    from tests.replicas import ADMIN, Deployment, metric
+    from testing.dependencies import TansuBroker, fresh_pg_database
+    from testing.replicas import ADMIN, Deployment, metric
 
     broker = TansuBroker()
     broker.start()

@@ -26,9 +26,9 @@ from sqlalchemy import select, text
 
 from core.db import FeedbackClaim, LearnerSample, LearnerStep, PolicyVersion, alembic_config, make_engine
 from core.evidence import RHO
-from tests.conftest import ROOT, fresh_pg_database
-from tests.dependencies import TansuBroker
-from tests.replicas import ADMIN, Deployment, Replica, metric, policy_events, swap_delays, wait_serving
+from testing import ROOT
+from testing.dependencies import TansuBroker, fresh_pg_database
+from testing.replicas import ADMIN, Deployment, Replica, metric, policy_events, swap_delays, wait_serving
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.kafka]
 

@@ -11,7 +11,7 @@ from learner.samples import (
     episode_sample,
     single_turn_sample,
 )
-from tests.test_join_plan import episode_turns, traj
+from testing.builders import episode_turns, traj
 
 
 @pytest.mark.parametrize(

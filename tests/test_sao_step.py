@@ -4,71 +4,15 @@ import math
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from learner.baselines import RunningMeanBaseline
 from learner.batch import Batch, policy_logprobs
-from learner.config import LearnerConfig, OptimizerConfig, build_config
 from learner.critic import ValueModel
 from learner.dis import dis_loss
 from learner.metrics import explained_variance
 from learner.pretrain import pretrain_critic
 from learner.sao import SAOLearner
-
-FAST = dict(policy_lr=1e-2, critic_lr=1e-2, critic_warmup_steps=0)
-
-
-def make_config(algorithm: str = "sao", **fields) -> LearnerConfig:
-    """The ``cpu`` preset with ``fields`` set, each in its section: the optimiser's (policy_lr,
-    adam_beta1, ...), the top-level ones (autocast_bf16, ...) and the algorithm's (the rest)."""
-    overrides: dict = {"optimizer": {}, "algorithm": {}}
-    for k, v in fields.items():
-        if k in OptimizerConfig.model_fields:
-            overrides["optimizer"][k] = v
-        elif k in LearnerConfig.model_fields:
-            overrides[k] = v
-        else:
-            overrides["algorithm"][k] = v
-    return build_config(algorithm=algorithm, overrides=overrides)
-
-
-def tiny_policy(seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=True,
-    )
-    return LlamaForCausalLM(cfg).eval()
-
-
-def make_batch(policy, rewards=(1.0, 0.0, 1.0, 0.0), seed=0) -> Batch:
-    """4 rows x 10 tokens: prompt 3, actions, one row with an observation gap, one right-padded."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 64, (4, 10), generator=g)
-    attn = torch.ones(4, 10, dtype=torch.long)
-    attn[3, 8:] = 0
-    act = torch.zeros(4, 10)
-    act[:, 3:] = 1
-    act[1, 5:7] = 0  # observation tokens between two actions
-    act[3, 8:] = 0
-    temps = torch.tensor([1.0, 0.7, 1.0, 1.3])
-    with torch.no_grad():
-        rollout = policy_logprobs(policy, ids, attn, temps) * act
-    return Batch(
-        input_ids=ids,
-        attention_mask=attn,
-        action_mask=act,
-        rollout_logprobs=rollout,
-        rewards=torch.tensor(rewards),
-        temperatures=temps,
-        prompt_ids=["p0", "p1", "p0", "p2"],
-    )
+from testing.models import FAST, make_batch, make_config, tiny_policy
 
 
 def test_policy_logprobs_match_log_softmax_and_its_gradient():

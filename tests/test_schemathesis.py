@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ADMIN, make_settings, running_server
+from testing.servers import ADMIN, make_settings, running_server
 
 pytestmark = pytest.mark.engine
 

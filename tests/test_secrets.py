@@ -8,7 +8,6 @@ from __future__ import annotations
 import re
 import socket
 import subprocess
-from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -16,8 +15,8 @@ from typer.testing import CliRunner
 from core.settings import SECRET_MIN_CHARS, Settings, secret_problem, server_secret_problems
 from saoserve.cli import app
 from saoserve.ports import free_port
+from testing import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 DOCUMENTS = [ROOT / "README.md", ROOT / "deploy" / ".env.example", *sorted((ROOT / "docs").glob("*.md"))]
 # VAR=value as the documents write them (shell exports, .env lines); a value taken from a
 # command or a variable ($...) is made at run time, not a literal.

@@ -17,8 +17,9 @@ import torch
 
 from core.logbus import open_log
 from core.records import TrajectoryRecord, feedback_token
-from tests.conftest import ADMIN, fresh_pg_database, make_settings, running_server
-from tests.logutil import read_topic
+from testing.dependencies import fresh_pg_database
+from testing.logs import read_topic
+from testing.servers import ADMIN, make_settings, running_server
 
 pytestmark = pytest.mark.engine
 

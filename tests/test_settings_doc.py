@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from pydantic import Field, SecretStr
 
@@ -18,8 +16,9 @@ from core.settings_doc import (
     table_in,
     with_table,
 )
+from testing import ROOT
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = ROOT / "README.md"
 
 
 def test_the_readme_table_is_the_generated_one():

@@ -108,7 +108,7 @@ async def test_async_run_against_server_and_learner(policy_engine, model_dir, tm
     from judge.report import write_report
     from learner.process import Learner, LearnerConfig
     from saoserve.model import weights_sha256
-    from tests.conftest import ADMIN, make_settings, running_server
+    from testing.servers import ADMIN, make_settings, running_server
 
     settings = make_settings(tmp_path, model_dir=model_dir, policy_dir=tmp_path / "policies")
     stop = threading.Event()

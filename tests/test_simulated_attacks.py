@@ -28,7 +28,7 @@ from learner.optim import make_adamw
 from learner.sao import SAOLearner
 from saoserve.cli import app
 from saoserve.run_options import parse_broken_learner
-from tests.test_sao_step import FAST, make_batch, make_config, tiny_policy
+from testing.models import FAST, make_batch, make_config, tiny_policy
 
 SCHEDULE = schedule_from_spec("pirate:2")
 runner = CliRunner()

@@ -18,7 +18,8 @@ from judge.simulate import Simulation
 from judge.styles import schedule_from_spec
 from learner.process import Learner, LearnerConfig
 from saoserve.model import weights_sha256
-from tests.conftest import ADMIN, IN_CI, make_settings, running_server
+from testing.dependencies import IN_CI
+from testing.servers import ADMIN, make_settings, running_server
 
 pytestmark = pytest.mark.engine
 

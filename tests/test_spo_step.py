@@ -13,7 +13,7 @@ from learner.advantages import spo_ppo_loss
 from learner.batch import Batch, policy_logprobs
 from learner.samples import NotLearnable, collate, episode_sample, single_turn_sample
 from learner.spo import SPOLearner
-from tests.test_sao_step import make_config, tiny_policy
+from testing.models import make_config, tiny_policy
 
 
 def two_rows(policy) -> Batch:

@@ -14,10 +14,11 @@ from sqlalchemy.exc import IntegrityError, OperationalError
 from core.breaker import Unavailable
 from core.db import LogRecord, make_engine, migrate
 from core.logbus import LogUnavailable, SqlLog
-from core.records import SamplingRecord, TrajectoryRecord, utcnow
+from core.records import TrajectoryRecord
 from server.health import DatabaseUnavailable, Health, is_storage_error
 from server.spool import Spool
 from server.store import ServerStore
+from testing.builders import record
 
 
 @pytest.mark.parametrize(
@@ -55,19 +56,7 @@ async def test_health_report_names_what_is_down(tmp_path):
 
 
 def _record(i: int) -> TrajectoryRecord:
-    return TrajectoryRecord(
-        id=f"chatcmpl-spool{i}",
-        prompt_id="p",
-        created_at=utcnow(),
-        model="m",
-        prompt_token_ids=[1, 2],
-        response_token_ids=[3],
-        rollout_logprobs=[-0.5],
-        token_versions=[(0, 1)],
-        dispatch_version=0,
-        sampling=SamplingRecord(temperature=1.0, top_p=1.0, top_k=0, max_tokens=4, seed=None),
-        finish_reason="stop",
-    )
+    return record(f"chatcmpl-spool{i}", prompt_id="p", turn=None, max_tokens=4)
 
 
 def test_spool_appends_once_when_the_index_row_was_refused(tmp_path):

@@ -27,8 +27,8 @@ from core.records import utcnow
 from saoserve.admin.client import EXIT_NOT_FOUND, EXIT_OK, EXIT_USAGE, takes_policy
 from saoserve.cli import app
 from server.store import ServerStore
-from tests.test_join_plan import traj
-from tests.test_privacy_storage import backdate, count, logged
+from testing.builders import traj
+from testing.rows import backdate, count, logged
 
 runner = CliRunner()
 KEY = "test-admin-key"

@@ -20,7 +20,7 @@ from starlette.testclient import TestClient
 from core.control import GUARD_OFF, GUARD_PIN, GUARD_VERDICT, set_flag
 from core.db import LearnerCounter, LearnerStep, PolicyVersion, make_engine, migrate
 from core.policies import GLOBAL
-from tests.test_tenant_policies import RefusingEngine, SharedFakeEngine, namespaces, publish, tenant_settings
+from testing.tenants import RefusingEngine, SharedFakeEngine, namespaces, publish, tenant_settings
 
 # The figures the lifecycle and learner collectors export, without the ``saoserve_`` or
 # ``saoserve_tenant_`` prefix (``saoserve_policy_version``, the version served, is not one).

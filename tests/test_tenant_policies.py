@@ -18,9 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from pathlib import Path
 
 import httpx
 import pytest
@@ -28,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import insert, select
 from starlette.testclient import TestClient
 
-from core.db import LearnerStep, PolicyVersion, TrajectoryIndex, make_engine, migrate
+from core.db import LearnerStep, PolicyVersion, TrajectoryIndex, make_engine
 from core.evidence_store import EvidenceStore
 from core.logbus import open_log
 from core.policies import GLOBAL
@@ -45,55 +43,21 @@ from core.records import (
 from core.settings import AdapterServing
 from core.weights import weights_sha256
 from server.auth import policy_of
-from server.engine import SwapRefused, SwapResult
-from tests.conftest import ADMIN, make_settings, running_server
-from tests.fake_engine import FakeEngine, index_answer
-from tests.tenant_rows import row
+from testing.fakes import FakeEngine, index_answer
+from testing.servers import ADMIN, make_settings, running_server
+from testing.tenants import (
+    TENANTS,
+    RefusingEngine,
+    SharedFakeEngine,
+    bearer,
+    make_key,
+    namespaces,
+    publish,
+    row,
+    tenant_settings,
+)
 
-TENANTS = ["acme", "beta"]
 UNKNOWN = "no policy named 'nope' (policies: global, acme, beta)"
-
-
-def tenant_settings(tmp: Path, **overrides):
-    """Settings with the tenant policies acme and beta (adapter serving, 3·3 = 9 slots)."""
-    return make_settings(
-        tmp,
-        tenant_policies=TENANTS,
-        adapter_serving=AdapterServing.ADAPTER,
-        max_cpu_loras=9,
-        policy_poll_s=0.05,
-        **overrides,
-    )
-
-
-@dataclass
-class RefusingEngine(FakeEngine):
-    """A policy whose every swap is refused (its weights, say, are not an adapter)."""
-
-    async def swap(self, version: int, path: Path, sha256: str) -> SwapResult:
-        raise SwapRefused(f"version {version} refused")
-
-
-@dataclass
-class SharedFakeEngine(FakeEngine):
-    """The global policy's ``FakeEngine`` with ``view(policy)``: a ``FakeEngine`` per tenant
-    policy (``views``, made on first use; give one beforehand to set its version or make it
-    refuse)."""
-
-    views: dict[str, FakeEngine] = field(default_factory=dict)
-
-    def view(self, policy: str) -> FakeEngine:
-        return self.views.setdefault(policy, FakeEngine())
-
-
-def bearer(key: str) -> dict:
-    return {"Authorization": f"Bearer {key}"}
-
-
-def make_key(client, tenant: str) -> str:
-    r = client.post("/admin/keys", json={"tenant": tenant}, headers=ADMIN)
-    assert r.status_code == 201
-    return r.json()["key"]
 
 
 def logged(settings, topic: str) -> list[dict]:
@@ -106,11 +70,6 @@ def logged(settings, topic: str) -> list[dict]:
         return out
     finally:
         lt.close()
-
-
-def namespaces(settings) -> dict:
-    """``{policy: that namespace's settings}``, the global one first."""
-    return {GLOBAL: settings} | {t: settings.for_tenant(t) for t in settings.tenant_policies}
 
 
 def gauge(text: str, name: str, **labels) -> float | None:
@@ -332,19 +291,6 @@ def test_the_model_list_names_the_policy_and_version_that_serve_the_key(tmp_path
     assert one == cards["acme"]
 
 
-def publish(settings, version: int, path: Path, sha256: str = "0" * 64) -> None:
-    """A policy event for ``version`` in the log of ``settings``' namespace (migrated first)."""
-    migrate(settings.resolved_database_url)
-    event = PolicyEvent(
-        version=version, path=str(path), sha256=sha256, created_at=datetime.now(UTC), parent_version=0
-    )
-    lt = open_log(settings.resolved_log_url)
-    try:
-        lt.append(TOPIC_POLICY, POLICY_KEY, event.to_json())
-    finally:
-        lt.close()
-
-
 def test_a_tenant_watcher_sets_the_tenant_series_and_readiness_covers_every_policy(tmp_path):
     settings = tenant_settings(tmp_path)
     ns = namespaces(settings)
@@ -494,7 +440,7 @@ async def test_each_tenants_answers_feedback_and_episodes_stay_in_its_namespace(
 async def test_a_version_published_for_acme_serves_acme_only_and_a_revoked_key_ends_its_episode(
     tenant_engine, model_dir, tmp_path
 ):
-    from tests.test_adapter_serving import write_adapters
+    from testing.adapters import write_adapters
 
     settings = tenant_settings(tmp_path)
     ns = namespaces(settings)

@@ -20,10 +20,9 @@ from core.db import LearnerStep, make_engine
 from core.keys import KeyStore
 from core.policies import GLOBAL
 from server.routes import ops
-from tests.conftest import ADMIN, make_settings
-from tests.fake_engine import FakeEngine, index_answer
-from tests.tenant_rows import row
-from tests.test_tenant_policies import SharedFakeEngine, bearer, make_key, namespaces, tenant_settings
+from testing.fakes import FakeEngine, index_answer
+from testing.servers import ADMIN, make_settings
+from testing.tenants import SharedFakeEngine, bearer, make_key, namespaces, row, tenant_settings
 
 AT = datetime(2025, 6, 1, 12, 0, tzinfo=UTC)
 # acme's one learner step, as the learner records it (its sample ids are not shown).

@@ -22,8 +22,8 @@ import pytest
 from core.db import make_engine, migrate
 from core.evidence import RHO, EvidenceState
 from core.evidence_store import EvidenceStore
-from tests.conftest import ADMIN, make_settings, running_server
-from tests.fake_engine import FakeEngine, record_versions
+from testing.fakes import FakeEngine, record_versions
+from testing.servers import ADMIN, make_settings, running_server
 
 SHA = {v: f"{v:064x}" for v in range(5)}
 

@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 
 from core.weights import WeightsLayout, WeightsMismatch, read_header, weights_sha256
 from server.engine import PolicyEngine, SwapRefused
-from tests.conftest import make_settings
+from testing.servers import make_settings
 
 # A tied two-layer toy: the LM head is the embedding and absent from the file, as in SmolLM2.
 BASE = {

@@ -24,8 +24,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from core.logbus import open_log
 from core.records import TOPIC_POLICY, PolicyEvent
-from tests.conftest import free_port
-from tests.logutil import read_topic
+from saoserve.ports import free_port
+from testing.logs import read_topic
 
 FEEDBACK_SECRET = "replicas-feedback-secret"
 ADMIN_KEY = "replicas-admin-key"

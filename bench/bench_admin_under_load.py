@@ -1,6 +1,6 @@
 """Admin calls under a full streaming load: how long an operator waits (issue 23).
 
-Starts one ``saoserve serve`` (PostgreSQL, a tansu broker; tests/replicas.py), records version 0
+Starts one ``saoserve serve`` (PostgreSQL, a tansu broker; testing/replicas.py), records version 0
 so a rollback has a target, then times the operators' calls twice in one run: on the idle server
 and while ``--streams`` streaming chats of ``--max-tokens`` tokens run in a loop (the load runs in
 a process of its own, reading the streams without parsing them, so the measuring client does not

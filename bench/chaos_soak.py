@@ -2,8 +2,8 @@
 the broker go down and a replica restarts; audited from the database and the log (issue 23).
 
 The parts are the existing harnesses: ``saoserve serve`` replicas and ``saoserve learn`` started
-as a user starts them (tests/replicas.py), a PostgreSQL cluster of the soak's own that it stops
-and starts (tests/dependencies.py ``PgCluster``, as tests/test_outages.py), a tansu broker it
+as a user starts them (testing/replicas.py), a PostgreSQL cluster of the soak's own that it stops
+and starts (testing/dependencies.py ``PgCluster``, as tests/system/test_outages.py), a tansu broker it
 pauses (``TansuBroker``), and the learner's named kill points (learner/faults.py,
 ``SAOSERVE_FAULT_POINT``). The model is a random 2-layer Llama with SmolLM2's tokenizer and
 vocabulary (``tiny_model``), so that the learner publishes a version every few seconds and a
@@ -35,7 +35,7 @@ left (padding with a few rated chats of its own to fill the last batch), and the
 
 Prints the figures (requests, 2xx, 5xx in and out of the windows, trajectories, feedback
 trained, kills, swaps, outages and their recovery times) and exits 1 if any check failed;
-``--json FILE`` writes them. tests/test_chaos_soak.py runs a short soak (opt-in: ``SAOSERVE_SOAK=1``);
+``--json FILE`` writes them. tests/system/test_chaos_soak.py runs a short soak (opt-in: ``SAOSERVE_SOAK=1``);
 the measured runs are in docs/reliability.md, "The chaos soak".
 
 The run and its drain are here; the traffic is bench/soak_traffic.py, the faults

@@ -22,7 +22,7 @@ folders the database does not know are deleted and a checkpoint ahead of it is i
 ``checkpoint_every`` steps, and at a clean stop). A failure between applying a step in memory
 and its commit drops the in-memory models; the next iteration reloads the committed state as a
 restart would (``load``). Fault points (``learner.faults``) mark each step of the cycle for the
-kill -9 harness (tests/test_learner_faults.py).
+kill -9 harness (tests/system/test_learner_faults.py).
 
 Nothing stops the loop for good: a join that fails is logged and the rollback and pause
 requests are still carried out; a record or a batch that keeps failing is set aside as a dead

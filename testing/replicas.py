@@ -1,6 +1,6 @@
 """A multi-process deployment on one machine: ``saoserve serve`` replicas and ``saoserve learn``
 started as a user starts them (the CLI, environment settings), sharing one PostgreSQL database,
-one Kafka log (a tansu broker) and one policy folder (docs/design.md §3). Used by tests/test_replicas.py
+one Kafka log (a tansu broker) and one policy folder (docs/design.md §3). Used by tests/system/test_replicas.py
 and bench/bench_replica_swap.py.
 
 A replica's ``/metrics`` says which version it serves (``saoserve_policy_version``) and since

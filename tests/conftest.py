@@ -152,7 +152,7 @@ def browser() -> Iterator[object]:
         driver.quit()
 
 
-# embedding_judge: the offline judge's MiniLM model (tests/test_judge.py), about 10 s to load.
+# embedding_judge: the offline judge's MiniLM model (tests/unit/judge/test_judge.py), about 10 s to load.
 INTEGRATION_FIXTURES = {"policy_engine", "model_dir", "tansu", "pg_url", "embedding_judge"}
 INTEGRATION_MARKS = {"engine", "kafka", "postgres", "slow"}
 

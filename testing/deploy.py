@@ -1,10 +1,12 @@
 """deploy/'s compose files read as Compose reads them: YAML (``load``), the ``.env`` file
-(``read_env_file``), interpolation (``interpolate``, ``referenced``) and a service's environment
-(``environment``)."""
+(``read_env_file``), interpolation (``interpolate``, ``referenced``), a service's environment
+(``environment``) and a Dockerfile's (``dockerfile_env``)."""
 
 from __future__ import annotations
 
 import re
+import shlex
+import sys
 from pathlib import Path
 
 import yaml
@@ -12,9 +14,10 @@ import yaml
 from testing import ROOT
 
 DEPLOY = ROOT / "deploy"
-
-
 COMPOSE = DEPLOY / "compose.yaml"
+ENV_EXAMPLE = DEPLOY / ".env.example"
+DOCKERFILES = (ROOT / "Dockerfile", DEPLOY / "Dockerfile.gpu")
+BIN = Path(sys.executable).parent  # the virtualenv's commands
 
 
 class InterpolationError(ValueError):
@@ -87,3 +90,15 @@ def environment(service: dict) -> dict[str, str]:
 
 def load(path: Path) -> dict:
     return yaml.safe_load(path.read_text())
+
+
+def dockerfile_env(path: Path) -> dict[str, str]:
+    """The ENV assignments of a Dockerfile (continuation lines joined)."""
+    text = re.sub(r"\\\n\s*", " ", path.read_text())
+    env = {}
+    for line in text.splitlines():
+        if line.startswith("ENV "):
+            for word in shlex.split(line[4:]):
+                key, _, value = word.partition("=")
+                env[key] = value
+    return env

@@ -74,3 +74,14 @@ def feedback_state(tmp_path) -> ServerState:
 
 def feedback(**body) -> FeedbackRequest:
     return FeedbackRequest.model_validate({"reward": 1, **body})
+
+
+CHAT = "/v1/chat/completions"
+
+
+def error_of(r: httpx.Response) -> tuple[int, str | None, str | None, str]:
+    err = r.json()["error"]
+    return r.status_code, err["code"], err["param"], err["message"]
+
+
+NOT_JSON = "request body is not valid JSON"

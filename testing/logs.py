@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from core.logbus import LogEntry, LogTransport, open_log
-from core.records import TOPIC_TRAJECTORIES, TrajectoryRecord
+from core.records import TOPIC_FEEDBACK, TOPIC_TRAJECTORIES, TrajectoryRecord
 
 
 def read_topic(log: LogTransport, topic: str) -> list[LogEntry]:
@@ -27,3 +27,9 @@ def logged_trajectories(settings) -> list[TrajectoryRecord]:
         return [TrajectoryRecord.model_validate_json(e.value) for e in read_topic(log, TOPIC_TRAJECTORIES)]
     finally:
         log.close()
+
+
+def append(log, *recs):
+    for r in recs:
+        topic = TOPIC_FEEDBACK if hasattr(r, "reward") else TOPIC_TRAJECTORIES
+        log.append(topic, r.prompt_id, r.to_json())

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 from sqlalchemy import func, select, update
 
+from core.db import (
+    DeadLetter,
+)
 from core.logbus import SqlLog
 from core.records import TOPIC_TRAJECTORIES, TrajectoryRecord
 from server.store import ServerStore
@@ -31,3 +34,21 @@ def count(engine, model, *where) -> int:
 def keys_of(engine, column) -> list:
     with engine.connect() as conn:
         return sorted(conn.execute(select(column)).scalars())
+
+
+def letters(engine) -> list[tuple]:
+    with engine.connect() as conn:
+        return [
+            tuple(r)
+            for r in conn.execute(
+                select(
+                    DeadLetter.kind,
+                    DeadLetter.key,
+                    DeadLetter.prompt_id,
+                    DeadLetter.topic,
+                    DeadLetter.log_offset,
+                    DeadLetter.attempts,
+                    DeadLetter.reason,
+                ).order_by(DeadLetter.id)
+            )
+        ]

@@ -8,8 +8,12 @@ import contextlib
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from saoserve.ports import free_port
+
+if TYPE_CHECKING:
+    import openai
 
 
 def make_settings(tmp: Path, **overrides):
@@ -57,3 +61,13 @@ async def running_server(settings, engine, http: type | str = "auto", **app_kwar
 
 
 ADMIN = {"Authorization": "Bearer test-admin-key"}
+
+
+MODEL = "smollm2-135m-instruct"  # Settings.served_model_name
+
+
+def sdk(url: str, **kw) -> openai.AsyncOpenAI:
+    """The openai SDK's async client on the server at ``url``, unchanged."""
+    import openai
+
+    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", **kw)

@@ -7,18 +7,17 @@ test expects them (``row``: ``server.admin_schemas.PolicyRow``, built by
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from core.db import migrate
 from core.logbus import open_log
 from core.policies import GLOBAL
-from core.records import (
-    POLICY_KEY,
-    TOPIC_POLICY,
-    PolicyEvent,
-)
+from core.records import POLICY_KEY, TOPIC_POLICY, PolicyEvent
 from core.settings import AdapterServing
 from server.engine import SwapRefused, SwapResult
 from testing.fakes import FakeEngine
@@ -103,3 +102,23 @@ def publish(settings, version: int, path: Path, sha256: str = "0" * 64) -> None:
         lt.append(TOPIC_POLICY, POLICY_KEY, event.to_json())
     finally:
         lt.close()
+
+
+def logged(settings, topic: str) -> list[dict]:
+    """Every record of ``topic`` in the log of ``settings``' namespace, as JSON."""
+    lt = open_log(settings.resolved_log_url)
+    try:
+        out = []
+        for p in lt.partitions(topic):
+            out += [json.loads(e.value) for e in lt.read(topic, p, 0, 1000, 0.2)]
+        return out
+    finally:
+        lt.close()
+
+
+def gauge(text: str, name: str, **labels) -> float | None:
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and s.labels == labels:
+                return s.value
+    return None

@@ -1,4 +1,7 @@
-"""Shared test fixtures: real PostgreSQL, a real tansu broker, one vLLM engine per session.
+"""Shared test fixtures: real PostgreSQL, a real tansu broker, one vLLM engine per session; and
+the tiers, which are folders: tests/unit/<package>/ (pure: no engine, model, broker or
+PostgreSQL), tests/integration/ (those), tests/system/ (kill -9, replicas, deploy, soak, real
+clients, browsers). Helpers shared with the benchmarks live in the ``testing`` package.
 
 PostgreSQL: the server at ``SAOSERVE_TEST_PG`` (default 127.0.0.1:5432, user postgres); each
 session works in a database of its own, dropped at the end. Under CI (``CI`` set) a missing
@@ -36,6 +39,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 def pg_url() -> Iterator[str]:
     """A fresh PostgreSQL database for one test."""
     with fresh_pg_database() as url:
+        yield url
+
+
+@pytest.fixture
+def database_url(new_database) -> Iterator[str]:
+    """A fresh database for one test, of the tier's back end (``new_database`` of
+    tests/unit/conftest.py: SQLite; of tests/integration/conftest.py: PostgreSQL)."""
+    with new_database() as url:
         yield url
 
 
@@ -115,55 +126,39 @@ async def policy_engine(model_dir, tmp_path_factory):
     engine.shutdown()
 
 
-@pytest.fixture
-def browser() -> Iterator[object]:
-    """Headless Chromium under Debian's chromedriver (same version); a failure under CI, a skip
-    elsewhere, when either or selenium is missing."""
-    chromium, driver_exe = shutil.which("chromium"), shutil.which("chromedriver")
-    try:
-        from selenium import webdriver
-        from selenium.webdriver.chrome.service import Service
-    except ImportError:
-        webdriver = None
-    if chromium is None or driver_exe is None or webdriver is None:
-        what = "selenium (the dev extra)" if webdriver is None else "chromium and chromium-driver"
-        if IN_CI:
-            pytest.fail(f"{what} not installed (apt-get install chromium chromium-driver)")
-        pytest.skip(f"{what} not installed")
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = chromium
-    for arg in (
-        "--headless=new",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-dev-shm-usage",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-    ):
-        opts.add_argument(arg)
-    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    # An explicit driver path: Selenium Manager never looks for (or downloads) one.
-    driver = webdriver.Chrome(options=opts, service=Service(driver_exe))
-    try:
-        yield driver
-    finally:
-        driver.quit()
-
-
-# embedding_judge: the offline judge's MiniLM model (tests/unit/judge/test_judge.py), about 10 s to load.
+# embedding_judge: the offline judge's MiniLM model (tests/integration/test_judge.py), about 10 s to load.
 INTEGRATION_FIXTURES = {"policy_engine", "model_dir", "tansu", "pg_url", "embedding_judge"}
-INTEGRATION_MARKS = {"engine", "kafka", "postgres", "slow"}
+INTEGRATION_MARKS = {"engine", "kafka", "postgres", "slow", "integration"}
+UNIT = ROOT / "tests" / "unit"
+
+
+MISPLACED = pytest.StashKey[str]()
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    """Mark every test that needs a real part (engine, model, broker, PostgreSQL) or is slow as
-    ``integration``, so ``make test-unit`` (``-m "not integration"``) runs only the pure tier."""
+    """The tiers are folders. tests/unit is the pure tier (``make test-unit`` runs it): a test
+    there that asks for a real part (a fixture of ``INTEGRATION_FIXTURES``: engine, model, broker,
+    PostgreSQL) or carries a mark of ``INTEGRATION_MARKS`` (slow included) belongs in
+    tests/integration or tests/system, and errors before any fixture is made
+    (``pytest_runtest_setup``). Every test elsewhere is marked ``integration``
+    (``-m "not integration"`` still selects the pure tier)."""
     for item in items:
-        marks = {m.name for m in item.iter_markers()}
-        if marks & INTEGRATION_MARKS or INTEGRATION_FIXTURES & set(getattr(item, "fixturenames", ())):
+        needs = {m.name for m in item.iter_markers()} & INTEGRATION_MARKS
+        needs |= INTEGRATION_FIXTURES & set(getattr(item, "fixturenames", ()))
+        if not item.path.is_relative_to(UNIT):
             item.add_marker(pytest.mark.integration)
+        elif needs:
+            item.stash[MISPLACED] = ", ".join(sorted(needs))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item) -> None:
+    if MISPLACED in item.stash:
+        pytest.fail(
+            f"tests/unit needs no engine, model, broker or PostgreSQL and is not slow; this test needs "
+            f"{item.stash[MISPLACED]}: move it to tests/integration or tests/system",
+            pytrace=False,
+        )
 
 
 def pytest_collection_finish(session) -> None:

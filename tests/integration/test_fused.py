@@ -7,7 +7,6 @@ import torch
 
 from learner import attention
 from learner.batch import policy_logprobs
-from learner.critic import ValueModel
 from learner.fused import compile_layers
 from learner.prefix import body_hidden
 from testing.models import make_batch, tiny_policy
@@ -46,8 +45,3 @@ def test_compiled_layers_match_eager_logprobs_gradients_and_other_shapes():
         shared = body_hidden(compiled.model, ids, batch.attention_mask, min_shared=4)
         plain = body_hidden(eager.model, ids, batch.attention_mask, min_shared=100)
     assert torch.allclose(shared, plain, atol=1e-5)
-
-
-def test_a_module_without_decoder_layers_compiles_nothing():
-    assert compile_layers(torch.nn.Linear(2, 2)) == 0
-    assert compile_layers(ValueModel.from_policy(tiny_policy())) == 2

@@ -12,18 +12,9 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
-from pydantic import ValidationError
 
-from core.settings import Settings
 from server.limits import header_timeout_protocol
 from testing.servers import make_settings, running_server
-
-
-def test_the_read_timeouts_default_to_30_s():
-    assert (Settings().header_read_timeout_s, Settings().body_read_timeout_s) == (30.0, 30.0)
-    for name in ("header_read_timeout_s", "body_read_timeout_s"):
-        with pytest.raises(ValidationError):
-            Settings(**{name: 0})
 
 
 @pytest.fixture

@@ -50,7 +50,7 @@ from core.lifecycle import ALLOWED, Stage
 from core.logbus import open_log
 from core.policy_store import CHECKPOINT_FILE, Layout, layout
 from core.records import TOPIC_FEEDBACK, TOPIC_POLICY, utcnow
-from learner.faults import CYCLE_POINTS, EXIT_CODE, POINTS, parse
+from learner.faults import CYCLE_POINTS, EXIT_CODE
 from testing.guard import add_rated
 from testing.learner import BATCH, GATE_VOCAB, feed, gate_model_dir, tiny_model_dir
 from testing.learner_faults import Lives
@@ -365,12 +365,3 @@ def test_kill_at_the_lifecycle_points_sqlite(tmp_path, scenario):
 def test_kill_at_the_guards_rejection_postgres(tmp_path, pg_url):
     figures = run_lifecycle_harness(tmp_path, pg_url, "guard_rejects")
     assert figures["restores"] == figures["rejected"] == figures["samples"] // BATCH
-
-
-def test_fault_point_spec_is_checked():
-    assert parse("after_commit:3") == ("after_commit", 3) and parse("during_step") == ("during_step", 1)
-    assert parse("") is None and parse(None) is None
-    assert [parse(p) for p in POINTS] == [(p, 1) for p in POINTS] and len(set(POINTS)) == 12
-    for bad in ("after_lunch:1", "after_commit:0", "after_commit:x"):
-        with pytest.raises(ValueError):
-            parse(bad)

@@ -13,7 +13,8 @@
   no parameters, no prompt id), an exception no handler knows a 500 in the OpenAI shape, and a
   prompt whose evidence lies far ahead of the served version is answered.
 
-The first three without generating (``testing.fakes.FakeEngine``), the rest on the engine.
+The developer role and the model's card without generating: tests/unit/server/test_real_clients.py.
+The final 409 on ``testing.fakes.FakeEngine``, the rest on the engine.
 """
 
 from __future__ import annotations
@@ -31,47 +32,11 @@ from core.evidence import RHO
 from core.evidence_store import EvidenceStore
 from core.logbus import SqlLog
 from core.records import TrajectoryRecord, feedback_token, prompt_id_for
-from server.chat import messages_of
-from server.schemas import ChatCompletionRequest
-from testing.fakes import FakeEngine
 from testing.logs import logged_trajectories
 from testing.metrics import metric
-from testing.servers import ADMIN, make_settings, running_server
-
-MODEL = "smollm2-135m-instruct"  # Settings.served_model_name
-
-
-def sdk(url: str, **kw) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", **kw)
-
+from testing.servers import ADMIN, MODEL, make_settings, running_server, sdk
 
 # ----------------------------------------------------------------- without generating
-
-
-def test_the_developer_role_is_the_system_role():
-    req = ChatCompletionRequest.model_validate(
-        {"messages": [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}]}
-    )
-    as_system = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
-    assert messages_of(req) == as_system
-
-
-async def test_models_retrieve(tmp_path):
-    async with running_server(make_settings(tmp_path), FakeEngine(version=7), watch_policy=False) as url:
-        client = sdk(url, max_retries=0)
-        card = await client.models.retrieve(MODEL)
-        assert (card.id, card.object, card.owned_by) == (MODEL, "model", "saoserve")
-        assert card.model_extra["policy_version"] == 7
-        for other in ("gpt-4o", "org/name"):
-            with pytest.raises(openai.NotFoundError) as e:
-                await client.models.retrieve(other)
-            assert e.value.body == {
-                "message": f"model {other!r} does not exist; this server serves {MODEL!r}",
-                "type": "invalid_request_error",
-                "param": "model",
-                "code": "model_not_found",
-            }
-            assert e.value.response.headers["x-should-retry"] == "false"
 
 
 # ----------------------------------------------------------------- on the engine

@@ -12,8 +12,8 @@ not run).
   policy folder's mount and ``SAOSERVE_POLICY_DIR``, the topics and ``core.records.TOPICS``,
   HAProxy's backend and the servers' port, the health-check paths and the app's GET routes.
 - The server's health-check command passes on a 200 from ``/readyz`` and fails on a 503 or no
-  answer; ``saoserve migrate`` with the migrate service's environment, mapped to the local
-  PostgreSQL, brings a fresh database to the head revision.
+  answer. ``saoserve migrate`` with the migrate service's environment, mapped to the local
+  PostgreSQL, brings a fresh database to the head revision: tests/system/test_deploy.py.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import inspect
 import json
 import os
 import re
-import shlex
 import shutil
 import subprocess
 import sys
@@ -34,7 +33,7 @@ from pathlib import Path
 import pytest
 import typer
 from jsonschema import Draft202012Validator
-from sqlalchemy import create_engine, make_url, text
+from sqlalchemy import make_url
 
 from core.logbus import KafkaLog
 from core.records import TOPICS
@@ -43,9 +42,13 @@ from learner.config import build_config
 from saoserve.cli import app as cli_app
 from testing import ROOT
 from testing.deploy import (
+    BIN,
     COMPOSE,
     DEPLOY,
+    DOCKERFILES,
+    ENV_EXAMPLE,
     InterpolationError,
+    dockerfile_env,
     environment,
     interpolate,
     load,
@@ -54,11 +57,8 @@ from testing.deploy import (
 )
 
 COMPOSE_GPU = DEPLOY / "compose.gpu.yaml"
-ENV_EXAMPLE = DEPLOY / ".env.example"
 HAPROXY = DEPLOY / "haproxy.cfg"
-DOCKERFILES = (ROOT / "Dockerfile", DEPLOY / "Dockerfile.gpu")
 GPU_SMOKE = ROOT / "bench" / "gpu_smoke.sh"
-BIN = Path(sys.executable).parent
 SECRETS = ("SAOSERVE_FEEDBACK_SECRET", "SAOSERVE_ADMIN_KEY", "POSTGRES_PASSWORD")
 
 
@@ -171,18 +171,6 @@ def test_interpolation_rules():
 
 def settings_fields() -> set[str]:
     return {f"SAOSERVE_{name.upper()}" for name in Settings.model_fields}
-
-
-def dockerfile_env(path: Path) -> dict[str, str]:
-    """The ENV assignments of a Dockerfile (continuation lines joined)."""
-    text = re.sub(r"\\\n\s*", " ", path.read_text())
-    env = {}
-    for line in text.splitlines():
-        if line.startswith("ENV "):
-            for word in shlex.split(line[4:]):
-                key, _, value = word.partition("=")
-                env[key] = value
-    return env
 
 
 def test_every_saoserve_variable_is_a_setting(compose, compose_gpu, env_example):
@@ -533,37 +521,3 @@ def test_gpu_smoke_script_passes_shellcheck():
 
 
 # ------------------------------------------------------------------ the migrate service, run
-
-
-def test_migrate_service_runs_against_a_fresh_database(compose, pg_url, tmp_path):
-    """The migrate service's command and environment, with its database URL pointed from the
-    compose network's ``postgres`` to the local server (same driver, the test's database)."""
-    from alembic.script import ScriptDirectory
-
-    from core.db import alembic_config
-
-    service = compose["services"]["migrate"]
-    env = dockerfile_env(DOCKERFILES[0]) | environment(service)
-    local = make_url(pg_url)
-    url = make_url(env["SAOSERVE_DATABASE_URL"])
-    assert url.drivername == local.drivername
-    env["SAOSERVE_DATABASE_URL"] = local.render_as_string(hide_password=False)
-    env["SAOSERVE_HOME"] = str(tmp_path)  # the image's /data
-    argv = [str(BIN / service["command"][0]), *service["command"][1:]]
-    for _ in range(2):  # a restarted one-shot, or a replica migrating at start, finds the head
-        run = subprocess.run(
-            argv, env=os.environ | env, capture_output=True, text=True, timeout=120, cwd=tmp_path
-        )
-        assert run.returncode == 0, run.stderr
-        assert run.stdout.strip() == "database at head"
-    head = ScriptDirectory.from_config(alembic_config(pg_url)).get_current_head()
-    engine = create_engine(pg_url)
-    try:
-        with engine.connect() as conn:
-            assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar_one() == head
-            tables = set(
-                conn.execute(text("SELECT tablename FROM pg_tables WHERE schemaname = 'public'")).scalars()
-            )
-    finally:
-        engine.dispose()
-    assert {"trajectory_index", "prompt_evidence", "alembic_version"} <= tables

@@ -56,7 +56,7 @@ HEADING = re.compile(r"^#{1,6}\s+(" + SECTION + r")\.?\s", re.MULTILINE)
 PAPER_ID = re.compile(r"papers/(\d{3})")
 CODE_NAME = re.compile(r"`((?:core|server|learner|judge|saoserve)(?:\.\w+)+)`")
 REPO_PATH = re.compile(
-    r"`((?:tests|bench|docs|core|server|learner|judge|saoserve|scripts|deploy|migrations)/[\w./-]+?)"
+    r"`((?:tests|testing|bench|docs|core|server|learner|judge|saoserve|scripts|deploy|migrations)/[\w./-]+?)"
     r"(?:::(\w+))?`"
 )
 TEST_LIST = re.compile(r"`(tests/[\w/]+\.py)` \(((?:`\w+`(?:, )?)+)\)")

@@ -5,8 +5,8 @@ and the learner goes on; rollback and pause are carried out whatever the joins d
 
 Pure tier: the plan's rules, the Joiner on SQLite (a trigger makes the database refuse a record,
 as PostgreSQL refused the 100-character episode id), the learner with a tiny model, the admin
-route and the CLI on the real app with ``testing.fakes.FakeEngine``. PostgreSQL: a record
-with a NUL, which PostgreSQL cannot store, set aside.
+route and the CLI on the real app with ``testing.fakes.FakeEngine``. On PostgreSQL (a record with a NUL, which it cannot store,
+set aside): tests/integration/test_dead_letters.py.
 """
 
 from __future__ import annotations
@@ -19,13 +19,12 @@ from datetime import timedelta
 import httpx
 import pytest
 from sqlalchemy import insert, select, text
-from sqlalchemy.exc import DataError, IntegrityError
+from sqlalchemy.exc import IntegrityError
 from typer.testing import CliRunner
 
 from core.control import PAUSED, ROLLBACK_TO, get_flag, set_flag
 from core.db import (
     ConsumerOffset,
-    DeadLetter,
     LearnerCounter,
     LearnerSample,
     PendingJoin,
@@ -45,6 +44,8 @@ from server.store import ServerStore
 from testing.builders import EXPIRE_S, NOW, episode_turns, fb, plan, read, sent, traj
 from testing.fakes import FakeEngine
 from testing.learner import feed, in_process, trained_ids, wait_for
+from testing.logs import append
+from testing.rows import letters
 from testing.servers import ADMIN, make_settings, running_server
 
 runner = CliRunner()
@@ -188,30 +189,6 @@ def db(tmp_path):
     engine.dispose()
 
 
-def append(log, *recs):
-    for r in recs:
-        topic = TOPIC_FEEDBACK if hasattr(r, "reward") else TOPIC_TRAJECTORIES
-        log.append(topic, r.prompt_id, r.to_json())
-
-
-def letters(engine) -> list[tuple]:
-    with engine.connect() as conn:
-        return [
-            tuple(r)
-            for r in conn.execute(
-                select(
-                    DeadLetter.kind,
-                    DeadLetter.key,
-                    DeadLetter.prompt_id,
-                    DeadLetter.topic,
-                    DeadLetter.log_offset,
-                    DeadLetter.attempts,
-                    DeadLetter.reason,
-                ).order_by(DeadLetter.id)
-            )
-        ]
-
-
 def counters(engine) -> dict[str, int]:
     with engine.connect() as conn:
         return dict(conn.execute(select(LearnerCounter.name, LearnerCounter.value)).all())
@@ -324,26 +301,6 @@ def test_a_record_the_database_refuses_is_set_aside_after_three_tries_and_the_ot
     assert offsets == ends
     assert counters(engine) == {"dead_letters": 1}
     assert joiner.poll_once().counters == {}  # nothing read again
-
-
-@pytest.mark.postgres
-def test_a_record_with_a_nul_is_set_aside_on_postgres(pg_url):
-    migrate(pg_url)
-    engine, log = make_engine(pg_url), open_log(pg_url)
-    now = utcnow()
-    # From a writer that never checked (the edge refuses a NUL); the log's key is not the id.
-    log.append(TOPIC_TRAJECTORIES, "p", traj("nul", "p\x00q", created_at=now).to_json())
-    append(log, traj("t1", created_at=now), fb("t1"))
-    joiner = Joiner(log, engine, 3600)
-    for _ in range(2):
-        with pytest.raises(DataError):
-            joiner.poll_once()
-    assert joiner.poll_once().samples == 1
-    [(kind, key, prompt_id, topic, _, attempts, reason)] = letters(engine)
-    assert (kind, key, prompt_id, topic, attempts) == ("unjoinable", "nul", "p\\x00q", TOPIC_TRAJECTORIES, 3)
-    assert reason.startswith("the database refused its join 3 times: DataError: ")
-    log.close()
-    engine.dispose()
 
 
 # ------------------------------------------------------------------------- the learner

@@ -12,7 +12,6 @@ from hypothesis import strategies as st
 from core.evidence import (
     RHO,
     EvidenceState,
-    SPOTracker,
     event_coordinate,
     evidence_at,
     jeffreys_prior,
@@ -136,25 +135,6 @@ def test_thousands_of_versions_do_not_overflow():
         evidence_at(0.0, 0.0, 0, [(1, 20_000)], 0)
     with pytest.raises(ValueError, match="overflow"):
         EvidenceState(1.0, 0.0, 20_000).at(0)
-
-
-def test_spo_tracker_depends_on_receipt_order():
-    # α ← ρα + R in receipt order, ρ_i = 0.875, from (4, 4):
-    # 1 then 0: α = ρ(4ρ + 1) + 0 = 4ρ² + ρ = 3.0625 + 0.875 = 3.9375
-    # 0 then 1: α = ρ(4ρ + 0) + 1 = 4ρ² + 1 = 4.0625
-    first = SPOTracker(4.0, 4.0)
-    first.add(1)
-    first.add(0)
-    second = SPOTracker(4.0, 4.0)
-    second.add(0)
-    second.add(1)
-    assert first.alpha == pytest.approx(3.9375, rel=1e-12)
-    assert second.alpha == pytest.approx(4.0625, rel=1e-12)
-    assert first.value != second.value
-    with pytest.raises(ValueError):
-        first.add(1, rho_i=0.0)
-    with pytest.raises(ValueError):
-        first.add(2)
 
 
 def test_merge_refuses_different_rho():

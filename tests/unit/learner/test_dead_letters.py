@@ -29,6 +29,7 @@ from core.db import (
     LearnerSample,
     PendingJoin,
     PolicyVersion,
+    bump_counter,
     make_engine,
     migrate,
 )
@@ -36,7 +37,7 @@ from core.dead_letters import Letter, describe, set_aside, storable_text
 from core.logbus import SqlLog, open_log
 from core.records import TOPIC_FEEDBACK, TOPIC_TRAJECTORIES, utcnow
 from learner.join_plan import JoinState, Unreadable
-from learner.joiner import Joiner, bump_counter
+from learner.joiner import Joiner
 from saoserve.cli import app as cli_app
 from server.metrics import ServerMetrics
 from server.state import ServerState

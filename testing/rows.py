@@ -1,13 +1,19 @@
 """Rows read and written straight in the database by a test: a record logged and indexed as the
 server does (``logged``), rows backdated (``backdate``), counted (``count``) and listed
-(``keys_of``)."""
+(``keys_of``); a database migrated with the SQL log in it (``migrated_with_log``)."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 from sqlalchemy import func, select, update
+from sqlalchemy.engine import Engine
 
 from core.db import (
     DeadLetter,
+    make_engine,
+    migrate,
 )
 from core.logbus import SqlLog
 from core.records import TOPIC_TRAJECTORIES, TrajectoryRecord
@@ -52,3 +58,17 @@ def letters(engine) -> list[tuple]:
                 ).order_by(DeadLetter.id)
             )
         ]
+
+
+@contextlib.contextmanager
+def migrated_with_log(url: str) -> Iterator[tuple[SqlLog, Engine]]:
+    """The database at ``url`` migrated, and the SQL log in it: ``(log, engine)``, both closed on
+    exit."""
+    migrate(url)
+    engine = make_engine(url)
+    log = SqlLog(url)
+    try:
+        yield log, engine
+    finally:
+        log.close()
+        engine.dispose()

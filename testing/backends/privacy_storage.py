@@ -24,8 +24,6 @@ from core.db import (
     LogRecord,
     PendingJoin,
     TrajectoryIndex,
-    make_engine,
-    migrate,
 )
 from core.dead_letters import Letter, set_aside
 from core.logbus import SqlLog
@@ -41,7 +39,7 @@ from learner.joiner import Joiner
 from learner.pretrain import logged_samples
 from server.store import ServerStore
 from testing.builders import episode_turns, fb, traj
-from testing.rows import backdate, count, keys_of, logged
+from testing.rows import backdate, count, keys_of, logged, migrated_with_log
 
 __all__ = [
     "db",
@@ -58,12 +56,8 @@ __all__ = [
 @pytest.fixture
 def db(database_url):
     """The tier's database, migrated, and the SQL log in it."""
-    migrate(database_url)
-    engine = make_engine(database_url)
-    log = SqlLog(database_url)
-    yield log, engine
-    log.close()
-    engine.dispose()
+    with migrated_with_log(database_url) as log_and_engine:
+        yield log_and_engine
 
 
 def rated(store: ServerStore, log: SqlLog, f: FeedbackRecord, mark: bool = True) -> int:

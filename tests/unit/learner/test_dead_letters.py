@@ -46,7 +46,7 @@ from testing.builders import EXPIRE_S, NOW, episode_turns, fb, plan, read, sent,
 from testing.fakes import FakeEngine
 from testing.learner import feed, in_process, trained_ids, wait_for
 from testing.logs import append
-from testing.rows import letters
+from testing.rows import letters, migrated_with_log
 from testing.servers import ADMIN, make_settings, running_server
 
 runner = CliRunner()
@@ -180,14 +180,9 @@ def test_dead_letter_text_is_storable_whatever_the_record_held():
 
 # ------------------------------------------------------------------------ the Joiner
 @pytest.fixture
-def db(tmp_path):
-    url = f"sqlite:///{tmp_path / 'learner.db'}"
-    migrate(url)
-    engine = make_engine(url)
-    log = SqlLog(url)
-    yield log, engine
-    log.close()
-    engine.dispose()
+def db(database_url):
+    with migrated_with_log(database_url) as log_and_engine:
+        yield log_and_engine
 
 
 def counters(engine) -> dict[str, int]:

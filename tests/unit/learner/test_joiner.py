@@ -9,25 +9,20 @@ from datetime import timedelta
 import pytest
 from sqlalchemy import select
 
-from core.db import LearnerCounter, LearnerSample, PendingJoin, make_engine, migrate
+from core.db import LearnerCounter, LearnerSample, PendingJoin
 from core.evidence_store import EvidenceStore
-from core.logbus import SqlLog
 from core.records import TOPIC_FEEDBACK, TOPIC_TRAJECTORIES, utcnow
 from learner.joiner import Joiner, JoinStats
 from learner.pretrain import logged_samples
 from server.store import ServerStore
 from testing.builders import episode_turns, fb, traj
+from testing.rows import migrated_with_log
 
 
 @pytest.fixture
-def db(tmp_path):
-    url = f"sqlite:///{tmp_path / 'learner.db'}"
-    migrate(url)
-    engine = make_engine(url)
-    log = SqlLog(url)
-    yield log, engine
-    log.close()
-    engine.dispose()
+def db(database_url):
+    with migrated_with_log(database_url) as log_and_engine:
+        yield log_and_engine
 
 
 def append(log, *recs):

@@ -1,5 +1,6 @@
 """The real app under uvicorn for a test or a benchmark: its settings (``make_settings``), the
-server on a free loopback port (``running_server``) and the admin key's header (``ADMIN``)."""
+server on a free loopback port (``running_server``), the admin key's header (``ADMIN``), and the
+openai SDK's client on it (``sdk``, with the served model's name ``MODEL``)."""
 
 from __future__ import annotations
 

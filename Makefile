@@ -12,11 +12,12 @@ demo: install
 test: install
 	PYTHONDONTWRITEBYTECODE= .venv/bin/pytest -q -p no:cacheprovider
 
-# The fast tier: pure modules and plans, no engine, model, broker or PostgreSQL; two workers
-# (pytest-xdist), one per core, each with one torch thread: two workers of two OpenMP threads
-# each on two cores spin against each other (README, the fast tier's figures).
+# The fast tier, tests/unit: pure modules and plans, no engine, model, broker or PostgreSQL
+# (tests/conftest.py refuses a test there that asks for one); two workers (pytest-xdist), one per
+# core, each with one torch thread: two workers of two OpenMP threads each on two cores spin
+# against each other (README, the fast tier's figures).
 test-unit: install
-	PYTHONDONTWRITEBYTECODE= OMP_NUM_THREADS=1 .venv/bin/pytest -q -p no:cacheprovider -m "not integration" -n 2
+	PYTHONDONTWRITEBYTECODE= OMP_NUM_THREADS=1 .venv/bin/pytest -q -p no:cacheprovider tests/unit -n 2
 
 bench: install
 	.venv/bin/python bench/bench_serving.py

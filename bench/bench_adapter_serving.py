@@ -37,7 +37,7 @@ from core.policy_store import version_dir  # noqa: E402
 from core.settings import AdapterServing, Settings  # noqa: E402
 from core.weights import weights_sha256  # noqa: E402
 from server.engine import PolicyEngine  # noqa: E402
-from tests.test_adapter_serving import ALL_MODULES, PROMPT, write_adapters  # noqa: E402
+from testing.adapters import ALL_MODULES, PROMPT, write_adapters  # noqa: E402
 
 STREAMS = (1, 8, 16)
 

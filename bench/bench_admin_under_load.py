@@ -1,6 +1,6 @@
 """Admin calls under a full streaming load: how long an operator waits (issue 23).
 
-Starts one ``saoserve serve`` (PostgreSQL, a tansu broker; tests/replicas.py), records version 0
+Starts one ``saoserve serve`` (PostgreSQL, a tansu broker; testing/replicas.py), records version 0
 so a rollback has a target, then times the operators' calls twice in one run: on the idle server
 and while ``--streams`` streaming chats of ``--max-tokens`` tokens run in a loop (the load runs in
 a process of its own, reading the streams without parsing them, so the measuring client does not
@@ -39,9 +39,9 @@ from typing import TYPE_CHECKING
 import httpx
 
 if TYPE_CHECKING:
-    from tests.replicas import Deployment
+    from testing.replicas import Deployment
 
-# The harness lives in tests/ (not an installed package): imported once ROOT is on the path.
+# The harness lives in testing/ (installed with the package; found on the path from ROOT too).
 ROOT = Path(__file__).resolve().parent.parent
 
 # (label, method, path, JSON body); the first three write the flag the learner reads.
@@ -146,9 +146,8 @@ def main() -> None:
 
     sys.path.insert(0, str(ROOT))
     from saoserve.model import prepare_model
-    from tests.conftest import fresh_pg_database
-    from tests.dependencies import TansuBroker
-    from tests.replicas import Deployment
+    from testing.dependencies import TansuBroker, fresh_pg_database
+    from testing.replicas import Deployment
 
     model_dir = prepare_model(ROOT / "var" / "model")
     home = Path(tempfile.mkdtemp(prefix="bench-admin-load-"))
@@ -179,7 +178,7 @@ def main() -> None:
 
 
 def run(args, dep: Deployment, model_dir: Path) -> None:
-    from tests.replicas import ADMIN, metric
+    from testing.replicas import ADMIN, metric
 
     server = dep.serve("server", {"SAOSERVE_MAX_TOKENS_LIMIT": str(max(args.max_tokens, 64))})
     startup = dep.wait_ready([server])

@@ -30,8 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from core.db import migrate  # noqa: E402
 from core.logbus import open_log  # noqa: E402
 from core.records import TOPIC_TRAJECTORIES  # noqa: E402
-from tests.conftest import fresh_pg_database  # noqa: E402
-from tests.dependencies import TansuBroker  # noqa: E402
+from testing.dependencies import TansuBroker, fresh_pg_database  # noqa: E402
 
 
 def measure(log, payload: bytes, n: int, threads: int) -> tuple[list[float], float]:

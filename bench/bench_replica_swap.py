@@ -1,12 +1,12 @@
 """Replica swap delay: from a policy event to each replica serving its version (issue 14).
 
 Starts ``--replicas`` ``saoserve serve`` processes (PostgreSQL, a tansu broker, small KV cache;
-tests/replicas.py), then publishes ``--versions`` versions on the ``policy`` topic the way the
+testing/replicas.py), then publishes ``--versions`` versions on the ``policy`` topic the way the
 learner does (a ``PolicyEvent`` with the folder's sha256, key ``policy``), one every
 ``--interval-s`` seconds, while ``--load`` chats per replica stay in flight. The versions
 alternate between two float32 weight sets (the base model and a perturbed copy, hard-linked
 into one folder per version), so every swap loads weights that differ from the served ones.
-No learner runs: its step would only add CPU contention of its own (tests/test_replicas.py
+No learner runs: its step would only add CPU contention of its own (tests/system/test_replicas.py
 measures the same delays with a real learner).
 
 Each replica's ``/metrics`` gives the time it started serving a version
@@ -42,9 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from core.logbus import open_log  # noqa: E402
 from core.records import POLICY_KEY, TOPIC_POLICY, PolicyEvent, utcnow  # noqa: E402
 from core.weights import weights_sha256  # noqa: E402
-from tests.conftest import fresh_pg_database  # noqa: E402
-from tests.dependencies import TansuBroker  # noqa: E402
-from tests.replicas import Deployment, metric, swap_delays, wait_serving  # noqa: E402
+from testing.dependencies import TansuBroker, fresh_pg_database  # noqa: E402
+from testing.replicas import Deployment, metric, swap_delays, wait_serving  # noqa: E402
 
 WEIGHTS_FILE = "model.safetensors"
 

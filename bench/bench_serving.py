@@ -25,7 +25,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from core.logbus import LogTransport, open_log  # noqa: E402
-from tests.conftest import make_settings, running_server  # noqa: E402
+from testing.servers import make_settings, running_server  # noqa: E402
 
 
 class DiscardLog(LogTransport):

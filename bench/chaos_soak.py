@@ -2,8 +2,8 @@
 the broker go down and a replica restarts; audited from the database and the log (issue 23).
 
 The parts are the existing harnesses: ``saoserve serve`` replicas and ``saoserve learn`` started
-as a user starts them (tests/replicas.py), a PostgreSQL cluster of the soak's own that it stops
-and starts (tests/dependencies.py ``PgCluster``, as tests/test_outages.py), a tansu broker it
+as a user starts them (testing/replicas.py), a PostgreSQL cluster of the soak's own that it stops
+and starts (testing/dependencies.py ``PgCluster``, as tests/system/test_outages.py), a tansu broker it
 pauses (``TansuBroker``), and the learner's named kill points (learner/faults.py,
 ``SAOSERVE_FAULT_POINT``). The model is a random 2-layer Llama with SmolLM2's tokenizer and
 vocabulary (``tiny_model``), so that the learner publishes a version every few seconds and a
@@ -35,7 +35,7 @@ left (padding with a few rated chats of its own to fill the last batch), and the
 
 Prints the figures (requests, 2xx, 5xx in and out of the windows, trajectories, feedback
 trained, kills, swaps, outages and their recovery times) and exits 1 if any check failed;
-``--json FILE`` writes them. tests/test_chaos_soak.py runs a short soak (opt-in: ``SAOSERVE_SOAK=1``);
+``--json FILE`` writes them. tests/system/test_chaos_soak.py runs a short soak (opt-in: ``SAOSERVE_SOAK=1``);
 the measured runs are in docs/reliability.md, "The chaos soak".
 
 The run and its drain are here; the traffic is bench/soak_traffic.py, the faults
@@ -72,9 +72,9 @@ from soak_traffic import EXPIRE_S, Call, SoakTraffic
 if TYPE_CHECKING:
     from sqlalchemy.engine import Engine
 
-    from tests.replicas import Deployment, Process, Replica
+    from testing.replicas import Deployment, Process, Replica
 
-# The harness lives in tests/ (not an installed package): imported once ROOT is on the path.
+# The harness lives in testing/ (installed with the package; found on the path from ROOT too).
 ROOT = Path(__file__).resolve().parent.parent
 # Files of the prepared model that a tiny model with the same tokenizer shares.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
@@ -153,8 +153,8 @@ class Soak(SoakTraffic, SoakFaults, SoakAudit):
         from learner.config import build_config
         from learner.faults import CYCLE_POINTS
         from saoserve.model import prepare_model
-        from tests.dependencies import PgCluster, TansuBroker
-        from tests.replicas import Deployment
+        from testing.dependencies import PgCluster, TansuBroker
+        from testing.replicas import Deployment
 
         t_begin = time.time()
         model_dir = tiny_model(prepare_model(ROOT / "var" / "model"), self.home / "model")

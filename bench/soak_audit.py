@@ -70,8 +70,8 @@ class SoakAudit:
             PolicyEvent,
             TrajectoryRecord,
         )
-        from tests.logutil import read_topic
-        from tests.replicas import metric
+        from testing.logs import read_topic
+        from testing.replicas import metric
 
         problems: list[str] = []
         log = open_log(self.dep.log_url)

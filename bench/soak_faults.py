@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import httpx
 
 if TYPE_CHECKING:
-    from tests.replicas import Process
+    from testing.replicas import Process
 
 SIGKILL = "sigkill"  # a life's plan: unarmed, SIGKILLed at a random moment of its cycle
 SIGKILL_AFTER_S = (0.2, 2.0)  # that moment: seconds after the life's first join commit
@@ -146,7 +146,7 @@ class SoakFaults:
         raise TimeoutError(f"the replicas were not all ready within {timeout_s:.0f} s of {since:.1f}")
 
     def restart_replica(self, slot: int, db) -> None:
-        from tests.replicas import metric
+        from testing.replicas import metric
 
         old = self.replicas[slot]
         with contextlib.suppress(httpx.HTTPError):

@@ -24,11 +24,13 @@ from sqlalchemy import (
     UniqueConstraint,
     create_engine,
     event,
+    insert,
     make_url,
     text,
     true,
+    update,
 )
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from core.limits import (
@@ -336,6 +338,15 @@ class LearnerCounter(Base):
     __tablename__ = "learner_counters"
     name: Mapped[str] = mapped_column(String(NAME_CHARS), primary_key=True)
     value: Mapped[int] = mapped_column(BigInteger)
+
+
+def bump_counter(conn: Connection, name: str, n: int) -> None:
+    """Add ``n`` to the learner counter ``name`` (created at ``n``) in the caller's transaction."""
+    res = conn.execute(
+        update(LearnerCounter).where(LearnerCounter.name == name).values(value=LearnerCounter.value + n)
+    )
+    if res.rowcount == 0:
+        conn.execute(insert(LearnerCounter).values(name=name, value=n))
 
 
 class DeadLetter(Base):

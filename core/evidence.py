@@ -1,4 +1,4 @@
-"""Prompt-level value evidence in event time (SPO++), and SPO's receipt-order tracker.
+"""Prompt-level value evidence in event time (SPO++).
 
 Pure arithmetic, no I/O. Sources: SPO++ (arXiv 2608.24870; write-up ``papers/000_…txt``
 §2.1 single-stream value, §2.2 event-time memory, §2.4 sampler, §3.1 Jeffreys
@@ -291,40 +291,4 @@ class EvidenceState:
     @property
     def value(self) -> float:
         """``α/(α+β)``; the same at every reading version. ``ValueError`` if empty."""
-        return value(self.alpha, self.beta)
-
-
-@dataclass
-class SPOTracker:
-    """SPO's receipt-order tracker, kept as the ablation of :class:`EvidenceState`.
-
-    ``α ← ρ_i·α + R_i``, ``β ← ρ_i·β + (1 - R_i)`` applied in the order results are
-    *received* (SPO++ write-up §2.1; docs/design.md §5.4). In SPO the retention ``ρ_i`` comes from
-    the policy's drift since the prompt's evidence was last updated (write-up §2.4: "SPO 的保留率
-    来自更新后的策略漂移"); here the caller supplies it, and a constant ``ρ_i = 0.875`` gives the
-    fixed-retention variant. The final state depends on receipt order, which is exactly the
-    defect event-time memory removes. Mutable, like the original.
-    """
-
-    alpha: float
-    beta: float
-
-    def __post_init__(self) -> None:
-        _check_mass(self.alpha, "alpha")
-        _check_mass(self.beta, "beta")
-
-    def add(self, reward: float, rho_i: float = RHO) -> None:
-        """Fold in one result with retention ``rho_i`` in (0, 1].
-
-        Raises ``ValueError`` for a reward outside [0, 1] or ``rho_i`` outside (0, 1].
-        """
-        r = check_reward(reward)
-        if not (isinstance(rho_i, int | float) and 0.0 < rho_i <= 1.0):
-            raise ValueError(f"rho_i must be in (0, 1], got {rho_i!r}")
-        self.alpha = rho_i * self.alpha + r
-        self.beta = rho_i * self.beta + (1.0 - r)
-
-    @property
-    def value(self) -> float:
-        """``α/(α+β)``. ``ValueError`` if empty."""
         return value(self.alpha, self.beta)

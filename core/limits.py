@@ -3,7 +3,7 @@ database columns hold (docs/design.md §8).
 
 The request schemas (``server/schemas.py``, the admin routes' path parameters), the log records
 (``core/records.py``) and the database models (``core/db.py``) take their bounds from here; the
-migrations keep the literal widths of their day, and ``tests/test_field_lengths.py`` checks that
+migrations keep the literal widths of their day, and ``tests/unit/core/test_field_lengths.py`` checks that
 the edge, the records, the models and the schema the migrations create agree (on SQLite and
 PostgreSQL). A value the edge accepts must fit every column it reaches: PostgreSQL refuses a
 longer one ("value too long"), and a record the learner cannot store would stop its joins.

@@ -7,7 +7,7 @@ after changing a setting with::
     .venv/bin/python -m core.settings_doc --write README.md
 
 ``--check README.md`` exits 1 when the README's table differs from the settings
-(``tests/test_settings_doc.py`` checks the same); without options the table goes to stdout.
+(``tests/unit/core/test_settings_doc.py`` checks the same); without options the table goes to stdout.
 
 Defaults that depend on another setting are shown the way an operator reads them: a field
 with a ``resolved_<name>`` property and an empty default is rendered from that property on

@@ -27,7 +27,7 @@ from judge.styles import STYLE_NAMES
 
 # Each pattern is one way of addressing the grader. None matches the shipped exemplars, labelled
 # texts or requests, nor ordinary prose such as "the judge ruled", "X marks the spot" or "they
-# scored 1 goal" (tests/test_judge.py checks both sides).
+# scored 1 goal" (tests/unit/judge/test_judge.py checks both sides).
 _EARLIER = r"(?:previous|prior|above|earlier|preceding|original|system|grading|scoring|judging)"
 _ROLE = r"(?:grader|judge|evaluator|rater|reviewer|scorer|reward\s+model|scoring\s+model)s?"
 _TOP = r"(?:1|one|10|100|5/5|10/10|full|perfect|maximum|max|top|highest)"

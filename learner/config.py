@@ -183,7 +183,6 @@ class LoraPolicy(BaseModel):
 
 
 PolicyConfig = Annotated[FullPolicy | LoraPolicy, Field(discriminator="kind")]
-POLICY_MODELS = {"full": FullPolicy, "lora": LoraPolicy}
 
 
 AlgorithmConfig = Annotated[SAOAlgorithm | RunningMeanAlgorithm | SPOAlgorithm, Field(discriminator="name")]

@@ -25,7 +25,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from core import lifecycle_store
 from core.control import GUARD_OFF, GUARD_PIN, GUARD_VERDICT, get_flag, set_flag
-from core.db import PolicyVersion
+from core.db import PolicyVersion, bump_counter
 from core.lifecycle import GUARD, Arm, Stage, drifted, judge_lineage, lineage
 from core.logbus import LogTransport
 from core.records import POLICY_KEY, TOPIC_POLICY, as_utc, utcnow
@@ -33,7 +33,6 @@ from core.sequential import Decision, Verdict
 from learner.config import GuardConfig
 from learner.faults import fault_point
 from learner.gate_models import GateReferences
-from learner.joiner import bump_counter
 from learner.publish import AlsoCommit, promoted_version, storable
 
 log = logging.getLogger(__name__)

@@ -25,7 +25,7 @@ from sqlalchemy import delete, insert, or_, select, update
 from sqlalchemy.engine import Connection, Engine
 
 from core.claims import record_key
-from core.db import ConsumerOffset, FeedbackClaim, LearnerCounter, LearnerSample, PendingJoin
+from core.db import ConsumerOffset, FeedbackClaim, LearnerSample, PendingJoin, bump_counter
 from core.dead_letters import COUNTER as DEAD_LETTERS
 from core.dead_letters import MAX_TRIES, Letter, describe, is_outage, set_aside
 from core.evidence_store import EvidenceStore
@@ -45,15 +45,6 @@ from learner.join_plan import (
 CONSUMER = "learner"
 
 log = logging.getLogger(__name__)
-
-
-def bump_counter(conn: Connection, name: str, n: int) -> None:
-    """Add ``n`` to the learner counter ``name`` (created at ``n``) in the caller's transaction."""
-    res = conn.execute(
-        update(LearnerCounter).where(LearnerCounter.name == name).values(value=LearnerCounter.value + n)
-    )
-    if res.rowcount == 0:
-        conn.execute(insert(LearnerCounter).values(name=name, value=n))
 
 
 @dataclass

@@ -8,7 +8,7 @@ and separates the two ratios that a single importance ratio folds together:
 - the policy drift ``r_s = πθ / π_old`` (how far the current update has moved).
 
 A token contributes iff ``M_[1/c, c](r_d) · (1[A ≥ 0]·1[r_s ≤ 1+ε_high] + 1[A < 0]·1[r_s ≥ 1−ε_low])``.
-Table 1's variants are settings of this one mask (``tests/test_offpolicy.py`` checks each):
+Table 1's variants are settings of this one mask (``tests/unit/learner/test_offpolicy.py`` checks each):
 
 - PPO clip: π_old = μ (so ``r_d = 1``) and any ``c ≥ 1``;
 - decoupled PPO: π_old a proximal policy, ``r_d`` bounded by ``c``;

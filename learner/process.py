@@ -22,7 +22,7 @@ folders the database does not know are deleted and a checkpoint ahead of it is i
 ``checkpoint_every`` steps, and at a clean stop). A failure between applying a step in memory
 and its commit drops the in-memory models; the next iteration reloads the committed state as a
 restart would (``load``). Fault points (``learner.faults``) mark each step of the cycle for the
-kill -9 harness (tests/test_learner_faults.py).
+kill -9 harness (tests/system/test_learner_faults.py).
 
 Nothing stops the loop for good: a join that fails is logged and the rollback and pause
 requests are still carried out; a record or a batch that keeps failing is set aside as a dead
@@ -47,7 +47,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from core import lifecycle_store
 from core.control import PAUSED, Flag, get_flag
-from core.db import LearnerSample, LearnerStep, make_engine, migrate
+from core.db import LearnerSample, LearnerStep, bump_counter, make_engine, migrate
 from core.dead_letters import MAX_TRIES, describe
 from core.hardware import bf16_warning
 from core.lifecycle import LEARNER, Stage
@@ -63,7 +63,7 @@ from learner.faults import ReadFaultLog, armed, fault_point
 from learner.gate_models import GateReferences
 from learner.guard import Guard
 from learner.identity_cap import identity_shares
-from learner.joiner import Joiner, JoinStats, bump_counter
+from learner.joiner import Joiner, JoinStats
 from learner.publish import AlsoCommit, storable
 from learner.registry import build_algorithm
 from learner.samples import Sample, collate

@@ -23,9 +23,9 @@ from sqlalchemy.engine import Connection, Engine, Row
 
 from core import lifecycle_store
 from core.control import ROLLBACK_TO, Flag, clear_if, read_flag
+from core.db import bump_counter
 from core.lifecycle import Stage
 from core.policy_store import layout
-from learner.joiner import bump_counter
 from learner.publish import AlsoCommit, version_row
 
 log = logging.getLogger(__name__)

@@ -16,12 +16,11 @@ import logging
 from sqlalchemy import delete, func, select
 from sqlalchemy.engine import Engine, Row
 
-from core.db import LearnerSample, QuarantinedSample
+from core.db import LearnerSample, QuarantinedSample, bump_counter
 from core.dead_letters import COUNTER as DEAD_LETTERS
 from core.dead_letters import Letter, set_aside
 from core.records import utcnow
 from learner.identity_cap import select_batch
-from learner.joiner import bump_counter
 
 log = logging.getLogger(__name__)
 

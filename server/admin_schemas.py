@@ -2,7 +2,7 @@
 (``server/routes/keys.py``), the version lifecycle and quarantined samples
 (``server/routes/lifecycle.py``), the learner's status, dead letters, the policies
 (``server/routes/admin.py``). Each route names its model as
-``response_model=``, so ``/openapi.json`` states the shape (``tests/test_openapi_spec.py``
+``response_model=``, so ``/openapi.json`` states the shape (``tests/unit/server/test_openapi_spec.py``
 checks that every JSON route has one).
 
 The routes still return the dicts ``core`` builds; a model only states them. So each model

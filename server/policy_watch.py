@@ -32,7 +32,7 @@ restore version arrives (versions only go forward).
 Each swap sets ``saoserve_policy_version`` and ``saoserve_policy_swapped_at_seconds`` (Unix
 time the version started serving) together, so the delay from a policy event's ``created_at``
 to each replica serving it can be read from the replicas' ``/metrics``
-(tests/test_replicas.py, bench/bench_replica_swap.py).
+(tests/system/test_replicas.py, bench/bench_replica_swap.py).
 """
 
 from __future__ import annotations

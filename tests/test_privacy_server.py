@@ -145,8 +145,11 @@ async def test_a_key_opted_out_of_training_through_the_server_and_the_learners_j
                 joiner = Joiner(log, db, expire_s=3600)
                 stats = await asyncio.to_thread(joiner.poll_once)
                 evidence = EvidenceStore(db)
-                opted_evidence = [evidence.get(p) for p in ("p-key-off", "p-key-off-store", "p-store-off")]
-                trained_evidence = evidence.get("p-trained")
+                secret = settings.feedback_secret  # client prompt ids are stored hashed
+                opted_evidence = [
+                    evidence.find(secret, p)[1] for p in ("p-key-off", "p-key-off-store", "p-store-off")
+                ]
+                trained_evidence = evidence.find(secret, "p-trained")[1]
 
                 back = await http.patch(f"/admin/keys/{key['id']}", json={"train": True}, headers=ADMIN)
                 assert (back.status_code, back.json()["train"]) == (200, True)

@@ -35,10 +35,13 @@ from core.dead_letters import Letter, set_aside
 from core.logbus import SqlLog
 from core.records import TOPIC_FEEDBACK, TOPIC_TRAJECTORIES, FeedbackRecord, TrajectoryRecord, utcnow
 from core.retention import (
+    ForgetKind,
+    ForgetReceipt,
+    ForgetTarget,
     all_forgotten,
     apply_retention,
     concerns,
-    forget_user,
+    forget,
     retention_cutoff,
     sql_log_engine,
 )
@@ -87,6 +90,14 @@ def rated(store: ServerStore, log: SqlLog, f: FeedbackRecord, mark: bool = True)
     if mark:
         store.mark_received(target, f.reward, f.feedback_id)
     return off
+
+
+SECRET = "the-server-secret-of-these-tests"
+
+
+def forget_user(engine, log_engine, user: str, now) -> ForgetReceipt:
+    """``saoserve admin forget USER`` in one namespace."""
+    return forget(engine, log_engine, ForgetTarget(ForgetKind.USER, user), SECRET, now)
 
 
 def backdate(engine, table, column, keys, when) -> None:
@@ -246,6 +257,10 @@ def test_forget_removes_a_users_records_from_the_database_and_the_sql_log(db):
         "dead_letters": 1,
         "episode_turns": 2,
         "episodes": 1,
+        # The joined a1 and b1 made evidence of prompt "p", a client's id in clear (a row
+        # written before revision 0015): moved to its keyed hash. No data key (a SQL log).
+        "prompt_evidence": 1,
+        "subject_keys": 0,
     }
     assert keys_of(engine, TrajectoryIndex.id) == ["b1"] and keys_of(engine, LearnerSample.id) == ["b1"]
     assert keys_of(engine, ForgottenRecord.key) == sorted(["a1", "a2", "a3", "E0", "E1", "e:E"])
@@ -319,14 +334,19 @@ def test_pretraining_skips_opted_out_trajectories(db):
 
 def test_concerns_reads_only_json_objects():
     ids, eps = {"a1"}, {"E"}
-    assert concerns('{"id": "a1"}', "alice", ids, eps)
-    assert concerns('{"trajectory_id": "a1"}', "alice", ids, eps)
-    assert concerns('{"episode_id": "E"}', "alice", ids, eps)
-    assert concerns('{"id": "zz", "user": "alice"}', "alice", ids, eps)
-    assert not concerns('{"id": "zz", "user": "bob"}', "alice", ids, eps)
-    assert not concerns("[1, 2]", "alice", ids, eps)
-    assert not concerns("not json", "alice", ids, eps)
-    assert not concerns(None, "alice", ids, eps)
+    alice = ForgetTarget(ForgetKind.USER, "alice")
+    assert concerns('{"id": "a1"}', alice, ids, eps)
+    assert concerns('{"trajectory_id": "a1"}', alice, ids, eps)
+    assert concerns('{"episode_id": "E"}', alice, ids, eps)
+    assert concerns('{"id": "zz", "user": "alice"}', alice, ids, eps)
+    assert not concerns('{"id": "zz", "user": "bob"}', alice, ids, eps)
+    assert not concerns("[1, 2]", alice, ids, eps)
+    assert not concerns("not json", alice, ids, eps)
+    assert not concerns(None, alice, ids, eps)
+    # A key's forget names the records the key sent, with or without a user.
+    key = ForgetTarget(ForgetKind.KEY, "k0123456789abcdef")
+    assert concerns('{"id": "zz", "identity": "key:k0123456789abcdef", "user": "bob"}', key, ids, eps)
+    assert not concerns('{"id": "zz", "identity": "user:k0123456789abcdef"}', key, ids, eps)
 
 
 # ------------------------------------------------------------------ the CLI and deploy/

@@ -4,9 +4,11 @@ data key held in the database, which a forget destroys (docs/privacy.md, "The Ka
 Why sealing and not a compacted topic with tombstones. Kafka cannot delete one record; a
 compacted topic drops a key's older records once a newer one (a tombstone) follows it, but only
 when the log cleaner gets to that segment, never in the active segment, and never in the
-broker's replicas' or backups' copies that were taken before. The tansu broker the project runs
-on (0.6) has no log cleaner: ``cleanup.policy=compact`` is accepted and nothing is ever
-compacted (``tests/integration/test_forget_kafka.py`` checks it). A data key per subject, kept in
+broker's replicas' or backups' copies that were taken before. The tansu broker the project tests
+on (0.6) has no log cleaner: a topic created with ``cleanup.policy=compact`` (and
+``segment.ms``, ``min.cleanable.dirty.ratio``, ``delete.retention.ms`` as low as they go)
+describes no config back, and a key's older records and its tombstone all stay readable (tried
+when this was chosen). A data key per subject, kept in
 the database and destroyed by a forget, makes every copy of the subject's records unreadable at
 once, in the broker, its replicas and its backups, on any broker.
 

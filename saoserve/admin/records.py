@@ -32,7 +32,9 @@ def forget(
     ] = None,
     key_id: Annotated[
         str | None,
-        typer.Option("--key", help="Forget an API key instead: every request it authenticated (its id, k…)."),
+        typer.Option(
+            "--api-key", help="Forget an API key instead: every request it authenticated (its id, k…)."
+        ),
     ] = None,
     receipt: Annotated[
         str | None, typer.Option("--receipt", help="Show the receipt of a past forget (its id, f…).")
@@ -46,7 +48,7 @@ def forget(
     Deleted from the database and a SQL-table log; their data keys destroyed, so a Kafka log's copies can no longer be read (docs/privacy.md). Prints the receipt: what was removed, per store. Nothing left: zeros, exit 0.
     """
     if sum(x is not None for x in (user, key_id, receipt)) != 1:
-        raise typer.BadParameter("give exactly one of USER, --key and --receipt")
+        raise typer.BadParameter("give exactly one of USER, --api-key and --receipt")
     with reported():
         if receipt is not None:
             _, body = client(url, key).call("GET", f"/admin/forget/{quote(receipt, safe='')}")

@@ -315,12 +315,22 @@ def record_request(db: Engine, request_id: str, target: ForgetTarget, now: datet
             )
 
 
+def _lock_request(conn: Connection, request_id: str) -> datetime | None:
+    """Lock the request's row in the caller's transaction (a write first: SQLite's write lock,
+    PostgreSQL's row lock) and read its ``completed_at`` after the lock: of two runs of one
+    request at once (two forgets finishing it), the second waits, then reads what the first
+    wrote, so neither overwrites the other's receipt."""
+    conn.execute(update(ForgetRequest).where(ForgetRequest.id == request_id).values(kind=ForgetRequest.kind))
+    return conn.execute(select(ForgetRequest.completed_at).where(ForgetRequest.id == request_id)).scalar_one()
+
+
 def _add_to_receipt(
     conn: Connection, request_id: str, deleted: dict[str, int], found: dict[str, int], now: datetime | None
 ) -> None:
     """Add ``deleted`` (rows per store) and ``found`` (``FOUND_COUNTS``) to the request's receipt
     in the caller's transaction; ``now``: mark it completed then, and drop its subject (only the
     hash stays)."""
+    _lock_request(conn, request_id)
     row = conn.execute(select(ForgetRequest.receipt).where(ForgetRequest.id == request_id)).one()
     receipt = {"deleted": {}} | dict(row.receipt or {})
     rows = dict(receipt["deleted"])
@@ -549,8 +559,9 @@ def carry_out(
         with db.begin() as conn:
             _add_to_receipt(conn, request_id, removed, {}, None)
     with db.begin() as conn:
-        deleted, counts = _forget_database(conn, target, found, secret, now)
-        _add_to_receipt(conn, request_id, deleted, counts, now)
+        if _lock_request(conn, request_id) is None:
+            deleted, counts = _forget_database(conn, target, found, secret, now)
+            _add_to_receipt(conn, request_id, deleted, counts, now)
     receipt = receipt_of(db, request_id)
     assert receipt is not None  # recorded above, and requests are never deleted
     return receipt

@@ -12,6 +12,7 @@ import contextlib
 import hashlib
 import json
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -282,6 +283,28 @@ def test_a_forget_interrupted_by_a_crash_is_finished_by_the_next_run_and_keeps_i
     assert tuple(row) == (None, hashlib.sha256(b"user\x00hana").hexdigest())
     # Carrying it out again changes nothing.
     assert carry_out(engine, sql_log_engine(log), "f-crash", SECRET, utcnow()) == done
+
+
+def test_two_runs_of_one_request_at_once_count_it_once(db):
+    log, engine = db
+    store = ServerStore(engine)
+    logged(store, log, traj("j1", **by_user("jane")))
+    rated(store, log, "j1")
+    record_request(engine, "f-twice", ForgetTarget(ForgetKind.USER, "jane"), utcnow())
+    with ThreadPoolExecutor(2) as pool:
+        runs = list(
+            pool.map(lambda _: carry_out(engine, sql_log_engine(log), "f-twice", SECRET, utcnow()), range(2))
+        )
+    assert all(r.completed_at is not None for r in runs)
+    # One trajectory, one tombstone, each row once, whichever run removed it.
+    done = receipt_of(engine, "f-twice")
+    assert (done.trajectories, done.tombstones) == (1, 1)
+    assert done.deleted == ZERO | {
+        "log_records.trajectories": 1,
+        "log_records.feedback": 1,
+        "trajectory_index": 1,
+        "feedback_claims": 1,
+    }
 
 
 def test_an_unknown_request_is_named(db):

@@ -370,3 +370,35 @@ async def test_forget_by_key_through_the_admin_route_and_the_cli_with_its_receip
             assert conn.execute(select(func.count()).select_from(TrajectoryIndex)).scalar_one() == 1
         log.close()
         engine.dispose()
+
+
+def test_the_retention_command_finishes_a_forget_a_crash_left_pending(tmp_path, monkeypatch):
+    from core.settings import get_settings
+
+    for name in (
+        "SAOSERVE_DATABASE_URL",
+        "SAOSERVE_LOG_URL",
+        "SAOSERVE_RETENTION_DAYS",
+        "SAOSERVE_TENANT_POLICIES",
+    ):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SAOSERVE_HOME", str(tmp_path))
+    get_settings.cache_clear()
+    try:
+        settings = get_settings()
+        migrate(settings.resolved_database_url)
+        engine = make_engine(settings.resolved_database_url)
+        log = SqlLog(settings.resolved_log_url)
+        store = ServerStore(engine)
+        logged(store, log, traj("l1", **by_user("lena")))  # today's: retention keeps it
+        record_request(engine, "f-left", ForgetTarget(ForgetKind.USER, "lena"), utcnow())
+        result = runner.invoke(app, ["retention", "--days", "30"])
+        assert result.exit_code == 0, result.output
+        assert "finished forget f-left (1 trajectories)" in result.output
+        done = receipt_of(engine, "f-left")
+        assert done.completed_at is not None and done.deleted["trajectory_index"] == 1
+        assert keys_of(engine, TrajectoryIndex.id) == [] and log_payloads(engine) == []
+        log.close()
+        engine.dispose()
+    finally:
+        get_settings.cache_clear()

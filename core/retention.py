@@ -12,13 +12,23 @@ Two operations, each a few SQL deletes around a pure selection:
   ``id >= offset``, so a gap below or above a committed offset changes nothing, and ids never
   go back (``core.db.LogRecord``), so no later record lands below an offset. Policy events,
   prompt evidence (per-prompt sums), learner steps and tombstones stay.
-- :func:`forget_user` (``saoserve admin forget USER``): the trajectories a user's requests
-  logged (``trajectory_index.user_id``) and every turn of their episodes, with their feedback,
-  claims, pending joins, waiting samples and dead letters. The SQL log's rows of them are
-  deleted first, so a failure half-way is repaired by running it again. Tombstones
-  (``core.db.ForgottenRecord``) keep the learner from using what a Kafka log still holds: the
-  joiner drops every record read under a tombstoned key (``learner.join_plan``), and deletes in
-  its own commit whatever it wrote that a forget running beside it tombstoned.
+- :func:`forget` (``saoserve admin forget USER`` or ``--api-key ID``, a :class:`ForgetTarget`):
+  the subject's trajectories, found through the index (``user_id``, or ``identity`` for a key),
+  in the SQL log itself (a record never indexed, :func:`_scan_log`) and in the learner's
+  pending joins (a Kafka record never indexed), with every turn of their episodes, their
+  feedback, claims, pending joins, waiting samples and dead letters; their prompts' evidence
+  rows still keyed by a client's id in clear move to the id's keyed hash; the subject's data
+  keys (``core.sealing``) are destroyed, so a Kafka log's copies can no longer be read.
+  Tombstones (``core.db.ForgottenRecord``) keep the learner from what a Kafka log still holds:
+  the joiner drops every record read under a tombstoned key (``learner.join_plan``), and
+  deletes in its own commit whatever it wrote that a forget running beside it tombstoned.
+
+  A forget is a durable request (``core.db.ForgetRequest``): recorded first
+  (:func:`record_request`), then carried out (:func:`carry_out`): the SQL log's rows, then the
+  database in one transaction that also completes the request. A crash anywhere leaves it
+  pending, and the next forget or retention run finishes it (:func:`finish_pending`); every
+  step finds its rows again, so running it twice removes nothing twice. Its
+  :class:`ForgetReceipt` counts what was removed, per store.
 
 Times are tz-aware UTC; counts are rows.
 """

@@ -40,6 +40,8 @@ import hashlib
 import json
 import os
 import secrets
+import threading
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from datetime import datetime
@@ -48,7 +50,7 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from sqlalchemy import insert, select, update
 from sqlalchemy.engine import Connection, Engine
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import IntegrityError, InterfaceError, OperationalError
 
 from core.db import SubjectKey
 from core.logbus import LogEntry
@@ -139,16 +141,59 @@ def unseal(value: bytes, secret: bytes) -> bytes:
         raise ValueError(f"sealed record of {subject_id} does not open under its key") from exc
 
 
-class SubjectKeys:
-    """The data keys in ``subject_keys`` (``core.db.SubjectKey``). Nothing is cached: a key a
-    forget destroyed on any replica is not used again by the next record anywhere."""
+KEY_CACHE_S = 10.0
+"""Seconds a server seals a subject's records with the key it last read, without reading it
+again. A forget on another replica reaches this server's new records of the subject within
+this time; a record it seals meanwhile under the destroyed key can never be read, and is
+forgotten with the rest (docs/privacy.md)."""
 
-    def __init__(self, engine: Engine):
+KEY_CACHE_SIZE = 10_000
+"""Subjects a server keeps keys of; past this the cache starts afresh."""
+
+
+class SubjectKeys:
+    """The data keys in ``subject_keys`` (``core.db.SubjectKey``).
+
+    ``key_for`` keeps each subject's key for ``cache_s`` seconds (``KEY_CACHE_S``), and past
+    that while the database does not answer (a record already generated is still sealed and
+    logged when it can be: the server's outage rules, docs/reliability.md). Reads for opening
+    records (``secrets_of``, ``open``, ``open_entries``) are never cached: a destroyed key is
+    never used to open a record."""
+
+    def __init__(self, engine: Engine, cache_s: float = KEY_CACHE_S):
         self.engine = engine
+        self.cache_s = cache_s
+        self._cache: dict[str, tuple[str, bytes, float]] = {}
+        self._lock = threading.Lock()
 
     def key_for(self, subject: Subject, now: datetime) -> tuple[str, bytes]:
-        """(id, secret) of ``subject``'s live key, made when it has none (two replicas making
-        one at once: the unique ``holder`` keeps the first, the other reads it)."""
+        """(id, secret) of ``subject``'s live key (cached, see the class), made when it has none.
+        Raises the driver's error when the database fails and no key of the subject is cached."""
+        holder = subject.holder
+        with self._lock:
+            hit = self._cache.get(holder)
+        if hit is not None and time.monotonic() - hit[2] < self.cache_s:
+            return hit[0], hit[1]
+        try:
+            key_id, secret = self._read_or_make(subject, now)
+        except (OperationalError, InterfaceError):
+            if hit is None:
+                raise
+            return hit[0], hit[1]
+        with self._lock:
+            if len(self._cache) >= KEY_CACHE_SIZE:
+                self._cache.clear()
+            self._cache[holder] = (key_id, secret, time.monotonic())
+        return key_id, secret
+
+    def drop_cached(self) -> None:
+        """Forget every cached key (after a forget on this server: its next records read theirs)."""
+        with self._lock:
+            self._cache.clear()
+
+    def _read_or_make(self, subject: Subject, now: datetime) -> tuple[str, bytes]:
+        """(id, secret) of ``subject``'s live key in the database, made when it has none (two
+        replicas making one at once: the unique ``holder`` keeps the first, the other reads it)."""
         holder = subject.holder
         for _ in range(3):
             with self.engine.connect() as conn:

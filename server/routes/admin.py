@@ -392,6 +392,8 @@ async def admin_forget(body: ForgetRequest, request: Request) -> Forgotten:
         )
         for s in states
     ]
+    for s in states:
+        s.store.subject_keys.drop_cached()
     return _receipt_body(receipts, [s.log.keeps_records for s in states], target)
 
 

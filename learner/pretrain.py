@@ -17,6 +17,7 @@ import torch
 
 from core.logbus import LogTransport
 from core.records import TOPIC_FEEDBACK, TOPIC_TRAJECTORIES, FeedbackRecord, TrajectoryRecord
+from core.sealing import Shredded, SubjectKeys, is_sealed
 from learner.gae import token_gae
 from learner.metrics import masked_mse
 from learner.optim import make_adamw, optimizer_step
@@ -93,12 +94,15 @@ def read_all(log: LogTransport, topic: str) -> list[bytes]:
     return out
 
 
-def logged_samples(log: LogTransport, forgotten: frozenset[str] = frozenset()) -> list[Sample]:
+def logged_samples(
+    log: LogTransport, forgotten: frozenset[str] = frozenset(), keys: SubjectKeys | None = None
+) -> list[Sample]:
     """Single-turn trajectories of the log joined with their first feedback (first wins).
 
     ``forgotten``: trajectory ids ``saoserve admin forget`` tombstoned (a Kafka log still holds
     their records), never read; trajectories that opted out of training are skipped as
-    NotLearnable.
+    NotLearnable. ``keys``: the data keys sealed records are opened with (``core.sealing``);
+    a record whose key a forget destroyed is skipped.
     """
     rewards: dict[str, float] = {}
     for raw in read_all(log, TOPIC_FEEDBACK):
@@ -107,6 +111,11 @@ def logged_samples(log: LogTransport, forgotten: frozenset[str] = frozenset()) -
             rewards.setdefault(fb.trajectory_id, fb.reward)
     samples: dict[str, Sample] = {}
     for raw in read_all(log, TOPIC_TRAJECTORIES):
+        if keys is not None and is_sealed(raw):
+            try:
+                raw = keys.open(raw)
+            except Shredded:
+                continue
         rec = TrajectoryRecord.model_validate_json(raw)
         if rec.id in rewards and rec.id not in samples and rec.episode_id is None:
             try:
@@ -125,16 +134,17 @@ def pretrain_from_log(
     lr: float = 5e-5,
     trainable: str = "mlp",
     forgotten: frozenset[str] = frozenset(),
+    keys: SubjectKeys | None = None,
 ) -> tuple[Path, list[float]]:
     """Fit a fresh critic (from the policy at ``model_dir``) on the logged samples
-    (:func:`logged_samples`, without ``forgotten``).
+    (:func:`logged_samples`, without ``forgotten``, sealed records opened with ``keys``).
 
     Returns (saved path, loss per optimizer step). Raises ValueError if the log holds no
     trajectory with feedback.
     """
     from learner.critic import ValueModel
 
-    samples = logged_samples(log, forgotten)
+    samples = logged_samples(log, forgotten, keys)
     if not samples:
         raise ValueError("the log holds no trajectory with feedback to pretrain on")
     critic = ValueModel.from_pretrained(model_dir, trainable=trainable)

@@ -241,10 +241,12 @@ def pretrain_critic_cmd(
     from core.db import make_engine, migrate
     from core.logbus import open_log
     from core.retention import all_forgotten
+    from core.sealing import SubjectKeys
     from learner.pretrain import pretrain_from_log
 
     settings = namespace(tenant)
     migrate(settings.resolved_database_url)
+    db = make_engine(settings.resolved_database_url)
     try:
         path, losses = pretrain_from_log(
             open_log(settings.resolved_log_url),
@@ -254,7 +256,8 @@ def pretrain_critic_cmd(
             batch_size,
             lr,
             trainable,
-            forgotten=all_forgotten(make_engine(settings.resolved_database_url)),
+            forgotten=all_forgotten(db),
+            keys=SubjectKeys(db),
         )
     except ValueError as exc:
         fail(str(exc))
@@ -280,7 +283,7 @@ def evidence_init(
     url = namespace(tenant).resolved_database_url
     run_migrate(url)
     try:
-        n = init_from_file(file, make_engine(url))
+        n = init_from_file(file, make_engine(url), namespace(tenant).feedback_secret)
     except ValueError as exc:
         fail(str(exc))
     typer.echo(f"initialised evidence of {n} prompts")
@@ -296,13 +299,14 @@ def retention(
 
     Also their index rows, feedback claims, pending joins and waiting learner samples (docs/privacy.md),
     in the global policy's namespace and in each tenant policy's (SAOSERVE_TENANT_POLICIES).
+    First it finishes any forget a crash left pending.
     Run it from cron; a Kafka log keeps its records for its topics' retention.ms instead.
     """
     from core.db import make_engine
     from core.db import migrate as run_migrate
     from core.logbus import open_log
     from core.records import utcnow
-    from core.retention import apply_retention, retention_cutoff, sql_log_engine
+    from core.retention import apply_retention, finish_pending, retention_cutoff, sql_log_engine
 
     settings = get_settings()
     days = days or settings.retention_days
@@ -321,10 +325,14 @@ def retention(
         db, log = make_engine(url), open_log(space.resolved_log_url)
         log_engine = sql_log_engine(log)
         try:
+            # A forget a crash left pending is finished first (docs/privacy.md, "The receipt").
+            finished = finish_pending(db, log_engine, space.feedback_secret, utcnow())
             report = apply_retention(db, log_engine, cutoff)
         finally:
             log.close()
             db.dispose()
+        for receipt in finished:
+            typer.echo(f"finished forget {receipt.id} ({receipt.trajectories} trajectories)")
         kafka = kafka or log_engine is None
         if grouped:
             typer.echo(f"  policy {name}:")

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from core.claims import episode_token_subject
+from core.evidence_store import stored_prompt_id
 from core.keys import identity_of
 from core.lifecycle import Arm
 from core.logbus import LogUnavailable
@@ -318,7 +319,12 @@ class ChatHandler:
         sampling = self.sampling_of(req, len(prompt_ids))
         # Storage known down: refuse now (503) rather than generate an answer that cannot be recorded.
         await self.require_storage()
-        prompt_id = req.prompt_id or prompt_id_for(task_messages(msgs, req.episode_id is not None))
+        # A client's own prompt id is stored as a keyed hash only (core.evidence_store).
+        prompt_id = (
+            stored_prompt_id(st.feedback_secret, req.prompt_id)
+            if req.prompt_id
+            else prompt_id_for(task_messages(msgs, req.episode_id is not None))
+        )
         version, arm = self.dispatch()
         baseline = await self.read_baseline(prompt_id, version) if self.read_baseline else None
         rollout_id = f"chatcmpl-{uuid.uuid4().hex}"

@@ -81,15 +81,26 @@ class RollbackRequested(BaseModel):
     status: Literal["requested"] = "requested"
 
 
-class UserForgotten(BaseModel):
-    """``POST /admin/forget``: what was removed of one user (``core.retention.ForgetReport``).
+class Forgotten(BaseModel):
+    """``POST /admin/forget`` and ``GET /admin/forget/{id}``: the receipt of one forget
+    (``core.retention.ForgetReceipt``), summed over every policy's namespace.
 
-    ``deleted``: rows per table (``log_records.<topic>`` for a SQL-table log). ``log``: ``kafka``
-    when the records stay in the Kafka topics until their retention, hidden from the learner by
-    the ``tombstones``.
+    ``id``: the request, to look the receipt up again; ``user`` or ``key``: whom it named (in
+    the answer to the POST only: a receipt keeps ``subject_hash``, never the name);
+    ``completed``: false while some namespace has not finished it (the next forget or retention
+    run does). ``deleted``: rows per store (``log_records.<topic>`` for a SQL-table log,
+    ``subject_keys`` for the data keys destroyed). ``log``: ``kafka`` when a Kafka log keeps the
+    records, sealed under the destroyed keys.
     """
 
-    user: str
+    id: str
+    kind: Literal["user", "key"]
+    user: str | None = None
+    key: str | None = None
+    subject_hash: str
+    requested_at: str
+    completed_at: str | None
+    completed: bool
     trajectories: int
     episodes: int
     tombstones: int
@@ -105,9 +116,12 @@ class PolicyVersions(BaseModel):
 
 
 class PromptEvidence(BaseModel):
-    """``GET /admin/evidence/{prompt_id}``: the prompt's evidence as read at the served version."""
+    """``GET /admin/evidence/{prompt_id}``: the prompt's evidence as read at the served version.
+    ``stored_as``: the id its row is kept under (a client's id is stored as its keyed hash,
+    ``core.evidence_store.stored_prompt_id``)."""
 
     prompt_id: str
+    stored_as: str
     known: bool
     at_version: dict[str, Any]
     n_results: int

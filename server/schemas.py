@@ -483,12 +483,25 @@ class RollbackRequest(EdgeModel):
 
 
 class ForgetRequest(EdgeModel):
-    """``POST /admin/forget``: remove one user's trajectories and feedback (docs/privacy.md)."""
+    """``POST /admin/forget``: remove one subject's trajectories and feedback (docs/privacy.md,
+    "Who is forgotten"): a ``user`` (the chat requests' ``user`` field) or an API ``key`` (its
+    id, ``k`` + 16 hex digits: every request it authenticated); exactly one."""
 
     model_config = ConfigDict(extra="forbid")
-    user: StoredStr = Field(
-        min_length=1, max_length=MAX_NAME_CHARS, description="The `user` field the chat requests sent."
+    user: StoredStr | None = Field(
+        None, min_length=1, max_length=MAX_NAME_CHARS, description="The `user` field the chat requests sent."
     )
+    key: str | None = Field(
+        None,
+        pattern=r"^k[0-9a-f]{16}$",
+        description="An API key's id (`saoserve admin keys list`): every request the key authenticated.",
+    )
+
+    @model_validator(mode="after")
+    def _one_subject(self) -> ForgetRequest:
+        if (self.user is None) == (self.key is None):
+            raise ValueError("give exactly one of user and key")
+        return self
 
 
 class ErrorBody(BaseModel):

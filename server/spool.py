@@ -68,7 +68,8 @@ class Spool:
                 if placed.exists():
                     part, off = json.loads(placed.read_text())
                 else:
-                    part, off = self.log.append(TOPIC_TRAJECTORIES, rec.prompt_id, rec.to_json())
+                    value = self.store.log_bytes(rec, self.log.keeps_records)
+                    part, off = self.log.append(TOPIC_TRAJECTORIES, rec.prompt_id, value)
                     placed.write_text(json.dumps([part, off]))
                 try:
                     self.store.index_trajectory(rec, part, off)

@@ -110,7 +110,9 @@ class ServerState:
 
     def _append(self, rec: TrajectoryRecord) -> tuple[int, int]:
         t0 = time.perf_counter()
-        placed = self.log.append(TOPIC_TRAJECTORIES, rec.prompt_id, rec.to_json())
+        placed = self.log.append(
+            TOPIC_TRAJECTORIES, rec.prompt_id, self.store.log_bytes(rec, self.log.keeps_records)
+        )
         self.metrics.log_append.labels(TOPIC_TRAJECTORIES).observe(time.perf_counter() - t0)
         return placed
 

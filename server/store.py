@@ -22,6 +22,7 @@ from core.db import (
 )
 from core.limits import MAX_EPISODE_TURNS
 from core.records import TrajectoryRecord, as_utc, is_whole_answer, utcnow
+from core.sealing import SubjectKeys
 
 CLAIM_TIMEOUT = timedelta(seconds=30)
 # A dispatched episode turn not indexed after this long never will be (the server died while
@@ -176,6 +177,17 @@ class ServerStore:
 
     def __init__(self, engine: Engine):
         self.engine = engine
+        self.subject_keys = SubjectKeys(engine)
+
+    def log_bytes(self, rec: TrajectoryRecord, sealed: bool) -> bytes:
+        """What the log gets for ``rec``: its JSON, sealed under its subject's data key when
+        ``sealed`` (a log that keeps records, ``LogTransport.keeps_records``; ``core.sealing``)."""
+        return self.subject_keys.encode(rec, utcnow()) if sealed else rec.to_json()
+
+    def open_logged(self, value: bytes) -> bytes:
+        """A trajectory's bytes as read from the log, opened if sealed. Raises
+        ``core.sealing.Shredded`` when a forget destroyed its key."""
+        return self.subject_keys.open(value)
 
     def index_trajectory(self, rec: TrajectoryRecord, partition: int, offset: int) -> None:
         """Index a logged record; an episode turn is marked logged in the same transaction, or,
@@ -207,6 +219,7 @@ class ServerStore:
                     created_at=rec.created_at,
                     user_id=rec.user,
                     arm=None if rec.arm is None else str(rec.arm),
+                    identity=rec.identity,
                 )
             )
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from core.db import make_engine
 from core.logbus import LogEntry, LogTransport, open_log
 from core.records import TOPIC_FEEDBACK, TOPIC_TRAJECTORIES, TrajectoryRecord
+from core.sealing import SubjectKeys
 
 
 def read_topic(log: LogTransport, topic: str) -> list[LogEntry]:
@@ -21,12 +23,19 @@ def read_topic(log: LogTransport, topic: str) -> list[LogEntry]:
 
 
 def logged_trajectories(settings) -> list[TrajectoryRecord]:
-    """Every trajectory record in the log of a server run with ``settings``."""
+    """Every trajectory record in the log of a server run with ``settings`` (a Kafka log's sealed
+    records opened with their data keys, ``core.sealing``)."""
     log = open_log(settings.resolved_log_url)
+    db = make_engine(settings.resolved_database_url)
     try:
-        return [TrajectoryRecord.model_validate_json(e.value) for e in read_topic(log, TOPIC_TRAJECTORIES)]
+        keys = SubjectKeys(db)
+        return [
+            TrajectoryRecord.model_validate_json(keys.open(e.value))
+            for e in read_topic(log, TOPIC_TRAJECTORIES)
+        ]
     finally:
         log.close()
+        db.dispose()
 
 
 def append(log, *recs):

@@ -6,6 +6,7 @@ records, removed (docs/privacy.md); the records it set aside instead of joining 
 from __future__ import annotations
 
 from typing import Annotated
+from urllib.parse import quote
 
 import typer
 from rich import box
@@ -26,30 +27,59 @@ from saoserve.admin.output import emit_json, num, shown, visible, when
 
 def forget(
     user: Annotated[
-        str, typer.Argument(metavar="USER", help="The `user` field the user's chat requests sent.")
-    ],
+        str | None,
+        typer.Argument(metavar="[USER]", help="The `user` field the user's chat requests sent."),
+    ] = None,
+    key_id: Annotated[
+        str | None,
+        typer.Option(
+            "--api-key", help="Forget an API key instead: every request it authenticated (its id, k…)."
+        ),
+    ] = None,
+    receipt: Annotated[
+        str | None, typer.Option("--receipt", help="Show the receipt of a past forget (its id, f…).")
+    ] = None,
     url: UrlOption = None,
     key: KeyOption = None,
     json_out: JsonOption = False,
 ) -> None:
-    """Remove USER's trajectories and feedback from what the learner can ever read.
+    """Remove USER's (or an API key's) trajectories and feedback from what the learner can ever read.
 
-    Deleted from the database and a SQL-table log; a Kafka log keeps the records until its retention, tombstoned so the learner never uses them (docs/privacy.md). A user with nothing left: zeros, exit 0.
+    Deleted from the database and a SQL-table log; their data keys destroyed, so a Kafka log's copies can no longer be read (docs/privacy.md). Prints the receipt: what was removed, per store. Nothing left: zeros, exit 0.
     """
+    if sum(x is not None for x in (user, key_id, receipt)) != 1:
+        raise typer.BadParameter("give exactly one of USER, --api-key and --receipt")
     with reported():
-        _, body = client(url, key).call("POST", "/admin/forget", body={"user": user})
+        if receipt is not None:
+            _, body = client(url, key).call("GET", f"/admin/forget/{quote(receipt, safe='')}")
+        else:
+            subject = {"user": user} if user is not None else {"key": key_id}
+            _, body = client(url, key).call("POST", "/admin/forget", body=subject)
         if json_out:
             emit_json(body)
             return
+        whom = (
+            f"user {visible(body['user'])}"
+            if body.get("user")
+            else (
+                f"key {visible(body['key'])}"
+                if body.get("key")
+                else f"{body['kind']} sha256:{body['subject_hash'][:12]}…"
+            )
+        )
+        state = (
+            "" if body["completed"] else " (not completed yet: the next forget or retention run finishes it)"
+        )
         typer.echo(
-            f"forgot user {visible(body['user'])}: {body['trajectories']} trajectories "
+            f"forget {body['id']} of {whom}{state}: {body['trajectories']} trajectories "
             f"({body['episodes']} episodes), {body['tombstones']} new tombstones"
         )
         for name, n in body["deleted"].items():
-            typer.echo(f"  deleted {name}: {n}")
+            typer.echo(f"  {'destroyed' if name == 'subject_keys' else 'removed'} {name}: {n}")
         if body["log"] == "kafka":
             typer.echo(
-                "the Kafka log keeps these records until its retention.ms; the learner never reads them"
+                "the Kafka log keeps these records until its retention.ms, sealed under the destroyed "
+                "keys: nobody can read them, and the learner skips them"
             )
 
 

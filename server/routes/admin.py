@@ -22,24 +22,34 @@ from core.dead_letters import KINDS as DEAD_LETTER_KINDS
 from core.dead_letters import recent as recent_dead_letters
 from core.evidence_store import EvidenceStore
 from core.lifecycle import Stage
-from core.limits import ID_CHARS, PROMPT_ID_CHARS
+from core.limits import ID_CHARS, NAME_CHARS, PROMPT_ID_CHARS
 from core.policies import GLOBAL
 from core.policy_store import layout
 from core.records import TOPIC_TRAJECTORIES, TrajectoryRecord, as_utc, utcnow
-from core.retention import forget_user, sql_log_engine
+from core.retention import (
+    ForgetKind,
+    ForgetReceipt,
+    ForgetTarget,
+    forget,
+    new_request_id,
+    receipt_of,
+    record_request,
+    sql_log_engine,
+)
+from core.sealing import Shredded
 from server.admin_schemas import DeadLetters, LearnerStatus, PolicyList
 from server.auth import admin_key_given
 from server.engine import SwapRefused
 from server.errors import ApiError, errors
 from server.health import is_storage_error
 from server.responses import (
+    Forgotten,
     LearningState,
     PolicyLoaded,
     PolicyVersions,
     PromptEvidence,
     RollbackRequested,
     UncertainPrompts,
-    UserForgotten,
 )
 from server.routes import PolicyState, all_states, state_of
 from server.schemas import EdgeStr, ErrorResponse, ForgetRequest, LoadPolicyRequest, RollbackRequest
@@ -76,8 +86,9 @@ POLICY_ERRORS = ADMIN_ERRORS | errors(404)
 async def admin_trajectory(
     trajectory_id: Annotated[EdgeStr, PathParam(max_length=ID_CHARS)], s: PolicyState
 ) -> Response:
-    """The trajectory's record as the log holds it (its bytes, not re-serialised): 404 for an id
-    not indexed, or indexed but gone from the log."""
+    """The trajectory's record as the log holds it (its bytes, not re-serialised; opened when a
+    Kafka log holds it sealed, ``core.sealing``): 404 for an id not indexed, indexed but gone
+    from the log, or whose data key a forget destroyed."""
     traj = await asyncio.to_thread(s.store.find_trajectory, trajectory_id)
     if traj is None:
         raise ApiError(404, f"no trajectory {trajectory_id!r}", code="not_found")
@@ -86,7 +97,11 @@ async def admin_trajectory(
     )
     if not entries or entries[0].offset != traj.log_offset:
         raise ApiError(404, f"trajectory {trajectory_id!r} is indexed but not in the log", code="not_found")
-    return Response(entries[0].value, media_type="application/json")
+    try:
+        value = await asyncio.to_thread(s.store.open_logged, entries[0].value)
+    except Shredded:
+        raise ApiError(404, f"trajectory {trajectory_id!r} was forgotten", code="not_found") from None
+    return Response(value, media_type="application/json")
 
 
 def check_loadable(body: LoadPolicyRequest, recorded: dict | None, serving: int) -> None:
@@ -234,12 +249,14 @@ async def admin_evidence(
     prompt_id: Annotated[EdgeStr, PathParam(min_length=1, max_length=PROMPT_ID_CHARS)], s: PolicyState
 ) -> PromptEvidence:
     """A prompt's evidence at the served version. The rest of the path is the prompt id, ``/``
-    included (a chat's ``prompt_id`` may hold any character; percent-encode the id)."""
+    included (a chat's ``prompt_id`` may hold any character; percent-encode the id): the id a
+    client sent (looked up by its keyed hash), or a stored id (``p-…``, ``h-…``)."""
     ev = EvidenceStore(s.store.engine)
-    row = await asyncio.to_thread(ev.get, prompt_id)
-    base = await asyncio.to_thread(ev.read, prompt_id, s.engine.version)
+    stored, row = await asyncio.to_thread(ev.find, s.settings.feedback_secret, prompt_id)
+    base = await asyncio.to_thread(ev.read, stored, s.engine.version)
     return PromptEvidence(
         prompt_id=prompt_id,
+        stored_as=stored,
         known=row is not None,
         at_version=base.model_dump(),
         n_results=row.n_results if row else 0,
@@ -325,28 +342,69 @@ async def admin_policies(request: Request) -> dict:
     return {"policies": await policy_rows(all_states(request))}
 
 
-@router.post("/forget", responses=ADMIN_ERRORS | errors(413))
-async def admin_forget(body: ForgetRequest, request: Request) -> UserForgotten:
-    """Remove ``user``'s trajectories (and every turn of their episodes) and feedback from the
-    database and the SQL-table log, and tombstone them so the learner never reads them, also
-    from a Kafka log, which keeps the records until its retention (docs/privacy.md). Idempotent:
-    a user with nothing left gets zeros. Runs in every policy's namespace (the global one and
-    each tenant policy's; ``?policy=`` is not read): the counts are their sums, ``deleted`` summed
-    by table; ``log`` is ``kafka`` when any namespace's log is Kafka."""
-    now, logs, reports = utcnow(), [], []
-    for s in all_states(request):
-        log_engine = sql_log_engine(s.log)
-        logs.append(log_engine)
-        reports.append(await asyncio.to_thread(forget_user, s.store.engine, log_engine, body.user, now))
+def _receipt_body(receipts: list[ForgetReceipt], logs: list[bool], target: ForgetTarget | None) -> Forgotten:
+    """One answer of the receipts of one request in each namespace (``logs``: whether each
+    namespace's log keeps records): counts summed, ``deleted`` summed by store."""
+    first = receipts[0]
     deleted: dict[str, int] = {}
-    for r in reports:
+    for r in receipts:
         for table, n in r.deleted.items():
             deleted[table] = deleted.get(table, 0) + n
-    return UserForgotten(
-        user=body.user,
-        trajectories=sum(r.trajectories for r in reports),
-        episodes=sum(r.episodes for r in reports),
-        tombstones=sum(r.tombstones for r in reports),
-        deleted=deleted,
-        log="kafka" if any(e is None for e in logs) else "sql",
+    done = [r.completed_at for r in receipts]
+    return Forgotten(
+        id=first.id,
+        kind=first.kind.value,
+        user=target.subject if target is not None and target.kind is ForgetKind.USER else None,
+        key=target.subject if target is not None and target.kind is ForgetKind.KEY else None,
+        subject_hash=first.subject_hash,
+        requested_at=as_utc(first.requested_at).isoformat(),
+        completed_at=None if None in done else max(done).isoformat(),
+        completed=None not in done,
+        trajectories=sum(r.trajectories for r in receipts),
+        episodes=sum(r.episodes for r in receipts),
+        tombstones=sum(r.tombstones for r in receipts),
+        deleted=dict(sorted(deleted.items())),
+        log="kafka" if any(logs) else "sql",
     )
+
+
+@router.post("/forget", responses=ADMIN_ERRORS | errors(413))
+async def admin_forget(body: ForgetRequest, request: Request) -> Forgotten:
+    """Forget a ``user`` or an API ``key`` (docs/privacy.md): their trajectories (and every turn
+    of their episodes) and feedback are removed from the database and the SQL-table log, the
+    learner never reads them again, and their data keys are destroyed, so a Kafka log's copies
+    can no longer be read. The request is recorded in every policy's namespace (the global one
+    and each tenant policy's; ``?policy=`` is not read) before anything is removed, then carried
+    out in each; one that a crash interrupts is finished by the next forget or retention run.
+    The answer is its receipt (``GET /admin/forget/{id}`` reads it again). Idempotent: a subject
+    with nothing left gets zeros."""
+    target = (
+        ForgetTarget(ForgetKind.USER, body.user)
+        if body.user is not None
+        else ForgetTarget(ForgetKind.KEY, str(body.key))
+    )
+    now, rid, states = utcnow(), new_request_id(), all_states(request)
+    for s in states:
+        await asyncio.to_thread(record_request, s.store.engine, rid, target, now)
+    receipts = [
+        await asyncio.to_thread(
+            forget, s.store.engine, sql_log_engine(s.log), target, s.settings.feedback_secret, now, rid
+        )
+        for s in states
+    ]
+    for s in states:
+        s.store.subject_keys.drop_cached()
+    return _receipt_body(receipts, [s.log.keeps_records for s in states], target)
+
+
+@router.get("/forget/{request_id}", responses=ADMIN_ERRORS | errors(404))
+async def admin_forget_receipt(
+    request_id: Annotated[EdgeStr, PathParam(max_length=NAME_CHARS)], request: Request
+) -> Forgotten:
+    """The receipt of a past forget (the ``id`` its answer gave): 404 for an unknown id."""
+    states = all_states(request)
+    found = [(await asyncio.to_thread(receipt_of, s.store.engine, request_id), s) for s in states]
+    found = [(r, s) for r, s in found if r is not None]
+    if not found:
+        raise ApiError(404, f"no forget request {request_id!r}", code="not_found")
+    return _receipt_body([r for r, _ in found], [s.log.keeps_records for _, s in found], None)

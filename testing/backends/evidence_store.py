@@ -22,7 +22,7 @@ from sqlalchemy.orm import Session
 
 from core.db import Base, downgrade, make_engine, migrate
 from core.evidence import RHO, EvidenceState, event_coordinate
-from core.evidence_store import EvidenceStore, init_from_file, read_rollouts_file
+from core.evidence_store import EvidenceStore, init_from_file, read_rollouts_file, stored_prompt_id
 
 __all__ = [
     "store",
@@ -272,7 +272,9 @@ def test_rollouts_file_and_init(store, tmp_path):
     path = tmp_path / "rollouts.jsonl"
     path.write_text("\n".join(json.dumps(x) for x in lines) + "\n\n")
     assert read_rollouts_file(path) == {a: (2, 3), b: (3, 8)}
-    assert init_from_file(path, store.engine) == 2
+    assert init_from_file(path, store.engine, "secret") == 2
+    # The file names prompts as clients do: each is stored under its keyed hash.
+    a, b = stored_prompt_id("secret", a), stored_prompt_id("secret", b)
     # a: 2 of 3 → α0 = 8·2.5/4 = 5, β0 = 3.
     assert (store.get(a).prior.alpha, store.get(a).prior.beta) == (5.0, 3.0)
     assert store.get(b).prior.alpha == pytest.approx(28 / 9)

@@ -22,6 +22,7 @@ COLUMNS = {
     ("trajectory_index", "finish_reason"): limits.FINISH_REASON_CHARS,
     ("trajectory_index", "arm"): limits.STATE_CHARS,
     ("trajectory_index", "user_id"): limits.USER_CHARS,
+    ("trajectory_index", "identity"): limits.IDENTITY_CHARS,
     ("feedback_claims", "target"): limits.KEY_CHARS,
     ("feedback_claims", "state"): limits.STATE_CHARS,
     ("feedback_claims", "feedback_id"): limits.ID_CHARS,
@@ -57,6 +58,14 @@ COLUMNS = {
     ("api_keys", "id"): limits.NAME_CHARS,
     ("api_keys", "tenant"): limits.NAME_CHARS,
     ("api_keys", "key_sha256"): limits.SHA256_CHARS,
+    ("subject_keys", "id"): limits.NAME_CHARS,
+    ("subject_keys", "holder"): limits.SHA256_CHARS,
+    ("subject_keys", "key_id"): limits.NAME_CHARS,
+    ("subject_keys", "user_id"): limits.USER_CHARS,
+    ("forget_requests", "id"): limits.NAME_CHARS,
+    ("forget_requests", "kind"): limits.STATE_CHARS,
+    ("forget_requests", "subject"): limits.USER_CHARS,
+    ("forget_requests", "subject_hash"): limits.SHA256_CHARS,
 }
 
 

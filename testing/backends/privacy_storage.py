@@ -29,9 +29,12 @@ from core.dead_letters import Letter, set_aside
 from core.logbus import SqlLog
 from core.records import TOPIC_FEEDBACK, FeedbackRecord, utcnow
 from core.retention import (
+    ForgetKind,
+    ForgetReceipt,
+    ForgetTarget,
     all_forgotten,
     apply_retention,
-    forget_user,
+    forget,
     retention_cutoff,
     sql_log_engine,
 )
@@ -69,6 +72,14 @@ def rated(store: ServerStore, log: SqlLog, f: FeedbackRecord, mark: bool = True)
     if mark:
         store.mark_received(target, f.reward, f.feedback_id)
     return off
+
+
+SECRET = "the-server-secret-of-these-tests"
+
+
+def forget_user(engine, log_engine, user: str, now) -> ForgetReceipt:
+    """``saoserve admin forget USER`` in one namespace."""
+    return forget(engine, log_engine, ForgetTarget(ForgetKind.USER, user), SECRET, now)
 
 
 def test_retention_deletes_what_is_older_than_n_days_read_or_not_and_offsets_hold(db):
@@ -207,6 +218,10 @@ def test_forget_removes_a_users_records_from_the_database_and_the_sql_log(db):
         "dead_letters": 1,
         "episode_turns": 2,
         "episodes": 1,
+        # The joined a1 and b1 made evidence of prompt "p", a client's id in clear (a row
+        # written before revision 0015): moved to its keyed hash. No data key (a SQL log).
+        "prompt_evidence": 1,
+        "subject_keys": 0,
     }
     assert keys_of(engine, TrajectoryIndex.id) == ["b1"] and keys_of(engine, LearnerSample.id) == ["b1"]
     assert keys_of(engine, ForgottenRecord.key) == sorted(["a1", "a2", "a3", "E0", "E1", "e:E"])

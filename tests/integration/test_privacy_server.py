@@ -1,7 +1,7 @@
 """Privacy controls through the real server (docs/privacy.md), the engine tier of
 tests/unit/server/test_privacy.py: the opt-out of training (``store: false``, a key opted out) and
 ``saoserve admin forget`` through the server, its admin route, the CLI and the learner's join, on
-SQLite and on PostgreSQL with a Kafka (tansu) log.
+SQLite and on PostgreSQL with a Kafka (tansu) log, whose records are sealed and shredded by forget.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from core.db import (
 )
 from core.logbus import SqlLog
 from core.records import TOPIC_TRAJECTORIES, TrajectoryRecord
+from core.sealing import Shredded, SubjectKeys
 from learner.joiner import Joiner
 from saoserve.cli import app
 from testing.rows import keys_of
@@ -145,8 +146,11 @@ async def test_a_key_opted_out_of_training_through_the_server_and_the_learners_j
                 joiner = Joiner(log, db, expire_s=3600)
                 stats = await asyncio.to_thread(joiner.poll_once)
                 evidence = EvidenceStore(db)
-                opted_evidence = [evidence.get(p) for p in ("p-key-off", "p-key-off-store", "p-store-off")]
-                trained_evidence = evidence.get("p-trained")
+                secret = settings.feedback_secret  # client prompt ids are stored hashed
+                opted_evidence = [
+                    evidence.find(secret, p)[1] for p in ("p-key-off", "p-key-off-store", "p-store-off")
+                ]
+                trained_evidence = evidence.find(secret, "p-trained")[1]
 
                 back = await http.patch(f"/admin/keys/{key['id']}", json={"train": True}, headers=ADMIN)
                 assert (back.status_code, back.json()["train"]) == (200, True)
@@ -203,11 +207,20 @@ async def test_forget_on_kafka_keeps_the_records_in_the_log_and_out_of_the_learn
                 assert (body["trajectories"], body["tombstones"], body["log"]) == (1, 1, "kafka")
                 assert not any(k.startswith("log_records") for k in body["deleted"])
                 assert body["deleted"]["trajectory_index"] == 1 and body["deleted"]["feedback_claims"] == 1
-        ids = {json.loads(e.value)["id"] for e in read_topic(log, TOPIC_TRAJECTORIES)}
-        assert ids == {a1["id"], b1["id"]}  # Kafka keeps Alice's record until retention.ms
+                assert body["deleted"]["subject_keys"] == 1  # alice's data key, destroyed
         db = make_engine(pg_url)
+        keys = SubjectKeys(db)
+        # Kafka keeps both records until retention.ms, sealed: Alice's no longer opens.
+        opened = []
+        for e in read_topic(log, TOPIC_TRAJECTORIES):
+            try:
+                opened.append(json.loads(keys.open(e.value))["id"])
+            except Shredded:
+                opened.append("shredded")
+        assert sorted(opened) == sorted([b1["id"], "shredded"])
         stats = Joiner(log, db, expire_s=3600).poll_once()
-        assert stats.samples == 1 and stats.counters == {"forgotten": 2}  # a1 and its feedback
+        # a1 skipped unread, its feedback dropped under its tombstone.
+        assert stats.samples == 1 and stats.counters == {"shredded": 1, "forgotten": 1}
         assert keys_of(db, LearnerSample.id) == [b1["id"]]
         db.dispose()
     finally:

@@ -15,6 +15,7 @@ import openai
 import pytest
 import torch
 
+from core.evidence_store import stored_prompt_id
 from core.logbus import open_log
 from core.records import TrajectoryRecord, feedback_token
 from testing.dependencies import fresh_pg_database
@@ -59,13 +60,15 @@ async def test_openai_client_non_streaming_and_record(sqlite_server, model_dir):
     )
     extra = resp.model_extra
     assert resp.id.startswith("chatcmpl-") and resp.choices[0].message.content
-    assert extra["policy_version"] == 0 and extra["prompt_id"] == "sea-1"
+    # The client's prompt id is stored, and answered, as its keyed hash (docs/privacy.md).
+    stored = stored_prompt_id(settings.feedback_secret, "sea-1")
+    assert extra["policy_version"] == 0 and extra["prompt_id"] == stored
     assert extra["feedback_token"] == feedback_token(settings.feedback_secret, resp.id)
     async with httpx.AsyncClient(base_url=url) as http:
         r = await http.get(f"/admin/trajectories/{resp.id}", headers=ADMIN)
     assert r.status_code == 200
     rec = TrajectoryRecord.model_validate_json(r.content)
-    assert rec.id == resp.id and rec.prompt_id == "sea-1" and rec.dispatch_version == 0
+    assert rec.id == resp.id and rec.prompt_id == stored and rec.dispatch_version == 0
     assert len(rec.response_token_ids) == resp.usage.completion_tokens
     assert rec.token_versions == [(0, len(rec.response_token_ids))]
     assert rec.sampling.temperature == 0.7 and rec.sampling.max_tokens == 24

@@ -29,7 +29,7 @@ import pytest
 
 from core.db import make_engine
 from core.evidence import RHO
-from core.evidence_store import EvidenceStore
+from core.evidence_store import EvidenceStore, stored_prompt_id
 from core.logbus import SqlLog
 from core.records import TrajectoryRecord, feedback_token, prompt_id_for
 from testing.logs import logged_trajectories
@@ -130,7 +130,9 @@ async def test_a_client_that_left_aborts_its_generation(server):
     deadline = time.monotonic() + 120
     while True:
         recs = [
-            r for r in await asyncio.to_thread(logged_trajectories, settings) if r.prompt_id == "client-left"
+            r
+            for r in await asyncio.to_thread(logged_trajectories, settings)
+            if r.prompt_id == stored_prompt_id(settings.feedback_secret, "client-left")
         ]
         if len(recs) == 2 or time.monotonic() > deadline:
             break

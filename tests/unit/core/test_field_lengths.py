@@ -137,6 +137,7 @@ def test_the_admin_path_parameters_are_bounded_like_the_columns(tmp_path):
         "trajectory_id": limits.ID_CHARS,
         "prompt_id": limits.PROMPT_ID_CHARS,
         "key_id": limits.NAME_CHARS,  # api_keys.id
+        "request_id": limits.NAME_CHARS,  # forget_requests.id
     }
 
 

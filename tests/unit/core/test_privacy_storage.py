@@ -22,6 +22,8 @@ from core.db import (
 from core.logbus import SqlLog
 from core.records import utcnow
 from core.retention import (
+    ForgetKind,
+    ForgetTarget,
     concerns,
     retention_cutoff,
 )
@@ -44,14 +46,19 @@ def test_retention_needs_a_day_at_least():
 
 def test_concerns_reads_only_json_objects():
     ids, eps = {"a1"}, {"E"}
-    assert concerns('{"id": "a1"}', "alice", ids, eps)
-    assert concerns('{"trajectory_id": "a1"}', "alice", ids, eps)
-    assert concerns('{"episode_id": "E"}', "alice", ids, eps)
-    assert concerns('{"id": "zz", "user": "alice"}', "alice", ids, eps)
-    assert not concerns('{"id": "zz", "user": "bob"}', "alice", ids, eps)
-    assert not concerns("[1, 2]", "alice", ids, eps)
-    assert not concerns("not json", "alice", ids, eps)
-    assert not concerns(None, "alice", ids, eps)
+    alice = ForgetTarget(ForgetKind.USER, "alice")
+    assert concerns('{"id": "a1"}', alice, ids, eps)
+    assert concerns('{"trajectory_id": "a1"}', alice, ids, eps)
+    assert concerns('{"episode_id": "E"}', alice, ids, eps)
+    assert concerns('{"id": "zz", "user": "alice"}', alice, ids, eps)
+    assert not concerns('{"id": "zz", "user": "bob"}', alice, ids, eps)
+    assert not concerns("[1, 2]", alice, ids, eps)
+    assert not concerns("not json", alice, ids, eps)
+    assert not concerns(None, alice, ids, eps)
+    # A key's forget names the records the key sent, with or without a user.
+    key = ForgetTarget(ForgetKind.KEY, "k0123456789abcdef")
+    assert concerns('{"id": "zz", "identity": "key:k0123456789abcdef", "user": "bob"}', key, ids, eps)
+    assert not concerns('{"id": "zz", "identity": "user:k0123456789abcdef"}', key, ids, eps)
 
 
 # ------------------------------------------------------------------ the CLI and deploy/

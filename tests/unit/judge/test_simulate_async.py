@@ -235,7 +235,9 @@ async def test_streamed_answer_is_assembled_with_its_first_token_time(monkeypatc
     monkeypatch.setattr(sim, "_now", lambda: next(ticks))
     async with httpx.AsyncClient(base_url="http://sim", transport=httpx.MockTransport(handler)) as http:
         body, first = await sim._ask_streaming(http, 0)
-    assert seen[0]["stream"] is True and seen[0]["max_tokens"] == 5 and seen[0]["prompt_id"] == "sim-0000"
+    assert (
+        seen[0]["stream"] is True and seen[0]["max_tokens"] == 5 and seen[0]["prompt_id"] == sim._prompt_id(0)
+    )
     assert first == 1.5  # the clock read once, at "Ahoy" (the role chunk has no text)
     assert body == {
         "id": "chatcmpl-1",

@@ -119,10 +119,13 @@ def test_evidence_init_and_pretrain_on_empty_log(home):
     result = runner.invoke(app, ["evidence-init", str(f)])
     assert result.exit_code == 0 and "1 prompts" in result.output
     from core.db import make_engine
-    from core.evidence_store import EvidenceStore
+    from core.evidence_store import EvidenceStore, stored_prompt_id
     from core.settings import get_settings
 
-    base = EvidenceStore(make_engine(get_settings().resolved_database_url)).read("a", 0)
+    # "a" is a client's id: stored under its keyed hash (core.evidence_store.stored_prompt_id).
+    settings = get_settings()
+    stored = stored_prompt_id(settings.feedback_secret, "a")
+    base = EvidenceStore(make_engine(settings.resolved_database_url)).read(stored, 0)
     assert base.alpha == pytest.approx(8 * 3.5 / 9) and base.beta == pytest.approx(8 - 8 * 3.5 / 9)
     result = runner.invoke(app, ["pretrain-critic"])
     assert result.exit_code == 2 and "no trajectory with feedback" in result.output

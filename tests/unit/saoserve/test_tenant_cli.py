@@ -21,7 +21,7 @@ import pytest
 from typer.testing import CliRunner
 
 from core.db import LogRecord, TrajectoryIndex, make_engine
-from core.evidence_store import EvidenceStore
+from core.evidence_store import EvidenceStore, stored_prompt_id
 from core.logbus import SqlLog
 from core.records import utcnow
 from saoserve.admin.client import EXIT_NOT_FOUND, EXIT_OK, EXIT_USAGE, takes_policy
@@ -413,8 +413,10 @@ def test_migrate_and_evidence_init_write_the_tenants_database(env, tmp_path):
     tenant_db = make_engine(get_settings().for_tenant("acme").resolved_database_url)
     global_db = make_engine(get_settings().resolved_database_url)
     try:
-        assert EvidenceStore(tenant_db).read("a", 0).alpha == pytest.approx(8 * 3.5 / 9)
-        assert EvidenceStore(global_db).read("a", 0).alpha == 4  # the default prior: nothing here
+        # "a" is stored under its keyed hash (core.evidence_store.stored_prompt_id).
+        a = stored_prompt_id(get_settings().for_tenant("acme").feedback_secret, "a")
+        assert EvidenceStore(tenant_db).read(a, 0).alpha == pytest.approx(8 * 3.5 / 9)
+        assert EvidenceStore(global_db).read(a, 0).alpha == 4  # the default prior: nothing here
     finally:
         tenant_db.dispose()
         global_db.dispose()

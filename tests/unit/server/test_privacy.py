@@ -78,7 +78,13 @@ async def test_a_bad_store_or_user_is_400_naming_the_field(tmp_path, extra, mess
 @pytest.mark.parametrize(
     "body, param, message",
     [
-        ({}, "user", "user: Field required"),
+        ({}, None, "body: Value error, give exactly one of user and key"),
+        (
+            {"user": "alice", "key": "k0123456789abcdef"},
+            None,
+            "body: Value error, give exactly one of user and key",
+        ),
+        ({"key": "sao-k0123456789abcdef.00"}, "key", "key: String should match pattern '^k[0-9a-f]{16}$'"),
         ({"user": ""}, "user", "user: String should have at least 1 character"),
         ({"user": "u" * 257}, "user", "user: String should have at most 256 characters"),
         ({"user": 3}, "user", "user: Input should be a valid string"),

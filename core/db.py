@@ -81,6 +81,11 @@ class TrajectoryIndex(Base):
     # The canary arm the request was routed to (core/lifecycle.py ``Arm``): ``canary`` or
     # ``control`` while a canary share splits the traffic, NULL otherwise (probation, guard off).
     arm: Mapped[str | None] = mapped_column(String(STATE_CHARS))
+    # Who sent it (TrajectoryRecord.identity) and its ``train`` flag (revision 0015): the guard's
+    # votes pass the identity cap and leave opted-out answers out (learner/guard_votes.py).
+    # NULL on rows indexed before the revision.
+    identity: Mapped[str | None] = mapped_column(String(IDENTITY_CHARS))
+    train: Mapped[bool | None] = mapped_column(Boolean)
 
 
 class FeedbackClaim(Base):

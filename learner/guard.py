@@ -18,6 +18,7 @@ import json
 import logging
 import time
 from dataclasses import asdict, replace
+from datetime import datetime
 from typing import Protocol
 
 from sqlalchemy import select
@@ -25,14 +26,15 @@ from sqlalchemy.engine import Connection, Engine
 
 from core import lifecycle_store
 from core.control import GUARD_OFF, GUARD_PIN, GUARD_VERDICT, get_flag, set_flag
-from core.db import PolicyVersion
-from core.lifecycle import GUARD, Arm, Stage, drifted, judge_lineage, lineage
+from core.db import PolicyVersion, TrajectoryIndex
+from core.lifecycle import GUARD, Arm, Stage, drifted, lineage
 from core.logbus import LogTransport
 from core.records import POLICY_KEY, TOPIC_POLICY, as_utc, utcnow
-from core.sequential import Decision, Verdict
+from core.sequential import Decision, Verdict, decide_lineage
 from learner.config import GuardConfig
 from learner.faults import fault_point
 from learner.gate_models import GateReferences
+from learner.guard_votes import Electorate, health_votes, rated_votes
 from learner.joiner import bump_counter
 from learner.publish import AlsoCommit, promoted_version, storable
 
@@ -50,7 +52,8 @@ class Rollback(Protocol):
 class Guard:
     """The guard of one learner: ``db`` and ``log`` the learner's, ``config`` its ``guard``
     section, ``references`` the gate's reference models, ``rollback`` the learner's restore of a
-    version's weights. Not thread-safe: the learner's loop drives it."""
+    version's weights, ``electorate`` who votes (``learner.guard_votes``: the learner's identity
+    cap and batch size). Not thread-safe: the learner's loop drives it."""
 
     def __init__(
         self,
@@ -59,8 +62,10 @@ class Guard:
         config: GuardConfig,
         references: GateReferences,
         rollback: Rollback,
+        electorate: Electorate,
     ) -> None:
         self.db = db
+        self.electorate = electorate
         self.log = log
         self.config = config
         self.references = references
@@ -125,7 +130,7 @@ class Guard:
         First, a version that serves (announced) but was rejected since (by an operator) is
         rolled back, guard on or off: the promoted version's weights are published as a new
         version. Then, unless the guard is off or an operator pinned the promoted version, the
-        lineage's rated answers are compared with the promoted versions' (``judge_lineage``):
+        lineage's rated answers are compared with the promoted versions' (``_judge``):
         when a canary split served the lineage (its answers carry the canary arm), its
         canary-arm answers against the promoted versions' control-arm answers since the lineage
         started; on probation, all its answers against the promoted versions' from before it.
@@ -155,9 +160,9 @@ class Guard:
             members = lineage(st)
             if not members or not self.on() or get_flag(self.db, GUARD_PIN) is not None:
                 return None
-            started = as_utc(next(r.created_at for r in rows if r.version == members[0]))
+            created = {r.version: as_utc(r.created_at) for r in rows if r.version in members}
             promoted = [v.version for v in st if v.stage == Stage.PROMOTED]
-            verdict, vetoes = self._judge(conn, members, promoted, started)
+            verdict, vetoes = self._judge(conn, members, promoted, created)
         self._record_verdict(members, verdict, vetoes)
         if verdict.decision == Decision.PROMOTE:
             now = utcnow()
@@ -173,55 +178,63 @@ class Guard:
         return verdict.decision
 
     def _judge(
-        self, conn: Connection, members: list[int], promoted: list[int], started
+        self, conn: Connection, members: list[int], promoted: list[int], created: dict[int, datetime]
     ) -> tuple[Verdict, dict]:
-        """The rule's verdict on the lineage ``members`` (first published at ``started``, UTC)
+        """The rule's verdict on the lineage ``members`` (each recorded at ``created[v]``, UTC)
         against the ``promoted`` versions, then the vetoes (``check``); with the vetoes' own
         figures at this check, whatever the verdict: ``{"drift": {"kl_max", "bound",
-        "measured"}, "health": Verdict as a dict}`` (a key absent when its veto is off)."""
-        guard = self.config
-        canary = lifecycle_store.rated_rewards(conn, members, arm=Arm.CANARY)
-        # A canary split served the lineage: both arms of one window. Probation: against the
-        # promoted record from before the lineage.
-        split = bool(canary)
-        lineage_arm = {"arm": Arm.CANARY} if split else {}
-        promoted_arm = (
-            {"since": started, "arm": Arm.CONTROL}
-            if split
-            else {"before": started, "limit": guard.promoted_window}
-        )
+        "measured"}, "health": Verdict as a dict}`` (a key absent when its veto is off).
+
+        Each version of the lineage is judged on its own answers (``decide_lineage``): with a
+        canary split, its canary-arm answers against the promoted versions' control-arm answers
+        dispatched while it was the newest (from its record to the next version's); on
+        probation, its answers against the promoted versions' newest ``promoted_window`` from
+        before the lineage. Only the answers that vote count (``learner.guard_votes``)."""
+        guard, voters = self.config, self.electorate
+        started = created[members[0]]
+        split = _served_split(conn, members)
+        ends = [created[v] for v in members[1:]] + [None]
+        before_lineage = {"before": started, "limit": guard.promoted_window}
+
+        def arms(votes, *args) -> list[tuple[list[float], list[float]]]:
+            if not split:
+                comparison = votes(conn, promoted, *args, voters, **before_lineage)
+                return [(votes(conn, [v], *args, voters), comparison) for v in members]
+            return [
+                (
+                    votes(conn, [v], *args, voters, arm=Arm.CANARY),
+                    votes(conn, promoted, *args, voters, arm=Arm.CONTROL, since=created[v], before=end),
+                )
+                for v, end in zip(members, ends, strict=True)
+            ]
+
         elapsed = max((utcnow() - started).total_seconds(), 0.0)
-        verdict = judge_lineage(
-            lifecycle_store.rated_rewards(conn, members, **lineage_arm),
-            lifecycle_store.rated_rewards(conn, promoted, **promoted_arm),
-            guard.rule_params(),
-            elapsed_s=elapsed,
-        )
+        _, verdict = decide_lineage(arms(rated_votes), guard.rule_params(), elapsed_s=elapsed)
         vetoes: dict = {}
         if guard.max_kl_ref is not None:
-            # Version k's drift is measured by version k+1's step: the lineage's first step
-            # measured the promoted parent, so only the later ones count.
-            by_version = lifecycle_store.step_metric(conn, members[1:], "kl_ref")
-            kl = [by_version.get(v) for v in members[1:]]
-            known = [k for k in kl if k is not None]
+            # Step k+1 measures version k before its update: the lineage's first step measured
+            # the promoted version it started from, the later ones the lineage's versions. The
+            # veto bounds each version's drift beyond the promoted version's.
+            by_version = lifecycle_store.step_metric(conn, members, "kl_ref")
+            kl = [by_version.get(v) for v in members]
+            drift = drift_from_promoted(kl)
+            known = [d for d in drift if d is not None]
             vetoes["drift"] = {
                 "kl_max": max(known, default=None),
                 "bound": guard.max_kl_ref,
                 "measured": len(known),
             }
-            drift = drifted(kl, guard.max_kl_ref)
-            if verdict.decision != Decision.REJECT and drift is not None:
+            over = drifted(drift, guard.max_kl_ref)
+            if verdict.decision != Decision.REJECT and over is not None:
                 verdict = replace(
                     verdict,
                     decision=Decision.REJECT,
-                    reason=f"drifted from the base (drift veto): a training batch measured KL "
-                    f"{drift:.3g} nats/token, over {guard.max_kl_ref}",
+                    reason=f"drifted from the promoted version (drift veto): a training batch measured KL "
+                    f"{over:.3g} nats/token beyond the promoted version's, over {guard.max_kl_ref}",
                 )
         if guard.min_answer_tokens is not None:
-            health = judge_lineage(
-                lifecycle_store.answer_health(conn, members, guard.min_answer_tokens, **lineage_arm),
-                lifecycle_store.answer_health(conn, promoted, guard.min_answer_tokens, **promoted_arm),
-                guard.health_params(),
+            _, health = decide_lineage(
+                arms(health_votes, guard.min_answer_tokens), guard.health_params(), promotes=False
             )
             vetoes["health"] = asdict(health)
             if verdict.decision != Decision.REJECT and health.decision == Decision.REJECT:
@@ -278,3 +291,27 @@ class Guard:
                 self.log.append(TOPIC_POLICY, POLICY_KEY, e.to_json())
         except Exception as exc:
             log.warning("stage notices of versions %s (%s) not sent: %s", versions, stage, exc)
+
+
+def _served_split(conn: Connection, members: list[int]) -> bool:
+    """Whether a canary split served the lineage ``members``: one of their answers carries the
+    canary arm (then both arms of each version's window are compared, else probation)."""
+    q = select(TrajectoryIndex.id).where(
+        TrajectoryIndex.dispatch_version.in_(members), TrajectoryIndex.arm == str(Arm.CANARY)
+    )
+    return conn.execute(q.limit(1)).first() is not None
+
+
+def drift_from_promoted(kl_refs: list[float | None]) -> list[float | None]:
+    """Each lineage version's drift beyond the promoted version's, from the ``kl_ref`` of the
+    steps that trained the lineage's versions, oldest first (nats per action token): the
+    first step measured the promoted version it started from, step i+1 version i, so version
+    i's drift is ``kl_refs[i + 1] − kl_refs[0]``; the newest version's is not measured yet
+    (no step started from it) and is left out. None where a step measured nothing (the KL
+    anchor off); the promoted version's own figure missing counts as 0 (the base's).
+
+    Why the difference: the anchor measures KL to the base, and a promoted version that drifted
+    near the bound would otherwise have every lineage after it rejected for the drift it
+    inherited (issue 40); the difference bounds what the lineage added."""
+    origin = kl_refs[0] if kl_refs and kl_refs[0] is not None else 0.0
+    return [None if k is None else k - origin for k in kl_refs[1:]]

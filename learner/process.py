@@ -62,6 +62,7 @@ from learner.config import LearnerConfig, LoraPolicy
 from learner.faults import ReadFaultLog, armed, fault_point
 from learner.gate_models import GateReferences
 from learner.guard import Guard
+from learner.guard_votes import Electorate
 from learner.identity_cap import identity_shares
 from learner.joiner import Joiner, JoinStats, bump_counter
 from learner.publish import AlsoCommit, storable
@@ -103,7 +104,8 @@ class Learner:
         self._unannounced = False
         lora = config.policy if isinstance(config.policy, LoraPolicy) else None
         references = GateReferences(self.base_dir, partial(publish.version_path, self.db), lora)
-        self.guard = Guard(self.db, self.log, config.guard, references, self.rollback)
+        voters = Electorate(config.max_identity_share, config.batch_size)
+        self.guard = Guard(self.db, self.log, config.guard, references, self.rollback, voters)
         # The version whose state checkpoint.pt (or the load) already holds: a clean stop
         # writes one only past it.
         self._durable_version: int | None = None

@@ -207,6 +207,8 @@ class ServerStore:
                     created_at=rec.created_at,
                     user_id=rec.user,
                     arm=None if rec.arm is None else str(rec.arm),
+                    identity=rec.identity,
+                    train=rec.train,
                 )
             )
 

@@ -1,0 +1,199 @@
+"""Who votes in the guard: the rating and health streams the decision rule and the health veto
+read, with each identity's weight bounded and the answers that may not vote left out
+(docs/guard.md, "Who votes"; issue 40, items 1 and 6).
+
+A vote is one rated answer (the reward rule) or one ended answer (the health veto), with who
+sent the request (``trajectory_index.identity``: ``key:<key id>`` or ``user:<user field>``) and
+whether it may train. An answer does not vote when:
+
+- it was logged ``train: false``: ``store: false``, a key that had opted out, and the traffic
+  that is not production, which is sent that way (the judge's own probes, a shadow copy of a
+  request: docs/guard.md, "Who votes");
+- its API key has opted out of training *now* (``api_keys.train`` false), whatever the record
+  says: an opt-out reaches the answers logged before it, for votes as for training
+  (``learner.joiner``);
+- the identity cap is on (``LearnerConfig.max_identity_share``) and it has no identity (no key
+  and no ``user``): an unknown sender could vote without bound, since the cap counts each
+  anonymous answer as its own identity.
+
+The rest pass the identity cap per arm (``learner.identity_cap.admit_stream``, windows of the
+learner's ``batch_size``): in each window of an arm's stream an identity has at most
+``max(1, ⌊share · batch_size⌋)`` votes, as it has at most that many samples in a batch; its
+votes beyond that never count. So one identity, whatever it sends, holds at most about that
+share of each arm, and moves each arm's mean by at most the share: Δ by at most
+``share · (1 + |Δ|)``.
+
+The queries read the caller's connection and apply the exclusions in SQL (so ``limit`` counts
+voting answers); ``ballot`` is the same rule in pure form, applied again to what they return,
+and what the simulations of ``bench/bench_guard_votes.py`` call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+
+from sqlalchemy import and_, literal, or_, select
+from sqlalchemy.engine import Connection
+
+from core.claims import TRAJECTORY_PREFIX
+from core.db import ApiKey, FeedbackClaim, TrajectoryIndex
+from core.lifecycle import ENDED_FINISHES, Arm, healthy
+from learner.identity_cap import admit_stream
+
+KEY_IDENTITY = "key:"
+"""How an identity that names an API key begins (``core.keys.identity_of``)."""
+
+
+@dataclass(frozen=True)
+class Electorate:
+    """Who votes: ``max_share`` the identity cap (None: off, and anonymous answers vote),
+    ``window`` the votes per window of the cap (the learner's ``batch_size``, ≥ 1)."""
+
+    max_share: float | None
+    window: int
+
+
+@dataclass(frozen=True)
+class Vote:
+    """One answer's vote: ``value`` in [0, 1] (a reward, or 1.0/0.0 for a sound/degenerate
+    answer), ``identity`` who sent the request (None: nobody known), ``train`` the record's
+    flag (None: indexed before revision 0015), ``key_train`` the key's setting now (None: not a
+    key, or a key the registry does not hold)."""
+
+    value: float
+    identity: str | None
+    train: bool | None = None
+    key_train: bool | None = None
+
+
+def may_vote(vote: Vote, electorate: Electorate) -> bool:
+    """Whether ``vote`` may vote at all (module docstring): not opted out by its record or by
+    its key now, and, with the cap on, from a known identity."""
+    if vote.train is False or vote.key_train is False:
+        return False
+    return electorate.max_share is None or vote.identity is not None
+
+
+def ballot(votes: Sequence[Vote], electorate: Electorate) -> list[float]:
+    """The values that count, in order: the votes that ``may_vote``, then the identity cap over
+    them (``admit_stream``). Raises ValueError for a cap ``admit_stream`` refuses."""
+    eligible = [v for v in votes if may_vote(v, electorate)]
+    if electorate.max_share is None:
+        return [v.value for v in eligible]
+    admitted = admit_stream([v.identity for v in eligible], electorate.window, electorate.max_share)
+    return [eligible[i].value for i in admitted]
+
+
+def _voters(q, electorate: Electorate):
+    """``q`` joined to the key registry (a ``key:<id>`` identity to its key's row), without the
+    answers that may not vote (``may_vote``)."""
+    q = q.outerjoin(ApiKey, literal(KEY_IDENTITY) + ApiKey.id == TrajectoryIndex.identity).where(
+        or_(TrajectoryIndex.train.is_(None), TrajectoryIndex.train.is_(True)),
+        or_(ApiKey.train.is_(None), ApiKey.train.is_(True)),
+    )
+    if electorate.max_share is not None:
+        q = q.where(TrajectoryIndex.identity.is_not(None))
+    return q
+
+
+def _window(q, before: datetime | None, since: datetime | None, arm: Arm | None):
+    if before is not None:
+        q = q.where(TrajectoryIndex.created_at < before)
+    if since is not None:
+        q = q.where(TrajectoryIndex.created_at >= since)
+    if arm is not None:
+        q = q.where(TrajectoryIndex.arm == str(arm))
+    return q
+
+
+def rated_votes(
+    conn: Connection,
+    versions: Iterable[int],
+    electorate: Electorate,
+    *,
+    before: datetime | None = None,
+    since: datetime | None = None,
+    arm: Arm | None = None,
+    limit: int | None = None,
+) -> list[float]:
+    """The rewards that vote, of the rated single-turn answers ``versions`` dispatched
+    (``trajectory_index.dispatch_version``), oldest rating first, after ``ballot``.
+
+    ``before`` / ``since``: answers dispatched before / at or after this time; ``arm``: routed
+    to that canary arm; ``limit``: the newest ``limit`` voting ratings before the cap. Episodes'
+    feedback rates several answers at once and is not counted (docs/guard.md, "The lifecycle").
+    """
+    wanted = list(versions)
+    if not wanted:
+        return []
+    q = (
+        select(
+            FeedbackClaim.reward,
+            TrajectoryIndex.identity,
+            TrajectoryIndex.train,
+            ApiKey.train.label("key_train"),
+        )
+        .select_from(FeedbackClaim)
+        .join(TrajectoryIndex, FeedbackClaim.target == literal(TRAJECTORY_PREFIX) + TrajectoryIndex.id)
+        .where(
+            FeedbackClaim.state == "received",
+            FeedbackClaim.reward.is_not(None),
+            TrajectoryIndex.dispatch_version.in_(wanted),
+        )
+    )
+    q = _window(_voters(q, electorate), before, since, arm)
+    q = q.order_by(FeedbackClaim.received_at.desc(), FeedbackClaim.target.desc())
+    if limit is not None:
+        q = q.limit(limit)
+    rows = reversed(conn.execute(q).all())
+    return ballot([Vote(float(r.reward), r.identity, r.train, r.key_train) for r in rows], electorate)
+
+
+def health_votes(
+    conn: Connection,
+    versions: Iterable[int],
+    min_tokens: int,
+    electorate: Electorate,
+    *,
+    before: datetime | None = None,
+    since: datetime | None = None,
+    arm: Arm | None = None,
+    limit: int | None = None,
+) -> list[float]:
+    """1.0 for each sound answer ``versions`` dispatched, 0.0 for each degenerate one
+    (``core.lifecycle.healthy``), rated or not, oldest first, after ``ballot``: every answer
+    that ended (``ENDED_FINISHES``). ``before``, ``since``, ``arm`` and ``limit`` as for
+    ``rated_votes``."""
+    wanted = list(versions)
+    if not wanted:
+        return []
+    q = (
+        select(
+            TrajectoryIndex.finish_reason,
+            TrajectoryIndex.n_response_tokens,
+            TrajectoryIndex.identity,
+            TrajectoryIndex.train,
+            ApiKey.train.label("key_train"),
+        )
+        .select_from(TrajectoryIndex)
+        .where(
+            and_(
+                TrajectoryIndex.dispatch_version.in_(wanted),
+                TrajectoryIndex.finish_reason.in_(ENDED_FINISHES),
+            )
+        )
+    )
+    q = _window(_voters(q, electorate), before, since, arm)
+    q = q.order_by(TrajectoryIndex.created_at.desc(), TrajectoryIndex.id.desc())
+    if limit is not None:
+        q = q.limit(limit)
+    rows = reversed(conn.execute(q).all())
+    votes = [
+        Vote(
+            float(healthy(r.finish_reason, r.n_response_tokens, min_tokens)), r.identity, r.train, r.key_train
+        )
+        for r in rows
+    ]
+    return ballot(votes, electorate)

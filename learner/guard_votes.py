@@ -39,11 +39,9 @@ from sqlalchemy.engine import Connection
 
 from core.claims import TRAJECTORY_PREFIX
 from core.db import ApiKey, FeedbackClaim, TrajectoryIndex
+from core.keys import KEY_IDENTITY
 from core.lifecycle import ENDED_FINISHES, Arm, healthy
 from learner.identity_cap import admit_stream
-
-KEY_IDENTITY = "key:"
-"""How an identity that names an API key begins (``core.keys.identity_of``)."""
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from core.db import ConsumerOffset, FeedbackClaim, LearnerCounter, LearnerSample
 from core.dead_letters import COUNTER as DEAD_LETTERS
 from core.dead_letters import MAX_TRIES, Letter, describe, is_outage, set_aside
 from core.evidence_store import EvidenceStore
+from core.keys import opted_out_identities
 from core.logbus import LogEntry, LogTransport
 from core.records import TOPIC_FEEDBACK, TOPIC_TRAJECTORIES, FeedbackRecord, TrajectoryRecord, utcnow
 from core.retention import forgotten_among
@@ -267,6 +268,9 @@ class Joiner:
             feedback = pending(FeedbackRecord, "feedback", PendingJoin.key.in_(ids))
             expired_before = keys("expired", PendingJoin.key.in_(ids | records.listed_turns(held)))
             forgotten = forgotten_among(conn, ids | records.episode_keys(held))
+            opted_out = opted_out_identities(
+                conn, [r.identity for r in [*records.trajectories, *trajectories.values()]]
+            )
             return JoinState(
                 joined=joined,
                 trajectories=trajectories,
@@ -278,6 +282,7 @@ class Joiner:
                 expired_before=expired_before,
                 stale_feedback=stale,
                 unreadable=tuple({(u.key, u.kind): u for u in unreadable}.values()),
+                opted_out=opted_out,
             )
 
     def _commit(self, plan: JoinPlan, now: datetime) -> None:

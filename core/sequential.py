@@ -318,6 +318,10 @@ class CanaryComparison:
         invalid reward anywhere records none of them)."""
         self._arms[_arm(arm)].extend(np.array([check_reward(r) for r in rewards], dtype=np.float64))
 
+    def bounds(self) -> tuple[ArmBounds, ArmBounds]:
+        """The candidate's and the promoted arm's bounds now."""
+        return self._arms[Arm.CANDIDATE].bounds(), self._arms[Arm.PROMOTED].bounds()
+
     def verdict(self, *, elapsed_s: float | None = None) -> Verdict:
         """The decision now (module docstring, "The decision"); ``elapsed_s`` as in
         :meth:`observe`. Raises ``ValueError`` on a negative or non-finite ``elapsed_s``."""
@@ -325,7 +329,7 @@ class CanaryComparison:
             _is_number(elapsed_s) and math.isfinite(elapsed_s) and elapsed_s >= 0
         ):
             raise ValueError(f"elapsed_s must be None or a finite number >= 0, got {elapsed_s!r}")
-        cand, prom = self._arms[Arm.CANDIDATE].bounds(), self._arms[Arm.PROMOTED].bounds()
+        cand, prom = self.bounds()
         return verdict_from_bounds(cand, prom, self.params, elapsed_s)
 
 
@@ -456,21 +460,37 @@ def decide_lineage(
         ValueError: as ``decide`` (a reward outside [0, 1], a negative ``elapsed_s``).
     """
     p = params or RuleParams()
-    if not members:
+    bounds = []
+    for j, (own, comparison) in enumerate(members, start=1):
+        arms = CanaryComparison(replace(p, alpha=member_alpha(p.alpha, j)))
+        arms.extend(Arm.CANDIDATE, own)
+        arms.extend(Arm.PROMOTED, comparison)
+        bounds.append(arms.bounds())
+    return lineage_verdict(bounds, p, elapsed_s=elapsed_s, promotes=promotes)
+
+
+def lineage_verdict(
+    bounds: Sequence[tuple[ArmBounds, ArmBounds]],
+    params: RuleParams,
+    *,
+    elapsed_s: float | None = None,
+    promotes: bool = True,
+) -> tuple[int | None, Verdict]:
+    """``decide_lineage`` from each version's bounds, oldest first: ``(own, comparison)`` as
+    ``ArmBounds``, each version's computed at its ``member_alpha`` (the rule's combination
+    alone, for callers that keep the sequences themselves, as ``bench/bench_lineage_rule.py``
+    does). The caller checks ``elapsed_s``."""
+    p = params
+    if not bounds:
         empty = ArmBounds(0, 0.0, 0.0, 1.0)
         return None, Verdict(Decision.CONTINUE, -1.0, 1.0, empty, empty, False, "undecided; no version")
-    verdicts = []
-    for j, (own, comparison) in enumerate(members, start=1):
-        pj = replace(p, alpha=member_alpha(p.alpha, j), max_samples=None, max_seconds=None)
-        verdicts.append(decide(own, comparison, pj, elapsed_s=elapsed_s))
-    newest = len(members) - 1
+    plain = replace(p, max_samples=None, max_seconds=None)
+    verdicts = [verdict_from_bounds(own, comparison, plain) for own, comparison in bounds]
+    newest = len(bounds) - 1
 
     def about(j: int, v: Verdict) -> Verdict:
-        return replace(
-            v,
-            reason=f"version {j + 1} of {len(members)} (α_j = "
-            f"{member_alpha(p.alpha, j + 1):.3g}): {v.reason}",
-        )
+        alpha_j = member_alpha(p.alpha, j + 1)
+        return replace(v, reason=f"version {j + 1} of {len(bounds)} (α_j = {alpha_j:.3g}): {v.reason}")
 
     worse = next((j for j, v in enumerate(verdicts) if v.decision == Decision.REJECT), None)
     if worse is not None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import asdict, replace
 from datetime import datetime
 from typing import Protocol
@@ -53,7 +54,8 @@ class Guard:
     """The guard of one learner: ``db`` and ``log`` the learner's, ``config`` its ``guard``
     section, ``references`` the gate's reference models, ``rollback`` the learner's restore of a
     version's weights, ``electorate`` who votes (``learner.guard_votes``: the learner's identity
-    cap and batch size). Not thread-safe: the learner's loop drives it."""
+    cap and batch size), ``keep_state`` the learner's keeping of a promoted version's state
+    (``learner.process.Learner.keep_state``). Not thread-safe: the learner's loop drives it."""
 
     def __init__(
         self,
@@ -63,9 +65,11 @@ class Guard:
         references: GateReferences,
         rollback: Rollback,
         electorate: Electorate,
+        keep_state: Callable[[int], None],
     ) -> None:
         self.db = db
         self.electorate = electorate
+        self.keep_state = keep_state
         self.log = log
         self.config = config
         self.references = references
@@ -124,6 +128,15 @@ class Guard:
         self.check()
 
     def check(self) -> Decision | None:
+        """``_check``; then, with the guard on, the promoted version's learner state is kept if
+        the learner holds it (promoted by this check, by an operator, or a rollback's), for a
+        later rollback to restore whole (``keep_state``)."""
+        decision = self._check()
+        if self.on():
+            self.keep_state(promoted_version(self.db).version)
+        return decision
+
+    def _check(self) -> Decision | None:
         """Evaluate the lineage on probation and carry out the verdict (docs/guard.md, "The
         lifecycle"); returns the decision, None when there was nothing to judge.
 

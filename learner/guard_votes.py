@@ -16,12 +16,12 @@ whether it may train. An answer does not vote when:
   and no ``user``): an unknown sender could vote without bound, since the cap counts each
   anonymous answer as its own identity.
 
-The rest pass the identity cap per arm (``learner.identity_cap.admit_stream``, windows of the
-learner's ``batch_size``): in each window of an arm's stream an identity has at most
-``max(1, ⌊share · batch_size⌋)`` votes, as it has at most that many samples in a batch; its
-votes beyond that never count. So one identity, whatever it sends, holds at most about that
-share of each arm, and moves each arm's mean by at most the share: Δ by at most
-``share · (1 + |Δ|)``.
+The rest pass the identity cap per arm (``learner.identity_cap.admit_stream`` with the
+learner's ``max_identity_share``, ``Electorate.of``): in each window of an arm's stream an
+identity has at most ``max(1, ⌊share · window⌋)`` votes, as it has at most that many samples
+in a batch, and its votes beyond that never count. So one identity, whatever it sends, holds
+at most the share of each arm's votes (up to the last, partial window), moves each arm's mean
+by at most the share, and Δ = μ_canary − μ_control by at most ``share · (1 + |Δ|)``.
 
 The queries read the caller's connection and apply the exclusions in SQL (so ``limit`` counts
 voting answers); ``ballot`` is the same rule in pure form, applied again to what they return,
@@ -30,6 +30,7 @@ and what the simulations of ``bench/bench_guard_votes.py`` call.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -47,10 +48,21 @@ from learner.identity_cap import admit_stream
 @dataclass(frozen=True)
 class Electorate:
     """Who votes: ``max_share`` the identity cap (None: off, and anonymous answers vote),
-    ``window`` the votes per window of the cap (the learner's ``batch_size``, ≥ 1)."""
+    ``window`` the votes per window of the cap (≥ 1; ``of``)."""
 
     max_share: float | None
     window: int
+
+    @classmethod
+    def of(cls, max_share: float | None, batch_size: int) -> Electorate:
+        """The learner's cap on its votes: windows of ``batch_size`` votes, as its batches, or
+        of ``⌈1/max_share⌉`` when that is longer, so that ``k = max(1, ⌊share·window⌋)`` is the
+        share itself: a batch cannot hold less than one sample of an identity (k ≥ 1 of B),
+        an arm's stream of votes has no such floor. E.g. share 0.01 with batch 16: windows of
+        100 votes, one vote of an identity each (a batch: 1 of 16)."""
+        if max_share is None:
+            return cls(None, batch_size)
+        return cls(max_share, max(batch_size, math.ceil(1.0 / max_share - 1e-9)))
 
 
 @dataclass(frozen=True)

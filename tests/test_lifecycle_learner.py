@@ -14,6 +14,7 @@ from collections import Counter
 from datetime import timedelta
 
 import pytest
+import torch
 from sqlalchemy import insert, select, update
 
 from core.control import GUARD_VERDICT, PAUSED, get_flag, set_flag
@@ -542,3 +543,68 @@ def test_the_gate_as_the_learner_runs_it_computes_the_reference_once(tmp_path, m
         assert result.passed and stored[version]["kl_base"] == result.kl_base
     assert lifecycles(learner) == {0: "promoted", 1: "canary", 2: "canary"}
     learner.db.dispose()
+
+
+def learner_state(learner: Learner) -> dict:
+    """A deep copy of the learner's whole state (policy, critic, both optimizers, step count,
+    baselines): ``Algorithm.state_dict``."""
+    return copy.deepcopy(learner.algorithm.state_dict())
+
+
+def assert_same_state(a: dict, b: dict) -> None:
+    """Every tensor of two ``learner_state``s equal, and every other entry (step count)."""
+
+    def leaves(x, path=()):
+        if isinstance(x, dict):
+            for k, v in x.items():
+                yield from leaves(v, (*path, k))
+        elif isinstance(x, list | tuple):
+            for i, v in enumerate(x):
+                yield from leaves(v, (*path, i))
+        else:
+            yield path, x
+
+    la, lb = dict(leaves(a)), dict(leaves(b))
+    assert la.keys() == lb.keys()
+    for k, va in la.items():
+        vb = lb[k]
+        if isinstance(va, torch.Tensor):
+            assert torch.equal(va, vb), k
+        else:
+            assert va == vb, k
+
+
+def test_a_rollback_restores_the_whole_learner_also_after_a_crash_right_after_its_commit(tmp_path):
+    """Issue 40, item 5: at the restore the critic was still the rejected lineage's, the step
+    count was not reverted, and a restart right after the rollback's commit brought the
+    lineage's optimizer entries back (from its checkpoint)."""
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    learner = in_process(tmp_path, url, guard=GuardConfig(delta=0.5), checkpoint_every=1)
+    feed(open_log(learner.settings.resolved_database_url), 3 * BATCH, 0)
+    learner.poll_once()
+    rate(learner, 0, [1.0] * 60, utcnow() - timedelta(hours=1))
+    learner.train_step()
+    rate(learner, 1, [1.0] * 60, utcnow())
+    assert learner.guard_check() == Decision.PROMOTE  # 60 wins each, δ 0.5
+    promoted = learner_state(learner)  # version 1's, kept at its promotion
+    assert promoted["step"] == 1 and promoted["critic_optimizer"]["state"]
+    learner.train_step()
+    learner.train_step()  # the lineage [2, 3]: the critic, both optimizers and the step move on
+    moved = learner_state(learner)
+    assert moved["step"] == 3
+    assert any(not torch.equal(moved["critic"][k], promoted["critic"][k]) for k in promoted["critic"])
+    # The drift veto rejects the lineage: version 2's drift (measured by step 3) 0.7 > 0.6.
+    set_kl_ref(learner, 3, 0.7)
+    assert learner.guard_check() == Decision.REJECT
+    assert lifecycles(learner) == {0: "promoted", 1: "promoted", 2: "rejected", 3: "rejected", 4: "promoted"}
+    # The restore: version 1's whole state (the step count back to 1), published as version 4.
+    assert_same_state(learner_state(learner), promoted)
+    assert learner.weights_version == 4 and learner.algorithm.steps == 1
+    # A crash right after the rollback's commit: checkpoint.pt still holds version 3 (the
+    # lineage's); a restart resumes from the state kept with version 4 (version 1's).
+    restarted = Learner(learner.settings, learner.config)
+    restarted.load()
+    assert restarted.version == 4 and restarted.weights_version == 4
+    assert_same_state(learner_state(restarted), promoted)
+    learner.db.dispose()
+    restarted.db.dispose()

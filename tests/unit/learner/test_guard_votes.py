@@ -80,3 +80,12 @@ def test_one_identity_flooding_an_arm_keeps_its_share():
     assert (len(counted), counted.count(0.0)) == (17, 5)
     # Uncapped: every vote, 40 zeros of 52.
     assert ballot(stream, Electorate(None, 4)).count(0.0) == 40
+
+
+def test_the_vote_window_makes_the_share_exact():
+    # share 0.25, batch 16: windows of 16, k = 4. share 0.01, batch 16: a batch holds at least
+    # 1 of 16 (6.25%); the votes' windows are ⌈1/0.01⌉ = 100 long, k = 1: 1%.
+    assert Electorate.of(0.25, 16) == Electorate(0.25, 16)
+    assert Electorate.of(0.01, 16) == Electorate(0.01, 100)
+    assert Electorate.of(1 / 3, 2) == Electorate(1 / 3, 3)  # ⌈3 − 1e-9⌉ = 3, not 4
+    assert Electorate.of(None, 16) == Electorate(None, 16)

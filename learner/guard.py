@@ -225,12 +225,9 @@ class Guard:
         _, verdict = decide_lineage(arms(rated_votes), guard.rule_params(), elapsed_s=elapsed)
         vetoes: dict = {}
         if guard.max_kl_ref is not None:
-            # Step k+1 measures version k before its update: the lineage's first step measured
-            # the promoted version it started from, the later ones the lineage's versions. The
-            # veto bounds each version's drift beyond the promoted version's.
-            by_version = lifecycle_store.step_metric(conn, members, "kl_ref")
-            kl = [by_version.get(v) for v in members]
-            drift = drift_from_promoted(kl)
+            before = lifecycle_store.step_metric(conn, members, "kl_ref")
+            after = lifecycle_store.step_metric(conn, members, "kl_ref_after")
+            drift = drift_from_promoted(members, before, after)
             known = [d for d in drift if d is not None]
             vetoes["drift"] = {
                 "kl_max": max(known, default=None),
@@ -315,16 +312,27 @@ def _served_split(conn: Connection, members: list[int]) -> bool:
     return conn.execute(q.limit(1)).first() is not None
 
 
-def drift_from_promoted(kl_refs: list[float | None]) -> list[float | None]:
-    """Each lineage version's drift beyond the promoted version's, from the ``kl_ref`` of the
-    steps that trained the lineage's versions, oldest first (nats per action token): the
-    first step measured the promoted version it started from, step i+1 version i, so version
-    i's drift is ``kl_refs[i + 1] − kl_refs[0]``; the newest version's is not measured yet
-    (no step started from it) and is left out. None where a step measured nothing (the KL
-    anchor off); the promoted version's own figure missing counts as 0 (the base's).
+def drift_from_promoted(
+    members: list[int], before: dict[int, float | None], after: dict[int, float | None]
+) -> list[float | None]:
+    """Each version of the lineage ``members`` (oldest first): how far its KL to the base goes
+    beyond the promoted version's, nats per action token, from the KL anchor's figures of the
+    steps that trained them: ``before[v]`` (``kl_ref``) measured the policy step v started from,
+    ``after[v]`` (``kl_ref_after``) the version v it made. So the promoted version's figure is
+    ``before[members[0]]`` (the lineage's first step started from it; 0, the base's, when not
+    measured), and version v's is ``after[v]``, else (steps that predate ``kl_ref_after``) the
+    next step's ``before``; None where nothing measured it (the anchor off, or the newest
+    version of a step without ``kl_ref_after``).
 
-    Why the difference: the anchor measures KL to the base, and a promoted version that drifted
-    near the bound would otherwise have every lineage after it rejected for the drift it
-    inherited (issue 40); the difference bounds what the lineage added."""
-    origin = kl_refs[0] if kl_refs and kl_refs[0] is not None else 0.0
-    return [None if k is None else k - origin for k in kl_refs[1:]]
+    Why beyond the promoted version's: measured from the base alone, a promoted version that
+    drifted near the bound had every lineage after it rejected for the drift it inherited, in a
+    loop (issue 40); this bounds what the lineage added, its newest version included."""
+    origin = before.get(members[0]) if members else None
+    origin = 0.0 if origin is None else origin
+    out: list[float | None] = []
+    for i, v in enumerate(members):
+        kl = after.get(v)
+        if kl is None and i + 1 < len(members):
+            kl = before.get(members[i + 1])
+        out.append(None if kl is None else kl - origin)
+    return out

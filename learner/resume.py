@@ -67,8 +67,13 @@ def read_checkpoint(policy_dir: Path, committed: int, kind: str) -> dict | None:
     if state is not None and state["version"] > committed:
         log.warning("ignoring %s at version %d: the database is at %d", ckpt, state["version"], committed)
         return None
+    return _of_kind(state, ckpt, kind)
+
+
+def _of_kind(state: dict | None, path: Path, kind: str) -> dict | None:
+    """``state`` if it is of a ``kind`` policy (or None). Raises RuntimeError otherwise."""
     if state is not None and (state.get("config") or {}).get("policy", {}).get("kind", "full") != kind:
-        raise RuntimeError(f"{ckpt} is of another kind of policy than this learner's ({kind})")
+        raise RuntimeError(f"{path} is of another kind of policy than this learner's ({kind})")
     return state
 
 
@@ -162,7 +167,7 @@ def newest_state(policy_dir: Path, committed: int, kind: str, rejected) -> dict 
             continue
         if checkpoint is not None and checkpoint["version"] >= v:
             return checkpoint
-        return read_state(policy_dir, v)
+        return _of_kind(read_state(policy_dir, v), state_path(policy_dir, v), kind)
     return checkpoint
 
 

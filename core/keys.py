@@ -229,3 +229,12 @@ def opted_out_identities(conn: Connection, identities: Iterable[str | None]) -> 
         return frozenset()
     rows = conn.execute(select(ApiKey.id).where(ApiKey.id.in_(sorted(ids)), ApiKey.train.is_(False)))
     return frozenset(KEY_IDENTITY + r.id for r in rows)
+
+
+def opted_out_keys(conn: Connection) -> frozenset[str]:
+    """The identities (``key:<key id>``) of every key whose training is off now, read in the
+    caller's connection to the key registry: what the guard's votes and the learner's batches
+    leave out (docs/guard.md, "Who votes"; docs/privacy.md). Keys that opt out are few; the set
+    is read whole at each use."""
+    rows = conn.execute(select(ApiKey.id).where(ApiKey.train.is_(False)))
+    return frozenset(KEY_IDENTITY + r.id for r in rows)

@@ -28,6 +28,7 @@ from sqlalchemy.engine import Connection, Engine
 from core import lifecycle_store
 from core.control import GUARD_OFF, GUARD_PIN, GUARD_VERDICT, get_flag, set_flag
 from core.db import PolicyVersion, TrajectoryIndex
+from core.keys import opted_out_keys
 from core.lifecycle import GUARD, Arm, Stage, drifted, lineage
 from core.logbus import LogTransport
 from core.records import POLICY_KEY, TOPIC_POLICY, as_utc, utcnow
@@ -55,7 +56,8 @@ class Guard:
     section, ``references`` the gate's reference models, ``rollback`` the learner's restore of a
     version's weights, ``electorate`` who votes (``learner.guard_votes``: the learner's identity
     cap and batch size), ``keep_state`` the learner's keeping of a promoted version's state
-    (``learner.process.Learner.keep_state``). Not thread-safe: the learner's loop drives it."""
+    (``learner.process.Learner.keep_state``), ``keys_db`` the database of the API keys (default
+    ``db``; a tenant namespace's learner passes the global one). Not thread-safe: the learner's loop drives it."""
 
     def __init__(
         self,
@@ -66,8 +68,10 @@ class Guard:
         rollback: Rollback,
         electorate: Electorate,
         keep_state: Callable[[int], None],
+        keys_db: Engine | None = None,
     ) -> None:
         self.db = db
+        self.keys_db = keys_db or db
         self.electorate = electorate
         self.keep_state = keep_state
         self.log = log
@@ -204,6 +208,8 @@ class Guard:
         probation, its answers against the promoted versions' newest ``promoted_window`` from
         before the lineage. Only the answers that vote count (``learner.guard_votes``)."""
         guard, voters = self.config, self.electorate
+        with self.keys_db.connect() as keys:
+            opted = opted_out_keys(keys)
         started = created[members[0]]
         split = _served_split(conn, members)
         ends = [created[v] for v in members[1:]] + [None]
@@ -211,12 +217,14 @@ class Guard:
 
         def arms(votes, *args) -> list[tuple[list[float], list[float]]]:
             if not split:
-                comparison = votes(conn, promoted, *args, voters, **before_lineage)
-                return [(votes(conn, [v], *args, voters), comparison) for v in members]
+                comparison = votes(conn, promoted, *args, voters, opted, **before_lineage)
+                return [(votes(conn, [v], *args, voters, opted), comparison) for v in members]
             return [
                 (
-                    votes(conn, [v], *args, voters, arm=Arm.CANARY),
-                    votes(conn, promoted, *args, voters, arm=Arm.CONTROL, since=created[v], before=end),
+                    votes(conn, [v], *args, voters, opted, arm=Arm.CANARY),
+                    votes(
+                        conn, promoted, *args, voters, opted, arm=Arm.CONTROL, since=created[v], before=end
+                    ),
                 )
                 for v, end in zip(members, ends, strict=True)
             ]

@@ -24,7 +24,7 @@ at most the share of each arm's votes (up to the last, partial window), moves ea
 by at most the share, and Δ = μ_canary − μ_control by at most ``share · (1 + |Δ|)``.
 
 The queries read the caller's connection and apply the exclusions in SQL (so ``limit`` counts
-voting answers); ``ballot`` is the same rule in pure form, applied again to what they return,
+voting answers), given the keys that opted out as read from the key registry; ``ballot`` is the same rule in pure form, applied again to what they return,
 and what the simulations of ``bench/bench_guard_votes.py`` call.
 """
 
@@ -39,8 +39,7 @@ from sqlalchemy import and_, literal, or_, select
 from sqlalchemy.engine import Connection
 
 from core.claims import TRAJECTORY_PREFIX
-from core.db import ApiKey, FeedbackClaim, TrajectoryIndex
-from core.keys import KEY_IDENTITY
+from core.db import FeedbackClaim, TrajectoryIndex
 from core.lifecycle import ENDED_FINISHES, Arm, healthy
 from learner.identity_cap import admit_stream
 
@@ -96,16 +95,21 @@ def ballot(votes: Sequence[Vote], electorate: Electorate) -> list[float]:
     return [eligible[i].value for i in admitted]
 
 
-def _voters(q, electorate: Electorate):
-    """``q`` joined to the key registry (a ``key:<id>`` identity to its key's row), without the
-    answers that may not vote (``may_vote``)."""
-    q = q.outerjoin(ApiKey, literal(KEY_IDENTITY) + ApiKey.id == TrajectoryIndex.identity).where(
-        or_(TrajectoryIndex.train.is_(None), TrajectoryIndex.train.is_(True)),
-        or_(ApiKey.train.is_(None), ApiKey.train.is_(True)),
-    )
+def _voters(q, electorate: Electorate, opted_out: frozenset[str]):
+    """``q`` without the answers that may not vote (``may_vote``): ``train`` false, a sender in
+    ``opted_out`` (keys whose training is off now), and, with the cap on, no sender."""
+    q = q.where(or_(TrajectoryIndex.train.is_(None), TrajectoryIndex.train.is_(True)))
+    if opted_out:
+        q = q.where(
+            or_(TrajectoryIndex.identity.is_(None), TrajectoryIndex.identity.not_in(sorted(opted_out)))
+        )
     if electorate.max_share is not None:
         q = q.where(TrajectoryIndex.identity.is_not(None))
     return q
+
+
+def _vote(value: float, identity: str | None, train: bool | None, opted_out: frozenset[str]) -> Vote:
+    return Vote(value, identity, train, False if identity in opted_out else None)
 
 
 def _window(q, before: datetime | None, since: datetime | None, arm: Arm | None):
@@ -122,6 +126,7 @@ def rated_votes(
     conn: Connection,
     versions: Iterable[int],
     electorate: Electorate,
+    opted_out: frozenset[str] = frozenset(),
     *,
     before: datetime | None = None,
     since: datetime | None = None,
@@ -129,7 +134,9 @@ def rated_votes(
     limit: int | None = None,
 ) -> list[float]:
     """The rewards that vote, of the rated single-turn answers ``versions`` dispatched
-    (``trajectory_index.dispatch_version``), oldest rating first, after ``ballot``.
+    (``trajectory_index.dispatch_version``), oldest rating first, after ``ballot``; ``opted_out``
+    the senders whose key's training is off now (``core.keys.opted_out_keys``, read from the
+    key registry, which a tenant namespace does not hold).
 
     ``before`` / ``since``: answers dispatched before / at or after this time; ``arm``: routed
     to that canary arm; ``limit``: the newest ``limit`` voting ratings before the cap. Episodes'
@@ -143,7 +150,6 @@ def rated_votes(
             FeedbackClaim.reward,
             TrajectoryIndex.identity,
             TrajectoryIndex.train,
-            ApiKey.train.label("key_train"),
         )
         .select_from(FeedbackClaim)
         .join(TrajectoryIndex, FeedbackClaim.target == literal(TRAJECTORY_PREFIX) + TrajectoryIndex.id)
@@ -153,12 +159,12 @@ def rated_votes(
             TrajectoryIndex.dispatch_version.in_(wanted),
         )
     )
-    q = _window(_voters(q, electorate), before, since, arm)
+    q = _window(_voters(q, electorate, opted_out), before, since, arm)
     q = q.order_by(FeedbackClaim.received_at.desc(), FeedbackClaim.target.desc())
     if limit is not None:
         q = q.limit(limit)
     rows = reversed(conn.execute(q).all())
-    return ballot([Vote(float(r.reward), r.identity, r.train, r.key_train) for r in rows], electorate)
+    return ballot([_vote(float(r.reward), r.identity, r.train, opted_out) for r in rows], electorate)
 
 
 def health_votes(
@@ -166,6 +172,7 @@ def health_votes(
     versions: Iterable[int],
     min_tokens: int,
     electorate: Electorate,
+    opted_out: frozenset[str] = frozenset(),
     *,
     before: datetime | None = None,
     since: datetime | None = None,
@@ -185,7 +192,6 @@ def health_votes(
             TrajectoryIndex.n_response_tokens,
             TrajectoryIndex.identity,
             TrajectoryIndex.train,
-            ApiKey.train.label("key_train"),
         )
         .select_from(TrajectoryIndex)
         .where(
@@ -195,14 +201,14 @@ def health_votes(
             )
         )
     )
-    q = _window(_voters(q, electorate), before, since, arm)
+    q = _window(_voters(q, electorate, opted_out), before, since, arm)
     q = q.order_by(TrajectoryIndex.created_at.desc(), TrajectoryIndex.id.desc())
     if limit is not None:
         q = q.limit(limit)
     rows = reversed(conn.execute(q).all())
     votes = [
-        Vote(
-            float(healthy(r.finish_reason, r.n_response_tokens, min_tokens)), r.identity, r.train, r.key_train
+        _vote(
+            float(healthy(r.finish_reason, r.n_response_tokens, min_tokens)), r.identity, r.train, opted_out
         )
         for r in rows
     ]

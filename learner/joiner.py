@@ -74,11 +74,14 @@ def _stats(plan: JoinPlan | None) -> JoinStats:
 
 
 class Joiner:
-    """The learner's consumer of the ``trajectories`` and ``feedback`` topics."""
+    """The learner's consumer of the ``trajectories`` and ``feedback`` topics. ``keys_db``: the
+    database of the API keys, whose training setting each join reads (default ``db``; a tenant
+    namespace's learner passes the global one, ``Settings.keys_database_url``)."""
 
-    def __init__(self, log: LogTransport, db: Engine, expire_s: float):
+    def __init__(self, log: LogTransport, db: Engine, expire_s: float, keys_db: Engine | None = None):
         self.log = log
         self.db = db
+        self.keys_db = keys_db or db
         self.expire_s = expire_s
         self.evidence = EvidenceStore(db)
         # Failed commits of the read starting at these offsets (only the latest read is kept).
@@ -268,9 +271,12 @@ class Joiner:
             feedback = pending(FeedbackRecord, "feedback", PendingJoin.key.in_(ids))
             expired_before = keys("expired", PendingJoin.key.in_(ids | records.listed_turns(held)))
             forgotten = forgotten_among(conn, ids | records.episode_keys(held))
-            opted_out = opted_out_identities(
-                conn, [r.identity for r in [*records.trajectories, *trajectories.values()]]
-            )
+            senders = [r.identity for r in [*records.trajectories, *trajectories.values()]]
+            if self.keys_db is self.db:
+                opted_out = opted_out_identities(conn, senders)
+            else:
+                with self.keys_db.connect() as keys:
+                    opted_out = opted_out_identities(keys, senders)
             return JoinState(
                 joined=joined,
                 trajectories=trajectories,

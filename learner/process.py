@@ -92,7 +92,10 @@ class Learner:
         transport = log_transport or open_log(settings.resolved_log_url)
         self.log = ReadFaultLog(transport) if armed() else transport
         self.db = db or make_engine(settings.resolved_database_url)
-        self.joiner = Joiner(self.log, self.db, config.expire_s)
+        # The API keys' database: the global one, also for a tenant namespace's learner.
+        same = settings.keys_database_url == settings.resolved_database_url
+        self.keys_db = self.db if same else make_engine(settings.keys_database_url)
+        self.joiner = Joiner(self.log, self.db, config.expire_s, self.keys_db)
         self.policy_dir = Path(settings.resolved_policy_dir)
         self.base_dir = Path(settings.resolved_model_dir)
         self.run_id = uuid.uuid4().hex[:12]
@@ -106,7 +109,7 @@ class Learner:
         references = GateReferences(self.base_dir, partial(publish.version_path, self.db), lora)
         voters = Electorate.of(config.max_identity_share, config.batch_size)
         self.guard = Guard(
-            self.db, self.log, config.guard, references, self.rollback, voters, self.keep_state
+            self.db, self.log, config.guard, references, self.rollback, voters, self.keep_state, self.keys_db
         )
         # The version whose state checkpoint.pt (or the load) already holds: a clean stop
         # writes one only past it.
@@ -420,7 +423,9 @@ class Learner:
     def _next_batch(self):
         """The rows of the next batch and how many samples the identity cap deferred
         (``learner.sample_queue.next_batch``), or ``(None, 0)`` while none is full."""
-        return sample_queue.next_batch(self.db, self.config.batch_size, self.config.max_identity_share)
+        return sample_queue.next_batch(
+            self.db, self.config.batch_size, self.config.max_identity_share, self.keys_db
+        )
 
     def _step(self, batch) -> dict:
         started = time.time()

@@ -1,6 +1,7 @@
 """The guard's vote queries on SQLite and PostgreSQL (learner.guard_votes.rated_votes and
-health_votes; issue 40, items 1 and 6): the key registry joined to each answer's identity,
-the opted-out, unflagged and anonymous answers left out in SQL, the cap applied after."""
+health_votes; issue 40, items 1 and 6): the keys whose training is off read from the registry
+(core.keys.opted_out_keys), the opted-out, unflagged and anonymous answers left out in SQL, the
+cap applied after."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from sqlalchemy import insert
 
 from core.claims import trajectory_target
 from core.db import FeedbackClaim, TrajectoryIndex, make_engine, migrate
-from core.keys import KeyStore
+from core.keys import KeyStore, opted_out_keys
 from core.lifecycle import Arm
 from core.records import utcnow
 from learner.guard_votes import Electorate, health_votes, rated_votes
@@ -74,12 +75,16 @@ def test_who_votes_in_the_database(db):
         for i, (tid, who, reward, train) in enumerate(rows):
             answer(conn, tid, t + timedelta(seconds=i), who, reward, train, n_tokens=1 if tid == "c" else 8)
     with db.connect() as conn:
-        assert rated_votes(conn, [1], Electorate(None, 2)) == [1.0, 0.5, 0.25, 1.0]  # c, e, f, g
+        opted = opted_out_keys(conn)
+        assert opted == {f"key:{out.id}"}
+        # Without the registry's answer the key's own rows (a, b) still vote: the setting is read.
+        assert rated_votes(conn, [1], Electorate(None, 2)) == [0.0, 0.0, 1.0, 0.5, 0.25, 1.0]
+        assert rated_votes(conn, [1], Electorate(None, 2), opted) == [1.0, 0.5, 0.25, 1.0]  # c, e, f, g
         # Cap on, windows of 2 at share 0.5 (k = 1): e is out; c and f fill window 1; g alone in
         # window 2 (partial, the last).
-        assert rated_votes(conn, [1], Electorate(0.5, 2)) == [1.0, 0.25, 1.0]
+        assert rated_votes(conn, [1], Electorate(0.5, 2), opted) == [1.0, 0.25, 1.0]
         # limit counts voting ratings: the newest 2 that vote (f, g).
-        assert rated_votes(conn, [1], Electorate(None, 2), limit=2) == [0.25, 1.0]
-        assert rated_votes(conn, [1], Electorate(None, 2), arm=Arm.CONTROL) == []
+        assert rated_votes(conn, [1], Electorate(None, 2), opted, limit=2) == [0.25, 1.0]
+        assert rated_votes(conn, [1], Electorate(None, 2), opted, arm=Arm.CONTROL) == []
         # Health: every ended answer that votes; c has 1 token (degenerate at min 4 tokens).
-        assert health_votes(conn, [1], 4, Electorate(None, 2)) == [0.0, 1.0, 1.0, 1.0]
+        assert health_votes(conn, [1], 4, Electorate(None, 2), opted) == [0.0, 1.0, 1.0, 1.0]

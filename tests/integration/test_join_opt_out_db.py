@@ -89,3 +89,39 @@ def test_a_key_that_opts_out_after_logging_is_never_trained(db):
         counters = dict(conn.execute(select(LearnerCounter.name, LearnerCounter.value)).all())
         assert conn.execute(select(func.count()).select_from(LearnerSample)).scalar_one() == 0
     assert counters["excluded_opted_out"] == 3
+
+
+def test_a_tenant_learner_reads_the_keys_of_the_global_database(tmp_path):
+    """A tenant policy's learner joins from its namespace's database, while the API keys live in
+    the global one (``Settings.keys_database_url``): the key's setting is read there."""
+    from core.settings import Settings
+
+    settings = Settings(home=tmp_path, tenant_policies=["acme"], adapter_serving="adapter", max_cpu_loras=6)
+    tenant = settings.for_tenant("acme")
+    assert tenant.keys_database_url == settings.resolved_database_url != tenant.resolved_database_url
+    for url in (settings.resolved_database_url, tenant.resolved_database_url):
+        migrate(url)
+    keys_db, db, log = (
+        make_engine(tenant.keys_database_url),
+        make_engine(tenant.resolved_database_url),
+        SqlLog(tenant.resolved_database_url),
+    )
+    try:
+        keys = KeyStore(keys_db)
+        out, _ = keys.create("acme", utcnow())
+        rec = trajectory("a", "pa", f"key:{out.id}")
+        log.append(TOPIC_TRAJECTORIES, rec.prompt_id, rec.to_json())
+        keys.set_train(out.id, False)
+        fb = FeedbackRecord(trajectory_id="a", prompt_id="pa", reward=1.0, received_at=utcnow())
+        log.append(TOPIC_FEEDBACK, fb.prompt_id, fb.to_json())
+        joiner = Joiner(log, db, 3600, keys_db)
+        for _ in range(3):
+            joiner.poll_once()
+        with db.connect() as conn:
+            counters = dict(conn.execute(select(LearnerCounter.name, LearnerCounter.value)).all())
+            assert conn.execute(select(func.count()).select_from(LearnerSample)).scalar_one() == 0
+        assert counters.get("excluded_opted_out") == 1
+    finally:
+        log.close()
+        db.dispose()
+        keys_db.dispose()

@@ -4,12 +4,14 @@ probation carried out (docs/guard.md, "The gate" and "The lifecycle"; docs/desig
 A version the learner trains is gated first (``learner.gate.run_gate`` against the base and its
 parent): it enters ``canary`` (probation) when the gate passes or none is configured,
 ``rejected`` when it fails, ``promoted`` with the guard off. Then, every ``guard.check_s``
-seconds, the lineage on probation is judged against the promoted versions' record. The
-decisions are pure and live below: the stages, the moves and the rule in ``core.lifecycle`` and
-``core.sequential``, their rows in ``core.lifecycle_store``. This module does the I/O around
-them: it reads the ratings, records the verdict, commits the moves, quarantines the samples of
-a rejected lineage with the rollback that restores the promoted weights (the learner's, passed
-in), and sends the stage notices.
+seconds, the lineage on probation is judged against the promoted versions' record, each of
+its versions on its own ratings, with only the answers that may vote (``learner.guard_votes``:
+no opted-out answer, the identity cap). The decisions are pure and live below: the stages, the
+moves and the rule in ``core.lifecycle`` and ``core.sequential``, their rows in
+``core.lifecycle_store``. This module does the I/O around them: it reads the votes, records the
+verdict, commits the moves, quarantines the samples of a rejected lineage with the rollback
+that restores the promoted version's whole learner state (the learner's, passed in), keeps the
+promoted version's learner state, and sends the stage notices.
 """
 
 from __future__ import annotations
@@ -57,7 +59,8 @@ class Guard:
     version's weights, ``electorate`` who votes (``learner.guard_votes``: the learner's identity
     cap and batch size), ``keep_state`` the learner's keeping of a promoted version's state
     (``learner.process.Learner.keep_state``), ``keys_db`` the database of the API keys (default
-    ``db``; a tenant namespace's learner passes the global one). Not thread-safe: the learner's loop drives it."""
+    ``db``; a tenant namespace's learner passes the global one). Not thread-safe: the learner's
+    loop drives it."""
 
     def __init__(
         self,
@@ -146,13 +149,14 @@ class Guard:
 
         First, a version that serves (announced) but was rejected since (by an operator) is
         rolled back, guard on or off: the promoted version's weights are published as a new
-        version. Then, unless the guard is off or an operator pinned the promoted version, the
-        lineage's rated answers are compared with the promoted versions' (``_judge``):
-        when a canary split served the lineage (its answers carry the canary arm), its
-        canary-arm answers against the promoted versions' control-arm answers since the lineage
-        started; on probation, all its answers against the promoted versions' from before it.
+        version. Then, unless the guard is off or an operator pinned the promoted version, each
+        version of the lineage is judged on its own rated answers against the promoted versions'
+        (``_judge``): when a canary split served the lineage (its answers carry the canary arm),
+        its canary-arm answers against the promoted versions' control-arm answers of its own
+        window; on probation, its answers against the promoted versions' from before the lineage.
         Unless that rejects, the drift veto rejects a lineage one of whose versions measured a KL
-        to the base over ``guard.max_kl_ref`` on a training batch (``core.lifecycle.drifted``);
+        to the base more than ``guard.max_kl_ref`` beyond the promoted version's on a training
+        batch (``drift_from_promoted``, ``core.lifecycle.drifted``);
         then the health veto compares the same arms' shares of sound answers
         (every answer, rated or not; ``guard.min_answer_tokens``) and rejects when the lineage's
         is surely lower: ``promote`` moves every version of the lineage to ``promoted``;

@@ -241,7 +241,7 @@ def pretrain_critic_cmd(
     from core.db import make_engine, migrate
     from core.logbus import open_log
     from core.retention import all_forgotten
-    from learner.pretrain import pretrain_from_log
+    from learner.pretrain import opted_out_keys_now, pretrain_from_log
 
     settings = namespace(tenant)
     migrate(settings.resolved_database_url)
@@ -255,6 +255,7 @@ def pretrain_critic_cmd(
             lr,
             trainable,
             forgotten=all_forgotten(make_engine(settings.resolved_database_url)),
+            opted_out=opted_out_keys_now(settings.keys_database_url),
         )
     except ValueError as exc:
         fail(str(exc))

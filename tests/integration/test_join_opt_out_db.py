@@ -8,10 +8,11 @@ import pytest
 from sqlalchemy import func, select
 
 from core.db import LearnerCounter, LearnerSample, PromptEvidence, make_engine, migrate
-from core.keys import KeyStore
+from core.keys import KeyStore, opted_out_keys
 from core.logbus import SqlLog
 from core.records import TOPIC_FEEDBACK, TOPIC_TRAJECTORIES, FeedbackRecord, TrajectoryRecord, utcnow
 from learner.joiner import Joiner
+from learner.pretrain import logged_samples
 from learner.sample_queue import next_batch
 
 
@@ -81,6 +82,12 @@ def test_a_key_that_opts_out_after_logging_is_never_trained(db):
     assert counters.get("excluded_opted_out") == 2
     assert samples == ["b"]
     assert evidence == ["pb"] and n_evidence == 1
+    # Critic pretraining reads the log itself: a (logged train: true) is read unless the keys
+    # whose training is off now are left out (saoserve pretrain-critic passes them).
+    with engine.connect() as conn:
+        opted = opted_out_keys(conn)
+    assert sorted(s.id for s in logged_samples(log)) == ["a", "b"]
+    assert [s.id for s in logged_samples(log, opted_out=opted)] == ["b"]
     # b joined while its key trained; the key opts out before b's batch: b is deleted at the
     # next batch's selection, counted like the joiner's exclusions (2 + 1), never trained.
     keys.set_train(stays.id, False)

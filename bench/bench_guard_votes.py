@@ -95,7 +95,9 @@ def main() -> None:
     ap.add_argument("--honest", type=int, default=200, help="honest identities")
     ap.add_argument("--flood", type=float, default=0.5, help="the attacker's share of all requests")
     ap.add_argument("--share", type=float, default=0.2, help="the canary share")
-    ap.add_argument("--horizon", type=int, default=50_000, help="canary requests at most (the guard's max_samples)")
+    ap.add_argument(
+        "--horizon", type=int, default=50_000, help="canary requests at most (the guard's max_samples)"
+    )
     ap.add_argument("--record", action="store_true", help="write the table to docs/results.md")
     args = ap.parse_args()
     t0 = time.perf_counter()

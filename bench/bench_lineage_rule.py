@@ -194,7 +194,12 @@ def main() -> None:
     ap.add_argument(
         "--ratio", type=int, default=4, help="control ratings per canary rating (4: a 20%% share)"
     )
-    ap.add_argument("--horizon", type=int, default=50_000, help="the time-out: the lineage's canary ratings (the guard's max_samples)")
+    ap.add_argument(
+        "--horizon",
+        type=int,
+        default=50_000,
+        help="the time-out: the lineage's canary ratings (the guard's max_samples)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--record", action="store_true", help="write the table to docs/results.md")
     args = ap.parse_args()

@@ -56,6 +56,10 @@ The decision, in this order:
    candidate that cannot show it is not worse does not get promoted.
 4. ``CONTINUE`` otherwise (no data at all is ``CONTINUE``).
 
+A lineage of versions (each trained from the one before) is judged one version at a time, each
+on its own ratings and at its own share of α: ``decide_lineage`` (issue 40; docs/guard.md, "A
+version is judged as itself"), so that the constant mean assumed above holds for every stream.
+
 Receipt order: the bounds after any set of ratings depend on each arm's own ratings in the order
 that arm received them (the bets use only the past), never on how the two arms' ratings were
 interleaved. So :func:`decide` on the two sequences equals :class:`CanaryComparison` fed the

@@ -182,8 +182,9 @@ class Learner:
             publish.announce(self.db, self.log, latest)
         if committed == 0 and state is None:
             # The base's learner state (fresh or warm-started critic, fresh optimizers): what a
-            # rollback to version 0 restores.
-            self.keep_state(0)
+            # rollback to version 0 restores. Written again at each start before the first step,
+            # so a policy folder reused with a new database holds this start's, not an old one's.
+            resume.write_state(self.policy_dir, 0, algorithm, self.config)
 
     def _rejected(self, version: int) -> bool:
         """Whether the database records ``version`` as rejected (or does not know it)."""

@@ -85,8 +85,11 @@ class TrajectoryIndex(Base):
     # ``control`` while a canary share splits the traffic, NULL otherwise (probation, guard off).
     arm: Mapped[str | None] = mapped_column(String(STATE_CHARS))
     # Who sent it (TrajectoryRecord.identity: ``key:<key id>`` or ``user:<user>``): what
-    # ``saoserve admin forget --key`` looks up. NULL for rows indexed before revision 0015.
+    # ``saoserve admin forget --api-key`` looks up, and what the guard's votes pass the identity
+    # cap by (learner/guard_votes.py). NULL for rows indexed before revision 0015.
     identity: Mapped[str | None] = mapped_column(String(IDENTITY_CHARS), index=True)
+    # The record's ``train`` flag (revision 0016): opted-out answers never vote. NULL before it.
+    train: Mapped[bool | None] = mapped_column(Boolean)
 
 
 class FeedbackClaim(Base):

@@ -25,11 +25,12 @@ import hashlib
 import hmac
 import re
 import secrets
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
 
 from sqlalchemy import insert, select, update
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 
 from core.db import ApiKey
 from core.limits import NAME_CHARS
@@ -121,11 +122,15 @@ def looks_like_key(token: str) -> bool:
     return token.startswith(KEY_PREFIX)
 
 
+KEY_IDENTITY = "key:"
+"""How an identity that names an API key begins (``identity_of``)."""
+
+
 def identity_of(key_id: str | None, user: str | None) -> str | None:
     """Who sent a request (``TrajectoryRecord.identity``): ``key:<key id>`` when a key
     authenticated it, else ``user:<user field>`` when the request gave one, else None."""
     if key_id is not None:
-        return f"key:{key_id}"
+        return f"{KEY_IDENTITY}{key_id}"
     if user is not None:
         return f"user:{user}"
     return None
@@ -212,3 +217,24 @@ class KeyStore:
             return Check("invalid")
         info = _info(row)
         return Check("revoked" if info.revoked else "ok", info)
+
+
+def opted_out_identities(conn: Connection, identities: Iterable[str | None]) -> frozenset[str]:
+    """Those of ``identities`` (``identity_of``'s ``key:<key id>``; others and None are
+    ignored) whose key has opted out of training now (``api_keys.train`` false), read in the
+    caller's connection: what the learner checks at join time, so that an opt-out reaches the
+    answers logged before it (docs/privacy.md). A revoked key keeps its last setting."""
+    ids = {i.removeprefix(KEY_IDENTITY) for i in identities if i is not None and i.startswith(KEY_IDENTITY)}
+    if not ids:
+        return frozenset()
+    rows = conn.execute(select(ApiKey.id).where(ApiKey.id.in_(sorted(ids)), ApiKey.train.is_(False)))
+    return frozenset(KEY_IDENTITY + r.id for r in rows)
+
+
+def opted_out_keys(conn: Connection) -> frozenset[str]:
+    """The identities (``key:<key id>``) of every key whose training is off now, read in the
+    caller's connection to the key registry: what the guard's votes and the learner's batches
+    leave out (docs/guard.md, "Who votes"; docs/privacy.md). Keys that opt out are few; the set
+    is read whole at each use."""
+    rows = conn.execute(select(ApiKey.id).where(ApiKey.train.is_(False)))
+    return frozenset(KEY_IDENTITY + r.id for r in rows)

@@ -85,11 +85,9 @@ def drifted(kl_refs: Sequence[float | None], bound: float) -> float | None:
     """The first of a lineage's measured KLs to the base that passes ``bound``, or None (the
     guard's drift veto, docs/guard.md "The drift veto").
 
-    ``kl_refs``: nats per action token, one per version of the lineage but its newest, in
-    version order: the ``kl_ref`` its child's step measured on a training batch before the
-    update, i.e. the drift of the version the step started from (None: not measured, e.g. the
-    KL anchor off). The lineage's first step measures the promoted parent, which is not the
-    lineage's drift, so the caller leaves it out.
+    ``kl_refs``: nats per action token, one per version of the lineage in version order, None
+    where not measured (e.g. the KL anchor off): the caller's measure of each version's drift
+    (``learner.guard.drift_from_promoted``: beyond the promoted version's).
     """
     return next((kl for kl in kl_refs if kl is not None and kl > bound), None)
 

@@ -56,6 +56,10 @@ The decision, in this order:
    candidate that cannot show it is not worse does not get promoted.
 4. ``CONTINUE`` otherwise (no data at all is ``CONTINUE``).
 
+A lineage of versions (each trained from the one before) is judged one version at a time, each
+on its own ratings and at its own share of α: ``decide_lineage`` (issue 40; docs/guard.md, "A
+version is judged as itself"), so that the constant mean assumed above holds for every stream.
+
 Receipt order: the bounds after any set of ratings depend on each arm's own ratings in the order
 that arm received them (the bets use only the past), never on how the two arms' ratings were
 interleaved. So :func:`decide` on the two sequences equals :class:`CanaryComparison` fed the
@@ -66,8 +70,8 @@ stops at a point that depends on the interleaving, but under either error bound 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
 from enum import StrEnum
 
 import numpy as np
@@ -318,6 +322,10 @@ class CanaryComparison:
         invalid reward anywhere records none of them)."""
         self._arms[_arm(arm)].extend(np.array([check_reward(r) for r in rewards], dtype=np.float64))
 
+    def bounds(self) -> tuple[ArmBounds, ArmBounds]:
+        """The candidate's and the promoted arm's bounds now."""
+        return self._arms[Arm.CANDIDATE].bounds(), self._arms[Arm.PROMOTED].bounds()
+
     def verdict(self, *, elapsed_s: float | None = None) -> Verdict:
         """The decision now (module docstring, "The decision"); ``elapsed_s`` as in
         :meth:`observe`. Raises ``ValueError`` on a negative or non-finite ``elapsed_s``."""
@@ -325,7 +333,7 @@ class CanaryComparison:
             _is_number(elapsed_s) and math.isfinite(elapsed_s) and elapsed_s >= 0
         ):
             raise ValueError(f"elapsed_s must be None or a finite number >= 0, got {elapsed_s!r}")
-        cand, prom = self._arms[Arm.CANDIDATE].bounds(), self._arms[Arm.PROMOTED].bounds()
+        cand, prom = self.bounds()
         return verdict_from_bounds(cand, prom, self.params, elapsed_s)
 
 
@@ -391,3 +399,118 @@ def _check_open_unit(x: float, what: str) -> float:
     if not (_is_number(x) and 0.0 < x < 1.0):
         raise ValueError(f"{what} must be a number in (0, 1), got {x!r}")
     return float(x)
+
+
+def member_alpha(alpha: float, position: int) -> float:
+    """The error rate spent on the ``position``-th version of a lineage (1: its oldest):
+    ``α_j = α / (j (j + 1))``. The series telescopes, ``α/(j(j+1)) = α/j − α/(j+1)``, so
+    ``Σ_{j≥1} α_j = α`` however long the lineage grows: α_1 = α/2, α_2 = α/6, α_3 = α/12.
+    Raises ``ValueError`` for ``alpha`` outside (0, 1) or a ``position`` below 1."""
+    _check_open_unit(alpha, "alpha")
+    if not _is_count(position) or position < 1:
+        raise ValueError(f"position must be an int >= 1, got {position!r}")
+    return alpha / (position * (position + 1))
+
+
+def decide_lineage(
+    members: Sequence[tuple[Sequence[float], Sequence[float]]],
+    params: RuleParams | None = None,
+    *,
+    elapsed_s: float | None = None,
+    promotes: bool = True,
+) -> tuple[int | None, Verdict]:
+    """The verdict on a lineage whose versions are each judged on their own ratings
+    (docs/guard.md, "A version is judged as itself"; issue 40, item 2).
+
+    Args:
+        members: one ``(ratings, comparison)`` pair per version of the lineage, oldest first:
+            the rewards in [0, 1] of the answers that version served, in receipt order, and the
+            comparison arm's for that version (the promoted versions' answers of the same
+            window), in receipt order.
+        params: δ, α, ``min_samples`` and the time-outs (``RuleParams``).
+        elapsed_s: seconds since the lineage's first version (the time-out on time).
+        promotes: False for a veto, which only ever rejects (and has no time-out).
+
+    Returns:
+        ``(j, verdict)``: ``j`` the index into ``members`` of the version the verdict is about
+        (None: no version, an empty lineage), ``verdict`` that version's ``Verdict``:
+
+        1. ``REJECT`` if any version's own bounds show it worse (``upper(Δ_j) < 0``), tested at
+           ``α_j = member_alpha(α, j)``: the first such version.
+        2. ``PROMOTE`` (when ``promotes``) if the newest version's bounds, at its ``α_j``, show
+           it not worse by more than δ (``lower(Δ_j) > −δ``). Older versions' ratings never
+           promote the newest: a version is promoted on ratings of its own only.
+        3. At a time-out (the lineage's ratings in all reach ``max_samples``, or ``elapsed_s``
+           reaches ``max_seconds``): ``on_timeout``, except that a promotion waits until the
+           newest version has ``min_samples`` ratings of its own (``CONTINUE`` until then).
+        4. ``CONTINUE`` otherwise, with the newest version's bounds.
+
+    Why it holds for an arm that changes. Each version's confidence sequences see only that
+    version's ratings, so each has the constant mean the PrPl-EB bound assumes (the running
+    intersection of one sequence over a lineage does not: 60 ratings at 0.8 of one version and
+    then 60 at 0.1 of the next keep the first version's lower bound, so the lineage looks like
+    0.8 long after it became 0.1). The versions share the error rate by a union bound:
+
+        P(reject | every version has Δ_j ≥ 0) ≤ Σ_j P(upper(Δ_j) < 0) ≤ Σ_j α_j ≤ α
+        P(promote a version with Δ_j ≤ −δ)    ≤ Σ_j P(lower(Δ_j) > −δ) ≤ Σ_j α_j ≤ α
+
+    at every stopping time, however many versions the lineage grows to (each sequence is
+    anytime-valid, module docstring; ``Σ α_j = α``, ``member_alpha``). The price: the j-th
+    version's bound uses ``L = log(2/α_j)`` = log(80), log(240), log(480) … at α = 0.05 instead of
+    log(40), so it needs more ratings to decide, growing about as log j; and a version that
+    serves for fewer than ``min_samples`` ratings per arm decides nothing.
+
+    Raises:
+        ValueError: as ``decide`` (a reward outside [0, 1], a negative ``elapsed_s``).
+    """
+    p = params or RuleParams()
+    bounds = []
+    for j, (own, comparison) in enumerate(members, start=1):
+        arms = CanaryComparison(replace(p, alpha=member_alpha(p.alpha, j)))
+        arms.extend(Arm.CANDIDATE, own)
+        arms.extend(Arm.PROMOTED, comparison)
+        bounds.append(arms.bounds())
+    return lineage_verdict(bounds, p, elapsed_s=elapsed_s, promotes=promotes)
+
+
+def lineage_verdict(
+    bounds: Sequence[tuple[ArmBounds, ArmBounds]],
+    params: RuleParams,
+    *,
+    elapsed_s: float | None = None,
+    promotes: bool = True,
+) -> tuple[int | None, Verdict]:
+    """``decide_lineage`` from each version's bounds, oldest first: ``(own, comparison)`` as
+    ``ArmBounds``, each version's computed at its ``member_alpha`` (the rule's combination
+    alone, for callers that keep the sequences themselves, as ``bench/bench_lineage_rule.py``
+    does). The caller checks ``elapsed_s``."""
+    p = params
+    if not bounds:
+        empty = ArmBounds(0, 0.0, 0.0, 1.0)
+        return None, Verdict(Decision.CONTINUE, -1.0, 1.0, empty, empty, False, "undecided; no version")
+    plain = replace(p, max_samples=None, max_seconds=None)
+    verdicts = [verdict_from_bounds(own, comparison, plain) for own, comparison in bounds]
+    newest = len(bounds) - 1
+
+    def about(j: int, v: Verdict) -> Verdict:
+        alpha_j = member_alpha(p.alpha, j + 1)
+        return replace(v, reason=f"version {j + 1} of {len(bounds)} (α_j = {alpha_j:.3g}): {v.reason}")
+
+    worse = next((j for j, v in enumerate(verdicts) if v.decision == Decision.REJECT), None)
+    if worse is not None:
+        return worse, about(worse, verdicts[worse])
+    last = verdicts[newest]
+    if promotes and last.decision == Decision.PROMOTE:
+        return newest, about(newest, last)
+    total = sum(v.candidate.n for v in verdicts)
+    timed_out = promotes and (
+        (p.max_samples is not None and total >= p.max_samples)
+        or (p.max_seconds is not None and elapsed_s is not None and elapsed_s >= p.max_seconds)
+    )
+    waits = p.on_timeout == Decision.PROMOTE and last.candidate.n < p.min_samples
+    if timed_out and not waits:
+        reason = (
+            f"time-out ({total} ratings of the lineage), {p.on_timeout.value} by configuration; {last.reason}"
+        )
+        return newest, about(newest, replace(last, decision=p.on_timeout, timed_out=True, reason=reason))
+    return newest, about(newest, replace(last, decision=Decision.CONTINUE))

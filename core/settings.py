@@ -11,7 +11,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from core.lifecycle import CANARY_SHARE_MAX, CANARY_SHARE_MIN, check_canary_share
@@ -54,6 +54,9 @@ class Settings(BaseSettings):
     """
 
     model_config = SettingsConfigDict(env_prefix="SAOSERVE_", extra="ignore")
+    # A tenant namespace's settings (``for_tenant``) keep the global database's URL here: the
+    # API keys live there, and a tenant's learner reads their training setting (docs/privacy.md).
+    _keys_database_url: str | None = PrivateAttr(None)
 
     home: Path = Field(
         DEFAULT_HOME,
@@ -266,7 +269,7 @@ class Settings(BaseSettings):
             raise ValueError(
                 f"tenant {tenant!r} has no policy of its own (SAOSERVE_TENANT_POLICIES: {known})"
             )
-        return self.model_copy(
+        out = self.model_copy(
             update={
                 "home": self.home / TENANTS_DIR / tenant,
                 "database_url": tenant_database_url(self.resolved_database_url, tenant),
@@ -276,6 +279,14 @@ class Settings(BaseSettings):
                 "tenant_policies": [],
             }
         )
+        out._keys_database_url = self.keys_database_url
+        return out
+
+    @property
+    def keys_database_url(self) -> str:
+        """The database that holds the API keys (``core.keys``): the global one, also from a
+        tenant namespace's settings."""
+        return self._keys_database_url or self.resolved_database_url
 
     @property
     def resolved_database_url(self) -> str:

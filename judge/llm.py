@@ -149,6 +149,10 @@ class LLMJudge(Judge):
             "messages": self.messages(request, answer),
             "temperature": self.temperature,
             "max_tokens": self.max_tokens,
+            # The judge's own traffic is not production: served by a saoserve, it is logged
+            # ``train: false`` and never trains nor votes in the guard (docs/guard.md, "Who
+            # votes"); OpenAI's default, ignored by servers that do not know the field.
+            "store": False,
         }
         if self.json_mode:
             body["response_format"] = {"type": "json_object"}

@@ -4,12 +4,14 @@ probation carried out (docs/guard.md, "The gate" and "The lifecycle"; docs/desig
 A version the learner trains is gated first (``learner.gate.run_gate`` against the base and its
 parent): it enters ``canary`` (probation) when the gate passes or none is configured,
 ``rejected`` when it fails, ``promoted`` with the guard off. Then, every ``guard.check_s``
-seconds, the lineage on probation is judged against the promoted versions' record. The
-decisions are pure and live below: the stages, the moves and the rule in ``core.lifecycle`` and
-``core.sequential``, their rows in ``core.lifecycle_store``. This module does the I/O around
-them: it reads the ratings, records the verdict, commits the moves, quarantines the samples of
-a rejected lineage with the rollback that restores the promoted weights (the learner's, passed
-in), and sends the stage notices.
+seconds, the lineage on probation is judged against the promoted versions' record, each of
+its versions on its own ratings, with only the answers that may vote (``learner.guard_votes``:
+no opted-out answer, the identity cap). The decisions are pure and live below: the stages, the
+moves and the rule in ``core.lifecycle`` and ``core.sequential``, their rows in
+``core.lifecycle_store``. This module does the I/O around them: it reads the votes, records the
+verdict, commits the moves, quarantines the samples of a rejected lineage with the rollback
+that restores the promoted version's whole learner state (the learner's, passed in), keeps the
+promoted version's learner state, and sends the stage notices.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import asdict, replace
+from datetime import datetime
 from typing import Protocol
 
 from sqlalchemy import select
@@ -25,14 +29,16 @@ from sqlalchemy.engine import Connection, Engine
 
 from core import lifecycle_store
 from core.control import GUARD_OFF, GUARD_PIN, GUARD_VERDICT, get_flag, set_flag
-from core.db import PolicyVersion, bump_counter
-from core.lifecycle import GUARD, Arm, Stage, drifted, judge_lineage, lineage
+from core.db import PolicyVersion, TrajectoryIndex, bump_counter
+from core.keys import opted_out_keys
+from core.lifecycle import GUARD, Arm, Stage, drifted, lineage
 from core.logbus import LogTransport
 from core.records import POLICY_KEY, TOPIC_POLICY, as_utc, utcnow
-from core.sequential import Decision, Verdict
+from core.sequential import Decision, Verdict, decide_lineage
 from learner.config import GuardConfig
 from learner.faults import fault_point
 from learner.gate_models import GateReferences
+from learner.guard_votes import Electorate, health_votes, rated_votes
 from learner.publish import AlsoCommit, promoted_version, storable
 
 log = logging.getLogger(__name__)
@@ -49,7 +55,11 @@ class Rollback(Protocol):
 class Guard:
     """The guard of one learner: ``db`` and ``log`` the learner's, ``config`` its ``guard``
     section, ``references`` the gate's reference models, ``rollback`` the learner's restore of a
-    version's weights. Not thread-safe: the learner's loop drives it."""
+    version's weights, ``electorate`` who votes (``learner.guard_votes``: the learner's identity
+    cap and batch size), ``keep_state`` the learner's keeping of a promoted version's state
+    (``learner.process.Learner.keep_state``), ``keys_db`` the database of the API keys (default
+    ``db``; a tenant namespace's learner passes the global one). Not thread-safe: the learner's
+    loop drives it."""
 
     def __init__(
         self,
@@ -58,8 +68,14 @@ class Guard:
         config: GuardConfig,
         references: GateReferences,
         rollback: Rollback,
+        electorate: Electorate,
+        keep_state: Callable[[int], None],
+        keys_db: Engine | None = None,
     ) -> None:
         self.db = db
+        self.keys_db = keys_db or db
+        self.electorate = electorate
+        self.keep_state = keep_state
         self.log = log
         self.config = config
         self.references = references
@@ -118,18 +134,28 @@ class Guard:
         self.check()
 
     def check(self) -> Decision | None:
+        """``_check``; then, with the guard on, the promoted version's learner state is kept if
+        the learner holds it (promoted by this check, by an operator, or a rollback's), for a
+        later rollback to restore whole (``keep_state``)."""
+        decision = self._check()
+        if self.on():
+            self.keep_state(promoted_version(self.db).version)
+        return decision
+
+    def _check(self) -> Decision | None:
         """Evaluate the lineage on probation and carry out the verdict (docs/guard.md, "The
         lifecycle"); returns the decision, None when there was nothing to judge.
 
         First, a version that serves (announced) but was rejected since (by an operator) is
         rolled back, guard on or off: the promoted version's weights are published as a new
-        version. Then, unless the guard is off or an operator pinned the promoted version, the
-        lineage's rated answers are compared with the promoted versions' (``judge_lineage``):
-        when a canary split served the lineage (its answers carry the canary arm), its
-        canary-arm answers against the promoted versions' control-arm answers since the lineage
-        started; on probation, all its answers against the promoted versions' from before it.
+        version. Then, unless the guard is off or an operator pinned the promoted version, each
+        version of the lineage is judged on its own rated answers against the promoted versions'
+        (``_judge``): when a canary split served the lineage (its answers carry the canary arm),
+        its canary-arm answers against the promoted versions' control-arm answers of its own
+        window; on probation, its answers against the promoted versions' from before the lineage.
         Unless that rejects, the drift veto rejects a lineage one of whose versions measured a KL
-        to the base over ``guard.max_kl_ref`` on a training batch (``core.lifecycle.drifted``);
+        to the base more than ``guard.max_kl_ref`` beyond the promoted version's on a training
+        batch (``drift_from_promoted``, ``core.lifecycle.drifted``);
         then the health veto compares the same arms' shares of sound answers
         (every answer, rated or not; ``guard.min_answer_tokens``) and rejects when the lineage's
         is surely lower: ``promote`` moves every version of the lineage to ``promoted``;
@@ -154,9 +180,9 @@ class Guard:
             members = lineage(st)
             if not members or not self.on() or get_flag(self.db, GUARD_PIN) is not None:
                 return None
-            started = as_utc(next(r.created_at for r in rows if r.version == members[0]))
+            created = {r.version: as_utc(r.created_at) for r in rows if r.version in members}
             promoted = [v.version for v in st if v.stage == Stage.PROMOTED]
-            verdict, vetoes = self._judge(conn, members, promoted, started)
+            verdict, vetoes = self._judge(conn, members, promoted, created)
         self._record_verdict(members, verdict, vetoes)
         if verdict.decision == Decision.PROMOTE:
             now = utcnow()
@@ -172,55 +198,64 @@ class Guard:
         return verdict.decision
 
     def _judge(
-        self, conn: Connection, members: list[int], promoted: list[int], started
+        self, conn: Connection, members: list[int], promoted: list[int], created: dict[int, datetime]
     ) -> tuple[Verdict, dict]:
-        """The rule's verdict on the lineage ``members`` (first published at ``started``, UTC)
+        """The rule's verdict on the lineage ``members`` (each recorded at ``created[v]``, UTC)
         against the ``promoted`` versions, then the vetoes (``check``); with the vetoes' own
         figures at this check, whatever the verdict: ``{"drift": {"kl_max", "bound",
-        "measured"}, "health": Verdict as a dict}`` (a key absent when its veto is off)."""
-        guard = self.config
-        canary = lifecycle_store.rated_rewards(conn, members, arm=Arm.CANARY)
-        # A canary split served the lineage: both arms of one window. Probation: against the
-        # promoted record from before the lineage.
-        split = bool(canary)
-        lineage_arm = {"arm": Arm.CANARY} if split else {}
-        promoted_arm = (
-            {"since": started, "arm": Arm.CONTROL}
-            if split
-            else {"before": started, "limit": guard.promoted_window}
-        )
+        "measured"}, "health": Verdict as a dict}`` (a key absent when its veto is off).
+
+        Each version of the lineage is judged on its own answers (``decide_lineage``): with a
+        canary split, its canary-arm answers against the promoted versions' control-arm answers
+        dispatched while it was the newest (from its record to the next version's); on
+        probation, its answers against the promoted versions' newest ``promoted_window`` from
+        before the lineage. Only the answers that vote count (``learner.guard_votes``)."""
+        guard, voters = self.config, self.electorate
+        with self.keys_db.connect() as keys:
+            opted = opted_out_keys(keys)
+        started = created[members[0]]
+        split = _served_split(conn, members)
+        ends = [created[v] for v in members[1:]] + [None]
+        before_lineage = {"before": started, "limit": guard.promoted_window}
+
+        def arms(votes, *args) -> list[tuple[list[float], list[float]]]:
+            if not split:
+                comparison = votes(conn, promoted, *args, voters, opted, **before_lineage)
+                return [(votes(conn, [v], *args, voters, opted), comparison) for v in members]
+            return [
+                (
+                    votes(conn, [v], *args, voters, opted, arm=Arm.CANARY),
+                    votes(
+                        conn, promoted, *args, voters, opted, arm=Arm.CONTROL, since=created[v], before=end
+                    ),
+                )
+                for v, end in zip(members, ends, strict=True)
+            ]
+
         elapsed = max((utcnow() - started).total_seconds(), 0.0)
-        verdict = judge_lineage(
-            lifecycle_store.rated_rewards(conn, members, **lineage_arm),
-            lifecycle_store.rated_rewards(conn, promoted, **promoted_arm),
-            guard.rule_params(),
-            elapsed_s=elapsed,
-        )
+        _, verdict = decide_lineage(arms(rated_votes), guard.rule_params(), elapsed_s=elapsed)
         vetoes: dict = {}
         if guard.max_kl_ref is not None:
-            # Version k's drift is measured by version k+1's step: the lineage's first step
-            # measured the promoted parent, so only the later ones count.
-            by_version = lifecycle_store.step_metric(conn, members[1:], "kl_ref")
-            kl = [by_version.get(v) for v in members[1:]]
-            known = [k for k in kl if k is not None]
+            before = lifecycle_store.step_metric(conn, members, "kl_ref")
+            after = lifecycle_store.step_metric(conn, members, "kl_ref_after")
+            drift = drift_from_promoted(members, before, after)
+            known = [d for d in drift if d is not None]
             vetoes["drift"] = {
                 "kl_max": max(known, default=None),
                 "bound": guard.max_kl_ref,
                 "measured": len(known),
             }
-            drift = drifted(kl, guard.max_kl_ref)
-            if verdict.decision != Decision.REJECT and drift is not None:
+            over = drifted(drift, guard.max_kl_ref)
+            if verdict.decision != Decision.REJECT and over is not None:
                 verdict = replace(
                     verdict,
                     decision=Decision.REJECT,
-                    reason=f"drifted from the base (drift veto): a training batch measured KL "
-                    f"{drift:.3g} nats/token, over {guard.max_kl_ref}",
+                    reason=f"drifted from the promoted version (drift veto): a training batch measured KL "
+                    f"{over:.3g} nats/token beyond the promoted version's, over {guard.max_kl_ref}",
                 )
         if guard.min_answer_tokens is not None:
-            health = judge_lineage(
-                lifecycle_store.answer_health(conn, members, guard.min_answer_tokens, **lineage_arm),
-                lifecycle_store.answer_health(conn, promoted, guard.min_answer_tokens, **promoted_arm),
-                guard.health_params(),
+            _, health = decide_lineage(
+                arms(health_votes, guard.min_answer_tokens), guard.health_params(), promotes=False
             )
             vetoes["health"] = asdict(health)
             if verdict.decision != Decision.REJECT and health.decision == Decision.REJECT:
@@ -277,3 +312,38 @@ class Guard:
                 self.log.append(TOPIC_POLICY, POLICY_KEY, e.to_json())
         except Exception as exc:
             log.warning("stage notices of versions %s (%s) not sent: %s", versions, stage, exc)
+
+
+def _served_split(conn: Connection, members: list[int]) -> bool:
+    """Whether a canary split served the lineage ``members``: one of their answers carries the
+    canary arm (then both arms of each version's window are compared, else probation)."""
+    q = select(TrajectoryIndex.id).where(
+        TrajectoryIndex.dispatch_version.in_(members), TrajectoryIndex.arm == str(Arm.CANARY)
+    )
+    return conn.execute(q.limit(1)).first() is not None
+
+
+def drift_from_promoted(
+    members: list[int], before: dict[int, float | None], after: dict[int, float | None]
+) -> list[float | None]:
+    """Each version of the lineage ``members`` (oldest first): how far its KL to the base goes
+    beyond the promoted version's, nats per action token, from the KL anchor's figures of the
+    steps that trained them: ``before[v]`` (``kl_ref``) measured the policy step v started from,
+    ``after[v]`` (``kl_ref_after``) the version v it made. So the promoted version's figure is
+    ``before[members[0]]`` (the lineage's first step started from it; 0, the base's, when not
+    measured), and version v's is ``after[v]``, else (steps that predate ``kl_ref_after``) the
+    next step's ``before``; None where nothing measured it (the anchor off, or the newest
+    version of a step without ``kl_ref_after``).
+
+    Why beyond the promoted version's: measured from the base alone, a promoted version that
+    drifted near the bound had every lineage after it rejected for the drift it inherited, in a
+    loop (issue 40); this bounds what the lineage added, its newest version included."""
+    origin = before.get(members[0]) if members else None
+    origin = 0.0 if origin is None else origin
+    out: list[float | None] = []
+    for i, v in enumerate(members):
+        kl = after.get(v)
+        if kl is None and i + 1 < len(members):
+            kl = before.get(members[i + 1])
+        out.append(None if kl is None else kl - origin)
+    return out

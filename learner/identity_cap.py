@@ -22,8 +22,9 @@ API keys, with ``require_keys`` on.
 
 from __future__ import annotations
 
+import heapq
 import math
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -94,3 +95,55 @@ def identity_shares(identities: Sequence[str | None], rewards: Sequence[float]) 
         "identity_top_share": max(reward_by.values()) / total if total > 0 else None,
         "identity_top_sample_share": max(count_by.values()) / len(keys),
     }
+
+
+def admit_stream(identities: Sequence[str | None], window: int, max_share: float | None) -> tuple[int, ...]:
+    """The identity cap on a stream of votes (the guard's ratings or answers of one arm, oldest
+    first; docs/guard.md, "Who votes"): indices into ``identities`` in the order they count.
+
+    The stream is cut into windows as the learner cuts batches: ``select_batch`` with batch
+    size ``window`` on the candidates not yet admitted, again and again, each window's chosen
+    ones admitted in ascending order; the last, partial, selection is admitted too (a vote
+    counts as soon as it is in, where a batch waits to be full). So in every window an identity
+    has at most ``k = max(1, ⌊max_share·window⌋)`` votes and a vote passed over is first in
+    line for the next window. The first window that cannot be filled is the last: the votes it
+    passed over wait for other identities' votes, as deferred samples wait for a batch, so an
+    identity's votes beyond ``k`` per ``window`` of the stream never count. ``max_share`` None:
+    every index, in order.
+
+    Each window holds the ``window`` smallest indices among every identity's first ``k``
+    remaining ones (and every anonymous one, None: its own identity), which is what scanning
+    oldest first with a per-identity count takes; so a window costs O(identities + window · log
+    identities) instead of a rescan of everything deferred. Raises ValueError as
+    ``per_identity_limit`` does.
+    """
+    if max_share is None:
+        return tuple(range(len(identities)))
+    limit = per_identity_limit(window, max_share)
+    queues: dict[str, deque[int]] = {}
+    anonymous: deque[int] = deque()
+    for i, who in enumerate(identities):
+        (anonymous if who is None else queues.setdefault(who, deque())).append(i)
+    out: list[int] = []
+    while queues or anonymous:
+        heads = [(q[0], who) for who, q in queues.items()]
+        heapq.heapify(heads)
+        taken: Counter[str] = Counter()
+        chosen: list[int] = []
+        while len(chosen) < window and (heads or anonymous):
+            if anonymous and (not heads or anonymous[0] < heads[0][0]):
+                chosen.append(anonymous.popleft())
+                continue
+            i, who = heapq.heappop(heads)
+            queue = queues[who]
+            queue.popleft()
+            chosen.append(i)
+            taken[who] += 1
+            if not queue:
+                del queues[who]
+            elif taken[who] < limit:
+                heapq.heappush(heads, (queue[0], who))
+        out.extend(sorted(chosen))
+        if len(chosen) < window:
+            break
+    return tuple(out)

@@ -53,8 +53,10 @@ Rules (docs/design.md §4, §8):
   dropped and counted ``void_feedback``, whichever of the records is read first. So "the first
   feedback wins" means the confirmed one wins; records without an id (logged before ids) join
   as before.
-* Privacy (docs/privacy.md): a trajectory whose request opted out of training, or an episode
-  with such a turn, joins as usual but makes neither sample nor evidence, counted
+* Privacy (docs/privacy.md): a trajectory whose request opted out of training, or whose API
+  key has opted out by the time it joins (``JoinState.opted_out``: the key's setting read at
+  join time, also for a record logged before the opt-out or without a ``train`` flag), or an
+  episode with such a turn, joins as usual but makes neither sample nor evidence, counted
   ``excluded_opted_out`` (``learner.samples.OptedOut``). A record of a forgotten trajectory or
   episode (``JoinState.forgotten``, the tombstones ``saoserve admin forget`` leaves, which the
   Kafka log needs until its retention deletes the records) is dropped as it is read, before
@@ -213,6 +215,8 @@ class JoinState:
     :meth:`Records.ids` and :meth:`Records.listed_turns` that have a tombstone of expiry (kind
     ``expired``). ``stale_feedback``: every pending feedback received before
     :func:`expiry_cutoff`, by trajectory id. ``unreadable``: pending rows that did not parse.
+    ``opted_out``: the identities (``key:<key id>``) of this read's and the pending
+    trajectories whose API key has opted out of training now (``api_keys.train`` false).
     """
 
     joined: frozenset[str] = frozenset()
@@ -225,6 +229,7 @@ class JoinState:
     expired_before: frozenset[str] = frozenset()
     stale_feedback: Mapping[str, FeedbackRecord] = field(default_factory=dict)
     unreadable: tuple[Unreadable, ...] = ()
+    opted_out: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -265,6 +270,16 @@ class JoinPlan:
 
 Join = tuple[Sample | None, Result | None, dict[str, int]]
 """A join's outcome: (sample or None, evidence result or None, counter increments)."""
+
+
+def as_keyed(rec: TrajectoryRecord, state: JoinState) -> TrajectoryRecord:
+    """``rec`` as it joins: marked ``train: false`` when its API key has opted out of training
+    by now (``JoinState.opted_out``), whatever its own flag says (logged before the opt-out, or
+    with no flag at all); else ``rec`` itself. Only the join sees the mark: a pending row keeps
+    the record as logged."""
+    if rec.train and rec.identity is not None and rec.identity in state.opted_out:
+        return rec.model_copy(update={"train": False})
+    return rec
 
 
 def _join_single(rec: TrajectoryRecord, reward: float) -> Join:
@@ -487,7 +502,7 @@ def _take_trajectory(draft: _Draft, rec: TrajectoryRecord, state: JoinState) -> 
     if rec.id in state.feedback:
         draft.deletes.append((rec.id, "feedback"))
         if rec.episode_id is None:
-            draft.joins.append(_join_single(rec, state.feedback[rec.id].reward))
+            draft.joins.append(_join_single(as_keyed(rec, state), state.feedback[rec.id].reward))
             draft.tombstone(rec.id, rec.prompt_id)
             return
         draft.counters["episode_turn_feedback"] += 1
@@ -539,7 +554,8 @@ def _join_episode_feedback(draft: _Draft, fb: FeedbackRecord, state: JoinState) 
     else:
         # Listed turns are in the server's turn order, which records logged before turn
         # numbers do not carry.
-        draft.joins.append(_join_episode(fb.episode_id, turns, fb.reward, fb.turn_ids is not None))
+        keyed = [as_keyed(t, state) for t in turns]
+        draft.joins.append(_join_episode(fb.episode_id, keyed, fb.reward, fb.turn_ids is not None))
 
 
 def _join_trajectory_feedback(draft: _Draft, fb: FeedbackRecord, state: JoinState) -> None:
@@ -560,7 +576,7 @@ def _join_trajectory_feedback(draft: _Draft, fb: FeedbackRecord, state: JoinStat
         rec = state.trajectories[tid]
         draft.deletes.append((tid, "trajectory"))
     if rec is not None:
-        draft.joins.append(_join_single(rec, fb.reward))
+        draft.joins.append(_join_single(as_keyed(rec, state), fb.reward))
         draft.tombstone(tid, rec.prompt_id)
     elif tid in state.expired_before:
         draft.counters["late_feedback"] += 1

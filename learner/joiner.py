@@ -31,6 +31,7 @@ from core.db import ConsumerOffset, FeedbackClaim, LearnerSample, PendingJoin, b
 from core.dead_letters import COUNTER as DEAD_LETTERS
 from core.dead_letters import MAX_TRIES, Letter, describe, is_outage, set_aside
 from core.evidence_store import EvidenceStore
+from core.keys import opted_out_identities
 from core.logbus import LogEntry, LogTransport
 from core.records import TOPIC_FEEDBACK, TOPIC_TRAJECTORIES, FeedbackRecord, TrajectoryRecord, utcnow
 from core.retention import forgotten_among
@@ -70,11 +71,14 @@ def _stats(plan: JoinPlan | None) -> JoinStats:
 
 
 class Joiner:
-    """The learner's consumer of the ``trajectories`` and ``feedback`` topics."""
+    """The learner's consumer of the ``trajectories`` and ``feedback`` topics. ``keys_db``: the
+    database of the API keys, whose training setting each join reads (default ``db``; a tenant
+    namespace's learner passes the global one, ``Settings.keys_database_url``)."""
 
-    def __init__(self, log: LogTransport, db: Engine, expire_s: float):
+    def __init__(self, log: LogTransport, db: Engine, expire_s: float, keys_db: Engine | None = None):
         self.log = log
         self.db = db
+        self.keys_db = keys_db or db
         self.expire_s = expire_s
         self.evidence = EvidenceStore(db)
         self.subject_keys = SubjectKeys(db)
@@ -278,6 +282,12 @@ class Joiner:
             feedback = pending(FeedbackRecord, "feedback", PendingJoin.key.in_(ids))
             expired_before = keys("expired", PendingJoin.key.in_(ids | records.listed_turns(held)))
             forgotten = forgotten_among(conn, ids | records.episode_keys(held))
+            senders = [r.identity for r in [*records.trajectories, *trajectories.values()]]
+            if self.keys_db is self.db:
+                opted_out = opted_out_identities(conn, senders)
+            else:
+                with self.keys_db.connect() as keys:
+                    opted_out = opted_out_identities(keys, senders)
             return JoinState(
                 joined=joined,
                 trajectories=trajectories,
@@ -289,6 +299,7 @@ class Joiner:
                 expired_before=expired_before,
                 stale_feedback=stale,
                 unreadable=tuple({(u.key, u.kind): u for u in unreadable}.values()),
+                opted_out=opted_out,
             )
 
     def _commit(self, plan: JoinPlan, now: datetime) -> None:

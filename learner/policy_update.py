@@ -26,6 +26,7 @@ import torch
 
 from learner.config import DISCorrection, MISSnapshotCorrection
 from learner.dis import dis_loss
+from learner.kl import k3_kl
 from learner.mis import mis_loss
 from learner.old_logits import EWMAOldPolicy, SnapshotOldPolicy
 
@@ -89,6 +90,7 @@ class DISUpdate(PolicyUpdate):
         loss, stats = dis_loss(
             lp, batch.rollout_logprobs, advantages, mask, self.eps_low, self.eps_high, batch.token_staleness
         )
+        ref_lp = None
         if self.anchor is not None:
             ref_lp = self.anchor.reference_logprobs(trainee.logprobs, batch, mask)
             term, kl = self.anchor.penalty(lp, ref_lp, mask)
@@ -96,6 +98,7 @@ class DISUpdate(PolicyUpdate):
             metrics["kl_ref"] = kl.item()
         norm = trainee.policy_step(loss)
         metrics.update(stats)
+        kl_after(trainee, batch, mask, ref_lp, metrics)
         return loss.item(), norm
 
 
@@ -193,6 +196,7 @@ class MISUpdate(PolicyUpdate):
         extra += self.old_policy.update_s
         if kls:
             metrics["kl_ref"] = sum(kls) / len(kls)
+        kl_after(trainee, batch, mask, ref_lp, metrics)
         metrics.update(
             old_stats,
             action_tokens=n // corr.epochs,
@@ -211,6 +215,23 @@ class MISUpdate(PolicyUpdate):
             correction_time_s=extra,
         )
         return sum(losses) / len(losses), sum(norms) / len(norms)
+
+
+def kl_after(
+    trainee: Trainee, batch: Batch, mask: torch.Tensor, ref_lp: torch.Tensor | None, metrics: dict
+) -> None:
+    """With the KL anchor (``ref_lp``: [B, T] float32 ``log π_ref`` of ``batch``'s tokens at
+    ``mask``, computed before the update; the reference does not move), add ``kl_ref_after``:
+    the k3 estimate of KL(π_new ‖ π_ref), nats per action token, of the policy the update just
+    made, on the same batch (one forward pass without gradient). ``kl_ref`` measures the policy
+    the step started from; this one measures the version the step publishes, so the guard's
+    drift veto covers a lineage's newest version too (docs/guard.md, "The drift veto"; issue 40,
+    item 2). Nothing without the anchor."""
+    if ref_lp is None:
+        return
+    with torch.no_grad():
+        lp = trainee.logprobs(trainee.policy, batch, mask)
+    metrics["kl_ref_after"] = k3_kl(lp, ref_lp, mask).item()
 
 
 def build_policy_update(

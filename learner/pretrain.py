@@ -95,14 +95,19 @@ def read_all(log: LogTransport, topic: str) -> list[bytes]:
 
 
 def logged_samples(
-    log: LogTransport, forgotten: frozenset[str] = frozenset(), keys: SubjectKeys | None = None
+    log: LogTransport,
+    forgotten: frozenset[str] = frozenset(),
+    keys: SubjectKeys | None = None,
+    opted_out: frozenset[str] = frozenset(),
 ) -> list[Sample]:
     """Single-turn trajectories of the log joined with their first feedback (first wins).
 
     ``forgotten``: trajectory ids ``saoserve admin forget`` tombstoned (a Kafka log still holds
     their records), never read; trajectories that opted out of training are skipped as
     NotLearnable. ``keys``: the data keys sealed records are opened with (``core.sealing``);
-    a record whose key a forget destroyed is skipped.
+    a record whose key a forget destroyed is skipped. The answers of the identities in
+    ``opted_out`` (the keys whose training is off now, ``core.keys.opted_out_keys``: an opt-out
+    reaches the answers logged before it) are left out too.
     """
     rewards: dict[str, float] = {}
     for raw in read_all(log, TOPIC_FEEDBACK):
@@ -117,12 +122,28 @@ def logged_samples(
             except Shredded:
                 continue
         rec = TrajectoryRecord.model_validate_json(raw)
+        if rec.identity is not None and rec.identity in opted_out:
+            continue
         if rec.id in rewards and rec.id not in samples and rec.episode_id is None:
             try:
                 samples[rec.id] = single_turn_sample(rec, rewards[rec.id])
             except NotLearnable:
                 continue
     return list(samples.values())
+
+
+def opted_out_keys_now(keys_database_url: str) -> frozenset[str]:
+    """The identities of the keys whose training is off now (``core.keys.opted_out_keys``), read
+    from the database of the API keys at ``keys_database_url``."""
+    from core.db import make_engine
+    from core.keys import opted_out_keys
+
+    engine = make_engine(keys_database_url)
+    try:
+        with engine.connect() as conn:
+            return opted_out_keys(conn)
+    finally:
+        engine.dispose()
 
 
 def pretrain_from_log(
@@ -135,16 +156,18 @@ def pretrain_from_log(
     trainable: str = "mlp",
     forgotten: frozenset[str] = frozenset(),
     keys: SubjectKeys | None = None,
+    opted_out: frozenset[str] = frozenset(),
 ) -> tuple[Path, list[float]]:
     """Fit a fresh critic (from the policy at ``model_dir``) on the logged samples
-    (:func:`logged_samples`, without ``forgotten``, sealed records opened with ``keys``).
+    (:func:`logged_samples`, without ``forgotten`` nor the identities ``opted_out``, sealed
+    records opened with ``keys``).
 
     Returns (saved path, loss per optimizer step). Raises ValueError if the log holds no
     trajectory with feedback.
     """
     from learner.critic import ValueModel
 
-    samples = logged_samples(log, forgotten, keys)
+    samples = logged_samples(log, forgotten, keys, opted_out)
     if not samples:
         raise ValueError("the log holds no trajectory with feedback to pretrain on")
     critic = ValueModel.from_pretrained(model_dir, trainable=trainable)

@@ -52,7 +52,7 @@ from core.dead_letters import MAX_TRIES, describe
 from core.hardware import bf16_warning
 from core.lifecycle import LEARNER, Stage
 from core.logbus import LogTransport, open_log
-from core.policy_store import version_dir
+from core.policy_store import version_dir, version_dirs
 from core.records import as_utc
 from core.sequential import Decision
 from core.settings import Settings
@@ -62,6 +62,7 @@ from learner.config import LearnerConfig, LoraPolicy
 from learner.faults import ReadFaultLog, armed, fault_point
 from learner.gate_models import GateReferences
 from learner.guard import Guard
+from learner.guard_votes import Electorate
 from learner.identity_cap import identity_shares
 from learner.joiner import Joiner, JoinStats
 from learner.publish import AlsoCommit, storable
@@ -91,7 +92,10 @@ class Learner:
         transport = log_transport or open_log(settings.resolved_log_url)
         self.log = ReadFaultLog(transport) if armed() else transport
         self.db = db or make_engine(settings.resolved_database_url)
-        self.joiner = Joiner(self.log, self.db, config.expire_s)
+        # The API keys' database: the global one, also for a tenant namespace's learner.
+        same = settings.keys_database_url == settings.resolved_database_url
+        self.keys_db = self.db if same else make_engine(settings.keys_database_url)
+        self.joiner = Joiner(self.log, self.db, config.expire_s, self.keys_db)
         self.policy_dir = Path(settings.resolved_policy_dir)
         self.base_dir = Path(settings.resolved_model_dir)
         self.run_id = uuid.uuid4().hex[:12]
@@ -103,7 +107,10 @@ class Learner:
         self._unannounced = False
         lora = config.policy if isinstance(config.policy, LoraPolicy) else None
         references = GateReferences(self.base_dir, partial(publish.version_path, self.db), lora)
-        self.guard = Guard(self.db, self.log, config.guard, references, self.rollback)
+        voters = Electorate.of(config.max_identity_share, config.batch_size)
+        self.guard = Guard(
+            self.db, self.log, config.guard, references, self.rollback, voters, self.keep_state, self.keys_db
+        )
         # The version whose state checkpoint.pt (or the load) already holds: a clean stop
         # writes one only past it.
         self._durable_version: int | None = None
@@ -147,7 +154,7 @@ class Learner:
         algorithm = build_algorithm(self.config, load_policy)
         committed = latest.version if latest is not None else 0
         resume.discard_uncommitted(self.policy_dir, committed)
-        state = resume.read_checkpoint(self.policy_dir, committed, self.config.policy.kind)
+        state = resume.newest_state(self.policy_dir, committed, self.config.policy.kind, self._rejected)
         self.version = self.weights_version = 0
         if state is None:
             loaded = algorithm.warm_start(self.policy_dir)
@@ -173,6 +180,28 @@ class Learner:
             publish.record_base_version(self.db, self.base_dir)
         elif latest.status != "published":
             publish.announce(self.db, self.log, latest)
+        if committed == 0 and state is None:
+            # The base's learner state (fresh or warm-started critic, fresh optimizers): what a
+            # rollback to version 0 restores. Written again at each start before the first step,
+            # so a policy folder reused with a new database holds this start's, not an old one's.
+            resume.write_state(self.policy_dir, 0, algorithm, self.config)
+
+    def _rejected(self, version: int) -> bool:
+        """Whether the database records ``version`` as rejected (or does not know it)."""
+        row = publish.version_row(self.db, version)
+        return row is None or row.lifecycle == Stage.REJECTED
+
+    def keep_state(self, version: int) -> None:
+        """Keep the learner's whole state as ``version``'s (``learner.resume.write_state``) if
+        the policy holds that version's weights and none is kept yet: called for the promoted
+        version at each guard check and at the first start, so a rollback to it restores the
+        critic, the optimizers, the step count and the baselines, not only the weights."""
+        if self.algorithm is None or version != self.weights_version:
+            return
+        if resume.state_path(self.policy_dir, version).is_file():
+            return
+        resume.write_state(self.policy_dir, version, self.algorithm, self.config)
+        log.info("learner state of the promoted version %d kept", version)
 
     def _latest_version(self):
         """The database's latest version row (``learner.publish.latest_version``)."""
@@ -185,6 +214,15 @@ class Learner:
         try:
             resume.load_policy_weights(self.algorithm, path, self.base_dir)
             self.algorithm.reset_policy_optimizer()
+        except BaseException:
+            self.algorithm = None
+            raise
+
+    def _restore_state(self, state: dict) -> None:
+        """Put the whole learner on a kept state (``learner.resume.write_state``): policy,
+        critic, both optimizers, step count, baselines. An error drops the in-memory models."""
+        try:
+            self.algorithm.load_state_dict(state)
         except BaseException:
             self.algorithm = None
             raise
@@ -238,6 +276,9 @@ class Learner:
 
     def _prune(self) -> None:
         publish.prune(self.db, self.policy_dir, self.config.keep_versions, self.version)
+        # A kept state goes with its version's folder; the base's (version 0) stays.
+        folders = {v for v, _ in version_dirs(self.policy_dir)}
+        resume.prune_states(self.policy_dir, folders | {0})
 
     def _checkpoint(self, version: int) -> None:
         """Replace ``checkpoint.pt`` with the state of ``version``; call only once it is committed."""
@@ -383,7 +424,9 @@ class Learner:
     def _next_batch(self):
         """The rows of the next batch and how many samples the identity cap deferred
         (``learner.sample_queue.next_batch``), or ``(None, 0)`` while none is full."""
-        return sample_queue.next_batch(self.db, self.config.batch_size, self.config.max_identity_share)
+        return sample_queue.next_batch(
+            self.db, self.config.batch_size, self.config.max_identity_share, self.keys_db
+        )
 
     def _step(self, batch) -> dict:
         started = time.time()
@@ -447,7 +490,22 @@ class Learner:
         if row is None:
             order.refuse(self.db)
             return None
-        self._restore(Path(row.path))
+        kept = resume.read_state(self.policy_dir, version)
+        if kept is None:
+            log.warning(
+                "no learner state kept for version %d: its weights only, fresh optimizer moments", version
+            )
+            self._restore(Path(row.path))
+        else:
+            self._restore_state(kept["learner"])
+        # The restored state is the new version's, kept before its commit: a crash right after
+        # the commit resumes from it (learner.resume.newest_state), not from the rejected
+        # lineage's checkpoint.
+        try:
+            resume.write_state(self.policy_dir, self.version + 1, self.algorithm, self.config)
+        except BaseException:
+            self.algorithm = None
+            raise
         new_version = self._publish(version, {"rollback_to": version}, order.commit)
         fault_point("after_rollback_commit")
         self._announce_latest()

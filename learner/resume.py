@@ -6,8 +6,11 @@ commit but means nothing until then: at load, folders above the database's lates
 deleted (``discard_uncommitted``). ``checkpoint.pt`` (``core.policy_store.CHECKPOINT_FILE``,
 tagged with its version) holds the critic, optimizer states and step count; it is written only
 after the commit, replaced whole (``write_checkpoint``), and a checkpoint newer than the
-database's latest version is ignored (``read_checkpoint``). The policy's weights always come from
-a published folder (``load_policy_weights``).
+database's latest version is ignored (``read_checkpoint``). A promoted version's whole learner
+state is kept beside it (``write_state``, ``states/``), so a rollback restores the critic,
+the optimizers, the step count and the baselines with the weights; a start resumes from the
+newest of the checkpoint and those states (``newest_state``). The policy's weights always come
+from a published folder (``load_policy_weights``).
 """
 
 from __future__ import annotations
@@ -41,6 +44,12 @@ def discard_uncommitted(policy_dir: Path, committed: int) -> None:
             log.info("deleting %s: not a version the database has committed", d)
             shutil.rmtree(d, ignore_errors=True)
     (policy_dir / (CHECKPOINT_FILE + ".tmp")).unlink(missing_ok=True)
+    for v in state_versions(policy_dir):
+        if v > committed:
+            log.info("deleting the learner state of version %d: not committed", v)
+            state_path(policy_dir, v).unlink(missing_ok=True)
+    for tmp in (policy_dir / STATES_DIR).glob("*.tmp"):
+        tmp.unlink(missing_ok=True)
 
 
 def read_checkpoint(policy_dir: Path, committed: int, kind: str) -> dict | None:
@@ -58,8 +67,13 @@ def read_checkpoint(policy_dir: Path, committed: int, kind: str) -> dict | None:
     if state is not None and state["version"] > committed:
         log.warning("ignoring %s at version %d: the database is at %d", ckpt, state["version"], committed)
         return None
+    return _of_kind(state, ckpt, kind)
+
+
+def _of_kind(state: dict | None, path: Path, kind: str) -> dict | None:
+    """``state`` if it is of a ``kind`` policy (or None). Raises RuntimeError otherwise."""
     if state is not None and (state.get("config") or {}).get("policy", {}).get("kind", "full") != kind:
-        raise RuntimeError(f"{ckpt} is of another kind of policy than this learner's ({kind})")
+        raise RuntimeError(f"{path} is of another kind of policy than this learner's ({kind})")
     return state
 
 
@@ -70,8 +84,14 @@ def write_checkpoint(
     (``weights_version``: the version whose weights the policy holds; ``config`` the learner's).
     Call only once ``version`` is committed. Written under a ``.tmp`` name and renamed, so a
     reader sees the old checkpoint or the new one."""
-    policy_dir = Path(policy_dir)
-    tmp = policy_dir / (CHECKPOINT_FILE + ".tmp")
+    _save(Path(policy_dir) / CHECKPOINT_FILE, version, weights_version, algorithm, config)
+
+
+def _save(
+    path: Path, version: int, weights_version: int, algorithm: Algorithm, config: LearnerConfig
+) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
     state = {
         "version": version,
         "weights_version": weights_version,
@@ -79,7 +99,76 @@ def write_checkpoint(
         "config": config.model_dump(mode="json"),
     }
     torch.save(state, tmp)
-    tmp.replace(policy_dir / CHECKPOINT_FILE)
+    tmp.replace(path)
+
+
+STATES_DIR = "states"
+"""The folder under the policy directory that holds a promoted version's learner state,
+``v<version>.pt`` (``write_state``): what a rollback to that version restores."""
+
+
+def state_path(policy_dir: Path, version: int) -> Path:
+    """Where the learner state of ``version`` is kept (it may not exist)."""
+    return Path(policy_dir) / STATES_DIR / f"v{version:06d}.pt"
+
+
+def write_state(policy_dir: Path, version: int, algorithm: Algorithm, config: LearnerConfig) -> None:
+    """Keep ``algorithm``'s whole state (policy, critic, both optimizers, step count, running-mean
+    baselines) as the state of ``version``, whose weights its policy holds: a checkpoint per
+    promoted version (issue 40, item 5), written when the version is promoted and, for a
+    rollback's version, before its commit. Same format and same atomic replace as
+    ``write_checkpoint``."""
+    _save(state_path(policy_dir, version), version, version, algorithm, config)
+
+
+def read_state(policy_dir: Path, version: int) -> dict | None:
+    """The state ``write_state`` kept for ``version``, None when there is none."""
+    path = state_path(policy_dir, version)
+    return torch.load(path, map_location="cpu", weights_only=False) if path.is_file() else None
+
+
+def state_versions(policy_dir: Path) -> list[int]:
+    """The versions with a kept state, oldest first (names that are no ``v<number>.pt`` are
+    not states)."""
+    found = []
+    for f in (Path(policy_dir) / STATES_DIR).glob("v*.pt"):
+        number = f.name[1:-3]
+        if number.isdigit():
+            found.append(int(number))
+    return sorted(found)
+
+
+def prune_states(policy_dir: Path, keep: set[int]) -> None:
+    """Delete the kept states of the versions not in ``keep``."""
+    for v in state_versions(policy_dir):
+        if v not in keep:
+            state_path(policy_dir, v).unlink(missing_ok=True)
+
+
+def newest_state(policy_dir: Path, committed: int, kind: str, rejected) -> dict | None:
+    """The learner state a start resumes from: the newest of ``checkpoint.pt``
+    (``read_checkpoint``) and the kept states (``write_state``) at or below ``committed``,
+    leaving out any whose weights version ``rejected(version)`` says was rejected since.
+
+    So a crash right after a rollback's commit resumes from the state the rollback restored
+    (the rollback's version is newer than the last checkpoint), not from the checkpoint of the
+    lineage it rejected; a checkpoint newer than the rollback (steps trained since) wins. Ties
+    go to the checkpoint. Raises RuntimeError as ``read_checkpoint``.
+    """
+    checkpoint = read_checkpoint(policy_dir, committed, kind)
+    if checkpoint is not None and rejected(checkpoint.get("weights_version", checkpoint["version"])):
+        log.info(
+            "the checkpoint at version %d holds a rejected version's weights: not resumed",
+            checkpoint["version"],
+        )
+        checkpoint = None
+    for v in reversed(state_versions(policy_dir)):
+        if v > committed or rejected(v):
+            continue
+        if checkpoint is not None and checkpoint["version"] >= v:
+            return checkpoint
+        return _of_kind(read_state(policy_dir, v), state_path(policy_dir, v), kind)
+    return checkpoint
 
 
 def load_policy_weights(algorithm: Algorithm, path: Path, base_dir: Path) -> None:

@@ -19,6 +19,8 @@ from sqlalchemy.engine import Engine, Row
 from core.db import LearnerSample, QuarantinedSample, bump_counter
 from core.dead_letters import COUNTER as DEAD_LETTERS
 from core.dead_letters import Letter, set_aside
+from core.keys import opted_out_keys
+from core.learnable import OPTED_OUT
 from core.records import utcnow
 from learner.identity_cap import select_batch
 
@@ -31,13 +33,18 @@ def waiting(db: Engine) -> int:
         return conn.execute(select(func.count()).select_from(LearnerSample)).scalar_one()
 
 
-def next_batch(db: Engine, batch_size: int, max_identity_share: float | None) -> tuple[list[Row] | None, int]:
+def next_batch(
+    db: Engine, batch_size: int, max_identity_share: float | None, keys_db: Engine | None = None
+) -> tuple[list[Row] | None, int]:
     """The rows of the next batch (``id``, ``prompt_id``, ``payload``, ``created_at``,
     ``identity``; oldest first) and how many samples the identity cap deferred, or ``(None, 0)``
     while the waiting samples cannot fill one: the oldest ``batch_size`` samples that are not
     quarantined and that ``select_batch`` admits under ``max_identity_share`` (None: no cap).
-    The cap reads the identities of all waiting samples, and the payloads of the chosen only."""
+    The cap reads the identities of all waiting samples, and the payloads of the chosen only.
+    First the samples of keys that have opted out of training since they joined are deleted
+    (``drop_opted_out``; ``keys_db`` the database of the API keys, default ``db``)."""
     n, cap = batch_size, max_identity_share
+    drop_opted_out(db, keys_db or db)
     cols = (LearnerSample.id, LearnerSample.prompt_id, LearnerSample.payload, LearnerSample.created_at)
     pool_query = (
         select(LearnerSample.id, LearnerSample.identity)
@@ -56,6 +63,27 @@ def next_batch(db: Engine, batch_size: int, max_identity_share: float | None) ->
     if len(by_id) < n:
         return None, 0
     return [by_id[i] for i in ids], len(pick.deferred)
+
+
+def drop_opted_out(db: Engine, keys_db: Engine) -> int:
+    """Delete the waiting samples whose API key has opted out of training since they joined
+    (``core.keys.opted_out_keys``, read from ``keys_db``; docs/privacy.md), counted
+    ``excluded_opted_out`` as the joiner counts the ones it excludes; returns how many. An
+    opt-out so reaches every answer not yet trained, also those joined before it. Reads first
+    and writes only when there is something to delete."""
+    with keys_db.connect() as conn:
+        opted_out = sorted(opted_out_keys(conn))
+    if not opted_out:
+        return 0
+    gone = LearnerSample.identity.in_(opted_out)
+    with db.connect() as conn:
+        if conn.execute(select(LearnerSample.id).where(gone).limit(1)).first() is None:
+            return 0
+    with db.begin() as conn:
+        n = conn.execute(delete(LearnerSample).where(gone)).rowcount
+        bump_counter(conn, OPTED_OUT, n)
+    log.info("%d waiting samples deleted: their keys opted out of training", n)
+    return n
 
 
 def set_aside_samples(db: Engine, rows: list[Row], reason: str, attempts: int) -> None:

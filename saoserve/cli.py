@@ -242,7 +242,7 @@ def pretrain_critic_cmd(
     from core.logbus import open_log
     from core.retention import all_forgotten
     from core.sealing import SubjectKeys
-    from learner.pretrain import pretrain_from_log
+    from learner.pretrain import opted_out_keys_now, pretrain_from_log
 
     settings = namespace(tenant)
     migrate(settings.resolved_database_url)
@@ -258,6 +258,7 @@ def pretrain_critic_cmd(
             trainable,
             forgotten=all_forgotten(db),
             keys=SubjectKeys(db),
+            opted_out=opted_out_keys_now(settings.keys_database_url),
         )
     except ValueError as exc:
         fail(str(exc))

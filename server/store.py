@@ -220,6 +220,7 @@ class ServerStore:
                     user_id=rec.user,
                     arm=None if rec.arm is None else str(rec.arm),
                     identity=rec.identity,
+                    train=rec.train,
                 )
             )
 

@@ -34,10 +34,13 @@ def add_rated(
     arm: str | None = None,
     n_tokens: int = 8,
     finish_reason: str = "stop",
+    identity: str | None = None,
+    train: bool | None = True,
 ) -> None:
     """Insert trajectory ``tid`` dispatched and finished by ``version`` at ``at`` (``n_tokens``
-    tokens, ``finish_reason``, routed to the canary ``arm``) and, unless ``reward`` and ``state``
-    are both None, its feedback claim in ``state`` with ``reward``, in the caller's transaction."""
+    tokens, ``finish_reason``, routed to the canary ``arm``, sent by ``identity``, with the
+    record's ``train`` flag) and, unless ``reward`` and ``state`` are both None, its feedback
+    claim in ``state`` with ``reward``, in the caller's transaction."""
     conn.execute(
         insert(TrajectoryIndex).values(
             id=tid,
@@ -50,6 +53,8 @@ def add_rated(
             log_offset=0,
             created_at=at,
             arm=arm,
+            identity=identity,
+            train=train,
         )
     )
     if reward is None and state is None:

@@ -51,6 +51,7 @@ from core.logbus import open_log
 from core.policy_store import CHECKPOINT_FILE, Layout, layout
 from core.records import TOPIC_FEEDBACK, TOPIC_POLICY, utcnow
 from learner.faults import CYCLE_POINTS, EXIT_CODE
+from learner.resume import read_state
 from testing.guard import add_rated
 from testing.learner import BATCH, GATE_VOCAB, feed, gate_model_dir, tiny_model_dir
 from testing.learner_faults import Lives
@@ -262,9 +263,42 @@ def run_lifecycle_harness(tmp_path: Path, db_url: str, scenario: str) -> dict:
     finally:
         lives.close()
     figures = lifecycle_audit(engine, log, fed, case["trained"])
+    figures["restores_kept"] = kept_states_audit(engine, tmp_path / "policies")
     engine.dispose()
     log.close()
     return figures | {"kills": dict(kills)}
+
+
+def kept_states_audit(engine, policy_dir: Path) -> int:
+    """Every restore's kept learner state (``learner.resume.write_state``, written before its
+    commit) is the state kept for the version it restores: policy, critic, both optimizers,
+    step count, baselines, tensor for tensor, however the lives died (issue 40, item 5);
+    returns how many restores' states were compared (the prune keeps the newest)."""
+    with engine.connect() as conn:
+        restores = {
+            v: m["rollback_to"]
+            for v, m in conn.execute(select(PolicyVersion.version, PolicyVersion.metrics))
+            if (m or {}).get("rollback_to") is not None
+        }
+    compared = 0
+    for v, target in restores.items():
+        kept, source = read_state(policy_dir, v), read_state(policy_dir, target)
+        if kept is None or source is None:
+            continue
+        assert same(kept["learner"], source["learner"]), (v, target)
+        compared += 1
+    return compared
+
+
+def same(a, b) -> bool:
+    """Two states equal: the same nesting, keys and values, tensors equal element for element."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
 
 
 def lifecycle_audit(engine, log, fed: list[str], trained_stage: Stage) -> dict:
@@ -356,6 +390,7 @@ def test_kill_at_the_lifecycle_points_sqlite(tmp_path, scenario):
             n_steps,
         )
         assert figures["quarantined"] == figures["samples"]
+        assert figures["restores_kept"] >= 1
     else:
         assert (figures["versions"], figures["rejected"], figures["quarantined"]) == (n_steps, 0, 0)
     print(figures)

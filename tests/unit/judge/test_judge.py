@@ -223,6 +223,8 @@ def test_llm_valid_reply_is_parsed(stub: tuple[_Stub, str]) -> None:
     assert "reason: arr" in j.reasons
     body = state.received[0]
     assert body["model"] == "judge-model" and body["temperature"] == 0.0
+    # Not production traffic: never trained, never a vote in the guard (issue 40).
+    assert body["store"] is False
     assert body["messages"][0]["role"] == "system" and "chuunibyou" in body["messages"][0]["content"]
     assert "Arr matey!" in body["messages"][1]["content"]
     assert state.headers[0]["Authorization"] == "Bearer k"

@@ -119,6 +119,23 @@ def test_sao_step_with_the_reference_equal_to_the_policy_has_zero_kl():
     assert learner.step(make_batch(policy, seed=1))["kl_ref"] > 0.0
 
 
+def test_the_step_measures_the_version_it_makes_too():
+    """``kl_ref_after`` (issue 40: the drift veto covers a lineage's newest version) is the KL
+    to the reference of the policy after the update, on the same batch: what the next step's
+    ``kl_ref`` measures before its own update on that batch."""
+    policy = tiny_policy()
+    learner = SAOLearner(
+        make_config(kl_coef=0.5, policy_lr=1e-2, critic_lr=1e-2, critic_warmup_steps=0),
+        policy,
+        ValueModel.from_policy(policy),
+        reference=tiny_policy(),
+    )
+    batch = make_batch(policy)
+    first = learner.step(batch)
+    assert first["kl_ref"] == pytest.approx(0.0, abs=1e-9) and first["kl_ref_after"] > 0.0
+    assert learner.step(batch)["kl_ref"] == pytest.approx(first["kl_ref_after"], rel=1e-5)
+
+
 def test_kl_alone_pulls_a_moved_policy_back_to_the_reference():
     """All rewards 0 and V clamped to 0 → every advantage is 0, so only the KL term moves the
     policy: the k3 estimate must fall step by step."""

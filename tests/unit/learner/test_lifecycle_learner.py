@@ -14,6 +14,7 @@ from collections import Counter
 from datetime import timedelta
 
 import pytest
+import torch
 from sqlalchemy import insert, select, update
 
 from core.control import GUARD_VERDICT, PAUSED, get_flag, set_flag
@@ -25,12 +26,14 @@ from core.db import (
     QuarantinedSample,
     VersionStatusEvent,
 )
+from core.keys import KeyStore
 from core.lifecycle import judge_lineage
 from core.logbus import open_log
 from core.records import PolicyEvent, utcnow
 from core.sequential import Decision
 from learner.config import GuardConfig
 from learner.gate import GateConfig, GateResult, decide
+from learner.guard_votes import Electorate
 from learner.process import Learner
 from server.db_figures import read_lifecycle
 from testing.guard import add_rated, prpl_eb_lower
@@ -237,43 +240,51 @@ def test_a_lineage_whose_answers_collapse_is_vetoed_though_the_sparse_rewards_ca
     assert lifecycles(learner) == {0: "promoted", 1: "rejected", 2: "promoted"}
 
 
-def set_kl_ref(learner: Learner, version: int, kl: float) -> None:
-    """Write ``kl`` as the ``kl_ref`` of the step that trained ``version`` (the KL anchor's
-    figure: the tiny test learner runs without the anchor)."""
+def set_kl_ref(learner: Learner, version: int, kl: float, name: str = "kl_ref") -> None:
+    """Write ``kl`` as the ``name`` metric (``kl_ref``, ``kl_ref_after``) of the step that
+    trained ``version`` (the KL anchor's figure: the tiny test learner runs without the anchor)."""
     with learner.db.begin() as conn:
         row = conn.execute(
             select(LearnerStep.id, LearnerStep.metrics).where(LearnerStep.version == version)
         ).one()
         conn.execute(
-            update(LearnerStep).where(LearnerStep.id == row.id).values(metrics=row.metrics | {"kl_ref": kl})
+            update(LearnerStep).where(LearnerStep.id == row.id).values(metrics=row.metrics | {name: kl})
         )
 
 
-def test_a_lineage_that_drifted_from_the_base_is_vetoed_before_its_answers_tell(learner):
+def test_a_lineage_that_drifted_from_the_promoted_version_is_vetoed_before_its_answers_tell(learner):
     """The broken-learner runs of docs/guard.md: the answers stayed long and the rewards sparse,
     so neither the reward rule nor the health veto could reject, while the training batches'
-    KL to the base passed the gate's bound (0.6) at the lineage's 6th-9th version."""
+    KL to the base passed the gate's bound (0.6) at the lineage's 6th-9th version. The veto
+    bounds the drift beyond the promoted version's (issue 40: measured from the base, a promoted
+    version near the bound had every lineage after it rejected in a loop)."""
     feed(open_log(learner.settings.resolved_database_url), 3 * BATCH, 0)
     learner.poll_once()
     rate(learner, 0, [1.0] * 3 + [0.0] * 29, utcnow() - timedelta(hours=1))
     for _ in range(3):
         learner.train_step()
     assert lifecycles(learner) == {0: "promoted", 1: "canary", 2: "canary", 3: "canary"}
-    # Version 1's step measured the promoted version 0 (the parent): not the lineage's drift.
-    set_kl_ref(learner, 1, 5.0)
-    set_kl_ref(learner, 2, 0.37)  # version 1: the largest clean drift measured (docs/demo.md)
+    # Version 1's step measured the promoted version it started from: 0.5 nats/token to the
+    # base, near the bound 0.6. Version 2's measured version 1: 0.87 = 0.5 + 0.37, the largest
+    # clean drift measured (docs/demo.md) beyond the promoted version's. From the base (0.87 >
+    # 0.6) it was rejected; from the promoted version (0.37 <= 0.6) it continues.
+    set_kl_ref(learner, 1, 0.5)
+    set_kl_ref(learner, 2, 0.87)
     assert learner.guard_check() == Decision.CONTINUE
-    # The vetoes' figures are kept at a check that rejects nothing: one KL measured (0.37, set
-    # above; version 3's step wrote none, as the test learner runs without the KL anchor), its
-    # bound 0.6; the health veto's verdict.
+    # The vetoes' figures are kept at a check that rejects nothing: one drift measured (0.87 −
+    # 0.5 = 0.37; version 3's step wrote none, as the test learner runs without the KL anchor),
+    # its bound 0.6; the health veto's verdict.
     vetoes = json.loads(get_flag(learner.db, GUARD_VERDICT))["vetoes"]
-    assert vetoes["drift"] == {"kl_max": 0.37, "bound": 0.6, "measured": 1}
+    assert vetoes["drift"] == {"kl_max": pytest.approx(0.37), "bound": 0.6, "measured": 1}
     assert vetoes["health"]["decision"] == "continue"
-    set_kl_ref(learner, 3, 0.64)  # version 2 measured 0.64 > max_kl_ref 0.6
+    # The newest version (3): its own step measured it after the update (kl_ref_after), 1.14:
+    # 1.14 − 0.5 = 0.64 > max_kl_ref 0.6. No later step has to measure it first (issue 40).
+    set_kl_ref(learner, 3, 1.14, "kl_ref_after")
     assert learner.guard_check() == Decision.REJECT
     verdict = json.loads(get_flag(learner.db, GUARD_VERDICT))
     assert verdict["reason"] == (
-        "drifted from the base (drift veto): a training batch measured KL 0.64 nats/token, over 0.6"
+        "drifted from the promoted version (drift veto): a training batch measured KL 0.64 nats/token "
+        "beyond the promoted version's, over 0.6"
     )
     assert lifecycles(learner) == {0: "promoted", 1: "rejected", 2: "rejected", 3: "rejected", 4: "promoted"}
 
@@ -303,6 +314,89 @@ def test_a_lineage_served_by_a_canary_split_is_judged_against_the_control_arm_of
     assert lifecycles(learner) == {0: "promoted", 1: "rejected", 2: "promoted"}
 
 
+def rate_as(
+    learner: Learner, version: int, arm: str, raters: list[tuple[str | None, float]], at, **row
+) -> None:
+    """Record one rated answer of ``version`` in ``arm`` per ``(identity, reward)`` of ``raters``,
+    1 ms apart in that order (``row``: the index row's other fields, e.g. ``train``)."""
+    with learner.db.begin() as conn:
+        for i, (who, r) in enumerate(raters):
+            tid = f"v{version}-{arm}-{at.timestamp()}-{i}"
+            add_rated(conn, tid, version, r, at + timedelta(milliseconds=i), arm=arm, identity=who, **row)
+
+
+def attacked_arm(reward: float) -> list[tuple[str, float]]:
+    """120 ratings of one arm: every third (40) from 10 honest users (4 each, 1.0), the other
+    80 from one API key rating ``reward``."""
+    return [
+        (f"user:u{i // 3 % 10}", 1.0) if i % 3 == 0 else ("key:kevil0000000000", reward) for i in range(120)
+    ]
+
+
+def test_one_identity_rating_by_arm_does_not_decide_the_verdict_under_the_identity_cap(learner):
+    """Issue 40: one API key rating 0 on the candidate's answers and 1 on the control's, among
+    honest raters, got an honest lineage rejected. The honest ratings alone (40 wins in each
+    arm) decide nothing yet; the key's 80 ratings an arm decide a rejection unless the guard's
+    streams pass the identity cap."""
+    feed(open_log(learner.settings.resolved_database_url), BATCH, 0)
+    learner.poll_once()
+    learner.train_step()
+    now = utcnow()
+    rate_as(learner, 1, "canary", attacked_arm(0.0), now)
+    rate_as(learner, 0, "control", attacked_arm(1.0), now)
+    # No cap (the default): 40 wins and 80 losses against 120 wins: rejected... judged first
+    # with a copy of the guard's electorate off, so the lineage stays for the capped check.
+    learner.guard.electorate = Electorate(None, 20)
+    with learner.db.connect() as conn:
+        created = {1: utcnow() - timedelta(seconds=1)}
+        uncapped, _ = learner.guard._judge(conn, [1], [0], created)
+    assert uncapped.decision == Decision.REJECT and uncapped.candidate.n == 120
+    # The cap at share 0.1 of windows of 20: k = 2 votes an identity per window. Window 1: the
+    # key's 2 oldest, then the next honest ones up to 20 (18: users 0-9, 0-7, each <= 2);
+    # window 2: the key's next 2 (first in line) and 18 honest; window 3: 2 and the last 4
+    # honest, 6 < 20: the last. The key counts 6 times, the honest raters 40: 46 an arm.
+    learner.guard.electorate = Electorate(0.1, 20)
+    assert learner.guard_check() == Decision.CONTINUE
+    verdict = json.loads(get_flag(learner.db, GUARD_VERDICT))
+    assert (verdict["candidate"]["n"], verdict["candidate"]["mean"]) == (46, pytest.approx(40 / 46))
+    assert (verdict["promoted"]["n"], verdict["promoted"]["mean"]) == (46, 1.0)
+
+
+def test_an_opted_out_or_unknown_sender_s_ratings_never_vote(learner):
+    """Issue 40: ratings of answers from a key that opted out of training voted (they decided a
+    promotion). A key that opts out after its answers were logged (``train`` true on them), a
+    record with no flag (indexed before revision 0016) of that key, a record logged ``train:
+    false`` (``store: false``, the traffic that is not production), and, with the cap on, an
+    answer without identity: none votes."""
+    feed(open_log(learner.settings.resolved_database_url), BATCH, 0)
+    learner.poll_once()
+    learner.train_step()
+    store = KeyStore(learner.db)
+    info, _ = store.create("acme", utcnow())
+    now = utcnow()
+    who = f"key:{info.id}"
+    rate_as(learner, 1, "canary", [(who, 0.0)] * 30, now)
+    rate_as(learner, 0, "control", [(who, 1.0)] * 30, now)
+    learner.guard.electorate = Electorate(None, BATCH)
+    with learner.db.connect() as conn:
+        created = {1: utcnow() - timedelta(seconds=1)}
+        assert learner.guard._judge(conn, [1], [0], created)[0].decision == Decision.REJECT
+    store.set_train(info.id, False)
+    rate_as(learner, 1, "canary", [(who, 0.0)] * 30, now + timedelta(seconds=1), train=None)
+    rate_as(learner, 1, "canary", [("user:probe", 0.0)] * 30, now + timedelta(seconds=2), train=False)
+    assert learner.guard_check() == Decision.CONTINUE
+    verdict = json.loads(get_flag(learner.db, GUARD_VERDICT))
+    assert (verdict["candidate"]["n"], verdict["promoted"]["n"]) == (0, 0)
+    # Anonymous answers vote while the cap is off, not once it is on.
+    rate_as(learner, 1, "canary", [(None, 0.0)] * 30, now + timedelta(seconds=3))
+    rate_as(learner, 0, "control", [(None, 1.0)] * 30, now + timedelta(seconds=3))
+    with learner.db.connect() as conn:
+        assert learner.guard._judge(conn, [1], [0], created)[0].candidate.n == 30
+    learner.guard.electorate = Electorate(0.5, BATCH)
+    assert learner.guard_check() == Decision.CONTINUE
+    assert json.loads(get_flag(learner.db, GUARD_VERDICT))["candidate"]["n"] == 0
+
+
 def test_a_lineage_worse_than_the_promoted_record_is_rejected_and_rolled_back_while_paused(learner):
     fed = feed(open_log(learner.settings.resolved_database_url), 2 * BATCH, 0)
     learner.poll_once()
@@ -311,13 +405,21 @@ def test_a_lineage_worse_than_the_promoted_record_is_rejected_and_rolled_back_wh
     learner.train_step()
     learner.train_step()
     assert lifecycles(learner) == {0: "promoted", 1: "canary", 2: "canary"}
-    # Too few ratings of the lineage: 19 < min_samples 20.
+    # Too few ratings of each version: 19 and 11 < min_samples 20. Each version is judged on its
+    # own ratings (issue 40): the lineage's 30 losses together no longer decide.
     rate(learner, 1, [0.0] * 19, utcnow())
-    assert learner.guard_check() == Decision.CONTINUE
     rate(learner, 2, [0.0] * 11, utcnow())
+    assert learner.guard_check() == Decision.CONTINUE
+    rate(learner, 2, [0.0] * 19, utcnow(), first=11)
     set_flag(learner.db, PAUSED, "1")  # the guard acts while training is paused
-    # 30 losses against 30 wins: upper(Δ) < 0 (tests/unit/core/test_lifecycle.py writes the bound out).
+    # Version 2 (the lineage's second: α_2 = 0.05 / (2·3)), 30 losses against 30 wins. Each
+    # side at α_2 / 2 = 1/240: lower_P on thirty 1s is l, upper_C on thirty 0s its mirror 1 − l,
+    # so upper(Δ) = 1 − 2l < 0 (l > 1/2; tests/unit/core/test_lifecycle.py writes the bound out).
+    low = prpl_eb_lower([1.0] * 30, 0.05 / 6 / 2)
     assert learner.guard_check() == Decision.REJECT
+    verdict = json.loads(get_flag(learner.db, GUARD_VERDICT))
+    assert low > 0.5 and verdict["upper"] == pytest.approx(1 - 2 * low)
+    assert verdict["reason"].startswith("version 2 of 2 (α_j = 0.00833): worse")
     assert lifecycles(learner) == {0: "promoted", 1: "rejected", 2: "rejected", 3: "promoted"}
     # Version 3 carries version 0's weights, is announced promoted, and the learner is on it.
     with learner.db.connect() as conn:
@@ -442,3 +544,68 @@ def test_the_gate_as_the_learner_runs_it_computes_the_reference_once(tmp_path, m
         assert result.passed and stored[version]["kl_base"] == result.kl_base
     assert lifecycles(learner) == {0: "promoted", 1: "canary", 2: "canary"}
     learner.db.dispose()
+
+
+def learner_state(learner: Learner) -> dict:
+    """A deep copy of the learner's whole state (policy, critic, both optimizers, step count,
+    baselines): ``Algorithm.state_dict``."""
+    return copy.deepcopy(learner.algorithm.state_dict())
+
+
+def assert_same_state(a: dict, b: dict) -> None:
+    """Every tensor of two ``learner_state``s equal, and every other entry (step count)."""
+
+    def leaves(x, path=()):
+        if isinstance(x, dict):
+            for k, v in x.items():
+                yield from leaves(v, (*path, k))
+        elif isinstance(x, list | tuple):
+            for i, v in enumerate(x):
+                yield from leaves(v, (*path, i))
+        else:
+            yield path, x
+
+    la, lb = dict(leaves(a)), dict(leaves(b))
+    assert la.keys() == lb.keys()
+    for k, va in la.items():
+        vb = lb[k]
+        if isinstance(va, torch.Tensor):
+            assert torch.equal(va, vb), k
+        else:
+            assert va == vb, k
+
+
+def test_a_rollback_restores_the_whole_learner_also_after_a_crash_right_after_its_commit(tmp_path):
+    """Issue 40, item 5: at the restore the critic was still the rejected lineage's, the step
+    count was not reverted, and a restart right after the rollback's commit brought the
+    lineage's optimizer entries back (from its checkpoint)."""
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    learner = in_process(tmp_path, url, guard=GuardConfig(delta=0.5), checkpoint_every=1)
+    feed(open_log(learner.settings.resolved_database_url), 3 * BATCH, 0)
+    learner.poll_once()
+    rate(learner, 0, [1.0] * 60, utcnow() - timedelta(hours=1))
+    learner.train_step()
+    rate(learner, 1, [1.0] * 60, utcnow())
+    assert learner.guard_check() == Decision.PROMOTE  # 60 wins each, δ 0.5
+    promoted = learner_state(learner)  # version 1's, kept at its promotion
+    assert promoted["step"] == 1 and promoted["critic_optimizer"]["state"]
+    learner.train_step()
+    learner.train_step()  # the lineage [2, 3]: the critic, both optimizers and the step move on
+    moved = learner_state(learner)
+    assert moved["step"] == 3
+    assert any(not torch.equal(moved["critic"][k], promoted["critic"][k]) for k in promoted["critic"])
+    # The drift veto rejects the lineage: version 2's drift (measured by step 3) 0.7 > 0.6.
+    set_kl_ref(learner, 3, 0.7)
+    assert learner.guard_check() == Decision.REJECT
+    assert lifecycles(learner) == {0: "promoted", 1: "promoted", 2: "rejected", 3: "rejected", 4: "promoted"}
+    # The restore: version 1's whole state (the step count back to 1), published as version 4.
+    assert_same_state(learner_state(learner), promoted)
+    assert learner.weights_version == 4 and learner.algorithm.steps == 1
+    # A crash right after the rollback's commit: checkpoint.pt still holds version 3 (the
+    # lineage's); a restart resumes from the state kept with version 4 (version 1's).
+    restarted = Learner(learner.settings, learner.config)
+    restarted.load()
+    assert restarted.version == 4 and restarted.weights_version == 4
+    assert_same_state(learner_state(restarted), promoted)
+    learner.db.dispose()
+    restarted.db.dispose()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 
 import pytest
 import torch
@@ -256,13 +257,18 @@ def test_the_process_publishes_adapters_rolls_back_and_resumes(tmp_path):
     assert learner.rollback(0) == 4
     v4 = load_file(tmp_path / "policies" / "v000004" / ADAPTER_FILE)
     assert all(not v.any() for k, v in v4.items() if "lora_B" in k)
-    # A restart from the checkpoint (version 2's step) takes the head's adapter from its folder.
+    # Version 0's whole learner state was kept at the first start (issue 40: a rollback restores
+    # the whole learner): the rollback to 0 took the step count back to 0. Version 1 was never
+    # promoted, so the rollback to it had its adapter only (the step count stayed 2).
+    assert learner.algorithm.steps == 0
+    # A restart from the checkpoint at stop (version 4) takes the head's adapter and version 0's
+    # state.
     learner.checkpoint_on_stop()
     state = torch.load(tmp_path / "policies" / CHECKPOINT_FILE, weights_only=False)
     assert state["version"] == 4 and all("lora_" in k for k in state["learner"]["policy"])
     again = Learner(learner.settings, learner.config)
     again.load()
-    assert again.version == 4 and again.algorithm.steps == 2
+    assert again.version == 4 and again.algorithm.steps == 0
     assert all(torch.equal(again.algorithm.adapter.state()[k], v4[k]) for k in v4)
 
 
@@ -275,6 +281,10 @@ def test_a_full_learner_refuses_an_adapter_folder_and_a_lora_one_a_full_checkpoi
     with pytest.raises(RuntimeError, match="another kind of policy"):
         full.load()
     (tmp_path / "policies" / CHECKPOINT_FILE).unlink()
+    # Version 0's learner state kept at the first start is the LoRA learner's too.
+    with pytest.raises(RuntimeError, match="another kind of policy"):
+        full.load()
+    shutil.rmtree(tmp_path / "policies" / "states")
     with pytest.raises(RuntimeError, match="holds a LoRA adapter"):
         full.load()
 

@@ -52,7 +52,7 @@ HAPROXY = DEPLOY / "haproxy.cfg"
 DOCKERFILES = (ROOT / "Dockerfile", DEPLOY / "Dockerfile.gpu")
 GPU_SMOKE = ROOT / "bench" / "gpu_smoke.sh"
 BIN = Path(sys.executable).parent
-SECRETS = ("SAOSERVE_FEEDBACK_SECRET", "SAOSERVE_ADMIN_KEY", "POSTGRES_PASSWORD")
+SECRETS = ("SAOSERVE_FEEDBACK_SECRET", "SAOSERVE_ADMIN_KEY", "POSTGRES_PASSWORD", "GRAFANA_ADMIN_PASSWORD")
 
 
 # ------------------------------------------------------------------ compose's own rules
@@ -388,7 +388,10 @@ def test_images_are_pinned(compose_gpu):
         if image.startswith("saoserve:"):
             continue
         repo, _, tag = image.rpartition(":")
-        assert repo and re.fullmatch(r"\d+\.\d+(\.\d+)?", tag), f"{name}: {image} is not pinned to a version"
+        # Prometheus tags its releases v3.5.0.
+        assert repo and re.fullmatch(r"v?\d+\.\d+(\.\d+)?", tag), (
+            f"{name}: {image} is not pinned to a version"
+        )
 
 
 def test_kafka_is_one_kraft_node_that_the_services_reach(compose):
@@ -448,7 +451,7 @@ def test_policy_versions_are_shared_read_only_with_the_servers(compose):
         n for n, s in compose["services"].items() for v in s.get("volumes", []) if "policies" in str(v)
     ]
     assert sorted(writers) == ["learner", "server"]
-    assert set(compose["volumes"]) == {"pg-data", "kafka-data", "policies"}
+    assert set(compose["volumes"]) == {"pg-data", "kafka-data", "policies", "prometheus-data", "grafana-data"}
 
 
 def test_start_order(compose):

@@ -130,6 +130,9 @@ class Held(Response):
         self.status_code = inner.status_code
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # FastAPI hands its background tasks to the response it is given: this one.
+        if self.inner.background is None:
+            self.inner.background = self.background
         try:
             await self.inner(scope, receive, send)
         finally:

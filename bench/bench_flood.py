@@ -149,7 +149,8 @@ async def main(args: argparse.Namespace) -> None:
             f"{args.flood_streams} requests going, sending a refused one again after "
             f"{args.flood_backoff_s} s. 'flood, limited': SAOSERVE_KEY_CONCURRENCY_LIMIT={args.key_limit}. "
             "Target: the other key's p95 within 1.5× of its p95 alone under the limited flood. A "
-            "2-core machine shared with other jobs; the client runs in the server's process."
+            f"2-core machine shared with other jobs (load average {os.getloadavg()[0]:.1f} at the end); "
+            "the client runs in the server's process."
         ),
     )
 

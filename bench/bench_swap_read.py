@@ -160,7 +160,7 @@ async def main(args: argparse.Namespace) -> None:
             "read and swap ('cached before read': the share fincore found cached). The swap's sha256 "
             "check reads the file before the pause, so the pause reads warm pages: compare it with "
             "the warm raw read (target ≤ 1.5×), and the whole swap with the cold one. A 2-core "
-            "machine shared with other jobs."
+            f"machine shared with other jobs (load average {os.getloadavg()[0]:.1f} at the end)."
         ),
     )
 

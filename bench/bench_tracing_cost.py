@@ -174,7 +174,8 @@ async def main(args: argparse.Namespace) -> None:
             "and the server's) written to a file; 'traced' exports its spans over OTLP/HTTP to a local "
             f"sink. With tracing off the hooks a chat request calls took {off_ns:.0f} ns, "
             f"{share:.1e} of its median latency ({p50:.2f} s): nothing measurable. Targets: off costs "
-            "nothing measurable, on ≤ 3% (ratio ≥ 0.97). A 2-core machine shared with other jobs: "
+            "nothing measurable, on ≤ 3% (ratio ≥ 0.97). A 2-core machine shared with other jobs "
+            f"(load average {os.getloadavg()[0]:.1f} at the end): "
             "the ratios of interleaved rounds count."
         ),
     )

@@ -230,7 +230,8 @@ async def main(args: argparse.Namespace) -> None:
             f"{args.max_tokens}, temperature 1), same model, dtype and engine settings, "
             f"{args.rounds} rounds interleaved, alternating which goes first; the ratio is "
             "saoserve's over vLLM's in each round (target: at least 1.0 within the spread of the "
-            "rounds). Measured on a 2-core machine shared with other jobs: the ratios count, not "
+            "rounds). Measured on a 2-core machine shared with other jobs (load average "
+            f"{os.getloadavg()[0]:.1f} at the end): the ratios count, not "
             "the absolute figures."
         ),
     )

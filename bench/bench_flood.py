@@ -4,14 +4,14 @@ One vLLM engine in this process, the real app (SQLite database and trajectory lo
 keys of two tenants. In each round, interleaved:
 
 - ``alone``: the other key sends ``--requests`` chats one after another, nobody else does;
-- ``flood, limited``: the same while the flooding key keeps ``--flood-streams`` requests going
-  at once, with ``SAOSERVE_KEY_CONCURRENCY_LIMIT`` = ``--key-limit``: its requests over the limit are
-  answered 429 and it sends them again after ``--flood-backoff-s`` (less than the Retry-After a
-  well-behaved client waits: a flood);
+- ``flood, limit N``: the same while the flooding key keeps ``--flood-streams`` requests going
+  at once, with ``SAOSERVE_KEY_CONCURRENCY_LIMIT`` = N, for each N of ``--key-limits``: its
+  requests over the limit are answered 429 and it sends them again after ``--flood-backoff-s``
+  (less than the Retry-After a well-behaved client waits: a flood);
 - ``flood, no limit``: the same flood with no limit, for comparison.
 
 Prints the other key's p50 and p95 latency in each, its p95 over its p95 alone (target: within
-1.5× under the limited flood), the flooder's answers and 429s, and records the table
+1.5× under a limited flood), the flooder's answers and 429s, and records the table
 (``bench/results.py``, ``flood_429``).
 
     flock /tmp/saoserve-engine.lock .venv/bin/python bench/bench_flood.py [--rounds 2]
@@ -39,16 +39,18 @@ from core.keys import KeyStore  # noqa: E402
 from core.records import utcnow  # noqa: E402
 from tests.conftest import make_settings, running_server  # noqa: E402
 
-CONFIGS = ("alone", "flood, limited", "flood, no limit")
-
 
 def p95(xs: list[float]) -> float:
     s = sorted(xs)
     return s[min(len(s) - 1, round(0.95 * (len(s) - 1)))]
 
 
+def configs(limits: list[int]) -> list[str]:
+    return ["alone", *(f"flood, limit {n}" for n in limits), "flood, no limit"]
+
+
 async def run_config(engine, home: Path, model: Path, config: str, args) -> dict:
-    limit = args.key_limit if config == "flood, limited" else 0
+    limit = int(config.rsplit(" ", 1)[1]) if config.startswith("flood, limit ") else 0
     settings = make_settings(home, model_dir=model, key_concurrency_limit=limit)
     migrate(settings.resolved_database_url)
     db = make_engine(settings.resolved_database_url)
@@ -104,16 +106,15 @@ async def main(args: argparse.Namespace) -> None:
     model = prepare_model(ROOT / "var" / "model")
     tmp = Path(tempfile.mkdtemp(prefix="bench-flood-"))
     engine = await PolicyEngine.start(make_settings(tmp / "engine", model_dir=model), model)
-    runs: dict[str, list[dict]] = {c: [] for c in CONFIGS}
+    runs: dict[str, list[dict]] = {c: [] for c in configs(args.key_limits)}
     try:
         await run_config(
             engine, tmp / "warmup", model, "alone", argparse.Namespace(**vars(args) | {"requests": 4})
         )
         for rnd in range(args.rounds):
-            for c in CONFIGS:
-                runs[c].append(
-                    await run_config(engine, tmp / f"{rnd}-{c.replace(', ', '-')}", model, c, args)
-                )
+            for c in runs:
+                home = tmp / f"{rnd}-{c.replace(', ', '-').replace(' ', '')}"
+                runs[c].append(await run_config(engine, home, model, c, args))
                 print(f"round {rnd} {c}: p95 {p95(runs[c][-1]['lat']):.2f} s", flush=True)
     finally:
         engine.shutdown()
@@ -133,7 +134,7 @@ async def main(args: argparse.Namespace) -> None:
         )
     print(
         f"\n{args.rounds} rounds x {args.requests} requests of the other key; flood {args.flood_streams} "
-        f"streams, key limit {args.key_limit}; load average {os.getloadavg()[0]:.1f}"
+        f"streams, key limits {args.key_limits}; load average {os.getloadavg()[0]:.1f}"
     )
     cols = list(rows[0])
     print(" | ".join(cols))
@@ -147,8 +148,8 @@ async def main(args: argparse.Namespace) -> None:
             f"The other key sends {args.requests} chats one after another (max_tokens "
             f"{args.max_tokens}) in each of {args.rounds} rounds; the flooding key keeps "
             f"{args.flood_streams} requests going, sending a refused one again after "
-            f"{args.flood_backoff_s} s. 'flood, limited': SAOSERVE_KEY_CONCURRENCY_LIMIT={args.key_limit}. "
-            "Target: the other key's p95 within 1.5× of its p95 alone under the limited flood. A "
+            f"{args.flood_backoff_s} s. 'flood, limit N': SAOSERVE_KEY_CONCURRENCY_LIMIT=N. "
+            "Target: the other key's p95 within 1.5× of its p95 alone under a limited flood. A "
             f"2-core machine shared with other jobs (load average {os.getloadavg()[0]:.1f} at the end); "
             "the client runs in the server's process."
         ),
@@ -161,6 +162,8 @@ if __name__ == "__main__":
     p.add_argument("--requests", type=int, default=12, help="the other key's chats a configuration")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--flood-streams", type=int, default=16)
-    p.add_argument("--key-limit", type=int, default=2)
+    p.add_argument(
+        "--key-limits", type=lambda v: [int(x) for x in v.split(",")], default=[2, 1], help="e.g. 2,1"
+    )
     p.add_argument("--flood-backoff-s", type=float, default=0.1)
     asyncio.run(main(p.parse_args()))

@@ -152,6 +152,9 @@ def stop(proc: subprocess.Popen) -> None:
 async def main(args: argparse.Namespace) -> None:
     from saoserve.model import prepare_model
 
+    # A `timeout` that ends the run still stops the two servers (the ``finally`` below).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
     model = prepare_model(ROOT / "var" / "model")
     tmp = Path(tempfile.mkdtemp(prefix="bench-vs-vllm-"))
     vport, sport = free_port(), free_port()

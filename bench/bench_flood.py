@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import signal
 import statistics
 import sys
 import tempfile
@@ -102,6 +103,9 @@ async def run_config(engine, home: Path, model: Path, config: str, args) -> dict
 async def main(args: argparse.Namespace) -> None:
     from saoserve.model import prepare_model
     from server.engine import PolicyEngine
+
+    # A `timeout` that ends the run still shuts the engine down (the ``finally`` below).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     model = prepare_model(ROOT / "var" / "model")
     tmp = Path(tempfile.mkdtemp(prefix="bench-flood-"))

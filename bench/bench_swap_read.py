@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -91,6 +92,9 @@ def tensor_read(path: Path) -> float:
 async def main(args: argparse.Namespace) -> None:
     from saoserve.model import prepare_model
     from server.engine import PolicyEngine
+
+    # A `timeout` that ends the run still shuts the engine down (the ``finally`` below).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     model = prepare_model(ROOT / "var" / "model")
     tmp = Path(tempfile.mkdtemp(prefix="bench-swap-read-"))

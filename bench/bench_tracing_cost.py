@@ -25,6 +25,7 @@ import asyncio
 import http.server
 import logging
 import os
+import signal
 import statistics
 import sys
 import tempfile
@@ -102,6 +103,9 @@ async def serve(settings, engine, fmt: LogFormat, log_file: Path):
 async def main(args: argparse.Namespace) -> None:
     from saoserve.model import prepare_model
     from server.engine import PolicyEngine
+
+    # A `timeout` that ends the run still shuts the engine down (the ``finally`` below).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     model = prepare_model(ROOT / "var" / "model")
     tmp = Path(tempfile.mkdtemp(prefix="bench-tracing-"))

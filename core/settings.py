@@ -7,13 +7,23 @@ that names the variable.
 from __future__ import annotations
 
 import enum
+import json
 from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, PrivateAttr, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from core.keys import check_tenant
 from core.lifecycle import CANARY_SHARE_MAX, CANARY_SHARE_MIN, check_canary_share
 from core.policies import (
     TENANTS_DIR,
@@ -45,6 +55,44 @@ class AdapterServing(enum.StrEnum):
 
     ADAPTER = "adapter"
     MERGED = "merged"
+
+
+def check_rate_limit(value: str) -> str:
+    """``value`` if it is empty or a rate limit in the ``limits`` notation (``60/minute``,
+    ``10/second;1000/hour``); raises ValueError naming the notation otherwise."""
+    from limits import parse_many
+
+    if value.strip():
+        try:
+            parse_many(value)
+        except ValueError as exc:
+            raise ValueError(
+                f"{value!r} is not a rate limit: write N/second, N/minute, N/hour or N/day "
+                "(several joined by ';'), e.g. 60/minute"
+            ) from exc
+    return value.strip()
+
+
+RateLimit = Annotated[str, AfterValidator(check_rate_limit)]
+"""A rate limit in the ``limits`` notation, or empty for none (``check_rate_limit``)."""
+
+
+class TenantLimit(BaseModel):
+    """The limits of one tenant over all its keys together (``Settings.tenant_limits``):
+    ``rate`` (``RateLimit``, empty: none) and ``concurrency`` (requests in flight, 0: none)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    rate: RateLimit = ""
+    concurrency: int = Field(0, ge=0)
+
+
+class LogFormat(enum.StrEnum):
+    """How a process writes its log (``core.logs``): ``TEXT`` one line for a person, ``JSON``
+    one JSON object a line for a log pipeline."""
+
+    TEXT = "text"
+    JSON = "json"
 
 
 class Settings(BaseSettings):
@@ -195,6 +243,64 @@ class Settings(BaseSettings):
         "docs/privacy.md); 0 keeps them for ever. Kafka's topics keep theirs for retention.ms (deploy/).",
     )
 
+    # Operability (issue 42): backpressure (server/backpressure.py) and logs and traces
+    # (core/logs.py, core/telemetry.py). docs/deploy.md, "Backpressure" and "Logs and traces".
+    key_rate_limit: RateLimit = Field(
+        "",
+        description="Chat requests each API key may send, in the `limits` notation (`60/minute`, "
+        "`10/second`, `1000/hour;60/minute` for two at once), over a moving window; one more is "
+        "429 with Retry-After. Empty: no limit. Per replica.",
+    )
+    key_concurrency_limit: int = Field(
+        0,
+        ge=0,
+        description="Chat requests each API key may have in flight at once on a replica; one more "
+        "is 429 with Retry-After. 0: no limit.",
+    )
+    anonymous_rate_limit: RateLimit = Field(
+        "",
+        description="As key_rate_limit, for all requests without an API key together (one budget). "
+        "Empty: no limit.",
+    )
+    anonymous_concurrency_limit: int = Field(
+        0, ge=0, description="As key_concurrency_limit, for all requests without an API key together."
+    )
+    tenant_limits: dict[str, TenantLimit] = Field(
+        {},
+        description='Limits over all the keys of a tenant together, JSON: `{"acme": {"rate": '
+        '"600/minute", "concurrency": 16}}` (either may be left out); a request must pass its '
+        "key's limits and its tenant's. Tenants not named have none.",
+    )
+    engine_queue_limit: int = Field(
+        256,
+        ge=0,
+        description="Chat requests a replica's engine may hold at once (generating or waiting for a "
+        "slot), whoever sent them; one more is 429 with Retry-After instead of a wait behind the "
+        "queue. 0: no limit.",
+    )
+    busy_retry_after_s: int = Field(
+        1,
+        ge=1,
+        description="Retry-After (s) of a 429 for a concurrency or engine-queue limit (a slot frees "
+        "when a request ends, which no clock tells); a rate limit's says when its window frees one.",
+    )
+    log_format: LogFormat = Field(
+        LogFormat.TEXT,
+        description="Server and learner logs on stderr: 'text' (one line for a person) or 'json' "
+        "(one JSON object a line: time, level, logger, message, and the trajectory, feedback and "
+        "version ids as fields where an event has them).",
+    )
+    otlp_endpoint: str = Field(
+        "",
+        description="OTLP/HTTP endpoint of an OpenTelemetry collector (`http://collector:4318`): "
+        "spans of the chat request, the log append, feedback, the learner's join, step and publish "
+        "and the server's swap, linked by trajectory id and policy version. Empty: tracing off "
+        "(no spans are made).",
+    )
+    otlp_service_name: str = Field(
+        "saoserve", description="The `service.name` of this process's spans (the learner adds `-learner`)."
+    )
+
     judge_url: str = Field("", description="OpenAI-compatible base URL of the LLM judge (--judge llm).")
     judge_model: str = Field("", description="Model name of the LLM judge.")
     judge_key: str = Field("", description="API key of the LLM judge.")
@@ -226,6 +332,25 @@ class Settings(BaseSettings):
             if twice:
                 raise ValueError(f"tenant_policies names {', '.join(twice)} more than once")
             return names
+        return v
+
+    @field_validator("tenant_limits", mode="before")
+    @classmethod
+    def _tenant_limits_json(cls, v: object) -> object:
+        # The environment's value is decoded by pydantic-settings; a string given directly
+        # (a compose file's value, a test) is the same JSON.
+        if isinstance(v, str):
+            try:
+                return json.loads(v) if v.strip() else {}
+            except ValueError as exc:
+                raise ValueError(f"tenant_limits is not JSON: {exc}") from exc
+        return v
+
+    @field_validator("tenant_limits", mode="after")
+    @classmethod
+    def _tenant_limit_names(cls, v: dict[str, TenantLimit]) -> dict[str, TenantLimit]:
+        for tenant in v:
+            check_tenant(tenant)
         return v
 
     @model_validator(mode="after")

@@ -45,7 +45,7 @@ import torch
 from sqlalchemy import delete, insert
 from sqlalchemy.engine import Connection, Engine
 
-from core import lifecycle_store
+from core import lifecycle_store, telemetry
 from core.control import PAUSED, Flag, get_flag
 from core.db import LearnerSample, LearnerStep, bump_counter, make_engine, migrate
 from core.dead_letters import MAX_TRIES, describe
@@ -340,6 +340,7 @@ class Learner:
             )
             return None
         sample_ids = [r[0] for r in rows]
+        step_started_ns = time.time_ns()  # the step's span (core.telemetry.trained)
         try:
             batch = collate(samples, self.version)
             metrics = self._step(batch)
@@ -395,6 +396,7 @@ class Learner:
                 bump_counter(conn, lifecycle_store.QUARANTINED, n)
 
         gate_json = None if gate is None else storable(gate.model_dump(mode="json"))
+        publish_started_ns = time.time_ns()
         new_version = self._publish(parent, flat, record_step, stage, gate_json)
         if stage == Stage.REJECTED:
             fault_point("after_gate_reject")
@@ -406,6 +408,9 @@ class Learner:
         # servers need only the committed version, and a restart takes the policy's weights from
         # the database's latest version whether or not the checkpoint caught up.
         self._announce_latest()
+        telemetry.trained(
+            new_version, parent, [(r.id, r.created_at) for r in rows], step_started_ns, publish_started_ns
+        )
         if step % self.config.checkpoint_every == 0:
             self._checkpoint(new_version)
             fault_point("after_checkpoint")
@@ -418,6 +423,7 @@ class Learner:
             metrics.get("explained_variance"),
             metrics["policy_loss"],
             metrics["step_time_s"],
+            extra={"version": new_version},
         )
         return metrics
 

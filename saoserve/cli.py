@@ -21,6 +21,7 @@ from pathlib import Path
 import typer
 from pydantic import ValidationError
 
+from core import logs, telemetry
 from core.policies import GLOBAL
 from core.settings import Settings, get_settings, server_secret_problems
 from saoserve.admin.app import admin_app
@@ -103,13 +104,22 @@ def serve(
     _check_secrets(settings)
     sock = _bound_socket(host, port)
     # The server's own lines (the version each swap serves, storage outages) at INFO; other
-    # libraries' at WARNING. uvicorn configures its own loggers.
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for name in ("server", "core"):
-        logging.getLogger(name).setLevel(logging.INFO)
+    # libraries' at WARNING; text or JSON (SAOSERVE_LOG_FORMAT). uvicorn's text lines are its
+    # own; in JSON mode they go through the same handler. Spans when an OTLP endpoint is set.
+    logs.configure(
+        settings.log_format, {"server": logging.INFO, "core": logging.INFO, "uvicorn": logging.INFO}
+    )
+    telemetry.configure(settings)
     prepare_model(settings.resolved_model_dir)
     http = header_timeout_protocol(settings.header_read_timeout_s)
-    config = uvicorn.Config(create_app(settings), host=host, port=port, log_level="info", http=http)
+    config = uvicorn.Config(
+        create_app(settings),
+        host=host,
+        port=port,
+        log_level="info",
+        http=http,
+        log_config=logs.uvicorn_log_config(settings.log_format),
+    )
     typer.echo(f"saoserve: http://{host}:{port} answers once the engine has started", err=True)
     uvicorn.Server(config).run(sockets=[sock])
 
@@ -218,7 +228,8 @@ def learn(
             f"with tenant policies ({', '.join(settings.tenant_policies)}) the global policy is served "
             f"as an adapter too: run with --policy lora (the config's policy is {cfg.policy.kind!r})"
         )
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logs.configure(settings.log_format, {}, default=logging.INFO)
+    telemetry.configure(settings, "learner", policy=tenant or GLOBAL)
     from learner.process import run_learner
     from saoserve.model import prepare_model
 

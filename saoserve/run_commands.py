@@ -111,6 +111,13 @@ def simulate(
         "the guard) ask for that policy (docs/tenants.md).",
     ),
     out: Path = typer.Option(Path("report"), help="Report folder."),
+    metrics_port: int = typer.Option(
+        None,
+        min=1,
+        max=65535,
+        help="Serve the simulation's own figures (the target style's share and the judged reward "
+        "over the last answers) on this port's /metrics for Prometheus (judge/sim_metrics.py).",
+    ),
 ) -> None:
     """Run the style-shift simulation against a running server and write the report."""
     import asyncio
@@ -157,6 +164,13 @@ def simulate(
             f"{sum(r['reward'] for r in recs) / max(len(recs), 1):.2f}"
         ),
     )
+    if metrics_port is not None:
+        from judge.sim_metrics import serve_metrics
+
+        try:
+            serve_metrics(metrics_port, lambda: sim.result.records)
+        except OSError as exc:
+            fail(f"--metrics-port {metrics_port}: cannot listen ({exc.strerror})")
     try:
         result = asyncio.run(sim.run())
     except KeyboardInterrupt:

@@ -25,6 +25,7 @@ from core.policies import GLOBAL
 from core.records import FrozenBaseline
 from core.settings import Settings, get_settings
 from server.auth import authenticate
+from server.backpressure import Backpressure
 from server.canary import CanaryRouter
 from server.chat import ChatHandler
 from server.engine import PolicyEngine
@@ -93,6 +94,7 @@ def create_app(
                 await eng.close()
 
     app = FastAPI(title="saoserve", version="0.1.0", lifespan=lifespan)
+    app.state.backpressure = Backpressure(settings)
     app.add_middleware(
         BodySizeLimit,
         max_bytes=max_body_bytes(settings.max_model_len),

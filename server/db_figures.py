@@ -24,10 +24,11 @@ from sqlalchemy import select
 from sqlalchemy.engine import Connection, Engine
 
 from core import lifecycle_store
-from core.control import GUARD_OFF, GUARD_PIN, GUARD_VERDICT
+from core.control import GUARD_OFF, GUARD_PIN, GUARD_VERDICT, PAUSED
 from core.db import ControlFlag, LearnerCounter, LearnerStep
 from core.lifecycle import Stage, lineage, promoted
 from core.policies import GLOBAL
+from core.records import as_utc
 from server.policy_log import PolicyLog
 
 log = logging.getLogger(__name__)
@@ -111,31 +112,59 @@ IDENTITY_GAUGES = {
 ``saoserve_learner_<name>`` gauges."""
 
 
+STEP_GAUGES = {
+    "reward_mean": ("learner_reward_mean", "Mean reward of the newest learner step's batch, in [0, 1]."),
+    "staleness_mean": (
+        "learner_staleness_mean",
+        "Mean staleness (versions) of the newest learner step's tokens.",
+    ),
+    "kept_fraction": ("learner_kept_fraction", "Share of the newest learner step's tokens DIS kept."),
+    "step_time_s": ("learner_step_seconds", "Duration of the newest learner step (s)."),
+}
+"""The newest step's figures (``learner_steps.metrics``) exported as gauges for the alerts and the
+board (deploy/prometheus, deploy/grafana; issue 42): metric key -> (name, help)."""
+
+
 @dataclass(frozen=True)
 class LearnerFigures:
     """One policy's learner as /metrics shows it: ``counters`` (``learner_counters``, which the
     learner bumps in its commits: ``expired``, ``dead_letters``, ``excluded_*``...; name ->
-    count) and ``identity`` (the newest step's ``IDENTITY_GAUGES`` figures, those it has)."""
+    count), ``identity`` (the newest step's ``IDENTITY_GAUGES`` figures, those it has),
+    ``step`` (its ``STEP_GAUGES`` figures, those it has, and ``at``: its unix time and
+    ``version``: the version it published; empty before a step) and ``paused`` (an operator
+    paused learning)."""
 
     counters: dict[str, int]
     identity: dict[str, float]
+    step: dict[str, float] = field(default_factory=dict)
+    paused: bool = False
 
 
 def read_learner(conn: Connection) -> LearnerFigures:
-    """The learner's counters and the newest step's identity figures, in the caller's connection."""
+    """The learner's counters, the newest step's figures and the pause flag, in the caller's
+    connection."""
     counters = dict(conn.execute(select(LearnerCounter.name, LearnerCounter.value)).all())
     newest = conn.execute(
-        select(LearnerStep.metrics).order_by(LearnerStep.id.desc()).limit(1)
-    ).scalar_one_or_none()
-    figures = newest if isinstance(newest, dict) else {}
+        select(LearnerStep.metrics, LearnerStep.created_at, LearnerStep.version)
+        .order_by(LearnerStep.id.desc())
+        .limit(1)
+    ).one_or_none()
+    figures = newest.metrics if newest is not None and isinstance(newest.metrics, dict) else {}
     identity = {k: float(figures[k]) for k in IDENTITY_GAUGES if isinstance(figures.get(k), int | float)}
-    return LearnerFigures(counters, identity)
+    step = {k: float(figures[k]) for k in STEP_GAUGES if isinstance(figures.get(k), int | float)}
+    if newest is not None:
+        step["at"] = as_utc(newest.created_at).timestamp()
+        step["version"] = float(newest.version)
+    paused = conn.execute(select(ControlFlag.value).where(ControlFlag.name == PAUSED)).scalar_one_or_none()
+    return LearnerFigures(counters, identity, step, paused == "1")
 
 
 class LearnerEvents(PolicyCollector):
     """A collector of each policy's learner (``read_learner``): its counters as
-    ``saoserve_learner_events_total{event=<counter>}`` and the newest step's identity figures
-    as ``saoserve_learner_<IDENTITY_GAUGES name>`` (absent before a step has them); a tenant
+    ``saoserve_learner_events_total{event=<counter>}``, the newest step's identity figures
+    as ``saoserve_learner_<IDENTITY_GAUGES name>`` and its ``STEP_GAUGES`` (absent before a step
+    has them), ``saoserve_learner_last_step_timestamp_seconds`` and ``_version``, and
+    ``saoserve_learner_paused``; a tenant
     policy's as ``saoserve_tenant_learner_events_total{tenant,event}`` and
     ``saoserve_tenant_learner_<name>{tenant}``. The global events family is shown before its
     first read, empty."""
@@ -162,6 +191,23 @@ class LearnerEvents(PolicyCollector):
         yield events
         for name, value in f.identity.items():
             yield Series(GaugeMetricFamily, f"learner_{name}", IDENTITY_GAUGES[name]).add((), value)
+        for key, (name, doc) in STEP_GAUGES.items():
+            if key in f.step:
+                yield Series(GaugeMetricFamily, name, doc).add((), f.step[key])
+        if "at" in f.step:
+            yield Series(
+                GaugeMetricFamily,
+                "learner_last_step_timestamp_seconds",
+                "Unix time at which the newest learner step was recorded.",
+            ).add((), f.step["at"])
+            yield Series(
+                GaugeMetricFamily,
+                "learner_last_step_version",
+                "The version the newest learner step published.",
+            ).add((), f.step["version"])
+        yield Series(GaugeMetricFamily, "learner_paused", "1 while an operator has paused learning.").add(
+            (), int(f.paused)
+        )
 
 
 @dataclass(frozen=True)

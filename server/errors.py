@@ -88,6 +88,9 @@ ERROR_TEXT = {
     "version older than the one served (version_behind)",
     413: "Request body larger than the model's context can hold",
     422: "Invalid feedback body or reward; a refused weights directory",
+    429: "Over a rate or concurrency limit of the API key, its tenant or anonymous traffic "
+    "(rate_limit_exceeded), or the engine's queue is full (engine_queue_full): nothing was "
+    "recorded; retry after Retry-After seconds",
     500: "Generation failed, or an internal error (internal_error); the details are in the server's log",
     503: "Storage unavailable: nothing was recorded; retry after Retry-After seconds",
 }

@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import time
 
+from core import logs, telemetry
 from core.logbus import LogUnavailable
 from core.records import TrajectoryRecord
 from server.rollout import Rollout
@@ -52,6 +53,10 @@ class Fate:
         self.s, self.rollout, self.stream_label = s, rollout, "true" if stream else "false"
         self.outcome: str | None = None
         self.t0 = time.perf_counter()
+        # The request's lines and its span carry its trajectory id (core.logs, core.telemetry).
+        ids = dict(prompt_id=rollout.prompt_id, version=rollout.dispatch_version, tenant=rollout.tenant)
+        logs.bind_here(trajectory_id=rollout.id, **ids)
+        self.span = telemetry.start_trajectory_span("chat", rollout.id, stream=stream, **ids)
 
     @property
     def settled(self) -> bool:
@@ -78,7 +83,8 @@ class Fate:
         rec = self.rollout.record()
         self._settle("ok")
         try:
-            await self.s.persist_trajectory(rec)
+            with telemetry.child_span(self.span, "log.append", tokens=len(rec.response_token_ids)):
+                await self.s.persist_trajectory(rec)
         except LogUnavailable as exc:
             log.warning("trajectory %s not recorded: %s", rec.id, exc)
             self.outcome = "log_unavailable"
@@ -115,6 +121,10 @@ class Fate:
         if self.outcome is None:
             log.warning("chat request %s ended unsettled: recorded as aborted", self.rollout.id)
             self.aborted()
+        if self.span is not None:
+            self.span.set_attribute("saoserve.outcome", self.outcome)
+            self.span.end()
+            self.span = None
 
     def _count(self) -> None:
         self.s.metrics.requests.labels(self.stream_label, self.outcome).inc()

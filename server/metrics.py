@@ -185,6 +185,14 @@ class ServerMetrics(PolicySeries):
             ["tenant"],
             registry=r,
         )
+        # Backpressure (server/backpressure.py): 429s by the tenant of the key and the limit.
+        self.throttled = Counter(
+            "saoserve_requests_throttled_total",
+            "Chat requests refused 429 before generation (no trajectory), by the tenant of the API "
+            "key that sent them ('-': none) and the limit that refused them.",
+            ["tenant", "limit"],
+            registry=r,
+        )
         self._tenants: set[str] = set()
         # Per tenant policy (docs/tenants.md, "A policy per tenant"): a tenant policy's serving
         # sets these, never the global policy's series above; ``tenant`` takes only the names

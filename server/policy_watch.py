@@ -41,6 +41,7 @@ import asyncio
 import logging
 from pathlib import Path
 
+from core import logs, telemetry
 from core.breaker import Unavailable
 from core.lifecycle import Stage
 from core.logbus import LogTransport
@@ -77,6 +78,7 @@ class PolicyWatcher:
     ):
         self.log = log_transport
         self.logger = PolicyLog(log, policy)
+        self.policy = policy
         self.engine = engine
         self.metrics = metrics
         self.poll_s = poll_s
@@ -174,15 +176,22 @@ class PolicyWatcher:
             self._ignore(event)
             return False
         self.swapping = event.version
-        try:
-            res = await self.engine.swap(event.version, Path(event.path), event.sha256)
-        except SwapRefused as exc:
-            self.metrics.swaps.labels("refused").inc()
-            self.refused = event.version
-            self.logger.error("policy version %d refused: %s", event.version, exc)
-            return False
-        finally:
-            self.swapping = None
+        # In the version's trace, beside the learner's step that made it (core.telemetry).
+        with (
+            telemetry.version_span("server.swap", event.version, self.policy),
+            logs.bind(version=event.version, policy=self.policy),
+        ):
+            try:
+                res = await self.engine.swap(event.version, Path(event.path), event.sha256)
+            except SwapRefused as exc:
+                self.metrics.swaps.labels("refused").inc()
+                self.refused = event.version
+                self.logger.error("policy version %d refused: %s", event.version, exc)
+                telemetry.note(result="refused")
+                return False
+            finally:
+                self.swapping = None
+            telemetry.note(result="ok", paused_s=res.paused_seconds, seconds=res.seconds)
         self.metrics.swapped(res)
         if measure:
             self.metrics.awaiting_answer(res.version, event.metrics.get("batch_completed_at"))

@@ -8,8 +8,10 @@ from pydantic import BaseModel
 from core.policies import GLOBAL
 from server.answers import ChatCompletion, ChatCompletionChunk
 from server.auth import caller_of
+from server.backpressure import THROTTLED, Throttled
 from server.chat import ChatHandler
 from server.errors import CHAT_PATH, errors
+from server.routes import state_of
 from server.schemas import ChatCompletionRequest, ErrorResponse
 
 router = APIRouter()
@@ -80,10 +82,24 @@ def handler_of(request: Request) -> ChatHandler:
 @router.post(
     CHAT_PATH,
     response_model=ChatCompletion,
-    responses=CHAT_200 | errors(400, 401, 403, 404, 408, 409, 413, 500, 503),
+    responses=CHAT_200 | errors(400, 401, 403, 404, 408, 409, 413, 429, 500, 503),
 )
 async def chat(req: ChatCompletionRequest, request: Request):
     """OpenAI's chat completion: one ``chat.completion``, or with ``stream: true`` server-sent
     ``chat.completion.chunk`` events; each answer is recorded as one trajectory before its last
-    byte (``server.chat.ChatHandler.answer``)."""
-    return await handler_of(request).answer(req, caller_of(request), lambda: client_gone(request))
+    byte (``server.chat.ChatHandler.answer``). A request over a limit is 429 before anything is
+    prepared (``server.backpressure``); an admitted one holds its slots until its answer is sent."""
+    caller = caller_of(request)
+    try:
+        lease = request.app.state.backpressure.admit(caller.key_id, caller.tenant)
+    except Throttled as exc:
+        metrics = state_of(request).metrics
+        metrics.throttled.labels(metrics.tenant_label(caller.tenant), exc.limit.value).inc()
+        metrics.failed_before_generation.labels(THROTTLED).inc()
+        raise
+    try:
+        answer = await handler_of(request).answer(req, caller, lambda: client_gone(request))
+    except BaseException:
+        lease.release()
+        raise
+    return lease.hold(answer)

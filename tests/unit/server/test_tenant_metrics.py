@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import create_engine, insert
 from starlette.testclient import TestClient
 
-from core.control import GUARD_OFF, GUARD_PIN, GUARD_VERDICT, set_flag
+from core.control import GUARD_OFF, GUARD_PIN, GUARD_VERDICT, PAUSED, set_flag
 from core.db import LearnerCounter, LearnerStep, PolicyVersion, make_engine, migrate
 from core.policies import GLOBAL
 from testing.tenants import RefusingEngine, SharedFakeEngine, namespaces, publish, tenant_settings
@@ -65,7 +65,8 @@ def scrape(client) -> tuple[dict, dict]:
 def write_acme(url: str) -> None:
     """Into acme's namespace: versions 0 and 2 promoted, 1 rejected, 3 and 4 on canary (the
     lineage [3, 4]); the learner's verdict on that lineage; the guard off and version 2 pinned;
-    the counters expired 3 and dead_letters 2; two learner steps, the newer with identity figures."""
+    the counters expired 3 and dead_letters 2; two learner steps, the newer with identity and step
+    figures; learning paused."""
     db = make_engine(url)
     try:
         with db.begin() as conn:
@@ -100,6 +101,9 @@ def write_acme(url: str) -> None:
                             "identity_top_sample_share": 0.25,
                             "identity_count": 4,
                             "identity_deferred": 1,
+                            "reward_mean": 0.625,
+                            "staleness_mean": 0.5,
+                            "step_time_s": 18.5,
                         },
                         created_at=AT,
                     ),
@@ -117,6 +121,7 @@ def write_acme(url: str) -> None:
         set_flag(db, GUARD_VERDICT, json.dumps(verdict))
         set_flag(db, GUARD_OFF, "1")
         set_flag(db, GUARD_PIN, "2")
+        set_flag(db, PAUSED, "1")
     finally:
         db.dispose()
 
@@ -178,10 +183,22 @@ ACME = {
     ("saoserve_learner_identity_top_sample_share", ()): 0.25,
     ("saoserve_learner_identity_count", ()): 4,
     ("saoserve_learner_identity_deferred", ()): 1,
+    # The newest step (version 4, at AT) and its figures (no kept_fraction: none shown); paused.
+    ("saoserve_learner_reward_mean", ()): 0.625,
+    ("saoserve_learner_staleness_mean", ()): 0.5,
+    ("saoserve_learner_step_seconds", ()): 18.5,
+    ("saoserve_learner_last_step_timestamp_seconds", ()): AT_UNIX,
+    ("saoserve_learner_last_step_version", ()): 4,
+    ("saoserve_learner_paused", ()): 1,
 }
 # A namespace with nothing written (beta): every stage 0, no promoted version, no lineage, the
-# guard on, no verdict, no counter (the events family has no sample), no step.
-EMPTY = {**stages(0, 0, 0, 0), ("saoserve_policy_lineage_versions", ()): 0, ("saoserve_guard_enabled", ()): 1}
+# guard on, no verdict, no counter (the events family has no sample), no step, not paused.
+EMPTY = {
+    **stages(0, 0, 0, 0),
+    ("saoserve_policy_lineage_versions", ()): 0,
+    ("saoserve_guard_enabled", ()): 1,
+    ("saoserve_learner_paused", ()): 0,
+}
 # The global namespace, from write_global: version 0 promoted (1), no lineage; expired 1.
 GLOBAL_FIGURES = {
     **stages(candidate=0, canary=0, promoted=1, rejected=0),
@@ -189,6 +206,7 @@ GLOBAL_FIGURES = {
     ("saoserve_policy_lineage_versions", ()): 0,
     ("saoserve_guard_enabled", ()): 1,
     ("saoserve_learner_events_total", (("event", "expired"),)): 1,
+    ("saoserve_learner_paused", ()): 0,
 }
 
 

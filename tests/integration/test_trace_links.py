@@ -20,8 +20,8 @@ from core import telemetry
 from learner.config import LearnerConfig
 from learner.process import Learner
 from server.engine import GenerationDelta
-from testing.servers import make_settings, running_server
 from testing.fakes import FakeEngine
+from testing.servers import make_settings, running_server
 
 TIMEOUT_S = 120.0
 

@@ -17,8 +17,8 @@ import openai
 
 from core.logbus import open_log
 from server.engine import GenerationDelta
-from testing.servers import ADMIN, make_settings, running_server
 from testing.fakes import FakeEngine
+from testing.servers import ADMIN, make_settings, running_server
 
 # The first chat imports vLLM (its SamplingParams) inside the server's loop: tens of seconds here.
 TIMEOUT_S = 120.0

@@ -39,7 +39,7 @@ uses: the control flag, the setting, the split).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -154,6 +154,25 @@ def promoted(versions: Iterable[VersionStage]) -> int:
     if best is None:
         raise ValueError("no promoted version is recorded")
     return best
+
+
+def descendants(parents: Mapping[int, int | None], version: int) -> list[int]:
+    """The versions trained from ``version``, directly or through others, oldest first
+    (``parents``: each recorded version → the version it was trained from, or whose weights it
+    restores; None for the base).
+
+    The rule of a rejection (docs/guard.md, "Rejecting a version"): a rejected version's
+    descendants carry its update (a rollback's version carries its weights), so they are
+    rejected with it, whatever their stage. Versions are numbered in the order they were made
+    and a parent is always older, so one pass in version order finds them all.
+    """
+    out: list[int] = []
+    tainted = {version}
+    for v in sorted(parents):
+        if v > version and parents[v] in tainted:
+            tainted.add(v)
+            out.append(v)
+    return out
 
 
 def lineage(versions: Iterable[VersionStage]) -> list[int]:

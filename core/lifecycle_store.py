@@ -23,7 +23,15 @@ from core.db import (
     TrajectoryIndex,
     VersionStatusEvent,
 )
-from core.lifecycle import ENDED_FINISHES, Arm, Stage, VersionStage, check_transition, healthy
+from core.lifecycle import (
+    ENDED_FINISHES,
+    Arm,
+    Stage,
+    TransitionError,
+    VersionStage,
+    check_transition,
+    healthy,
+)
 from core.limits import NAME_CHARS
 from core.records import PolicyEvent, as_utc, utcnow
 
@@ -37,6 +45,13 @@ def stages(conn: Connection) -> list[VersionStage]:
         select(PolicyVersion.version, PolicyVersion.lifecycle).order_by(PolicyVersion.version)
     )
     return [VersionStage(r.version, Stage(r.lifecycle)) for r in rows]
+
+
+def parents(conn: Connection) -> dict[int, int | None]:
+    """Every recorded version → the version it was trained from (or restores), None for the
+    base (``core.lifecycle.descendants``' input)."""
+    rows = conn.execute(select(PolicyVersion.version, PolicyVersion.parent_version))
+    return {r.version: r.parent_version for r in rows}
 
 
 def record_event(
@@ -76,9 +91,49 @@ def transition(
     if current is None:
         raise KeyError(f"no policy version {version}")
     to = check_transition(version, current, target)
-    conn.execute(update(PolicyVersion).where(PolicyVersion.version == version).values(lifecycle=str(to)))
+    _compare_and_set(conn, version, Stage(current), to)
     record_event(conn, version, Stage(current), to, actor, reason, at)
     return to
+
+
+def confirm_stage(conn: Connection, version: int, stage: Stage) -> None:
+    """In the caller's transaction, check that ``version`` is still at ``stage`` and hold it
+    there until the commit (a write of the same stage takes the row's lock: a concurrent
+    ``transition`` of it waits for this transaction, then finds what it wrote).
+
+    Raises:
+        core.lifecycle.TransitionError: ``version`` is not at ``stage`` (any more).
+    """
+    _compare_and_set(conn, version, stage, stage)
+
+
+def _compare_and_set(conn: Connection, version: int, seen: Stage, to: Stage) -> None:
+    """Move ``version`` from ``seen`` to ``to`` only if it is still at ``seen`` (issue 40 item 8).
+
+    The read of the stage and this write are two statements: another transaction (an operator,
+    the guard) may move the version between them. The ``WHERE lifecycle = seen`` makes the write
+    a compare-and-set. On PostgreSQL a concurrent writer of the row waits for the first one's
+    commit and then re-reads the row, so it updates nothing; on SQLite writers are serialised.
+    Exactly one of two racing moves is recorded; the other raises.
+
+    Raises:
+        core.lifecycle.TransitionError: the version is no longer at ``seen``; the message names
+            the stage it is at now.
+    """
+    res = conn.execute(
+        update(PolicyVersion)
+        .where(PolicyVersion.version == version, PolicyVersion.lifecycle == str(seen))
+        .values(lifecycle=str(to))
+    )
+    if res.rowcount == 1:
+        return
+    now = conn.execute(
+        select(PolicyVersion.lifecycle).where(PolicyVersion.version == version)
+    ).scalar_one_or_none()
+    raise TransitionError(
+        f"version {version} was {seen} and is {now or 'gone'} now: another move of it was "
+        "recorded first (read the lifecycle and try again if it still applies)"
+    )
 
 
 def stage_events(conn: Connection, versions: Iterable[int], stage: Stage, actor: str) -> list[PolicyEvent]:

@@ -271,7 +271,13 @@ class CanarySplit:
             raise ValueError(f"the control version {self.control} is in the lineage {sorted(self.lineage)}")
 
 
-def route(split: CanarySplit | None, current: int, draw: float) -> tuple[int, Arm | None]:
+def route(
+    split: CanarySplit | None,
+    current: int,
+    draw: float,
+    rejected: frozenset[int] = frozenset(),
+    fallback: int | None = None,
+) -> tuple[int, Arm | None]:
     """The version a new request is dispatched at, and its arm.
 
     Args:
@@ -279,18 +285,25 @@ def route(split: CanarySplit | None, current: int, draw: float) -> tuple[int, Ar
             engine without adapters).
         current: the version the engine serves new requests with (its newest loaded).
         draw: a uniform number in [0, 1), drawn once per request.
+        rejected: the versions known rejected; a new request never goes to one.
+        fallback: where a request goes when ``current`` is rejected (the promoted version the
+            engine holds, else the base weights); None: nothing else can serve.
 
     Returns:
-        ``(current, None)`` without a split or when ``current`` is not in the split's lineage
-        (the engine has moved past it: a promotion or a rollback the split has not seen yet);
-        else ``(current, Arm.CANARY)`` when ``draw < share``, ``(control, Arm.CONTROL)``
-        otherwise. So over n requests the canary's count is Binomial(n, share).
+        ``(fallback, None)`` when ``current`` is rejected and a fallback exists (issue 40: from
+        the instant of a rejection its requests go to the control); ``(current, None)`` without
+        a split or when ``current`` is not in the split's lineage (the engine has moved past it:
+        a promotion or a rollback the split has not seen yet); else ``(current, Arm.CANARY)``
+        when ``draw < share``, ``(control, Arm.CONTROL)`` otherwise. So over n requests the
+        canary's count is Binomial(n, share).
 
     Raises:
         ValueError: ``draw`` outside [0, 1).
     """
     if not 0.0 <= draw < 1.0:
         raise ValueError(f"a draw is in [0, 1), not {draw!r}")
+    if current in rejected and fallback is not None:
+        return fallback, None
     if split is None or current not in split.lineage:
         return current, None
     if draw < split.share:

@@ -15,7 +15,9 @@ from sqlalchemy import func, insert, literal, select, update
 from sqlalchemy.engine import Connection
 
 from core.claims import TRAJECTORY_PREFIX
+from core.control import GUARD_PIN, ROLLBACK_TO
 from core.db import (
+    ControlFlag,
     FeedbackClaim,
     LearnerStep,
     PolicyVersion,
@@ -52,6 +54,29 @@ def parents(conn: Connection) -> dict[int, int | None]:
     base (``core.lifecycle.descendants``' input)."""
     rows = conn.execute(select(PolicyVersion.version, PolicyVersion.parent_version))
     return {r.version: r.parent_version for r in rows}
+
+
+def routable(conn: Connection) -> set[int]:
+    """The versions whose published folders a server or the learner may still load, which the
+    learner's prune keeps whatever their age (issue 40; docs/guard.md, "Rejecting a version"):
+
+    * every ``promoted`` version: the promoted one is the control arm of a split and the target
+      of a rejection's restore, and each older one becomes both if the ones after it are
+      rejected (a rejection reaches a promoted version's descendants);
+    * the newest version not rejected: the lineage's candidate that serves (a replica that
+      restarts loads it);
+    * the versions the ``guard_pin`` and ``rollback_to`` flags name.
+    """
+    st = stages(conn)
+    keep = {v.version for v in st if v.stage == Stage.PROMOTED}
+    head = max((v.version for v in st if v.stage != Stage.REJECTED), default=None)
+    if head is not None:
+        keep.add(head)
+    flags = conn.execute(
+        select(ControlFlag.value).where(ControlFlag.name.in_([GUARD_PIN, ROLLBACK_TO]))
+    ).scalars()
+    keep.update(int(f) for f in flags if f.isdigit())
+    return keep
 
 
 def record_event(

@@ -189,9 +189,22 @@ async def _announce_moves(s, versions: list[int], stage: Stage, actor: str) -> b
     return True
 
 
+async def _follow_now(s: ServerState) -> None:
+    """Make this replica's canary router follow a move at once (a rejected version's requests go
+    to the control from this instant on; other replicas follow at their next read,
+    ``policy_poll_s``). A failed read is logged: the router's own loop reads again."""
+    if s.canary is None:
+        return
+    try:
+        await s.canary.refresh()
+    except Exception as exc:
+        log.warning("canary: reading the lifecycle after an operator's move failed: %s", exc)
+
+
 async def _operator_move(request: Request, s: ServerState, version: int, target: Stage, reason: str) -> dict:
     who = operator_of(request)
     moved = await asyncio.to_thread(_operator_transition, s.store.engine, version, target, who, reason)
+    await _follow_now(s)
     return moved | {"announced": await _announce_moves(s, moved["versions"], target, who)}
 
 
@@ -205,9 +218,12 @@ async def admin_promote(body: VersionAction, request: Request, s: PolicyState) -
 
 @router.post("/lifecycle/reject", response_model=VersionsMoved, responses=LIFECYCLE_ERRORS | errors(413))
 async def admin_reject(body: VersionAction, request: Request, s: PolicyState) -> dict:
-    """Reject a version: it never serves again. If it serves now, the learner publishes the
-    promoted version's weights as a new version and quarantines the samples that trained it
-    (its next guard check). 404 unknown, 409 already rejected or version 0."""
+    """Reject a version and its descendants (the versions trained from it, whatever their
+    stage): none of them serves again. On replicas that serve adapters, their new requests go to
+    the newest promoted version left (this replica's at once, the others' at their next read);
+    the learner, when it runs, publishes that version's weights as a new version and quarantines
+    the samples that trained the rejected ones. A pin of a rejected version is lifted. 404
+    unknown, 409 already rejected, version 0, or moved by another writer first."""
     return await _operator_move(request, s, body.version, Stage.REJECTED, body.reason)
 
 
@@ -244,6 +260,7 @@ async def admin_pin(body: VersionAction, request: Request, s: PolicyState) -> di
         return {"pinned": body.version, "actor": who, "promoted": moved}
 
     done = await asyncio.to_thread(pin)
+    await _follow_now(s)
     return done | {"announced": await _announce_moves(s, done["promoted"], Stage.PROMOTED, who)}
 
 

@@ -194,6 +194,7 @@ async def follow(state: ServerState, watch_policy: bool) -> list[asyncio.Task]:
                 state.metrics,
                 state.settings.canary_share,
                 policy=state.policy,
+                secret=state.settings.feedback_secret,
             )
             tasks.append(asyncio.create_task(state.canary.run(state.settings.policy_poll_s)))
     if state.spool is not None:

@@ -36,7 +36,7 @@ from sqlalchemy.engine import Engine
 from core import lifecycle_store, policy_store
 from core.control import CANARY_SHARE, GUARD_OFF, canary_share_flag
 from core.db import ControlFlag, PolicyVersion
-from core.lifecycle import Arm, CanarySplit, Stage, lineage, promoted, route
+from core.lifecycle import Arm, CanarySplit, Stage, lineage, promoted, route, sticky_draw
 from core.policies import GLOBAL
 from core.policy_store import Layout
 from server.engine import PolicyEngine, SwapRefused
@@ -92,8 +92,9 @@ def read_plan(db: Engine, default_share: float) -> CanaryPlan | None:
 
 class CanaryRouter:
     """The canary split of one engine: ``dispatch`` picks each request's version and arm,
-    ``refresh`` follows the database. ``rng`` draws the arms (seeded in tests); ``policy``
-    (``core.policies.GLOBAL`` or a tenant) starts each of its log lines."""
+    ``refresh`` follows the database. ``secret`` keys the sticky draws (``sticky_draw``), ``rng``
+    draws the arms of requests without a key (seeded in tests); ``policy``
+    (``core.policies.GLOBAL`` or a tenant) salts the draws and starts each of its log lines."""
 
     def __init__(
         self,
@@ -103,8 +104,11 @@ class CanaryRouter:
         default_share: float,
         rng: random.Random | None = None,
         policy: str = GLOBAL,
+        secret: str = "",
     ) -> None:
         self.db = db
+        self.policy = policy
+        self.secret = secret
         self.logger = PolicyLog(log, policy)
         self.engine = engine
         self.metrics = metrics
@@ -117,10 +121,16 @@ class CanaryRouter:
         self._refused: int | None = None  # the control version whose hold was last refused
         self._stranded: int | None = None  # the rejected version last logged as unavoidable
 
-    def dispatch(self) -> tuple[int, Arm | None]:
-        """The version a new request is dispatched at and its arm (None: no split)."""
+    def dispatch(self, key: str | None = None) -> tuple[int, Arm | None]:
+        """The version a new request is dispatched at and its arm (None: no split). ``key``
+        (``core.lifecycle.arm_key``): the arm is sticky to it within the lineage
+        (``sticky_draw``); None draws per request."""
         current = self.engine.version
-        version, arm = route(self.split, current, self.rng.random(), self.rejected, self.fallback)
+        if key is not None and self.split is not None:
+            draw = sticky_draw(self.secret, f"{self.policy}:{min(self.split.lineage)}", key)
+        else:
+            draw = self.rng.random()
+        version, arm = route(self.split, current, draw, self.rejected, self.fallback)
         if arm is not None:
             self.metrics.canary_requests.labels(str(arm)).inc()
         if current in self.rejected and self.fallback is None and self._stranded != current:

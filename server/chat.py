@@ -19,7 +19,7 @@ from starlette.types import Receive, Scope, Send
 
 from core.claims import episode_token_subject
 from core.keys import identity_of
-from core.lifecycle import Arm
+from core.lifecycle import Arm, arm_key
 from core.logbus import LogUnavailable
 from core.records import SamplingRecord, check_feedback_token, feedback_token, prompt_id_for, utcnow
 from core.settings import Settings
@@ -270,7 +270,7 @@ class ChatHandler:
     store: ServerStore
     metrics: ServerMetrics
     open_fate: Callable[[Rollout, bool], Fate]
-    dispatch: Callable[[], tuple[int, Arm | None]]
+    dispatch: Callable[[str | None], tuple[int, Arm | None]]
     require_storage: Callable[[], Awaitable[None]]
     read_baseline: BaselineReader | None = None
 
@@ -319,7 +319,7 @@ class ChatHandler:
         # Storage known down: refuse now (503) rather than generate an answer that cannot be recorded.
         await self.require_storage()
         prompt_id = req.prompt_id or prompt_id_for(task_messages(msgs, req.episode_id is not None))
-        version, arm = self.dispatch()
+        version, arm = self.dispatch(arm_key(caller.key_id, req.user, caller.address))
         baseline = await self.read_baseline(prompt_id, version) if self.read_baseline else None
         rollout_id = f"chatcmpl-{uuid.uuid4().hex}"
         turn = await self.start_episode_turn(req, rollout_id) if req.episode_id is not None else None

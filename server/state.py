@@ -79,11 +79,12 @@ class ServerState:
     async def _in_log_pool(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.log_pool, fn, *args)
 
-    def dispatch(self) -> tuple[int, Arm | None]:
-        """The version a new request is dispatched at and its canary arm (None: no split)."""
+    def dispatch(self, key: str | None = None) -> tuple[int, Arm | None]:
+        """The version a new request is dispatched at and its canary arm (None: no split);
+        ``key``: what the arm is sticky to (``core.lifecycle.arm_key``)."""
         if self.canary is None:
             return self.engine.version, None
-        return self.canary.dispatch()
+        return self.canary.dispatch(key)
 
     async def require_storage(self) -> None:
         """Refuse (DatabaseUnavailable / LogUnavailable, answered 503) before any work while

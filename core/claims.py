@@ -15,9 +15,26 @@ Three spellings, each for one reader:
   is the same string.
 
 Prefixes are :data:`core.limits.KEY_PREFIX_CHARS` characters long.
+
+A claim's life (docs/reliability.md, "A 202 is durable"; issue 40 item 9): the server takes it
+(``claimed``, holding the new record's id) before appending the record, marks it ``received``
+after the append, and answers 202. A claim still ``claimed`` after :data:`CLAIM_TIMEOUT` belongs
+to a request that has ended one way or another (the longest append gives up well before): the
+server may let a later record take it over, and keeps the first id it took it from
+(``superseded_id``). The joiner trains exactly one record per target, the first in log order of:
+the record the claim holds once it is marked or past the timeout, and the record a takeover
+superseded (it reached the log, so its request may have answered 202 with its mark lost).
 """
 
 from __future__ import annotations
+
+from datetime import timedelta
+
+CLAIM_TIMEOUT = timedelta(seconds=120)
+"""How long a claim stays ``claimed`` before it counts as its request's last word. Longer than
+any append can take (the SQL log waits up to 30 s for its database; Kafka's send gives up after
+5 s and a delivery after 40 s), so a request still appending never loses its claim to a
+later one, and the record of a claim past it is in the log or never will be."""
 
 TRAJECTORY_PREFIX = "t:"
 """The kind prefix of a trajectory's claim target (a SQL join builds the target from it)."""

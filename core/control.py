@@ -4,6 +4,11 @@ A flag is one row: its value and when it was set (``updated_at``). A request is 
 by the learner, which then clears the flag only if it still holds the request it read
 (``clear_if``: compare-and-clear on value and time), so a request made while an earlier one
 was being carried out survives and is carried out next.
+
+Writes are atomic under concurrency (issue 40 item 8): setting a flag is one upsert
+(``INSERT … ON CONFLICT (name) DO UPDATE``), never delete-then-insert, so two operators (or an
+operator and the learner) setting the same flag at once both succeed and the row holds the last
+writer's value; PostgreSQL's row lock orders them, SQLite's write lock does.
 """
 
 from __future__ import annotations
@@ -11,7 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import delete, insert, select
+from sqlalchemy import delete, select
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection, Engine
 
 from core.db import ControlFlag
@@ -40,17 +46,48 @@ class Flag:
     updated_at: datetime
 
 
-def set_flag(db: Engine, name: str, value: str | None) -> None:
-    """Set (or clear with None) an operator control flag."""
-    with db.begin() as conn:
+_INSERTS = {"postgresql": postgresql.insert, "sqlite": sqlite.insert}
+"""The dialects' ``INSERT … ON CONFLICT`` constructs (the two databases saoserve runs on)."""
+
+
+def write_flag(conn: Connection, name: str, value: str | None) -> None:
+    """In the caller's transaction, set ``name`` to ``value`` with the time now (one upsert), or
+    clear it (``value`` None: a delete, which a flag already clear survives).
+
+    Raises:
+        ValueError: a database other than PostgreSQL or SQLite.
+    """
+    if value is None:
         conn.execute(delete(ControlFlag).where(ControlFlag.name == name))
-        if value is not None:
-            conn.execute(insert(ControlFlag).values(name=name, value=value, updated_at=utcnow()))
+        return
+    make = _INSERTS.get(conn.dialect.name)
+    if make is None:
+        raise ValueError(f"control flags need PostgreSQL or SQLite, not {conn.dialect.name}")
+    stmt = make(ControlFlag).values(name=name, value=value, updated_at=utcnow())
+    conn.execute(
+        stmt.on_conflict_do_update(
+            index_elements=[ControlFlag.name],
+            set_={"value": stmt.excluded.value, "updated_at": stmt.excluded.updated_at},
+        )
+    )
+
+
+def set_flag(db: Engine, name: str, value: str | None) -> None:
+    """Set (or clear with None) an operator control flag, in a transaction of its own
+    (``write_flag``)."""
+    with db.begin() as conn:
+        write_flag(conn, name, value)
+
+
+def flag_value(conn: Connection, name: str) -> str | None:
+    """The value of ``name`` in the caller's connection or transaction, None when not set."""
+    return conn.execute(select(ControlFlag.value).where(ControlFlag.name == name)).scalar_one_or_none()
 
 
 def get_flag(db: Engine, name: str) -> str | None:
+    """The value of ``name``, None when not set."""
     with db.connect() as conn:
-        return conn.execute(select(ControlFlag.value).where(ControlFlag.name == name)).scalar_one_or_none()
+        return flag_value(conn, name)
 
 
 def read_flag(db: Engine, name: str) -> Flag | None:

@@ -97,7 +97,8 @@ class FeedbackClaim(Base):
 
     ``state``: ``claimed`` while the feedback record is being appended to the log, then
     ``received``. ``feedback_id``: the record (request) holding the claim; once ``received``,
-    the one record of the target the joiner may train. The primary key makes the claim atomic
+    the one record of the target the joiner may train, unless a takeover superseded an earlier
+    record that reached the log (``superseded_id``, ``core.claims``). The primary key makes the claim atomic
     on every database; a claim older than the claim timeout (a server that crashed mid-append,
     no 202 sent) may be taken over.
     """
@@ -109,6 +110,8 @@ class FeedbackClaim(Base):
     claimed_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     received_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     feedback_id: Mapped[str | None] = mapped_column(String(ID_CHARS))
+    # The first record a takeover took the claim from (migration 0017; core/claims.py).
+    superseded_id: Mapped[str | None] = mapped_column(String(ID_CHARS))
 
 
 class LogRecord(Base):

@@ -39,7 +39,9 @@ uses: the control flag, the setting, the split).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import hashlib
+import hmac
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -154,6 +156,25 @@ def promoted(versions: Iterable[VersionStage]) -> int:
     return best
 
 
+def descendants(parents: Mapping[int, int | None], version: int) -> list[int]:
+    """The versions trained from ``version``, directly or through others, oldest first
+    (``parents``: each recorded version → the version it was trained from, or whose weights it
+    restores; None for the base).
+
+    The rule of a rejection (docs/guard.md, "Rejecting a version"): a rejected version's
+    descendants carry its update (a rollback's version carries its weights), so they are
+    rejected with it, whatever their stage. Versions are numbered in the order they were made
+    and a parent is always older, so one pass in version order finds them all.
+    """
+    out: list[int] = []
+    tainted = {version}
+    for v in sorted(parents):
+        if v > version and parents[v] in tainted:
+            tainted.add(v)
+            out.append(v)
+    return out
+
+
 def lineage(versions: Iterable[VersionStage]) -> list[int]:
     """The candidate lineage, oldest first: the versions newer than the promoted one whose stage
     is ``candidate`` or ``canary`` (rejected versions are out of it). Empty when the promoted
@@ -250,26 +271,76 @@ class CanarySplit:
             raise ValueError(f"the control version {self.control} is in the lineage {sorted(self.lineage)}")
 
 
-def route(split: CanarySplit | None, current: int, draw: float) -> tuple[int, Arm | None]:
+def arm_key(key_id: str | None, user: str | None, address: str | None) -> str | None:
+    """What a request's canary arm is sticky to (``sticky_draw``), or None (no way to tell).
+
+    The API key's id when a key authenticated the request: every retry, turn and episode of a
+    key lands in one arm per lineage. Else the request's ``user`` field: without keys the
+    server trusts it as the identity everywhere (the identity cap, forget), and a deployment
+    that must resist clients choosing who they are requires keys (``require_keys``: then a
+    request with ``user`` and no key is refused). Else the client's address, which a client
+    cannot change cheaply from one request to the next, where the request body (prompt,
+    episode id) is the client's to vary at will. Episode turns follow from these: all turns
+    come from one key, user or address.
+    """
+    if key_id is not None:
+        return f"key:{key_id}"
+    if user is not None:
+        return f"user:{user}"
+    if address is not None:
+        return f"addr:{address}"
+    return None
+
+
+def sticky_draw(secret: str, salt: str, key: str) -> float:
+    """A uniform number in [0, 1) fixed by ``key`` within ``salt``, unknowable without ``secret``.
+
+    ``HMAC-SHA256(secret, salt | key)``'s first 8 bytes as an integer / 2**64. ``salt`` names the
+    lineage (its policy and first version: ``CanaryRouter``), so each lineage draws its canary
+    cohort afresh and no key is the canary of every lineage; ``secret`` (the server's feedback
+    secret, shared by the replicas, so they agree on every key's arm) keeps a client from
+    computing which keys fall in which arm. A retry draws the same number, so it gets the same
+    arm; over distinct keys the draws are uniform, so the canary's share of keys is ``share``
+    in expectation (of requests, when keys send alike).
+    """
+    digest = hmac.new(secret.encode(), f"{salt}|{key}".encode(), hashlib.sha256).digest()
+    return int.from_bytes(digest[:8], "big") / 2.0**64
+
+
+def route(
+    split: CanarySplit | None,
+    current: int,
+    draw: float,
+    rejected: frozenset[int] = frozenset(),
+    fallback: int | None = None,
+) -> tuple[int, Arm | None]:
     """The version a new request is dispatched at, and its arm.
 
     Args:
         split: the canary share in effect, or None (no split: probation, the guard off, an
             engine without adapters).
         current: the version the engine serves new requests with (its newest loaded).
-        draw: a uniform number in [0, 1), drawn once per request.
+        draw: a number in [0, 1): ``sticky_draw`` of the request's ``arm_key``, or a uniform
+            draw per request when it has none.
+        rejected: the versions known rejected; a new request never goes to one.
+        fallback: where a request goes when ``current`` is rejected (the promoted version the
+            engine holds, else the base weights); None: nothing else can serve.
 
     Returns:
-        ``(current, None)`` without a split or when ``current`` is not in the split's lineage
-        (the engine has moved past it: a promotion or a rollback the split has not seen yet);
-        else ``(current, Arm.CANARY)`` when ``draw < share``, ``(control, Arm.CONTROL)``
-        otherwise. So over n requests the canary's count is Binomial(n, share).
+        ``(fallback, None)`` when ``current`` is rejected and a fallback exists (issue 40: from
+        the instant of a rejection its requests go to the control); ``(current, None)`` without
+        a split or when ``current`` is not in the split's lineage (the engine has moved past it:
+        a promotion or a rollback the split has not seen yet); else ``(current, Arm.CANARY)``
+        when ``draw < share``, ``(control, Arm.CONTROL)`` otherwise. So over n requests the
+        canary's count is Binomial(n, share).
 
     Raises:
         ValueError: ``draw`` outside [0, 1).
     """
     if not 0.0 <= draw < 1.0:
         raise ValueError(f"a draw is in [0, 1), not {draw!r}")
+    if current in rejected and fallback is not None:
+        return fallback, None
     if split is None or current not in split.lineage:
         return current, None
     if draw < split.share:

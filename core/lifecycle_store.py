@@ -15,7 +15,9 @@ from sqlalchemy import func, insert, literal, select, update
 from sqlalchemy.engine import Connection
 
 from core.claims import TRAJECTORY_PREFIX
+from core.control import GUARD_PIN, ROLLBACK_TO
 from core.db import (
+    ControlFlag,
     FeedbackClaim,
     LearnerStep,
     PolicyVersion,
@@ -23,7 +25,15 @@ from core.db import (
     TrajectoryIndex,
     VersionStatusEvent,
 )
-from core.lifecycle import ENDED_FINISHES, Arm, Stage, VersionStage, check_transition, healthy
+from core.lifecycle import (
+    ENDED_FINISHES,
+    Arm,
+    Stage,
+    TransitionError,
+    VersionStage,
+    check_transition,
+    healthy,
+)
 from core.limits import NAME_CHARS
 from core.records import PolicyEvent, as_utc, utcnow
 
@@ -37,6 +47,36 @@ def stages(conn: Connection) -> list[VersionStage]:
         select(PolicyVersion.version, PolicyVersion.lifecycle).order_by(PolicyVersion.version)
     )
     return [VersionStage(r.version, Stage(r.lifecycle)) for r in rows]
+
+
+def parents(conn: Connection) -> dict[int, int | None]:
+    """Every recorded version → the version it was trained from (or restores), None for the
+    base (``core.lifecycle.descendants``' input)."""
+    rows = conn.execute(select(PolicyVersion.version, PolicyVersion.parent_version))
+    return {r.version: r.parent_version for r in rows}
+
+
+def routable(conn: Connection) -> set[int]:
+    """The versions whose published folders a server or the learner may still load, which the
+    learner's prune keeps whatever their age (issue 40; docs/guard.md, "Rejecting a version"):
+
+    * every ``promoted`` version: the promoted one is the control arm of a split and the target
+      of a rejection's restore, and each older one becomes both if the ones after it are
+      rejected (a rejection reaches a promoted version's descendants);
+    * the newest version not rejected: the lineage's candidate that serves (a replica that
+      restarts loads it);
+    * the versions the ``guard_pin`` and ``rollback_to`` flags name.
+    """
+    st = stages(conn)
+    keep = {v.version for v in st if v.stage == Stage.PROMOTED}
+    head = max((v.version for v in st if v.stage != Stage.REJECTED), default=None)
+    if head is not None:
+        keep.add(head)
+    flags = conn.execute(
+        select(ControlFlag.value).where(ControlFlag.name.in_([GUARD_PIN, ROLLBACK_TO]))
+    ).scalars()
+    keep.update(int(f) for f in flags if f.isdigit())
+    return keep
 
 
 def record_event(
@@ -76,9 +116,49 @@ def transition(
     if current is None:
         raise KeyError(f"no policy version {version}")
     to = check_transition(version, current, target)
-    conn.execute(update(PolicyVersion).where(PolicyVersion.version == version).values(lifecycle=str(to)))
+    _compare_and_set(conn, version, Stage(current), to)
     record_event(conn, version, Stage(current), to, actor, reason, at)
     return to
+
+
+def confirm_stage(conn: Connection, version: int, stage: Stage) -> None:
+    """In the caller's transaction, check that ``version`` is still at ``stage`` and hold it
+    there until the commit (a write of the same stage takes the row's lock: a concurrent
+    ``transition`` of it waits for this transaction, then finds what it wrote).
+
+    Raises:
+        core.lifecycle.TransitionError: ``version`` is not at ``stage`` (any more).
+    """
+    _compare_and_set(conn, version, stage, stage)
+
+
+def _compare_and_set(conn: Connection, version: int, seen: Stage, to: Stage) -> None:
+    """Move ``version`` from ``seen`` to ``to`` only if it is still at ``seen`` (issue 40 item 8).
+
+    The read of the stage and this write are two statements: another transaction (an operator,
+    the guard) may move the version between them. The ``WHERE lifecycle = seen`` makes the write
+    a compare-and-set. On PostgreSQL a concurrent writer of the row waits for the first one's
+    commit and then re-reads the row, so it updates nothing; on SQLite writers are serialised.
+    Exactly one of two racing moves is recorded; the other raises.
+
+    Raises:
+        core.lifecycle.TransitionError: the version is no longer at ``seen``; the message names
+            the stage it is at now.
+    """
+    res = conn.execute(
+        update(PolicyVersion)
+        .where(PolicyVersion.version == version, PolicyVersion.lifecycle == str(seen))
+        .values(lifecycle=str(to))
+    )
+    if res.rowcount == 1:
+        return
+    now = conn.execute(
+        select(PolicyVersion.lifecycle).where(PolicyVersion.version == version)
+    ).scalar_one_or_none()
+    raise TransitionError(
+        f"version {version} was {seen} and is {now or 'gone'} now: another move of it was "
+        "recorded first (read the lifecycle and try again if it still applies)"
+    )
 
 
 def stage_events(conn: Connection, versions: Iterable[int], stage: Stage, actor: str) -> list[PolicyEvent]:

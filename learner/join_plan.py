@@ -52,7 +52,10 @@ Rules (docs/design.md §4, §8):
   another id, or is gone, was answered 503 (or lost to a crash, no 202 sent) and is void:
   dropped and counted ``void_feedback``, whichever of the records is read first. So "the first
   feedback wins" means the confirmed one wins; records without an id (logged before ids) join
-  as before.
+  as before. A claim past ``core.claims.CLAIM_TIMEOUT`` confirms the record it holds, marked or
+  not (a 202 whose mark was lost), and the record a takeover superseded is confirmed too (it
+  reached the log before the takeover, so it is the first; the takeover's own record is then a
+  ``duplicate_feedback``): a 202 trains exactly once, the first (issue 40 item 9).
 * Privacy (docs/privacy.md): a trajectory whose request opted out of training, or whose API
   key has opted out by the time it joins (``JoinState.opted_out``: the key's setting read at
   join time, also for a record logged before the opt-out or without a ``train`` flag), or an
@@ -209,7 +212,9 @@ class JoinState:
     trajectories received before :func:`expiry_cutoff`. ``unconfirmed``: every pending feedback
     record waiting for its claim to be marked, by feedback id (the ids above include theirs).
     ``claims``: claim target (:meth:`Records.targets`) → the feedback id its claim holds, None
-    while claimed and not yet marked; a target without a claim row is absent. ``forgotten``:
+    while claimed, not yet marked and within ``core.claims.CLAIM_TIMEOUT``; a target without a
+    claim row is absent. ``superseded``: claim target → the first feedback id a takeover took
+    its claim from (``core.claims``), for the targets that have one. ``forgotten``:
     keys among :meth:`Records.ids` and :meth:`Records.episode_keys` that ``saoserve admin
     forget`` tombstoned (``core.db.ForgottenRecord``). ``expired_before``: keys among
     :meth:`Records.ids` and :meth:`Records.listed_turns` that have a tombstone of expiry (kind
@@ -225,6 +230,7 @@ class JoinState:
     expired: frozenset[str] = frozenset()
     unconfirmed: Mapping[str, FeedbackRecord] = field(default_factory=dict)
     claims: Mapping[str, str | None] = field(default_factory=dict)
+    superseded: Mapping[str, str] = field(default_factory=dict)
     forgotten: frozenset[str] = frozenset()
     expired_before: frozenset[str] = frozenset()
     stale_feedback: Mapping[str, FeedbackRecord] = field(default_factory=dict)
@@ -307,12 +313,16 @@ def _join_episode(episode_id: str, turns: list[TrajectoryRecord], reward: float,
     )
 
 
-def _confirmation(fb: FeedbackRecord, claims: Mapping[str, str | None]) -> str:
+def _confirmation(fb: FeedbackRecord, claims: Mapping[str, str | None], superseded: Mapping[str, str]) -> str:
     """``confirmed``, ``unconfirmed`` (claim not yet marked) or ``void_feedback`` (module
-    docstring)."""
+    docstring). The record a takeover superseded is confirmed: it is in the log, so its request
+    may have answered 202 (issue 40 item 9); the later record of the takeover, confirmed too,
+    then finds the target joined or pending (``duplicate_feedback``), so the first wins."""
     if fb.feedback_id is None:
         return "confirmed"
     target = claim_target(fb.trajectory_id, fb.episode_id)
+    if superseded.get(target) == fb.feedback_id:
+        return "confirmed"
     if target not in claims:
         return "void_feedback"
     held = claims[target]
@@ -327,7 +337,7 @@ def _verdict(fb: FeedbackRecord, state: JoinState, cutoff: datetime) -> str:
     past ``cutoff`` (by ``received_at``) becomes ``expired_feedback``."""
     if record_key(fb.trajectory_id, fb.episode_id) in state.forgotten:
         return "forgotten"
-    verdict = _confirmation(fb, state.claims)
+    verdict = _confirmation(fb, state.claims, state.superseded)
     if verdict == "unconfirmed" and as_utc(fb.received_at) < cutoff:
         return "expired_feedback"
     return verdict

@@ -26,14 +26,14 @@ from datetime import datetime
 from sqlalchemy import delete, insert, or_, select, update
 from sqlalchemy.engine import Connection, Engine
 
-from core.claims import record_key
+from core.claims import CLAIM_TIMEOUT, record_key
 from core.db import ConsumerOffset, FeedbackClaim, LearnerSample, PendingJoin, bump_counter
 from core.dead_letters import COUNTER as DEAD_LETTERS
 from core.dead_letters import MAX_TRIES, Letter, describe, is_outage, set_aside
 from core.evidence_store import EvidenceStore
 from core.keys import opted_out_identities
 from core.logbus import LogEntry, LogTransport
-from core.records import TOPIC_FEEDBACK, TOPIC_TRAJECTORIES, FeedbackRecord, TrajectoryRecord, utcnow
+from core.records import TOPIC_FEEDBACK, TOPIC_TRAJECTORIES, FeedbackRecord, TrajectoryRecord, as_utc, utcnow
 from core.retention import forgotten_among
 from core.sealing import SubjectKeys
 from learner.join_plan import (
@@ -265,14 +265,23 @@ class Joiner:
             held = list(unconfirmed.values())
             ids = records.ids(held)
             prompts = records.episode_prompt_ids(held)
+            rows = conn.execute(
+                select(
+                    FeedbackClaim.target,
+                    FeedbackClaim.state,
+                    FeedbackClaim.feedback_id,
+                    FeedbackClaim.claimed_at,
+                    FeedbackClaim.superseded_id,
+                ).where(FeedbackClaim.target.in_(records.targets(held)))
+            ).all()
+            # A claim past the claim timeout is its request's last word: marked or not, the
+            # record it holds is the target's (core.claims; its mark may have been lost).
+            settled = now - CLAIM_TIMEOUT
             claims = {
-                target: feedback_id if state == "received" else None
-                for target, state, feedback_id in conn.execute(
-                    select(FeedbackClaim.target, FeedbackClaim.state, FeedbackClaim.feedback_id).where(
-                        FeedbackClaim.target.in_(records.targets(held))
-                    )
-                )
+                r.target: r.feedback_id if r.state == "received" or as_utc(r.claimed_at) < settled else None
+                for r in rows
             }
+            superseded = {r.target: r.superseded_id for r in rows if r.superseded_id is not None}
             joined = keys("joined", PendingJoin.key.in_(ids | records.episode_keys(held)))
             trajectories = pending(
                 TrajectoryRecord,
@@ -295,6 +304,7 @@ class Joiner:
                 expired=expired,
                 unconfirmed=unconfirmed,
                 claims=claims,
+                superseded=superseded,
                 forgotten=forgotten,
                 expired_before=expired_before,
                 stale_feedback=stale,

@@ -213,10 +213,12 @@ def announce(db: Engine, log: LogTransport, row: Row) -> None:
 
 def prune(db: Engine, policy_dir: Path, keep: int, newest: int) -> None:
     """Delete all but the newest ``keep`` version folders up to version ``newest`` (``keep`` 0:
-    none), and never the promoted version's (a rejection of the lineage restores its weights)."""
-    promoted = promoted_version(db)
-    spared = promoted.version if promoted is not None else None
+    delete none), and never the folder of a version a server or the learner may still load
+    (``core.lifecycle_store.routable``: every promoted version, the newest not rejected, the
+    pinned one and a requested rollback's target)."""
+    with db.connect() as conn:
+        spared = lifecycle_store.routable(conn)
     dirs = [(v, d) for v, d in version_dirs(policy_dir) if v <= newest]
     for v, d in dirs[:-keep] if keep > 0 else []:
-        if v != spared:
+        if v not in spared:
             shutil.rmtree(d, ignore_errors=True)

@@ -9,8 +9,10 @@ least recently used, which may be the one requests are being served with. The ta
 server's own account of those slots, so it never asks vLLM for more than it has:
 
 - a load first **reserves** a slot (``reserve``), refused with ``TableFull`` when every slot is
-  loaded, loading or being removed; a load that fails gives its slot back (``cancel``), so a
-  refused version never takes one;
+  loaded, loading or being removed, or when its policy already has its share of the slots
+  (``capacity // policies``, issue 40: one policy's adapters in use never starve another's
+  loads); a load that fails gives its slot back (``cancel``), so a refused version never takes
+  one;
 - a loaded adapter becomes its policy's **current** one (what that policy's new requests are
   served with) unless a higher version of that policy already is; a policy with no current
   adapter is served by the base weights (its version 0);
@@ -76,13 +78,18 @@ class AdapterTable:
     policy's current adapter; ``current_of(policy)`` any policy's.
     """
 
-    def __init__(self, capacity: int) -> None:
-        if capacity < 1:
-            raise ValueError(f"an adapter table has at least one slot, not {capacity}")
+    def __init__(self, capacity: int, policies: int = 1) -> None:
+        if capacity < 1 or policies < 1 or capacity < policies:
+            raise ValueError(
+                f"an adapter table has at least one slot a policy, not {capacity} for {policies} policies"
+            )
         self.capacity = capacity
+        # Each policy's share of the slots: its loads are refused beyond it.
+        self.quota = capacity // policies
         self.adapters: dict[int, Adapter] = {}  # lora_id → loaded adapter
         self.loading: set[int] = set()
         self.removing: set[int] = set()
+        self._owners: dict[int, str] = {}  # lora_id → its policy, from its reservation to its removal
         self.currents: dict[str, Adapter] = {}  # policy → its current adapter (absent: the base)
         self._next_id = 1
 
@@ -99,31 +106,39 @@ class AdapterTable:
         """This table as seen by ``policy`` alone (``PolicyAdapters``)."""
         return PolicyAdapters(self, policy)
 
-    def occupied(self) -> int:
-        """Slots taken, by all policies: loaded, loading and being removed."""
-        return len(self.adapters) + len(self.loading) + len(self.removing)
+    def occupied(self, policy: str | None = None) -> int:
+        """Slots taken (loaded, loading and being removed): by all policies, or by ``policy``."""
+        if policy is None:
+            return len(self.adapters) + len(self.loading) + len(self.removing)
+        return sum(1 for owner in self._owners.values() if owner == policy)
 
-    def reserve(self) -> int:
-        """A slot for a load (of any policy); returns the vLLM id it will have (ids start at 1,
+    def reserve(self, policy: str = GLOBAL) -> int:
+        """A slot for a load of ``policy``; returns the vLLM id it will have (ids start at 1,
         vLLM's lowest).
 
         Raises:
-            TableFull: no slot is free.
+            TableFull: no slot is free, or ``policy`` has its share (``quota``) taken.
         """
+        why = "an adapter is removed only once no request generates with it and it is neither its policy's current one nor pinned"
         if self.occupied() >= self.capacity:
             raise TableFull(
                 f"all {self.capacity} adapter slots are taken ({len(self.adapters)} loaded, "
-                f"{len(self.loading)} loading, {len(self.removing)} being removed): an adapter is "
-                "removed only once no request uses it and it is neither its policy's current one nor pinned"
+                f"{len(self.loading)} loading, {len(self.removing)} being removed): {why}"
+            )
+        if self.occupied(policy) >= self.quota:
+            raise TableFull(
+                f"policy {policy!r} has all its {self.quota} of the {self.capacity} adapter slots taken: {why}"
             )
         lora_id = self._next_id
         self._next_id += 1
         self.loading.add(lora_id)
+        self._owners[lora_id] = policy
         return lora_id
 
     def cancel(self, lora_id: int) -> None:
         """The load of ``lora_id`` failed: its slot is free again."""
         self.loading.discard(lora_id)
+        self._owners.pop(lora_id, None)
 
     def loaded(
         self, lora_id: int, version: int, path: Path, sha256: str, hold: bool = False, policy: str = GLOBAL
@@ -194,6 +209,7 @@ class AdapterTable:
     def removed(self, lora_id: int) -> None:
         """vLLM no longer holds ``lora_id``: its slot is free."""
         self.removing.discard(lora_id)
+        self._owners.pop(lora_id, None)
 
     def _collect(self) -> list[Adapter]:
         out = [
@@ -210,7 +226,8 @@ class AdapterTable:
 class PolicyAdapters:
     """The shared ``AdapterTable`` bound to one policy: what ``PolicyView.adapters`` is, so code
     written for one policy's table (``find(version)``, ``current``, ``pin(version)``) works
-    unchanged. Slots (``capacity``, ``occupied``, ``reserve``) are the whole table's."""
+    unchanged. Slots (``capacity``, ``occupied``) are the whole table's; ``reserve`` counts
+    against this policy's share."""
 
     def __init__(self, table: AdapterTable, policy: str) -> None:
         self.table = table
@@ -231,8 +248,8 @@ class PolicyAdapters:
         return self.table.occupied()
 
     def reserve(self) -> int:
-        """``AdapterTable.reserve`` (raises TableFull)."""
-        return self.table.reserve()
+        """``AdapterTable.reserve`` for this policy (raises TableFull)."""
+        return self.table.reserve(self.policy)
 
     def cancel(self, lora_id: int) -> None:
         """``AdapterTable.cancel``."""

@@ -36,7 +36,7 @@ from server.limits import BodySizeLimit, max_body_bytes
 from server.metrics import ServerMetrics, TenantPolicyMetrics
 from server.policy_watch import PolicyWatcher
 from server.routes import admin, chat, feedback, keys, lifecycle, ops
-from server.spool import Spool
+from server.spool import Spool, WriteJournal
 from server.state import BaselineReader, ServerState
 from server.store import ServerStore
 
@@ -158,6 +158,7 @@ def open_policy(
     reader = read_baseline or evidence_reader(EvidenceStore(db))
     health = Health(db, lt, settings.log_required, policy=policy)
     state = ServerState(settings, eng, lt, ServerStore(db), metrics, spool, reader, health, policy=policy)
+    state.journal = WriteJournal(settings.home / "deferred")
     metrics.policy_version.set(eng.version)
     return state
 
@@ -195,23 +196,28 @@ async def follow(state: ServerState, watch_policy: bool) -> list[asyncio.Task]:
                 state.metrics,
                 state.settings.canary_share,
                 policy=state.policy,
+                secret=state.settings.feedback_secret,
             )
             tasks.append(asyncio.create_task(state.canary.run(state.settings.policy_poll_s)))
     if state.spool is not None:
         tasks.append(asyncio.create_task(state.spool.run()))
+    state.resume_deferred()
     return tasks
 
 
 async def close_policy(state: ServerState, own_log: bool) -> None:
     """At shutdown, once the tasks are cancelled: let the records in flight finish, stop the
-    log threads, cancel deferred writes (their records are in the log), close the log if this
-    app opened it (``own_log``) and the database."""
+    log threads, cancel deferred writes (their records are in the log, the writes in the
+    journal: the next start does them), close the log if this app opened it (``own_log``) and
+    the database."""
     if state.background:
         await asyncio.gather(*state.background, return_exceptions=True)
     state.log_pool.shutdown(wait=False)
     if state.deferred_writes:
         log.warning(
-            "%s: %d deferred database writes not done at shutdown", state.policy, len(state.deferred_writes)
+            "%s: %d deferred database writes not done at shutdown (the next start does them)",
+            state.policy,
+            len(state.deferred_writes),
         )
         for t in list(state.deferred_writes):
             t.cancel()

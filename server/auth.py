@@ -48,6 +48,8 @@ class Caller:
     tenant: str | None = None
     train: bool = True
     policy: str = GLOBAL
+    # The client's address as the server sees it (anonymous callers; the canary arm's key).
+    address: str | None = None
 
 
 ANONYMOUS = Caller()
@@ -82,8 +84,9 @@ async def authenticate(request: Request) -> Caller:
                 "this server requires an API key: send 'Authorization: Bearer <API key>' "
                 "(keys are made with `saoserve admin keys create TENANT`)"
             )
-        request.state.caller = ANONYMOUS
-        return ANONYMOUS
+        caller = Caller(address=request.client.host if request.client is not None else None)
+        request.state.caller = caller
+        return caller
     checked = await asyncio.to_thread(KeyStore(s.store.engine).check, token)
     if checked.outcome == "revoked":
         raise unauthorized(f"API key {checked.key.id} is revoked")

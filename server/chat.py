@@ -20,7 +20,7 @@ from starlette.types import Receive, Scope, Send
 from core.claims import episode_token_subject
 from core.evidence_store import stored_prompt_id
 from core.keys import identity_of
-from core.lifecycle import Arm
+from core.lifecycle import Arm, arm_key
 from core.logbus import LogUnavailable
 from core.records import SamplingRecord, check_feedback_token, feedback_token, prompt_id_for, utcnow
 from core.settings import Settings
@@ -271,7 +271,7 @@ class ChatHandler:
     store: ServerStore
     metrics: ServerMetrics
     open_fate: Callable[[Rollout, bool], Fate]
-    dispatch: Callable[[], tuple[int, Arm | None]]
+    dispatch: Callable[[str | None], tuple[int, Arm | None]]
     require_storage: Callable[[], Awaitable[None]]
     read_baseline: BaselineReader | None = None
 
@@ -325,7 +325,7 @@ class ChatHandler:
             if req.prompt_id
             else prompt_id_for(task_messages(msgs, req.episode_id is not None))
         )
-        version, arm = self.dispatch()
+        version, arm = self.dispatch(arm_key(caller.key_id, req.user, caller.address))
         baseline = await self.read_baseline(prompt_id, version) if self.read_baseline else None
         rollout_id = f"chatcmpl-{uuid.uuid4().hex}"
         turn = await self.start_episode_turn(req, rollout_id) if req.episode_id is not None else None

@@ -46,6 +46,10 @@ from server.cpu_worker import in_process_worker
 log = logging.getLogger(__name__)
 
 
+_END = object()
+"""The end of a request's deltas in ``PolicyEngine.generate``'s queue."""
+
+
 class InvalidSampling(ValueError):
     """vLLM refused a request's sampling parameters (its own checks, ``SamplingParams``); the
     text is vLLM's message."""
@@ -84,6 +88,12 @@ class SwapRefused(RuntimeError):
     """A policy version was not loaded (bad checksum, missing files, tensors that do not match
     the serving model, a reload that failed, full weights while tenant policies are served);
     the old one serves on."""
+
+
+class SlotsTaken(SwapRefused):
+    """A version refused only because its policy's adapter slots are all taken (in use, current,
+    pinned or being removed): it loads once one frees, and the policy watcher tries it again
+    (``server.policy_watch``)."""
 
 
 class UnknownPolicy(ValueError):
@@ -260,7 +270,9 @@ class PolicyEngine:
             path=model_dir,
             layout=layout,
             weights_path=model_dir,
-            adapters=AdapterTable(settings.max_cpu_loras) if lora else None,
+            adapters=AdapterTable(settings.max_cpu_loras, len(settings.tenant_policies) + 1)
+            if lora
+            else None,
             work_dir=work_dir,
         )
 
@@ -321,54 +333,91 @@ class PolicyEngine:
         first token to its last: ``version``'s (the version at dispatch) while it is still loaded
         (its adapter, or the full weights when ``version`` is ``weights_version_of(policy)``),
         else ``policy``'s current adapter (none: the base weights, a tenant's version 0), held
-        until the request ends; its deltas and spans carry that version. Otherwise ``version`` is
+        until vLLM has generated the last token (bounded by the request's ``max_tokens``), not
+        until the caller has read it: a slow reader holds no slot; its deltas and spans carry
+        that version. Otherwise ``version`` is
         not used: the engine serves what it has loaded. Raises UnknownPolicy before anything is
         generated.
         """
         self.check_policy(policy)
         params = vllm_sampling(sampling, top_logprobs, ignore_eos)
         rid = request_id or uuid.uuid4().hex
+        if self.adapters is None:
+            async for d in self._stream(prompt_token_ids, params, rid, top_logprobs, None, policy):
+                yield d
+            return
         adapter = self._acquire(version, policy)
-        n_tokens = 0
-        try:
-            async for out in self.engine.generate(
-                {"prompt_token_ids": prompt_token_ids}, params, rid, lora_request=lora_request(adapter)
-            ):
-                c = out.outputs[0]
-                ids = list(c.token_ids)
-                n_tokens += len(ids)
-                lps = [c.logprobs[i][t].logprob for i, t in enumerate(ids)] if c.logprobs else []
-                tops: list[list[tuple[int, float]]] = []
-                if top_logprobs and c.logprobs:
-                    for i in range(len(ids)):
-                        ranked = sorted(
-                            (lp.rank, tid, lp.logprob)
-                            for tid, lp in c.logprobs[i].items()
-                            if lp.rank is not None and 1 <= lp.rank <= top_logprobs
-                        )
-                        tops.append([(tid, float(lp)) for _, tid, lp in ranked])
-                spans = None
-                if c.weight_versions is not None:
-                    # vLLM stamps the engine's weights (the global lineage's); an adapter request's
-                    # tokens are its adapter's, a tenant's base-served ones its version 0's.
-                    if adapter is not None:
-                        spans = [(adapter.version, 0, n_tokens)]
-                    elif policy != GLOBAL:
-                        spans = [(0, 0, n_tokens)]
-                    else:
-                        spans = [(int(s.version), s.start, s.end) for s in c.weight_versions]
-                yield GenerationDelta(
-                    token_ids=ids,
-                    logprobs=[float(x) for x in lps],
-                    text=c.text,
-                    version=adapter.version if adapter is not None else self.weights_version_of(policy),
-                    finish_reason=c.finish_reason,
-                    weight_versions=spans,
-                    top_logprobs=tops,
-                )
-        finally:
-            if self.adapters is not None:
+        # The adapter is held while vLLM generates, not while the client reads (issue 40): a
+        # task drains vLLM into a queue (at most max_tokens deltas) and lets the adapter go when
+        # the generation ends, so a slow reader cannot keep a version's slot taken.
+        deltas: asyncio.Queue = asyncio.Queue()
+
+        async def drain() -> None:
+            try:
+                async for d in self._stream(prompt_token_ids, params, rid, top_logprobs, adapter, policy):
+                    deltas.put_nowait(d)
+                deltas.put_nowait(_END)
+            except Exception as exc:  # handed to the reader, raised there
+                deltas.put_nowait(exc)
+            finally:
                 self._remove_later(self.adapters.release(adapter))
+
+        task = asyncio.ensure_future(drain())
+        try:
+            while (item := await deltas.get()) is not _END:
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+        finally:
+            # The reader left early (a client gone, an error): the generation is aborted in vLLM.
+            task.cancel()
+
+    async def _stream(
+        self,
+        prompt_token_ids: list[int],
+        params,
+        rid: str,
+        top_logprobs: int,
+        adapter: Adapter | None,
+        policy: str,
+    ) -> AsyncIterator[GenerationDelta]:
+        """vLLM's outputs of one request as deltas, served with ``adapter`` (None: the full weights)."""
+        n_tokens = 0
+        async for out in self.engine.generate(
+            {"prompt_token_ids": prompt_token_ids}, params, rid, lora_request=lora_request(adapter)
+        ):
+            c = out.outputs[0]
+            ids = list(c.token_ids)
+            n_tokens += len(ids)
+            lps = [c.logprobs[i][t].logprob for i, t in enumerate(ids)] if c.logprobs else []
+            tops: list[list[tuple[int, float]]] = []
+            if top_logprobs and c.logprobs:
+                for i in range(len(ids)):
+                    ranked = sorted(
+                        (lp.rank, tid, lp.logprob)
+                        for tid, lp in c.logprobs[i].items()
+                        if lp.rank is not None and 1 <= lp.rank <= top_logprobs
+                    )
+                    tops.append([(tid, float(lp)) for _, tid, lp in ranked])
+            spans = None
+            if c.weight_versions is not None:
+                # vLLM stamps the engine's weights (the global lineage's); an adapter request's
+                # tokens are its adapter's, a tenant's base-served ones its version 0's.
+                if adapter is not None:
+                    spans = [(adapter.version, 0, n_tokens)]
+                elif policy != GLOBAL:
+                    spans = [(0, 0, n_tokens)]
+                else:
+                    spans = [(int(s.version), s.start, s.end) for s in c.weight_versions]
+            yield GenerationDelta(
+                token_ids=ids,
+                logprobs=[float(x) for x in lps],
+                text=c.text,
+                version=adapter.version if adapter is not None else self.weights_version_of(policy),
+                finish_reason=c.finish_reason,
+                weight_versions=spans,
+                top_logprobs=tops,
+            )
 
     def _acquire(self, version: int | None, policy: str) -> Adapter | None:
         """The adapter a starting request of ``policy`` dispatched at ``version`` is served with
@@ -526,12 +575,12 @@ class PolicyEngine:
                 f"adapter version {version} applies to the base model, and the engine serves the "
                 f"full weights of {self.weights_path}"
             )
-        if table.occupied() >= table.capacity:
+        if table.occupied() >= table.capacity or table.occupied(policy) >= table.quota:
             await self.removals_done()  # a slot being given back is a slot
         try:
-            lora_id = table.reserve()
+            lora_id = table.reserve(policy)
         except TableFull as exc:
-            raise SwapRefused(f"adapter version {version} not loaded: {exc}") from exc
+            raise SlotsTaken(f"adapter version {version} not loaded: {exc}") from exc
         staged = self.work_dir / f"adapter-{policy}-v{version}-{lora_id}"
         try:
             await asyncio.to_thread(self._stage_adapter, path, sha256, staged)

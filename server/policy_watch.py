@@ -14,7 +14,10 @@ then, so no answer comes from a version older than one this deployment already s
 replica that could not read the topic at start (the log down) starts anyway and catches up
 when the log answers. Once caught up, a swap under way keeps the replica ready (every replica
 swaps at once, and taking them all out would be an outage); a swap refused leaves it 503
-``behind`` until a later version loads. docs/reliability.md, "Replicas that restart".
+``behind`` until a later version loads, or, for a version refused only because its policy's
+adapter slots were all taken (``server.engine.SlotsTaken``), until that version loads: it is
+tried again at every poll, so the replica is ready again by itself once a slot frees (issue 40).
+docs/reliability.md, "Replicas that restart".
 
 While the log is down, each failed read is one warning line (its traceback only on the
 first failure of an outage), and the watcher waits longer between reads, doubling from
@@ -47,7 +50,7 @@ from core.lifecycle import Stage
 from core.logbus import LogTransport
 from core.policies import GLOBAL
 from core.records import TOPIC_POLICY, PolicyEvent
-from server.engine import PolicyEngine, SwapRefused
+from server.engine import PolicyEngine, SlotsTaken, SwapRefused
 from server.metrics import ServerMetrics, TenantPolicyMetrics
 from server.policy_log import PolicyLog
 
@@ -92,6 +95,7 @@ class PolicyWatcher:
         self.refused: int | None = None  # the last version whose swap was refused
         self._pending: PolicyEvent | None = None  # found by catch_up, loaded by run
         self.rejected: set[int] = set()  # versions a stage notice said are rejected
+        self._waiting: PolicyEvent | None = None  # refused for lack of a slot: tried again each poll
 
     async def _read_new(self) -> list[PolicyEvent]:
         """The events after the last read, oldest first; the offsets move only when the whole
@@ -102,7 +106,9 @@ class PolicyWatcher:
         for p in parts:
             wait_s = READ_WAIT_S
             while True:
-                batch = await asyncio.to_thread(self.log.read, TOPIC_POLICY, p, offsets.get(p, 0), 500, wait_s)
+                batch = await asyncio.to_thread(
+                    self.log.read, TOPIC_POLICY, p, offsets.get(p, 0), 500, wait_s
+                )
                 if not batch:
                     break
                 # The rest of what is there, without waiting for more: a read that waited for
@@ -162,9 +168,11 @@ class PolicyWatcher:
             return None
         return best
 
-    async def apply(self, event: PolicyEvent, measure: bool = True) -> bool:
+    async def apply(self, event: PolicyEvent, measure: bool = True, retry: bool = False) -> bool:
         """Swap to ``event``'s version unless it serves already; True if swapped. ``measure``
-        starts feedback→served for it (not at start-up, which would measure the start)."""
+        starts feedback→served for it (not at start-up, which would measure the start).
+        ``retry``: a version refused for lack of a slot, tried again (its refusal was counted and
+        logged once)."""
         if event.lifecycle == "rejected" or event.version in self.rejected:
             # A rejected version never serves (core/lifecycle.py); the learner never announces
             # one as rejected, so such an event is a bug, a forgery, or one rejected since.
@@ -184,14 +192,22 @@ class PolicyWatcher:
             try:
                 res = await self.engine.swap(event.version, Path(event.path), event.sha256)
             except SwapRefused as exc:
-                self.metrics.swaps.labels("refused").inc()
                 self.refused = event.version
-                self.logger.error("policy version %d refused: %s", event.version, exc)
+                # Refused for a slot: tried again at each poll until a slot frees (issue 40).
+                self._waiting = event if isinstance(exc, SlotsTaken) else None
+                if not retry:
+                    self.metrics.swaps.labels("refused").inc()
+                    later = " (tried again when a slot frees)" if self._waiting is not None else ""
+                    self.logger.error("policy version %d refused%s: %s", event.version, later, exc)
                 telemetry.note(result="refused")
                 return False
             finally:
                 self.swapping = None
             telemetry.note(result="ok", paused_s=res.paused_seconds, seconds=res.seconds)
+        self._waiting = None
+        if self.refused == event.version:
+            self.refused = None
+            self.logger.info("policy version %d loaded after its refusal", event.version)
         self.metrics.swapped(res)
         if measure:
             self.metrics.awaiting_answer(res.version, event.metrics.get("batch_completed_at"))
@@ -234,7 +250,12 @@ class PolicyWatcher:
             if first and target is None:
                 self.caught_up = True
                 self.metrics.serving(self.engine.version)
-        if target is not None and await self.apply(target, measure=self.caught_up):
+        retry = False
+        if target is None and self._waiting is not None:
+            waiting, self._waiting = self._waiting, None
+            if waiting.version > self.engine.version and waiting.version not in self.rejected:
+                target, retry = waiting, True
+        if target is not None and await self.apply(target, measure=self.caught_up, retry=retry):
             self.caught_up = True
 
     def readiness(self) -> str:

@@ -28,7 +28,7 @@ from server.engine import PolicyEngine
 from server.health import Health, is_storage_error
 from server.metrics import ServerMetrics, TenantPolicyMetrics
 from server.policy_log import PolicyLog
-from server.spool import Spool
+from server.spool import DeferredWrite, Spool, WriteJournal
 from server.store import ServerStore
 
 log = logging.getLogger(__name__)
@@ -62,6 +62,8 @@ class ServerState:
     policy: str = GLOBAL
     background: set[asyncio.Task] = field(default_factory=set)
     deferred_writes: set[asyncio.Task] = field(default_factory=set)
+    # Where deferred writes are kept until done, so a restart does them (None: memory only).
+    journal: WriteJournal | None = None
     # Appends wait for the log through short outages (up to 30 s each): they get threads of
     # their own, so waiting appends cannot take every thread of the loop's default executor
     # (rendering, database reads, health probes).
@@ -77,11 +79,12 @@ class ServerState:
     async def _in_log_pool(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.log_pool, fn, *args)
 
-    def dispatch(self) -> tuple[int, Arm | None]:
-        """The version a new request is dispatched at and its canary arm (None: no split)."""
+    def dispatch(self, key: str | None = None) -> tuple[int, Arm | None]:
+        """The version a new request is dispatched at and its canary arm (None: no split);
+        ``key``: what the arm is sticky to (``core.lifecycle.arm_key``)."""
         if self.canary is None:
             return self.engine.version, None
-        return self.canary.dispatch()
+        return self.canary.dispatch(key)
 
     async def require_storage(self) -> None:
         """Refuse (DatabaseUnavailable / LogUnavailable, answered 503) before any work while
@@ -147,7 +150,7 @@ class ServerState:
                     self.logger.exception("trajectory %s logged but not indexed", rec.id)
                     raise
                 self.logger.warning("trajectory %s logged, index row deferred: %s", rec.id, exc)
-                self._retry(self.store.index_trajectory, rec, part, off)
+                await self._retry(DeferredWrite.INDEX_TRAJECTORY, rec.to_json().decode(), part, off)
         self.metrics.trajectories.labels(rec.finish_reason).inc()
         self.metrics.tokens.inc(len(rec.response_token_ids))
         tenant = self.metrics.tenant_label(rec.tenant)
@@ -158,15 +161,16 @@ class ServerState:
 
     async def mark_received(self, target: str, reward: float, feedback_id: str | None = None) -> None:
         """Record in the database that ``target``'s feedback is in the log. The log already
-        holds it, so the answer is 202 whatever the database says: a refused write is retried
-        by a task until the database takes it."""
+        holds it, so the answer is 202 whatever the database says: a refused write is kept in
+        the journal before the answer and retried by a task until the database takes it, also
+        after a restart (``_retry``)."""
         try:
             await asyncio.to_thread(self.store.mark_received, target, reward, feedback_id)
         except Exception as exc:
             if not is_storage_error(exc):
                 raise
             self.logger.warning("feedback %s logged, claim update deferred: %s", target, exc)
-            self._retry(self.store.mark_received, target, reward, feedback_id)
+            await self._retry(DeferredWrite.MARK_RECEIVED, target, reward, feedback_id)
 
     async def release_turn(self, trajectory_id: str) -> None:
         """Free the number of an episode turn whose request failed before its record was logged
@@ -180,24 +184,63 @@ class ServerState:
             if not is_storage_error(exc):
                 raise
             self.logger.warning("episode turn %s not released yet: %s", trajectory_id, exc)
-            self._retry(self.store.release_turn, trajectory_id)
+            await self._retry(DeferredWrite.RELEASE_TURN, trajectory_id)
 
-    def _retry(self, write, *args) -> None:
-        task = asyncio.ensure_future(self._write_later(write, *args))
+    async def _retry(self, kind: DeferredWrite, *args) -> None:
+        """Defer the write ``kind(*args)`` (JSON arguments): kept in the journal first (before
+        the caller answers), then retried by a task until the database takes it."""
+        path = None
+        if self.journal is not None:
+            try:
+                path = await asyncio.to_thread(self.journal.put, kind, list(args))
+            except OSError as exc:
+                self.logger.error(
+                    "deferred write %s%r not journaled, kept in memory only: %s", kind, args[:1], exc
+                )
+        self._schedule(kind, list(args), path)
+
+    def resume_deferred(self) -> int:
+        """Schedule the journal's writes a restart interrupted (at start); returns how many."""
+        if self.journal is None:
+            return 0
+        pending = self.journal.pending()
+        for path, kind, args in pending:
+            self._schedule(kind, args, path, wait=False)
+        if pending:
+            self.logger.warning("%d deferred database writes from before the restart resumed", len(pending))
+        return len(pending)
+
+    def _schedule(self, kind: DeferredWrite, args: list, path, wait: bool = True) -> None:
+        task = asyncio.ensure_future(self._write_later(kind, args, path, wait))
         self.deferred_writes.add(task)
         task.add_done_callback(self.deferred_writes.discard)
 
-    async def _write_later(self, write, *args) -> None:
+    def _deferred_call(self, kind: DeferredWrite, args: list) -> None:
+        """Do the write ``kind(*args)`` on the store (blocking)."""
+        if kind is DeferredWrite.INDEX_TRAJECTORY:
+            record, part, offset = args
+            self.store.index_trajectory(TrajectoryRecord.model_validate_json(record), part, offset)
+        elif kind is DeferredWrite.MARK_RECEIVED:
+            self.store.mark_received(*args)
+        else:
+            self.store.release_turn(*args)
+
+    async def _write_later(self, kind: DeferredWrite, args: list, path, wait: bool) -> None:
         """Retry a database write that follows a record already in the log until the database
-        takes it (cancelled at shutdown: the record stays in the log)."""
+        takes it, then drop it from the journal (cancelled at shutdown: the journal keeps it for
+        the next start). ``wait``: wait ``DEFERRED_RETRY_S`` before the first try."""
         while True:
-            await asyncio.sleep(DEFERRED_RETRY_S)
+            if wait:
+                await asyncio.sleep(DEFERRED_RETRY_S)
+            wait = True
             try:
-                await asyncio.to_thread(write, *args)
+                await asyncio.to_thread(self._deferred_call, kind, args)
             except IntegrityError:
-                return
+                break
             except Exception as exc:
-                self.logger.debug("deferred write %s%r still refused: %s", write.__name__, args[:1], exc)
+                self.logger.debug("deferred write %s%r still refused: %s", kind, args[:1], exc)
                 continue
-            self.logger.info("deferred write %s%r done", write.__name__, args[:1])
-            return
+            self.logger.info("deferred write %s%r done", kind, args[:1])
+            break
+        if path is not None:
+            self.journal.done(path)

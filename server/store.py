@@ -10,7 +10,7 @@ from sqlalchemy import delete, func, insert, select, update
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError
 
-from core.claims import episode_key
+from core.claims import CLAIM_TIMEOUT, episode_key
 from core.db import (
     Episode,
     EpisodeTurn,
@@ -24,7 +24,6 @@ from core.limits import MAX_EPISODE_TURNS
 from core.records import TrajectoryRecord, as_utc, is_whole_answer, utcnow
 from core.sealing import SubjectKeys
 
-CLAIM_TIMEOUT = timedelta(seconds=30)
 # A dispatched episode turn not indexed after this long never will be (the server died while
 # answering it): it no longer holds the episode's feedback back, and its number may be sent again.
 TURN_TIMEOUT = timedelta(minutes=5)
@@ -388,9 +387,12 @@ class ServerStore:
         """Take the first-wins claim on ``target`` for the record ``feedback_id``; False if
         feedback was already given.
 
-        A claim stuck in ``claimed`` longer than CLAIM_TIMEOUT belongs to a request that never
-        answered 202 (crash mid-append) and is taken over with a compare-and-set; the claim then
-        holds the new record's id, so the old request can neither release nor mark it.
+        A claim stuck in ``claimed`` longer than ``core.claims.CLAIM_TIMEOUT`` belongs to a
+        request that ended without marking it (a crash, or a 202 whose mark was lost) and is
+        taken over with a compare-and-set; the claim then holds the new record's id, so the old
+        request can neither release nor mark it, and keeps the first id taken over
+        (``superseded_id``): if that record is in the log, the joiner trains it, not the new one
+        (first wins, ``core.claims``).
         """
         now = utcnow()
         try:
@@ -411,7 +413,11 @@ class ServerStore:
                     FeedbackClaim.state == "claimed",
                     FeedbackClaim.claimed_at < now - CLAIM_TIMEOUT,
                 )
-                .values(claimed_at=now, feedback_id=feedback_id)
+                .values(
+                    claimed_at=now,
+                    feedback_id=feedback_id,
+                    superseded_id=func.coalesce(FeedbackClaim.superseded_id, FeedbackClaim.feedback_id),
+                )
             )
             return res.rowcount == 1
 

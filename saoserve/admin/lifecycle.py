@@ -84,9 +84,11 @@ def reject(
     json_out: JsonOption = False,
     tenant: TenantOption = None,
 ) -> None:
-    """Reject VERSION: it never serves again; if it serves now, the learner restores the promoted
-    version's weights as a new version and quarantines its samples. Exit 5 if it is unknown
-    (404) or cannot be rejected (409: rejected already, or version 0)."""
+    """Reject VERSION and the versions trained from it: none serves again (replicas serving
+    adapters send their requests to the newest promoted version left at once); the learner
+    restores that version's weights as a new version and quarantines their samples. Exit 5 if
+    it is unknown (404) or cannot be rejected (409: rejected already, version 0, or moved by
+    another operator or the guard first)."""
     _lifecycle_call(
         "/admin/lifecycle/reject",
         {"version": version, "reason": reason},
@@ -95,7 +97,7 @@ def reject(
         key,
         tenant,
         json_out,
-        lambda a: f"version {version} rejected by {a['actor']}",
+        lambda a: f"versions {a['versions']} rejected by {a['actor']}",
     )
 
 

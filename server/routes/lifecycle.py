@@ -16,13 +16,22 @@ from fastapi import APIRouter, Depends, Query, Request
 from pydantic import ConfigDict, Field, field_validator
 
 from core import lifecycle_store
-from core.control import CANARY_SHARE, GUARD_OFF, GUARD_PIN, canary_share_flag, get_flag, set_flag
+from core.control import (
+    CANARY_SHARE,
+    GUARD_OFF,
+    GUARD_PIN,
+    canary_share_flag,
+    flag_value,
+    get_flag,
+    write_flag,
+)
 from core.lifecycle import (
     CANARY_SHARE_MAX,
     CANARY_SHARE_MIN,
     Stage,
     TransitionError,
     check_canary_share,
+    descendants,
     lineage,
     promoted,
 )
@@ -95,36 +104,71 @@ def operator_of(request: Request) -> str:
     return name
 
 
+def _move(conn, version: int, target: Stage, actor: str, reason: str, now) -> list[int]:
+    """In the caller's transaction, move ``version`` to ``target`` by ``actor``; returns the
+    versions moved, oldest first. 404 unknown, 409 a move not allowed or one another writer
+    recorded first (``core.lifecycle_store.transition`` is a compare-and-set).
+
+    Promoting a version promotes the versions of its lineage before it too, as the guard does.
+    Rejecting a version rejects its descendants with it, whatever their stage
+    (``core.lifecycle.descendants``; docs/guard.md, "Rejecting a version")."""
+    st = lifecycle_store.stages(conn)
+    stage_of = {v.version: v.stage for v in st}
+    if version not in stage_of:
+        raise ApiError(404, f"no policy version {version}", code="not_found", param="version")
+    why = reason or f"by {actor}"
+    moves = [(version, why)]
+    if target == Stage.PROMOTED and version in lineage(st):
+        moves = [(v, why) for v in lineage(st) if v <= version]
+    elif target == Stage.REJECTED and stage_of[version] != Stage.REJECTED:
+        heir = f"descends from version {version}, rejected by {actor}" + (f": {reason}" if reason else "")
+        moves += [
+            (v, heir)
+            for v in descendants(lifecycle_store.parents(conn), version)
+            if stage_of.get(v) != Stage.REJECTED
+        ]
+    try:
+        for v, why_v in moves:
+            lifecycle_store.transition(conn, v, target, actor, why_v, now)
+    except TransitionError as exc:
+        raise ApiError(409, str(exc), code="transition_refused", param="version") from None
+    return [v for v, _ in moves]
+
+
 def _operator_transition(db, version: int, target: Stage, actor: str, reason: str) -> dict:
-    """Move ``version`` to ``target`` by ``actor``: 404 unknown, 409 not allowed. Promoting a
-    version promotes the versions of its lineage before it too, as the guard does."""
-    now = utcnow()
+    """``_move`` in a transaction of its own. A rejection that reaches the pinned version lifts
+    the pin in the same transaction (a pin holds a promoted version; a rejected one never serves
+    again), so a pin and a reject racing end the same whichever commits first."""
     with db.begin() as conn:
-        st = lifecycle_store.stages(conn)
-        if version not in {v.version for v in st}:
-            raise ApiError(404, f"no policy version {version}", code="not_found", param="version")
-        moved = [version]
-        if target == Stage.PROMOTED and version in lineage(st):
-            moved = [v for v in lineage(st) if v <= version]
-        try:
-            for v in moved:
-                lifecycle_store.transition(conn, v, target, actor, reason or f"by {actor}", now)
-        except TransitionError as exc:
-            raise ApiError(409, str(exc), code="transition_refused", param="version") from None
+        moved = _move(conn, version, target, actor, reason, utcnow())
+        # Read after the moves: they hold the rows' locks, so a pin committed meanwhile is seen.
+        pinned = flag_value(conn, GUARD_PIN) if target == Stage.REJECTED else None
+        if pinned in {str(v) for v in moved}:
+            write_flag(conn, GUARD_PIN, None)
+            _note(conn, actor, f"unpinned: the pinned version {pinned} is rejected")
     return {"versions": moved, "lifecycle": str(target), "actor": actor}
 
 
-def _note(db, actor: str, reason: str, version: int | None = None) -> None:
+def _note(conn, actor: str, reason: str, version: int | None = None) -> None:
     """Record an operator's switch (pin, guard, share) as an event on ``version`` (default: the
-    promoted version), its stage unchanged."""
+    promoted version), its stage unchanged, in the caller's transaction (the one that writes the
+    switch's flag, so the events are in the order the flag took its values)."""
+    st = lifecycle_store.stages(conn)
+    if not st:
+        return  # no version recorded yet (a fresh database): nothing to attach the note to
+    v = promoted(st) if version is None else version
+    stage = next((x.stage for x in st if x.version == v), None)
+    if stage is not None:
+        lifecycle_store.record_event(conn, v, stage, stage, actor, reason, utcnow())
+
+
+def _switch(db, name: str, value: str | None, actor: str, reason: str) -> None:
+    """Write the flag ``name`` (one upsert; None clears it) and its note in one transaction:
+    two operators switching at once both succeed, the flag holds the last one's value and the
+    last note says so."""
     with db.begin() as conn:
-        st = lifecycle_store.stages(conn)
-        if not st:
-            return  # no version recorded yet (a fresh database): nothing to attach the note to
-        v = promoted(st) if version is None else version
-        stage = next((x.stage for x in st if x.version == v), None)
-        if stage is not None:
-            lifecycle_store.record_event(conn, v, stage, stage, actor, reason, utcnow())
+        write_flag(conn, name, value)
+        _note(conn, actor, reason)
 
 
 async def _announce_moves(s, versions: list[int], stage: Stage, actor: str) -> bool:
@@ -145,9 +189,22 @@ async def _announce_moves(s, versions: list[int], stage: Stage, actor: str) -> b
     return True
 
 
+async def _follow_now(s: ServerState) -> None:
+    """Make this replica's canary router follow a move at once (a rejected version's requests go
+    to the control from this instant on; other replicas follow at their next read,
+    ``policy_poll_s``). A failed read is logged: the router's own loop reads again."""
+    if s.canary is None:
+        return
+    try:
+        await s.canary.refresh()
+    except Exception as exc:
+        log.warning("canary: reading the lifecycle after an operator's move failed: %s", exc)
+
+
 async def _operator_move(request: Request, s: ServerState, version: int, target: Stage, reason: str) -> dict:
     who = operator_of(request)
     moved = await asyncio.to_thread(_operator_transition, s.store.engine, version, target, who, reason)
+    await _follow_now(s)
     return moved | {"announced": await _announce_moves(s, moved["versions"], target, who)}
 
 
@@ -161,9 +218,12 @@ async def admin_promote(body: VersionAction, request: Request, s: PolicyState) -
 
 @router.post("/lifecycle/reject", response_model=VersionsMoved, responses=LIFECYCLE_ERRORS | errors(413))
 async def admin_reject(body: VersionAction, request: Request, s: PolicyState) -> dict:
-    """Reject a version: it never serves again. If it serves now, the learner publishes the
-    promoted version's weights as a new version and quarantines the samples that trained it
-    (its next guard check). 404 unknown, 409 already rejected or version 0."""
+    """Reject a version and its descendants (the versions trained from it, whatever their
+    stage): none of them serves again. On replicas that serve adapters, their new requests go to
+    the newest promoted version left (this replica's at once, the others' at their next read);
+    the learner, when it runs, publishes that version's weights as a new version and quarantines
+    the samples that trained the rejected ones. A pin of a rejected version is lifted. 404
+    unknown, 409 already rejected, version 0, or moved by another writer first."""
     return await _operator_move(request, s, body.version, Stage.REJECTED, body.reason)
 
 
@@ -175,24 +235,32 @@ async def admin_pin(body: VersionAction, request: Request, s: PolicyState) -> di
     who = operator_of(request)
 
     def pin() -> dict:
-        with s.store.engine.connect() as conn:
+        now = utcnow()
+        with s.store.engine.begin() as conn:
             stage = {v.version: v.stage for v in lifecycle_store.stages(conn)}.get(body.version)
-        if stage is None:
-            raise ApiError(404, f"no policy version {body.version}", code="not_found", param="version")
-        if stage == Stage.REJECTED:
-            raise ApiError(
-                409, f"version {body.version} is rejected: it never serves again", code="transition_refused"
-            )
-        moved = []
-        if stage != Stage.PROMOTED:
-            moved = _operator_transition(
-                s.store.engine, body.version, Stage.PROMOTED, who, body.reason or "pinned"
-            )["versions"]
-        set_flag(s.store.engine, GUARD_PIN, str(body.version))
-        _note(s.store.engine, who, body.reason or "pinned: the guard decides nothing by itself", body.version)
+            if stage is None:
+                raise ApiError(404, f"no policy version {body.version}", code="not_found", param="version")
+            if stage == Stage.REJECTED:
+                raise ApiError(
+                    409,
+                    f"version {body.version} is rejected: it never serves again",
+                    code="transition_refused",
+                )
+            moved = []
+            if stage != Stage.PROMOTED:
+                moved = _move(conn, body.version, Stage.PROMOTED, who, body.reason or "pinned", now)
+            else:
+                try:
+                    # Hold it promoted until the flag is written: a reject waits for this commit.
+                    lifecycle_store.confirm_stage(conn, body.version, Stage.PROMOTED)
+                except TransitionError as exc:
+                    raise ApiError(409, str(exc), code="transition_refused", param="version") from None
+            write_flag(conn, GUARD_PIN, str(body.version))
+            _note(conn, who, body.reason or "pinned: the guard decides nothing by itself", body.version)
         return {"pinned": body.version, "actor": who, "promoted": moved}
 
     done = await asyncio.to_thread(pin)
+    await _follow_now(s)
     return done | {"announced": await _announce_moves(s, done["promoted"], Stage.PROMOTED, who)}
 
 
@@ -202,8 +270,7 @@ async def admin_unpin(request: Request, s: PolicyState) -> dict:
     who = operator_of(request)
 
     def unpin() -> dict:
-        set_flag(s.store.engine, GUARD_PIN, None)
-        _note(s.store.engine, who, "unpinned: the guard decides again")
+        _switch(s.store.engine, GUARD_PIN, None, who, "unpinned: the guard decides again")
         return {"pinned": None, "actor": who}
 
     return await asyncio.to_thread(unpin)
@@ -215,8 +282,13 @@ async def admin_guard(body: GuardSwitch, request: Request, s: PolicyState) -> di
     who = operator_of(request)
 
     def switch() -> dict:
-        set_flag(s.store.engine, GUARD_OFF, None if body.on else "1")
-        _note(s.store.engine, who, f"guard turned {'on' if body.on else 'off'}")
+        _switch(
+            s.store.engine,
+            GUARD_OFF,
+            None if body.on else "1",
+            who,
+            f"guard turned {'on' if body.on else 'off'}",
+        )
         return {"guard": "on" if body.on else "off", "actor": who}
 
     return await asyncio.to_thread(switch)
@@ -238,9 +310,10 @@ async def admin_canary(body: CanaryShare, request: Request, s: PolicyState) -> d
     mode = serving_mode(s)
 
     def store() -> dict:
-        set_flag(s.store.engine, CANARY_SHARE, repr(body.share))
         stored = "" if mode == "canary" else " (stored; probation mode has no share)"
-        _note(s.store.engine, who, f"canary share set to {body.share:g}{stored}")
+        _switch(
+            s.store.engine, CANARY_SHARE, repr(body.share), who, f"canary share set to {body.share:g}{stored}"
+        )
         message = (
             f"new requests go to the candidate lineage with probability {body.share:g}, to the "
             "promoted version otherwise"

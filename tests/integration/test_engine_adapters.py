@@ -353,7 +353,8 @@ async def test_a_canary_split_serves_the_lineage_and_the_promoted_adapter_side_b
         body = {"messages": PROMPT, "max_tokens": 4, "temperature": 1.0, "logprobs": True}
         served = []
         for i in range(40):
-            r = await http.post("/v1/chat/completions", json=body | {"seed": i})
+            # 40 users: the arm is sticky per user (core.lifecycle.arm_key), Binomial over users.
+            r = await http.post("/v1/chat/completions", json=body | {"seed": i, "user": f"u{i}"})
             assert r.status_code == 200
             rec = (await http.get(f"/admin/trajectories/{r.json()['id']}", headers=ADMIN)).json()
             served.append((r.json()["policy_version"], rec["arm"], rec["token_versions"], rec))

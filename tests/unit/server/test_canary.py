@@ -177,8 +177,9 @@ def test_read_plan_follows_the_lineage_the_guard_switch_and_the_share_flag(db):
     for bad in ("0", "5e-324", "1", "1.5", "nan", "inf", "lots"):  # not a share: the default applies
         set_flag(db, CANARY_SHARE, bad)
         assert read_plan(db, 0.2).share == 0.2
-    set_flag(db, GUARD_OFF, "1")
-    assert read_plan(db, 0.2) is None
+    set_flag(db, GUARD_OFF, "1")  # no split; the promoted version and the rejected ones still count
+    plan = read_plan(db, 0.2)
+    assert (plan.share, plan.control, plan.rejected) == (None, 5, frozenset({8}))
 
 
 class FakeEngine:

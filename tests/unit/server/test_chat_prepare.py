@@ -25,7 +25,7 @@ def handler(tmp_path, calls: list[str]) -> ChatHandler:
     async def require_storage() -> None:
         calls.append("storage")
 
-    def dispatch():
+    def dispatch(key=None):
         calls.append("dispatch")
         return 3, None
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from sqlalchemy import select, update
 
+from core.claims import CLAIM_TIMEOUT
 from core.db import FeedbackClaim, make_engine, migrate
 from core.records import utcnow
-from server.store import CLAIM_TIMEOUT, ServerStore
+from server.store import ServerStore
 
 
 def store_at(tmp_path) -> ServerStore:

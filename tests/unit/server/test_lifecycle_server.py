@@ -91,7 +91,7 @@ async def test_operator_overrides_are_recorded_with_who_and_why(tmp_path):
     assert promoted.exit_code == 0 and "versions [2] promoted by alice" in promoted.stdout
     assert again.exit_code == 5 and "version 2 cannot go from promoted to promoted" not in again.output
     assert "already promoted" in again.output
-    assert rejected.exit_code == 0 and "version 3 rejected by bob" in rejected.stdout
+    assert rejected.exit_code == 0 and "versions [3] rejected by bob" in rejected.stdout
     assert final.exit_code == 5 and "cannot go from rejected to rejected" not in final.output
     assert "already rejected" in final.output
     assert base.exit_code == 5 and "version 0 (the base model) cannot be rejected" in base.output

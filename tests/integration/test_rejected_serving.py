@@ -1,0 +1,236 @@
+"""On the real engine serving LoRA adapters (issue 40 items 3 and 4): a rejected version never
+gets a new request, with no learner running; rejecting a promoted version takes its descendants
+and serves the newest promoted version left; a slow reader keeps no adapter slot and the next
+version loads.
+
+One LoRA-enabled vLLM engine for the module (3 slots, 2 per batch, rank ≤ 16), the real app on
+PostgreSQL, adapters written with PEFT on the real model. Run under the machine-wide lock:
+``flock /tmp/saoserve-engine.lock pytest tests/integration/test_rejected_serving.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from datetime import UTC, datetime
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from sqlalchemy import insert, select
+
+from core.db import PolicyVersion, make_engine
+from core.logbus import open_log
+from core.policy_store import version_dir
+from core.records import TOPIC_POLICY, PolicyEvent, utcnow
+from core.settings import AdapterServing
+from core.weights import weights_sha256
+from testing.servers import ADMIN, make_settings, running_server
+
+pytestmark = [pytest.mark.integration, pytest.mark.engine]
+
+PROMPT = [{"role": "user", "content": "Write two sentences about the sea."}]
+MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@pytest.fixture(scope="module")
+def adapters(model_dir, tmp_path_factory) -> list[tuple[Path, str]]:
+    """Four rank-8 PEFT adapters on the real model (A, B random, B ≠ 0): (folder, sha256)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("adapters")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    peft = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=list(MODULES)))
+    gen = torch.Generator().manual_seed(3)
+    out = []
+    for i in range(4):
+        with torch.no_grad():
+            for name, p in peft.named_parameters():
+                if "lora_A" in name:
+                    p.copy_(torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5)
+                elif "lora_B" in name:
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+        peft.save_pretrained(root / f"a{i}")
+        out.append((root / f"a{i}", weights_sha256(root / f"a{i}")))
+    return out
+
+
+@pytest.fixture(scope="module")
+async def lora_engine(model_dir, tmp_path_factory):
+    from core.settings import Settings
+    from server.engine import PolicyEngine
+
+    settings = Settings(
+        home=tmp_path_factory.mktemp("lora-engine"),
+        model_dir=model_dir,
+        kv_cache_gib=1.0,
+        adapter_serving=AdapterServing.ADAPTER,
+        max_loras=2,
+        max_lora_rank=16,
+        max_cpu_loras=3,
+    )
+    engine = await PolicyEngine.start(settings, model_dir)
+    yield engine
+    engine.shutdown()
+
+
+def record(url: str, rows: list[tuple[int, Path, str, str, int | None]]) -> None:
+    """``policy_versions`` rows (version, folder, sha256, stage, parent), as the learner writes them."""
+    db = make_engine(url)
+    with db.begin() as conn:
+        known = set(conn.execute(select(PolicyVersion.version)).scalars())
+        for v, path, sha, stage, parent in rows:
+            if v in known:
+                continue
+            conn.execute(
+                insert(PolicyVersion).values(
+                    version=v,
+                    path=str(path),
+                    sha256=sha,
+                    status="published",
+                    parent_version=parent,
+                    metrics={},
+                    created_at=utcnow(),
+                    lifecycle=stage,
+                )
+            )
+    db.dispose()
+
+
+async def publish(settings, v: int, folder: Path, sha: str, parent: int) -> None:
+    event = PolicyEvent(
+        version=v,
+        path=str(folder),
+        sha256=sha,
+        created_at=datetime.now(UTC),
+        parent_version=parent,
+        lifecycle="canary",
+    )
+    log = open_log(settings.resolved_log_url)
+    await asyncio.to_thread(log.append, TOPIC_POLICY, "policy", event.to_json())
+    log.close()
+
+
+async def until(check, what: str, tries: int = 600) -> None:
+    """Wait (0.05 s a try) until ``check()`` is true; fail naming ``what`` otherwise."""
+    for _ in range(tries):
+        if await check():
+            return
+        await asyncio.sleep(0.05)
+    pytest.fail(f"never: {what}")
+
+
+async def served_versions(http: httpx.AsyncClient, n: int, tag: str) -> list[tuple[int, str | None]]:
+    """``n`` chats from ``n`` users: each answer's (policy_version, arm)."""
+    out = []
+    for i in range(n):
+        body = {"messages": PROMPT, "max_tokens": 4, "temperature": 1.0, "seed": i, "user": f"{tag}{i}"}
+        r = await http.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        rec = (await http.get(f"/admin/trajectories/{r.json()['id']}", headers=ADMIN)).json()
+        out.append((r.json()["policy_version"], rec["arm"]))
+    return out
+
+
+async def test_rejections_with_no_learner_send_every_request_to_the_promoted_version_left(
+    lora_engine, adapters, model_dir, tmp_path, pg_url
+):
+    """Versions P1, P2 promoted (P2 trained from P1), C on canary (trained from P2), share 0.5,
+    no learner. (1) Rejecting C: 50 of 50 requests go to P2, none to C (before: 50 of 50 to C,
+    ``split: null``). (2) Rejecting promoted P2 rejects C with it (its descendant) and makes P1
+    the control: 30 of 30 requests go to P1 (before: 30 of 30 to the newest descendant)."""
+    eng = lora_engine
+    await eng.removals_done()
+    settings = make_settings(tmp_path, database_url=pg_url, policy_poll_s=0.05)
+    p1, p2, c = eng.version + 1, eng.version + 2, eng.version + 3
+    folders = {}
+    for v, (src, _) in zip((p1, p2, c), adapters, strict=False):
+        folders[v] = version_dir(tmp_path / "policies", v)
+        shutil.copytree(src, folders[v])
+    shas = {v: adapters[i][1] for i, v in enumerate((p1, p2, c))}
+    async with running_server(settings, eng) as url, httpx.AsyncClient(base_url=url, timeout=120) as http:
+        record(
+            settings.resolved_database_url,
+            [
+                (0, model_dir, weights_sha256(model_dir), "promoted", None),
+                (p1, folders[p1], shas[p1], "promoted", 0),
+                (p2, folders[p2], shas[p2], "promoted", p1),
+                (c, folders[c], shas[c], "canary", p2),
+            ],
+        )
+        await publish(settings, c, folders[c], shas[c], p2)
+        r = await http.post("/admin/lifecycle/canary", json={"share": 0.5}, headers=ADMIN)
+        assert r.status_code == 200
+
+        async def split_on() -> bool:
+            split = (await http.get("/admin/lifecycle", headers=ADMIN)).json()["split"]
+            return split == {"lineage": [c], "control": p2, "share": 0.5} and eng.version == c
+
+        await until(split_on, "the split of C against P2")
+        before = await served_versions(http, 20, "a")
+        assert {a for _, a in before} == {"canary", "control"}
+
+        r = await http.post(
+            "/admin/lifecycle/reject", json={"version": c}, headers=ADMIN | {"X-Operator": "alice"}
+        )
+        assert r.status_code == 200 and r.json()["versions"] == [c]
+        assert await served_versions(http, 50, "b") == [(p2, None)] * 50
+
+        r = await http.post("/admin/lifecycle/reject", json={"version": p2}, headers=ADMIN)
+        assert r.status_code == 200 and r.json()["versions"] == [p2]  # C is rejected already
+        assert await served_versions(http, 30, "c") == [(p1, None)] * 30
+        state = (await http.get("/admin/lifecycle", headers=ADMIN)).json()
+        assert (state["promoted"], state["lineage"], state["split"]) == (p1, [], None)
+
+
+async def test_slow_readers_hold_no_slot_and_the_next_version_loads(lora_engine, adapters, tmp_path, pg_url):
+    """Three slots. Two streams (256 tokens, 20 top logprobs a token) are opened on two versions
+    and read no further than their first chunk; two more versions are published. Before the
+    fix the two unread streams kept their versions' adapters and the fourth version was refused
+    ("all 3 adapter slots are taken") with /readyz 503 "behind" until yet another was published.
+    Now each adapter is let go when its generation ends: the newest version serves and /readyz
+    is 200, while both streams are still open and unread."""
+    eng = lora_engine
+    await eng.removals_done()
+    settings = make_settings(tmp_path, database_url=pg_url, policy_poll_s=0.05)
+    base = eng.version
+    vs = [base + 1 + i for i in range(4)]
+    folders = {}
+    for v, (src, sha) in zip(vs, adapters, strict=True):
+        folders[v] = (version_dir(tmp_path / "policies", v), sha)
+        shutil.copytree(src, folders[v][0])
+    body = {
+        "messages": PROMPT,
+        "max_tokens": 256,
+        "temperature": 1.0,
+        "stream": True,
+        "logprobs": True,
+        "top_logprobs": 20,
+    }
+    async with running_server(settings, eng) as url, httpx.AsyncClient(base_url=url, timeout=300) as http:
+        streams = []
+        for i, v in enumerate(vs[:2]):
+            await publish(settings, v, *folders[v], v - 1)
+
+            async def serves(v: int = v) -> bool:
+                return eng.version == v
+
+            await until(serves, f"version {v} loaded")
+            cm = http.stream("POST", "/v1/chat/completions", json=body | {"seed": i})
+            resp = await cm.__aenter__()
+            assert resp.status_code == 200
+            await anext(resp.aiter_raw())  # the first chunk, then nothing more is read
+            streams.append(cm)
+        for v in vs[2:]:
+            await publish(settings, v, *folders[v], v - 1)
+
+            async def loaded(v: int = v) -> bool:
+                ready = await http.get("/readyz")
+                return eng.version == v and ready.status_code == 200
+
+            await until(loaded, f"version {v} loaded and /readyz 200", tries=2400)
+        assert eng.version == vs[-1]
+        for cm in streams:
+            await cm.__aexit__(None, None, None)

@@ -26,6 +26,7 @@ COLUMNS = {
     ("feedback_claims", "target"): limits.KEY_CHARS,
     ("feedback_claims", "state"): limits.STATE_CHARS,
     ("feedback_claims", "feedback_id"): limits.ID_CHARS,
+    ("feedback_claims", "superseded_id"): limits.ID_CHARS,
     ("log_records", "topic"): limits.NAME_CHARS,
     ("log_records", "key"): limits.PROMPT_ID_CHARS,
     ("policy_versions", "sha256"): limits.SHA256_CHARS,

@@ -126,16 +126,32 @@ def formatter(fmt: LogFormat) -> logging.Formatter:
     return JsonLines() if fmt is LogFormat.JSON else TextLines()
 
 
+class _StderrHandler(logging.StreamHandler):
+    """A stream handler on whatever ``sys.stderr`` is when a line is written, not when the
+    handler was made: a CLI runner or a test harness swaps stderr between commands, and a
+    handler bound to a swapped-out (closed) stream fails every line after it."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
 def configure(fmt: LogFormat, levels: dict[str, int], default: int = logging.WARNING) -> logging.Handler:
     """Send every logger's lines to stderr in ``fmt``: the root logger at ``default``, each
-    logger of ``levels`` at its own level (``{"server": logging.INFO}``); replaces the root's
-    handlers (a second call reconfigures). Returns the handler."""
-    handler = logging.StreamHandler(sys.stderr)
+    logger of ``levels`` at its own level (``{"server": logging.INFO}``). A second call replaces
+    the handler the first one installed (other handlers on the root, such as a test runner's
+    log capture, stay). Returns the handler."""
+    handler = _StderrHandler()
     handler.setFormatter(formatter(fmt))
     handler.addFilter(BoundIds())
     root = logging.getLogger()
     for old in list(root.handlers):
-        root.removeHandler(old)
+        if isinstance(old, _StderrHandler):
+            root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(default)
     for name, level in levels.items():

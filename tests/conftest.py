@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
+import logging
 import os
 import shutil
 import socket
@@ -88,6 +89,26 @@ def tansu() -> Iterator[str]:
         proc.wait(timeout=10)
     except subprocess.TimeoutExpired:
         proc.kill()
+
+
+@pytest.fixture(autouse=True)
+def _restore_logging() -> Iterator[None]:
+    """After each test, the root logger's handlers and every logger's level as they were: a
+    command run in-process (typer's CliRunner: ``serve``, ``learn``) configures logging for its
+    process (``core.logs.configure``), which must not change what the next test's commands
+    print or what its log capture sees."""
+    root = logging.getLogger()
+    handlers = list(root.handlers)
+    levels = {
+        n: lg.level for n, lg in logging.root.manager.loggerDict.items() if isinstance(lg, logging.Logger)
+    }
+    root_level = root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(root_level)
+    for name, lg in list(logging.root.manager.loggerDict.items()):
+        if isinstance(lg, logging.Logger):
+            lg.setLevel(levels.get(name, logging.NOTSET))
 
 
 @pytest.fixture(autouse=True, scope="module")

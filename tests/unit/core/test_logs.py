@@ -99,12 +99,18 @@ def test_an_unknown_id_is_refused():
         assert logs.bound() == {}
 
 
-def test_configure_replaces_the_root_handler_and_sets_levels():
+def test_configure_replaces_its_own_handler_and_sets_levels(capsys):
     root = logging.getLogger()
     saved = (list(root.handlers), root.level, logging.getLogger("t.level").level)
     try:
+        first = logs.configure(LogFormat.TEXT, {})
         handler = logs.configure(LogFormat.JSON, {"t.level": logging.DEBUG}, default=logging.ERROR)
-        assert root.handlers == [handler] and root.level == logging.ERROR
+        # The second call replaced the first's handler; the test runner's capture stays.
+        assert first not in root.handlers and handler in root.handlers and root.level == logging.ERROR
+        assert [h for h in saved[0] if h not in root.handlers] == []
+        # The handler writes to stderr as it is when a line is written (a runner swaps it).
+        logging.getLogger("t.level").error("to the stderr of now")
+        assert '"message": "to the stderr of now"' in capsys.readouterr().err
         assert logging.getLogger("t.level").level == logging.DEBUG
         assert isinstance(handler.formatter, logs.JsonLines)
         assert logs.uvicorn_log_config(LogFormat.JSON) is None

@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import create_engine, insert
 from starlette.testclient import TestClient
 
+from core import logs
 from core.control import GUARD_OFF, GUARD_PIN, GUARD_VERDICT, PAUSED, set_flag
 from core.db import LearnerCounter, LearnerStep, PolicyVersion, make_engine, migrate
 from core.policies import GLOBAL
@@ -251,6 +252,9 @@ def test_a_tenant_database_that_does_not_answer_keeps_its_last_figures_and_the_s
     app = create_app(settings, engine=SharedFakeEngine(), watch_policy=False)
     # A file SQLite cannot open (its folder does not exist).
     missing = create_engine(f"sqlite:///{tmp_path}/missing/dir/x.db")
+    # The policy a line is about is a bound id (core.logs.bind): the capture sets it on its
+    # records as the server's own handler does.
+    caplog.handler.addFilter(logs.BoundIds())
     with caplog.at_level(logging.WARNING, logger="server.db_figures"), TestClient(app) as client:
         acme, beta = app.state.tenants["acme"].store, app.state.tenants["beta"].store
         # Beta's database does not answer from the first scrape: no figures of it to keep.

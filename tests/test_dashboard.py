@@ -198,6 +198,13 @@ EXPECTED_STATE = {
 }
 
 
+PROBATION_SAYS = (
+    "only watches: this engine serves one full-weight version at a time, so each new version serves "
+    "all traffic on probation, compared with the promoted version's earlier ratings (no live "
+    "control arm: drift between the two windows is confounded with the version)"
+)
+
+
 def check_state(body: dict) -> None:
     assert {k: body[k] for k in EXPECTED_STATE} == EXPECTED_STATE
     assert [
@@ -207,7 +214,8 @@ def check_state(body: dict) -> None:
         (1, 0, None, "rejected"),
         (2, 0, 0, "promoted"),
     ]
-    # The verdict on [1] is not shown: version 1 was rejected, nothing is on probation.
+    # The verdict on [1] is not shown: version 1 was rejected, nothing is on probation. A
+    # full-weight engine (no adapters): the guard can only watch.
     assert body["guard"] == {
         "on": True,
         "pinned": None,
@@ -215,10 +223,78 @@ def check_state(body: dict) -> None:
         "lineage": [],
         "stages": STAGES_AFTER_POPULATE,
         "verdict": None,
+        "mode": "probation",
+        "can": "watch",
+        "says": PROBATION_SAYS,
     }
     assert all(v["created_at"].endswith("+00:00") for v in body["versions"])
     assert [(r["version"], r["n"]) for r in body["reward_by_version"]] == [(0, 3), (2, 1)]
     assert [r["reward_mean"] for r in body["reward_by_version"]] == pytest.approx([2 / 3, 1.0])
+
+
+def test_the_guard_says_whether_it_can_decide_or_only_watch(tmp_path):
+    """What the guard can do is read from this replica (``server.routes.ops.guard_capability``):
+    an engine serving adapters decides against a live control arm while its canary split is in
+    effect; a lineage without the split (the promoted version not held) is on probation, where
+    the guard only watches; the pin says so; ``saoserve admin status`` prints the same words.
+    (A full-weight engine: ``test_dashboard_state``, ``PROBATION_SAYS``.)"""
+    from core.lifecycle import CanarySplit
+    from saoserve.admin.status import _guard_lines
+    from server.adapters import AdapterTable
+    from server.app import create_app
+    from server.canary import CanaryRouter
+    from server.metrics import ServerMetrics
+
+    settings = make_settings(tmp_path)
+    engine = SimpleNamespace(version=4, adapters=AdapterTable(3))
+    app = create_app(settings, engine=engine, watch_policy=False)
+    with TestClient(app) as client:
+
+        def guard() -> dict:
+            return client.get("/dashboard/state").json()["guard"]
+
+        idle = guard()
+        assert (idle["mode"], idle["can"], idle["says"]) == (
+            "canary",
+            "decide",
+            "can decide: nothing under watch now; a new version will get a canary share beside a live "
+            "control arm (the promoted version)",
+        )
+        populate(settings.resolved_database_url)  # version 2 promoted
+        add_lineage(settings.resolved_database_url)  # versions 3 and 4 under watch
+        db = make_engine(settings.resolved_database_url)
+        set_flag(db, GUARD_OFF, None)
+        set_flag(db, GUARD_PIN, None)
+        unheld = guard()
+        assert (unheld["can"], unheld["says"]) == (
+            "watch",
+            "only watches for now: the promoted version cannot be held beside the lineage, so the lineage "
+            "serves all traffic on probation, compared with the promoted version's earlier ratings (no "
+            "live control arm)",
+        )
+        assert _guard_lines(unheld)[1] == ("", "promoted version 2; on probation: versions 3, 4")
+        # The router holds version 2 beside the lineage: the split is in effect.
+        router = CanaryRouter(db, engine, ServerMetrics(), 0.2)
+        router.split = CanarySplit(frozenset({3, 4}), 2, 0.2)
+        app.state.s.canary = router
+        split = guard()
+        says = (
+            "can decide: versions 3, 4 get a canary share of 0.2 beside a live control arm (version 2), "
+            "both rated in the same window"
+        )
+        assert (split["can"], split["says"]) == ("decide", says)
+        assert _guard_lines(split)[:2] == [
+            ("guard", says),
+            ("", "promoted version 2; on canary: versions 3, 4"),
+        ]
+        set_flag(db, GUARD_PIN, "2")
+        pinned = guard()
+        assert (pinned["can"], pinned["says"]) == (
+            "pinned",
+            "pinned to version 2: the guard promotes and rejects nothing by itself",
+        )
+        assert _guard_lines(pinned)[1] == ("", "promoted version 2; under watch: versions 3, 4")
+        db.dispose()
 
 
 def test_label_counts_sums_over_the_other_labels():
@@ -237,7 +313,7 @@ def test_dashboard_state(tmp_path, database, request):
     settings = make_settings(tmp_path, **where)
     from server.app import create_app
 
-    app = create_app(settings, engine=SimpleNamespace(version=1), watch_policy=False)
+    app = create_app(settings, engine=SimpleNamespace(version=1, adapters=None), watch_policy=False)
     with TestClient(app) as client:
         empty = client.get("/dashboard/state").json()
         assert (empty["learning"], empty["rollback_to"], empty["newest_version"]) == ("running", None, None)
@@ -324,6 +400,7 @@ return {
 TEXTS = (
     "learning",
     "rollback-pending",
+    "guard-says",
     "policy-version",
     "newest-version",
     "newest-note",
@@ -388,7 +465,7 @@ def look(driver, url: str, name: str) -> dict:
 @pytest.mark.slow
 async def test_dashboard_in_chromium(tmp_path, browser):
     settings = make_settings(tmp_path)
-    async with running_server(settings, SimpleNamespace(version=1), watch_policy=False) as url:
+    async with running_server(settings, SimpleNamespace(version=1, adapters=None), watch_policy=False) as url:
         async with httpx.AsyncClient(base_url=url) as http:
             empty = await asyncio.to_thread(look, browser, url, "empty")
             populate(settings.resolved_database_url)
@@ -420,10 +497,11 @@ async def test_dashboard_in_chromium(tmp_path, browser):
     assert empty["learning"] == "learning running" and empty["rollback-pending"] == ""
     assert (empty["newest-version"], empty["learner-steps"], empty["dead-letters"]) == ("none", "none", "0")
     assert (empty["guard"], empty["promoted-version"], empty["candidate-version"]) == (
-        "guard on",
+        "guard only watches · probation",
         "none",
         "none",
     )
+    assert empty["guard-says"] == PROBATION_SAYS
     assert (empty["decision"], empty["decision-detail"], empty["lineage"]) == ("–", "", "")
     assert all(c["empty"] for k, c in empty["charts"].items() if k != "c-rps")
     assert empty["charts"]["c-reward"]["x_label"] == "learner step"
@@ -448,7 +526,7 @@ async def test_dashboard_in_chromium(tmp_path, browser):
     assert paused["other-counters"] == "other learner counters: expired 3"
     # The lifecycle: version 1 rejected (and served by this replica until it swaps), 2 promoted.
     assert (paused["guard"], paused["served-stage"], paused["promoted-version"]) == (
-        "guard on",
+        "guard only watches · probation",
         "rejected",
         "2",
     )
@@ -483,6 +561,9 @@ async def test_dashboard_in_chromium(tmp_path, browser):
     assert len(running["charts"]["c-reward"]["points"]) == 40
     # Versions 3 and 4 on probation, the guard off and version 2 pinned, the verdict shown.
     assert running["guard"] == "GUARD OFF · pinned to version 2"
+    assert running["guard-says"] == (
+        "off: every new version is promoted as it is recorded, with no comparison; pinned to version 2"
+    )
     assert (running["candidate-version"], running["lineage"]) == ("4", "lineage: versions 3, 4")
     assert running["stage-counts"] == "promoted 2 · canary 2 · candidate 0 · rejected 1"
     assert running["decision"] == "continue"

@@ -268,9 +268,9 @@ def test_the_guard_says_whether_it_can_decide_or_only_watch(tmp_path):
         unheld = guard()
         assert (unheld["can"], unheld["says"]) == (
             "watch",
-            "only watches for now: the promoted version cannot be held beside the lineage, so the lineage "
-            "serves all traffic on probation, compared with the promoted version's earlier ratings (no "
-            "live control arm)",
+            "only watches for now: no canary split is in effect (full-weight versions, or the promoted "
+            "version cannot be held beside the lineage), so the lineage serves all traffic on probation, "
+            "compared with the promoted version's earlier ratings (no live control arm)",
         )
         assert _guard_lines(unheld)[1] == ("", "promoted version 2; on probation: versions 3, 4")
         # The router holds version 2 beside the lineage: the split is in effect.

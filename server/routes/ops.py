@@ -96,7 +96,8 @@ def guard_capability(
     comparison is not confounded by drift. ``watch``: each new version serves all traffic on
     probation and is compared with the promoted version's earlier ratings, which drift between
     the two windows confounds: the vetoes watch, a verdict is weak (a full-weight engine, or an
-    adapter engine whose promoted version cannot be held beside the lineage). ``off`` and
+    adapter engine with no split in effect: full-weight versions, or a promoted version it cannot
+    hold beside the lineage). ``off`` and
     ``pinned``: the operators' switches; the guard decides nothing by itself.
 
     ``on``, ``pinned``: the switches; ``adapters``: this replica's engine serves adapters;
@@ -120,9 +121,9 @@ def guard_capability(
         )
     if adapters:
         return "watch", (
-            "only watches for now: the promoted version cannot be held beside the lineage, so the lineage "
-            "serves all traffic on probation, compared with the promoted version's earlier ratings "
-            "(no live control arm)"
+            "only watches for now: no canary split is in effect (full-weight versions, or the promoted "
+            "version cannot be held beside the lineage), so the lineage serves all traffic on probation, "
+            "compared with the promoted version's earlier ratings (no live control arm)"
         )
     return "watch", (
         "only watches: this engine serves one full-weight version at a time, so each new version serves "

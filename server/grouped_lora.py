@@ -12,8 +12,8 @@ weights are copied; a batch whose tokens have no adapter does no LoRA work at al
 Semantics are the stock op's, with one difference: a token whose slot is -1 (no adapter) gets
 no LoRA delta. The stock op indexes its weights with that -1, which is the last slot
 (``max_loras - 1``): its delta is zero while that slot is empty, and that slot's adapter once it
-is filled, so a base request batched beside ``max_loras`` adapters is served with the last
-one's delta (measured on the engine: docs/serving_adapters.md, "The grouped op").
+is filled, so once every active slot holds an adapter a base request is served with the last
+one's delta (shown on the engine: docs/serving_adapters.md, "The grouped LoRA op").
 
 Shapes (every function): T tokens, ``in`` input features, R the slot rank (``max_lora_rank``),
 S adapter slots. Stacked weights are vLLM's: A ``(S, 1, R, in)`` or ``(S, R, in)``, B

@@ -173,9 +173,10 @@ class Settings(BaseSettings):
     adapter_serving: AdapterServing = Field(
         AdapterServing.MERGED,
         description="How versions published as LoRA adapters are served: 'merged' (merged into full "
-        "weights and swapped in, a pause of about a second; no LoRA cost per token) or 'adapter' (vLLM "
-        "LoRA, loaded with no pause; on CPUs a third of the tokens/s at 8-16 streams). Measured in "
-        "docs/serving_adapters.md.",
+        "weights and swapped in with a pause, no LoRA cost per token; one version serves at a time, so "
+        "the guard only watches on probation) or 'adapter' (vLLM LoRA, loaded with no pause; a new "
+        "version gets a canary share beside a live control arm; each adapter in a batch costs tokens/s). "
+        "Measured: docs/results.md, adapter_serving; why the default: docs/serving_adapters.md.",
     )
     max_loras: int = Field(
         4, ge=1, le=64, description="adapter serving: adapters one vLLM batch may mix (vLLM's max_loras)."

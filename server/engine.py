@@ -42,6 +42,7 @@ from core.weights import WeightsLayout, WeightsMismatch, weights_sha256
 from server.adapter_files import AdapterMismatch, AdapterSpec, check_adapter, merge, stage
 from server.adapters import Adapter, AdapterTable, PolicyAdapters, TableFull
 from server.cpu_worker import in_process_worker
+from server.grouped_lora import LoraOp
 
 log = logging.getLogger(__name__)
 
@@ -141,9 +142,10 @@ class PolicyEngine:
     ``work_dir``), which a failed reload restores, and ``weights_version`` the global version
     those full weights are (what a global request served with no adapter is stamped with; a
     tenant's is always 0). ``adapters`` is the adapter table of all policies when adapters are
-    served as LoRA (``AdapterServing.ADAPTER``), else None. Every method that serves or loads a
-    version takes ``policy`` (default ``GLOBAL``) and raises UnknownPolicy for a name the engine
-    does not serve.
+    served as LoRA (``AdapterServing.ADAPTER``), else None; ``lora_op`` the op that serves them
+    on a CPU engine (``use_lora_op``; None without LoRA, and on GPUs, where vLLM's Punica kernels
+    do). Every method that serves or loads a version takes ``policy`` (default ``GLOBAL``) and
+    raises UnknownPolicy for a name the engine does not serve.
     """
 
     settings: Settings
@@ -156,6 +158,7 @@ class PolicyEngine:
     weights_path: Path | None = None
     weights_version: int = 0
     adapters: AdapterTable | None = None
+    lora_op: LoraOp | None = None
     work_dir: Path | None = None
     _swap_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     _closing: bool = False
@@ -262,7 +265,7 @@ class PolicyEngine:
         # Adapter copies and merged weights of this engine only (replicas may share a home).
         work_dir = Path(settings.home) / "engine" / f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         work_dir.mkdir(parents=True)
-        return cls(
+        served = cls(
             settings=settings,
             model_dir=model_dir,
             engine=engine,
@@ -275,6 +278,26 @@ class PolicyEngine:
             else None,
             work_dir=work_dir,
         )
+        if lora and current_platform.is_cpu():
+            await served.use_lora_op(LoraOp.GROUPED)
+        return served
+
+    async def use_lora_op(self, op: LoraOp) -> LoraOp:
+        """Serve LoRA with ``op`` from the engine's next step on (``server.grouped_lora``; the
+        engine starts with ``GROUPED`` on CPUs; tests and benchmarks compare it with ``STOCK``).
+        Returns the op in effect: vLLM's own, with a warning saying why, where the worker
+        refuses the grouped one (a vLLM other than the pinned one, not a CPU engine;
+        ``server.worker_ext``). Raises RuntimeError when adapters are not served as LoRA."""
+        if self.adapters is None:
+            raise RuntimeError("adapters are not served as LoRA by this engine")
+        results = await self.engine.collective_rpc("use_lora_op", args=(op.value,))
+        in_effect, why = results[0]
+        self.lora_op = LoraOp(in_effect)
+        if why:
+            log.warning("LoRA is served by vLLM's own op, not the %s one: %s", op.value, why)
+        else:
+            log.info("LoRA is served by the %s op", self.lora_op.value)
+        return self.lora_op
 
     def render(self, messages: list[dict]) -> list[int]:
         """Prompt token ids of a chat under the model's chat template (generation prompt on)."""

@@ -1,6 +1,7 @@
 """``saoserve admin status``: readiness (``/readyz``), the version served and the newest recorded,
-learning running or paused, the learner's counters, the guard's state and its last verdict on
-the lineage on probation (``/dashboard/state``), and the learner's last steps; of the global
+learning running or paused, the learner's counters, what the guard can do (decide against a live
+control arm, or only watch on probation), its state and its last verdict on the lineage
+(``/dashboard/state``), and the learner's last steps; of the global
 policy, or of a tenant's own (``--tenant``). ``saoserve admin policies``: one row per policy
 the server serves (``/admin/policies``).
 """
@@ -35,8 +36,9 @@ def status(
     steps: Annotated[int, typer.Option("--steps", min=1, max=1000, help="Learner steps to show.")] = 5,
     tenant: TenantOption = None,
 ) -> None:
-    """Readiness, the version served, learning running or paused, the guard and its last verdict
-    on the lineage on probation, the last learner steps.
+    """Readiness, the version served, learning running or paused, what the guard can do (decide
+    against a live control arm, or only watch on probation) and its last verdict on the lineage,
+    the last learner steps.
 
     Exit 6 when /readyz says the server is not ready (the report is printed first).
     """
@@ -191,17 +193,17 @@ def _versions(vs: list) -> str:
 
 
 def _guard_lines(g: dict) -> list[tuple[str, str]]:
-    """The rows of the guard's state (``GuardState`` of /dashboard/state; docs/guard.md): the
-    switches, the promoted version, the lineage, and the last verdict on it (the decision, its
-    time, the bounds on Δ = mean(lineage) − mean(promoted), each arm's ratings, the reason).
-    Any value the learner stored as null (a non-finite bound) prints as ``-``."""
+    """The rows of the guard's state (``GuardState`` of /dashboard/state; docs/guard.md): what the
+    guard can do on this replica, in the server's words (decide against a live control arm, or
+    only watch on probation; off; pinned), the promoted version, the lineage, and the last
+    verdict on it (the decision, its time, the bounds on Δ = mean(lineage) − mean(promoted),
+    each arm's ratings, the reason). Any value the learner stored as null (a non-finite bound)
+    prints as ``-``."""
     promoted = "none" if g["promoted"] is None else f"version {g['promoted']}"
-    state = f"{'on' if g['on'] else 'OFF'}; promoted {promoted}"
-    if g["pinned"] is not None:
-        state += f"; pinned to version {g['pinned']}"
     lineage = g["lineage"]
-    state += f"; on probation: versions {_versions(lineage)}" if lineage else "; nothing on probation"
-    rows = [("guard", state)]
+    where = {"decide": "on canary", "watch": "on probation"}.get(g["can"], "under watch")
+    versions = f"{where}: versions {_versions(lineage)}" if lineage else "nothing under watch"
+    rows = [("guard", g["says"]), ("", f"promoted {promoted}; {versions}")]
     v = g["verdict"]
     if v is None:
         rows.append(("verdict", "none on this lineage yet" if lineage else "-"))

@@ -22,6 +22,7 @@ from sqlalchemy.engine import Engine
 from core.claims import TRAJECTORY_PREFIX
 from core.control import PAUSED, ROLLBACK_TO
 from core.db import ControlFlag, FeedbackClaim, LearnerSample, LearnerStep, PolicyVersion, TrajectoryIndex
+from core.lifecycle import CanarySplit
 from core.policies import GLOBAL
 from core.records import as_utc
 from server.admin_schemas import PolicyRow
@@ -81,11 +82,63 @@ class VersionReward(BaseModel):
     n: int
 
 
+GuardCan = Literal["decide", "watch", "off", "pinned"]
+
+
+def guard_capability(
+    on: bool, pinned: int | None, adapters: bool, split: CanarySplit | None, lineage: list[int]
+) -> tuple[GuardCan, str]:
+    """What the guard can do on this replica, and the plain sentence the dashboard and ``saoserve
+    admin status`` show for it (docs/guard.md, "The lifecycle").
+
+    ``decide``: the engine serves adapters, so the lineage gets a canary share beside a live
+    control arm (the promoted version) rated in the same window: the decision rule's
+    comparison is not confounded by drift. ``watch``: each new version serves all traffic on
+    probation and is compared with the promoted version's earlier ratings, which drift between
+    the two windows confounds: the vetoes watch, a verdict is weak (a full-weight engine, or an
+    adapter engine with no split in effect: full-weight versions, or a promoted version it cannot
+    hold beside the lineage). ``off`` and
+    ``pinned``: the operators' switches; the guard decides nothing by itself.
+
+    ``on``, ``pinned``: the switches; ``adapters``: this replica's engine serves adapters;
+    ``split``: its canary split in effect (None: none); ``lineage``: the versions under watch.
+    """
+    if not on:
+        tail = f"; pinned to version {pinned}" if pinned is not None else ""
+        return "off", f"off: every new version is promoted as it is recorded, with no comparison{tail}"
+    if pinned is not None:
+        return "pinned", f"pinned to version {pinned}: the guard promotes and rejects nothing by itself"
+    if adapters and split is not None:
+        versions = ", ".join(map(str, sorted(split.lineage)))
+        return "decide", (
+            f"can decide: versions {versions} get a canary share of {split.share:g} beside a live control "
+            f"arm (version {split.control}), both rated in the same window"
+        )
+    if adapters and not lineage:
+        return "decide", (
+            "can decide: nothing under watch now; a new version will get a canary share beside a live "
+            "control arm (the promoted version)"
+        )
+    if adapters:
+        return "watch", (
+            "only watches for now: no canary split is in effect (full-weight versions, or the promoted "
+            "version cannot be held beside the lineage), so the lineage serves all traffic on probation, "
+            "compared with the promoted version's earlier ratings (no live control arm)"
+        )
+    return "watch", (
+        "only watches: this engine serves one full-weight version at a time, so each new version serves "
+        "all traffic on probation, compared with the promoted version's earlier ratings (no live "
+        "control arm: drift between the two windows is confounded with the version)"
+    )
+
+
 class GuardState(BaseModel):
     """The lifecycle's state (``server.db_figures.LifecycleState``): versions per stage, the
-    promoted version, the lineage on probation, the operators' switches, and the learner's last
+    promoted version, the lineage under watch, the operators' switches, the learner's last
     verdict on this lineage (bounds on Δ, each arm's ratings and mean, the decision; None until
-    it judged it)."""
+    it judged it); and what the guard can do on this replica (``guard_capability``: ``can``,
+    the sentence ``says``), from its ``mode`` (``canary``: its engine serves adapters, else
+    ``probation``) and its canary split."""
 
     on: bool
     pinned: int | None
@@ -93,6 +146,9 @@ class GuardState(BaseModel):
     lineage: list[int]
     stages: dict[str, int]
     verdict: dict | None
+    mode: Literal["canary", "probation"]
+    can: GuardCan
+    says: str
 
 
 class DashboardState(BaseModel):
@@ -114,7 +170,13 @@ class DashboardState(BaseModel):
     policies: list[PolicyRow]
 
 
-def learner_overview(db: Engine, n_versions: int, policy: str = GLOBAL) -> dict:
+def learner_overview(
+    db: Engine,
+    n_versions: int,
+    policy: str = GLOBAL,
+    adapters: bool = False,
+    split: CanarySplit | None = None,
+) -> dict:
     """What the dashboard shows beside the step metrics, read in one connection.
 
     ``learning`` (``running`` | ``paused``) and ``rollback_to`` (a requested rollback the learner
@@ -123,7 +185,9 @@ def learner_overview(db: Engine, n_versions: int, policy: str = GLOBAL) -> dict:
     yet) and ``samples_trained`` (the samples every recorded step trained, from its
     ``sample_ids``); ``reward_by_version``: completion feedback received, by the version that
     began the answer, for the versions shown (episode feedback is not in it); ``guard``: the
-    lifecycle (``GuardState``). docs/design.md §2 (operators), docs/guard.md.
+    lifecycle (``GuardState``), what the guard can do read from ``adapters`` (the replica's
+    engine serves adapters) and ``split`` (its canary split in effect). docs/design.md §2
+    (operators), docs/guard.md.
     """
     with db.connect() as conn:
         flags = dict(
@@ -171,6 +235,7 @@ def learner_overview(db: Engine, n_versions: int, policy: str = GLOBAL) -> dict:
         for v, p, st, stage, rb, c in reversed(rows)
     ]
     target = flags.get(ROLLBACK_TO)
+    can, says = guard_capability(lc.guard_on, lc.pinned, adapters, split, lc.lineage)
     return {
         "learning": "paused" if flags.get(PAUSED) == "1" else "running",
         "rollback_to": None if target is None else int(target),
@@ -186,6 +251,9 @@ def learner_overview(db: Engine, n_versions: int, policy: str = GLOBAL) -> dict:
             lineage=lc.lineage,
             stages=lc.stages,
             verdict=lc.verdict,
+            mode="canary" if adapters else "probation",
+            can=can,
+            says=says,
         ),
     }
 
@@ -345,7 +413,10 @@ async def dashboard_state(request: Request, policy: PolicyQuery = None) -> Dashb
     ``unknown_policy`` listing only those rows' policies."""
     visible = await visible_policies(request)
     s = visible_state(request, visible, policy)
-    overview = await asyncio.to_thread(learner_overview, s.store.engine, DASHBOARD_VERSIONS, s.policy)
+    split = s.canary.split if s.canary is not None else None
+    overview = await asyncio.to_thread(
+        learner_overview, s.store.engine, DASHBOARD_VERSIONS, s.policy, s.engine.adapters is not None, split
+    )
     last_minute = await asyncio.to_thread(s.store.request_rate, 60, 1)
     policies = await policy_rows([policy_state(request, p) for p in visible])
     return DashboardState(

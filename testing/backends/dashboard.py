@@ -196,6 +196,13 @@ EXPECTED_STATE = {
 }
 
 
+PROBATION_SAYS = (
+    "only watches: this engine serves one full-weight version at a time, so each new version serves "
+    "all traffic on probation, compared with the promoted version's earlier ratings (no live "
+    "control arm: drift between the two windows is confounded with the version)"
+)
+
+
 def check_state(body: dict) -> None:
     assert {k: body[k] for k in EXPECTED_STATE} == EXPECTED_STATE
     assert [
@@ -205,7 +212,8 @@ def check_state(body: dict) -> None:
         (1, 0, None, "rejected"),
         (2, 0, 0, "promoted"),
     ]
-    # The verdict on [1] is not shown: version 1 was rejected, nothing is on probation.
+    # The verdict on [1] is not shown: version 1 was rejected, nothing is on probation. A
+    # full-weight engine (no adapters): the guard can only watch.
     assert body["guard"] == {
         "on": True,
         "pinned": None,
@@ -213,6 +221,9 @@ def check_state(body: dict) -> None:
         "lineage": [],
         "stages": STAGES_AFTER_POPULATE,
         "verdict": None,
+        "mode": "probation",
+        "can": "watch",
+        "says": PROBATION_SAYS,
     }
     assert all(v["created_at"].endswith("+00:00") for v in body["versions"])
     assert [(r["version"], r["n"]) for r in body["reward_by_version"]] == [(0, 3), (2, 1)]
@@ -223,7 +234,7 @@ def test_dashboard_state(tmp_path, database_url):
     settings = make_settings(tmp_path, database_url=database_url)
     from server.app import create_app
 
-    app = create_app(settings, engine=SimpleNamespace(version=1), watch_policy=False)
+    app = create_app(settings, engine=SimpleNamespace(version=1, adapters=None), watch_policy=False)
     with TestClient(app) as client:
         empty = client.get("/dashboard/state").json()
         assert (empty["learning"], empty["rollback_to"], empty["newest_version"]) == ("running", None, None)

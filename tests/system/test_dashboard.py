@@ -20,7 +20,7 @@ from core.db import (
     make_engine,
 )
 from core.records import utcnow
-from testing.backends.dashboard import STEP, add_lineage, populate, refuse_some
+from testing.backends.dashboard import PROBATION_SAYS, STEP, add_lineage, populate, refuse_some
 from testing.servers import ADMIN, make_settings, running_server
 
 # --------------------------------------------------------------------------- the page in Chromium
@@ -53,6 +53,7 @@ return {
 TEXTS = (
     "learning",
     "rollback-pending",
+    "guard-says",
     "policy-version",
     "newest-version",
     "newest-note",
@@ -119,7 +120,7 @@ def look(driver, url: str, name: str) -> dict:
 @pytest.mark.slow
 async def test_dashboard_in_chromium(tmp_path, browser):
     settings = make_settings(tmp_path)
-    async with running_server(settings, SimpleNamespace(version=1), watch_policy=False) as url:
+    async with running_server(settings, SimpleNamespace(version=1, adapters=None), watch_policy=False) as url:
         async with httpx.AsyncClient(base_url=url) as http:
             empty = await asyncio.to_thread(look, browser, url, "empty")
             populate(settings.resolved_database_url)
@@ -151,10 +152,11 @@ async def test_dashboard_in_chromium(tmp_path, browser):
     assert empty["learning"] == "learning running" and empty["rollback-pending"] == ""
     assert (empty["newest-version"], empty["learner-steps"], empty["dead-letters"]) == ("none", "none", "0")
     assert (empty["guard"], empty["promoted-version"], empty["candidate-version"]) == (
-        "guard on",
+        "guard only watches · probation",
         "none",
         "none",
     )
+    assert empty["guard-says"] == PROBATION_SAYS
     assert (empty["decision"], empty["decision-detail"], empty["lineage"]) == ("–", "", "")
     assert all(c["empty"] for k, c in empty["charts"].items() if k != "c-rps")
     assert empty["charts"]["c-reward"]["x_label"] == "learner step"
@@ -179,7 +181,7 @@ async def test_dashboard_in_chromium(tmp_path, browser):
     assert paused["other-counters"] == "other learner counters: expired 3"
     # The lifecycle: version 1 rejected (and served by this replica until it swaps), 2 promoted.
     assert (paused["guard"], paused["served-stage"], paused["promoted-version"]) == (
-        "guard on",
+        "guard only watches · probation",
         "rejected",
         "2",
     )
@@ -214,6 +216,9 @@ async def test_dashboard_in_chromium(tmp_path, browser):
     assert len(running["charts"]["c-reward"]["points"]) == 40
     # Versions 3 and 4 on probation, the guard off and version 2 pinned, the verdict shown.
     assert running["guard"] == "GUARD OFF · pinned to version 2"
+    assert running["guard-says"] == (
+        "off: every new version is promoted as it is recorded, with no comparison; pinned to version 2"
+    )
     assert (running["candidate-version"], running["lineage"]) == ("4", "lineage: versions 3, 4")
     assert running["stage-counts"] == "promoted 2 · canary 2 · candidate 0 · rejected 1"
     assert running["decision"] == "continue"

@@ -64,7 +64,17 @@ def env(tmp_path, monkeypatch):
 
 # ------------------------------------------------------------------ a stub server
 LEARNER = {"learning": "running", "rollback_to": None, "counters": {}, "steps": []}
-GUARD = {"on": True, "pinned": None, "promoted": 0, "lineage": [], "stages": {}, "verdict": None}
+GUARD = {
+    "on": True,
+    "pinned": None,
+    "promoted": 0,
+    "lineage": [],
+    "stages": {},
+    "verdict": None,
+    "mode": "canary",
+    "can": "decide",
+    "says": "can decide: nothing under watch now",
+}
 ANSWERS = {
     ("GET", "/readyz"): {"database": "ok", "log": "ok", "engine": "ok", "policy": "ok"},
     ("GET", "/admin/policy_versions"): {"serving": 0, "versions": []},

@@ -38,6 +38,7 @@ import signal
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -144,10 +145,10 @@ class Learner:
             return AutoModelForCausalLM.from_pretrained(self.base_dir, dtype=torch.float32)
 
         latest = self._latest_version()
-        algorithm = build_algorithm(self.config, load_policy)
+        algorithm = self._build_algorithm(load_policy)
         committed = latest.version if latest is not None else 0
         resume.discard_uncommitted(self.policy_dir, committed)
-        state = resume.read_checkpoint(self.policy_dir, committed, self.config.policy.kind)
+        state = self._read_checkpoint(committed)
         self.version = self.weights_version = 0
         if state is None:
             loaded = algorithm.warm_start(self.policy_dir)
@@ -173,6 +174,16 @@ class Learner:
             publish.record_base_version(self.db, self.base_dir)
         elif latest.status != "published":
             publish.announce(self.db, self.log, latest)
+
+    def _build_algorithm(self, load_policy) -> Algorithm:
+        """The algorithm of the config, its models from ``load_policy`` (``learner.registry``;
+        with N ranks ``learner.distributed.RankedLearner`` builds it on every rank)."""
+        return build_algorithm(self.config, load_policy)
+
+    def _read_checkpoint(self, committed: int) -> dict | None:
+        """The checkpoint's state at most at version ``committed`` (``learner.resume.read_checkpoint``;
+        with N ranks the sharded one, ``learner.distributed``), None when there is none."""
+        return resume.read_checkpoint(self.policy_dir, committed, self.config.policy.kind)
 
     def _latest_version(self):
         """The database's latest version row (``learner.publish.latest_version``)."""
@@ -515,8 +526,14 @@ class Learner:
             self.checkpoint_on_stop()
 
 
-def run_learner(settings: Settings, config: LearnerConfig, stop: threading.Event | None = None) -> Learner:
-    """Migrate, build, and run a learner in this thread (``saoserve learn``), on
+def run_learner(
+    settings: Settings,
+    config: LearnerConfig,
+    stop: threading.Event | None = None,
+    make_learner: Callable[[Settings, LearnerConfig], Learner] = Learner,
+) -> Learner:
+    """Migrate, build (``make_learner``: rank 0's ``learner.distributed.RankedLearner`` with N
+    ranks), and run a learner in this thread (``saoserve learn``), on
     ``settings.learner_threads`` torch threads where that is set (``core.cores``)."""
     if settings.learner_threads is not None:
         torch.set_num_threads(settings.learner_threads)
@@ -526,7 +543,7 @@ def run_learner(settings: Settings, config: LearnerConfig, stop: threading.Event
         warning = bf16_warning("the learner's models")
         if warning:
             log.warning("%s", warning)
-    learner = Learner(settings, config)
+    learner = make_learner(settings, config)
     learner.load()
     stop = stop or threading.Event()
     # SIGTERM (docker stop, systemd) is a clean stop, as Ctrl-C is: the loop ends and the

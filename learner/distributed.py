@@ -150,8 +150,9 @@ def _trained_state(algorithm: Algorithm) -> dict:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     options = StateDictOptions(ignore_frozen_params=True)
-    placement: Placement = algorithm.placement
-    pairs = [("policy", placement.root(algorithm.policy), algorithm.policy_opt)]
+    # The policy itself, not its FSDP root (learner.placement): the keys are then the model's
+    # own with any number of ranks, one included.
+    pairs = [("policy", algorithm.policy, algorithm.policy_opt)]
     if algorithm.critic is not None:
         pairs.append(("critic", algorithm.critic, algorithm.critic_opt))
     state = {}
@@ -190,11 +191,12 @@ def load_checkpoint(algorithm: Algorithm, folder: Path) -> None:
     if meta["config"]["policy"].get("kind") != algorithm.config.policy.kind:
         raise RuntimeError(f"{folder} is of another kind of policy than this learner's")
     state = _trained_state(algorithm)
+    # Every trained tensor is looked up in the checkpoint (dcp.load fails on a missing one); the
+    # frozen ones, left out of it, keep the base model's values (strict=False).
     dcp.load(state, checkpoint_id=str(folder))
-    options = StateDictOptions(ignore_frozen_params=True)
-    placement: Placement = algorithm.placement
+    options = StateDictOptions(ignore_frozen_params=True, strict=False)
     set_state_dict(
-        placement.root(algorithm.policy),
+        algorithm.policy,
         [algorithm.policy_opt],
         model_state_dict=state["policy"],
         optim_state_dict=state["policy_optimizer"],

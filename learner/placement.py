@@ -156,7 +156,8 @@ class Placement:
                 # Sum the ranks' gradients (each rank's loss already is its rows' share of the
                 # batch's), with plain SUM collectives (gloo has no pre-multiplied sum).
                 unit.set_gradient_divide_factor(1.0)
-                unit.set_force_sum_reduction_for_comms(True)
+                if hasattr(unit, "set_force_sum_reduction_for_comms"):  # torch < 2.8: NCCL only
+                    unit.set_force_sum_reduction_for_comms(True)
         self._roots[id(model)] = root
 
     def root(self, model: torch.nn.Module) -> torch.nn.Module:

@@ -37,7 +37,6 @@ from learner.optim import optimizer_step
 from learner.placement import Placement, load_full
 from learner.policy_update import build_policy_update
 from learner.precision import COMPUTE_DTYPE, cast_parameters, make_optimizer, prepare_compute
-from learner.pretrain import PRETRAINED_CRITIC
 
 
 class SAOLearner(Algorithm):
@@ -209,6 +208,10 @@ class SAOLearner(Algorithm):
     def warm_start(self, policy_dir: Path) -> Path | None:
         """Load the pretrained critic (``saoserve pretrain-critic``, SAO §2.3) when there is
         one; its path, or None (a fresh value head)."""
+        # Imported here: the step itself needs no database (bench/gpu_learner.py runs it where
+        # only torch, transformers, peft and pydantic are).
+        from learner.pretrain import PRETRAINED_CRITIC
+
         pretrained = policy_dir / PRETRAINED_CRITIC
         if self.critic is None or not pretrained.is_file():
             return None

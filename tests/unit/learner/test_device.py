@@ -98,3 +98,42 @@ def test_learn_refuses_what_ranks_cannot_do(no_gpu, monkeypatch, tmp_path):
     config.write_text(build_config("cpu", overrides={"guard": {"gate": {}}}).to_json())
     result = CliRunner().invoke(app, ["learn", "--ranks", "2", "--config", str(config)])
     assert result.exit_code == 2 and "the guard's gate" in result.output
+
+
+def test_demo_runs_its_learner_on_ranks_by_one_option(monkeypatch, tmp_path):
+    """run_method passes --learner-ranks on to `saoserve learn --ranks`; demo refuses what ranks
+    cannot do before starting anything."""
+    import saoserve.demo
+    from judge.styles import schedule_from_spec
+
+    started = []
+
+    class FakeServices:
+        def __init__(self, home, learn_args, log_dir):
+            started.append(learn_args)
+
+        def start(self):
+            raise RuntimeError("no server in this test")
+
+    monkeypatch.setattr(saoserve.demo, "Services", FakeServices)
+    with pytest.raises(RuntimeError, match="no server"):
+        saoserve.demo.run_method(
+            "sao", schedule_from_spec("cute:4", 1), None, tmp_path, batch_size=4, learner_ranks=2
+        )
+    path = tmp_path / "run-sao" / "learner.json"
+    assert started == [["--config", str(path), "--ranks", "2"]]
+    monkeypatch.setenv("SAOSERVE_HOME", str(tmp_path))
+    result = CliRunner().invoke(app, ["demo", "--learner-ranks", "2", "--gate", "--out", str(tmp_path)])
+    assert result.exit_code == 2 and "the guard's gate" in result.output
+
+
+def test_drop_weights_takes_a_ranked_checkpoint_too(tmp_path):
+    from saoserve.demo import drop_weights
+
+    pol = tmp_path / "policies"
+    (pol / "checkpoint.dcp" / "v000002").mkdir(parents=True)
+    (pol / "checkpoint.dcp" / "v000002" / "__0_0.distcp").write_bytes(b"abc")
+    (pol / "checkpoint.dcp.json").write_bytes(b"{}")
+    # 3 bytes of shards + 2 of the pointer.
+    assert drop_weights(tmp_path) == 3 + 2
+    assert list(pol.iterdir()) == []

@@ -1,6 +1,6 @@
 """The learner's device: the ``LearnerConfig.device`` setting resolved to a ``torch.device``.
 
-Issue 38, docs/scaling.md ("The learner on a GPU"). The learner keeps everything it trains with
+Issue 38, docs/scaling.md ("The learner on GPUs and across processes"). The learner keeps everything it trains with
 on one device: the policy, the critic, the KL reference, the π_old copies of the off-policy
 family (``learner.old_logits``) and the optimiser states (built over parameters already there);
 a batch is moved there once, at the start of a step (``Batch.to``). With N ranks

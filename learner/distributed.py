@@ -1,6 +1,6 @@
 """The learner over N ranks (``saoserve learn`` under ``torchrun``): rank 0 leads, the others follow.
 
-Issue 38, docs/scaling.md ("The learner across processes"), docs/design.md §8. Launched by
+Issue 38, docs/scaling.md ("The learner on GPUs and across processes"), docs/design.md §8. Launched by
 ``torchrun --nproc-per-node N -m saoserve.cli learn …`` (or ``saoserve learn --ranks N``, which
 runs exactly that), every rank builds the same ``LearnerConfig``; ``init`` joins the process
 group (gloo on the CPU, NCCL on GPUs, chosen from the device) and places the models

@@ -1,6 +1,6 @@
 """Where a learner's models live and how a step's rows are split: one device, or N ranks (FSDP2).
 
-Issue 38, docs/scaling.md ("The learner across processes"). A ``Placement`` is what the
+Issue 38, docs/scaling.md ("The learner on GPUs and across processes"). A ``Placement`` is what the
 learners (``learner.sao``, ``learner.spo``) consult for every model they hold and every forward
 pass they run, so that the algorithm code is the same for one process and for N ranks:
 

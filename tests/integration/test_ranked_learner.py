@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -54,12 +56,9 @@ class Home:
         self.log = open_log(self.db)
         self.engine = make_engine(self.db)
 
-    def life(self, ranks: int, max_steps: int, fault: str = "", fault_rank: str = "", **config) -> int:
-        """One learner life of ``ranks`` ranks, until ``max_steps`` steps (counted from the
-        checkpoint's); its exit status."""
-        cfg = LearnerConfig(
-            batch_size=BATCH, checkpoint_every=2, poll_s=0.02, device="cpu", max_steps=max_steps, **config
-        )
+    def _command(self, ranks: int, max_steps: int | None, fault: str, fault_rank: str, **config):
+        fields = {"batch_size": BATCH, "checkpoint_every": 2, "poll_s": 0.02, "device": "cpu"}
+        cfg = LearnerConfig(**(fields | {"max_steps": max_steps} | config))
         path = self.tmp / "learner.json"
         path.write_text(cfg.to_json())
         env = os.environ | {
@@ -73,12 +72,32 @@ class Home:
             "OMP_NUM_THREADS": "1",
         }
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
-        done = subprocess.run(
-            [*command, str(self.launcher), str(path)], cwd=ROOT, env=env, timeout=240, capture_output=True
-        )
+        return [*command, str(self.launcher), str(path)], env
+
+    def life(self, ranks: int, max_steps: int | None, fault: str = "", fault_rank: str = "", **config) -> int:
+        """One learner life of ``ranks`` ranks, until ``max_steps`` steps (counted from the
+        checkpoint's) or its fault point; its exit status."""
+        command, env = self._command(ranks, max_steps, fault, fault_rank, **config)
+        done = subprocess.run(command, cwd=ROOT, env=env, timeout=240, capture_output=True)
         if done.returncode != 0 and not fault:
             print(done.stdout.decode()[-3000:], done.stderr.decode()[-6000:])
         return done.returncode
+
+    def until_trained(self, ranks: int, versions: int, **config) -> None:
+        """A life without a step limit, stopped by SIGTERM (a clean stop: rank 0 writes the
+        checkpoint with every rank, then tells them to stop) once ``versions`` versions are
+        published. torchrun itself exits 1 when it is signalled, whatever its ranks did, so the
+        caller checks the state they left."""
+        command, env = self._command(ranks, None, "", "", **config)
+        proc = subprocess.Popen(command, cwd=ROOT, env=env, start_new_session=True)
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None:
+            rows = self.versions()
+            if len(rows) == versions + 1 and {status for _, status in rows} == {"published"}:
+                break
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=120)
 
     def versions(self) -> list:
         with self.engine.connect() as conn:
@@ -113,25 +132,35 @@ def test_two_ranks_train_and_a_two_rank_checkpoint_resumes_on_one(tmp_path):
     assert set(trained) == set(fed) and set(trained.values()) == {1} and home.waiting() == 0
 
 
+# Rank 1 dies after its share of a step, before it reports; rank 0 at the points of its cycle.
+# (The other points of rank 0's cycle are the single learner's: tests/test_learner_faults.py.)
+KILLS = [("during_step", "1"), ("during_step", "0"), ("after_commit", "0")]
+
+
 def test_a_rank_killed_mid_step_commits_nothing_and_a_restart_trains_each_feedback_once(tmp_path):
     home = Home(tmp_path)
-    fed = feed(home.log, 3 * BATCH, 0)
-    # Rank 1 dies (os._exit(137), as SIGKILL) after its share of the first step, before it
-    # reports: torchrun stops rank 0, which was waiting for it; nothing of the step is committed.
-    rc = home.life(2, max_steps=3, fault="during_step:1", fault_rank="1", algorithm={"name": "spo"})
-    assert rc != 0
+    fed = feed(home.log, BATCH, 0)
+    # Rank 1 killed (os._exit(137), as SIGKILL) mid-step: torchrun stops rank 0, which was waiting
+    # for it; nothing of the step is committed.
+    assert home.life(2, None, fault="during_step:1", fault_rank="1", algorithm={"name": "spo"}) != 0
     assert home.versions() == [(0, "published")] and home.steps() == []
-    assert home.waiting() == 3 * BATCH
-    assert not (home.policies / "v000001").exists()
-    # The restart trains the three batches, each sample once.
-    assert home.life(2, max_steps=3, algorithm={"name": "spo"}) == 0
-    assert [v for v, _ in home.versions()] == [0, 1, 2, 3]
-    trained = Counter(i for _, m in home.steps() for i in m["sample_ids"])
+    assert home.waiting() == BATCH and not (home.policies / "v000001").exists()
+    # Then one life killed at each point (a new batch fed before each), every step checkpointed.
+    for point, rank in KILLS[1:]:
+        fed += feed(home.log, BATCH, len(fed))
+        rc = home.life(2, None, f"{point}:1", rank, algorithm={"name": "spo"}, checkpoint_every=1)
+        assert rc != 0, point
+    # A clean life trains what is left (the version committed before the last kill announced at
+    # its start); SIGTERM stops it.
+    batches = len(fed) // BATCH
+    home.until_trained(2, batches, algorithm={"name": "spo"}, checkpoint_every=1)
+    versions = home.versions()
+    assert [v for v, _ in versions] == list(range(batches + 1))
+    assert {status for _, status in versions} == {"published"}
+    steps = home.steps()
+    assert [v for v, _ in steps] == list(range(1, batches + 1))
+    trained = Counter(i for _, m in steps for i in m["sample_ids"])
     assert set(trained) == set(fed) and set(trained.values()) == {1} and home.waiting() == 0
-    # And rank 0 killed in the middle of a step (its update applied, nothing written).
-    fed += feed(home.log, BATCH, len(fed))
-    assert home.life(2, max_steps=4, fault="during_step:1", fault_rank="0", algorithm={"name": "spo"}) != 0
-    assert [v for v, _ in home.versions()] == [0, 1, 2, 3]
-    assert home.life(2, max_steps=4, algorithm={"name": "spo"}) == 0
-    trained = Counter(i for _, m in home.steps() for i in m["sample_ids"])
-    assert set(trained) == set(fed) and set(trained.values()) == {1}
+    # Every step wrote the sharded checkpoint (checkpoint_every 1): it is at the last version.
+    pointer = json.loads((home.policies / CHECKPOINT_POINTER).read_text())
+    assert pointer["version"] == batches

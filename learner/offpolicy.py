@@ -87,7 +87,11 @@ def mis_token_mask(
     check_token_inputs("logp_new", logp_new, named, eps_low, eps_high)
     shape = logp_new.shape
     low, high = _interval(c)
-    action = torch.ones(shape, dtype=torch.bool) if action_mask is None else action_mask.bool()
+    action = (
+        torch.ones(shape, dtype=torch.bool, device=logp_new.device)
+        if action_mask is None
+        else action_mask.bool()
+    )
     usable, _ = usable_tokens(action, logp_new, logp_old, logp_behaviour)
     new, old, beh = (t.detach().double() for t in (logp_new, logp_old, logp_behaviour))
     # Ratios in float64 at usable positions only, so inf/NaN elsewhere cannot leak through.

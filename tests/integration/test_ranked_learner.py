@@ -21,6 +21,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
 from sqlalchemy import func, select
 
 from core.db import LearnerSample, LearnerStep, PolicyVersion, make_engine, migrate
@@ -164,3 +165,24 @@ def test_a_rank_killed_mid_step_commits_nothing_and_a_restart_trains_each_feedba
     # Every step wrote the sharded checkpoint (checkpoint_every 1): it is at the last version.
     pointer = json.loads((home.policies / CHECKPOINT_POINTER).read_text())
     assert pointer["version"] == batches
+
+
+def test_a_rollback_with_two_ranks_publishes_the_old_weights(tmp_path):
+    """An operator's rollback (the ``rollback_to`` flag) on a 2-rank learner: every rank loads
+    version 1's weights (broadcast from rank 0) and the new version 3 publishes them again."""
+    from safetensors.torch import load_file
+
+    from core.control import ROLLBACK_TO, set_flag
+    from core.policy_store import WEIGHTS_FILE
+
+    home = Home(tmp_path)
+    feed(home.log, 2 * BATCH, 0)
+    assert home.life(2, max_steps=2, algorithm={"name": "spo"}) == 0
+    set_flag(home.engine, ROLLBACK_TO, "1")
+    home.until_trained(2, 3, algorithm={"name": "spo"})
+    assert [v for v, _ in home.versions()] == [0, 1, 2, 3]
+    one = load_file(home.policies / "v000001" / WEIGHTS_FILE)
+    three = load_file(home.policies / "v000003" / WEIGHTS_FILE)
+    two = load_file(home.policies / "v000002" / WEIGHTS_FILE)
+    assert one.keys() == three.keys() and all(torch.equal(one[k], three[k]) for k in one)
+    assert any(not torch.equal(one[k], two[k]) for k in one)

@@ -196,6 +196,9 @@ def worker(args) -> None:
             "lr": config.policy_lr,
         }
         del algorithm
+        if rank == 0:
+            done = out["variants"][name]
+            print(f"[{args.precision}, {world} rank(s)] {name}: steps {done['step_s']} s", flush=True)
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(out))
     if rank == 0:
         torch.save(weights, Path(args.out, "weights.pt"))

@@ -20,9 +20,10 @@ batches (``bench_sao_step.make_batch``, rows sharing a prompt prefix):
   run's one-rank bf16 step is from its float32 one (the ``bf16 noise`` column), so a metric may
   differ by at most twice that; Adam's first update has magnitude at most lr per element, so a
   weight may differ by at most 2·lr (a gradient whose sign bf16 rounding flips);
-- **step time** (median over ``--steps`` steps after the first, and rounds) and tokens/s; with 2
-  ranks on this 2-core machine each rank has one core, as the single rank has two threads: this
-  is for correctness, not speed;
+- **step time** (median over ``--steps`` steps after the first, and rounds) and tokens/s, each
+  rank with ``--threads`` torch threads (1: one rank does all rows on one core, two ranks half the
+  rows each on one core each, so 0.5 would be perfect scaling; on this shared 2-core machine the
+  two ranks also compete with whatever else runs, so the figure is for correctness, not speed);
 - **memory per rank**: the state (the rank's shards of parameters and optimiser moments, by
   accounting) and the peak resident set during the timed steps (VmHWM after a reset,
   ``bench_sao_step.PeakRSS``);
@@ -57,6 +58,14 @@ VARIANTS = {
     "spo": {"algorithm": {"name": "spo"}},
 }
 TIMING_KEYS = ("time", "per_s", "started_at", "switch_s")
+
+
+def model_name(source: str) -> str:
+    """How a table names the model: ``tiny``, or the folder's config name (e.g. SmolLM2-135M)."""
+    if source == "tiny":
+        return "tiny (random, 2 layers, hidden 32)"
+    config = json.loads(Path(source, "config.json").read_text())
+    return config.get("_model_name_or_path") or Path(source).name
 
 
 def load_model(source: str):
@@ -212,9 +221,8 @@ def launch(args, precision: str, world: int, out: Path) -> dict:
     cmd += [__file__, args.model, "--worker", "--out", str(out), "--precision", precision]
     cmd += ["--variants", ",".join(args.variants), "--batch", str(args.batch), "--seq", str(args.seq)]
     cmd += ["--prompt", str(args.prompt), "--steps", str(args.steps)]
-    threads = max(1, (os.cpu_count() or 2) // world)
     env = os.environ | {
-        "OMP_NUM_THREADS": str(threads),
+        "OMP_NUM_THREADS": str(getattr(args, "threads", 1)),
         "PYTHONPATH": str(Path(__file__).resolve().parent.parent),
     }
     subprocess.run(cmd, check=True, env=env)
@@ -251,6 +259,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens per row; the rest are actions")
     ap.add_argument("--steps", type=int, default=2, help="timed steps after the first (0: equivalence only)")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--no-record", action="store_true", help="print only (CI's tiny run)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
@@ -275,7 +284,7 @@ def main() -> None:
     if not args.no_record:
         record(
             f"sharded_learner_{args.precision}",
-            f"Learner step, 1 rank vs 2 gloo ranks (FSDP2), {args.precision}",
+            f"Learner step, 1 rank vs 2 gloo ranks (FSDP2), {args.precision}, model {model_name(args.model)}",
             rows,
             notes=NOTES[args.precision],
         )

@@ -14,6 +14,17 @@ from learner.device import DeviceError, resolve
 from saoserve.cli import app
 
 
+@pytest.fixture(autouse=True)
+def fresh_settings():
+    """The CLI reads its settings once per process (``get_settings`` is cached): each test's
+    SAOSERVE_HOME must be read anew."""
+    from core.settings import get_settings
+
+    get_settings.cache_clear()
+    yield
+    get_settings.cache_clear()
+
+
 @pytest.fixture
 def no_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -137,3 +148,38 @@ def test_drop_weights_takes_a_ranked_checkpoint_too(tmp_path):
     # 3 bytes of shards + 2 of the pointer.
     assert drop_weights(tmp_path) == 3 + 2
     assert list(pol.iterdir()) == []
+
+
+def test_learn_ranks_execs_torchrun_with_the_built_config(no_gpu, monkeypatch, tmp_path):
+    """--ranks N replaces the process by torchrun on this host, every rank running `learn` with
+    the config the options built (written to <home>/learner-ranks.json)."""
+    import os
+
+    from learner.config import load_config
+
+    monkeypatch.setenv("SAOSERVE_HOME", str(tmp_path))
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    seen = []
+
+    def execv(path, argv):
+        seen.append(argv)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(os, "execv", execv)
+    result = CliRunner().invoke(app, ["learn", "--ranks", "2", "--batch-size", "4", "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    (argv,) = seen
+    config = tmp_path / "learner-ranks.json"
+    assert argv[1:] == [
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "saoserve.cli",
+        "learn",
+        "--config",
+        str(config),
+    ]
+    assert load_config(config) == build_config("cpu", overrides={"batch_size": 4, "device": "cpu"})

@@ -20,7 +20,9 @@ A version is committed by rank 0 only after the step's call returned on every ra
 report), and its weights are gathered from every rank's shards after their optimiser steps.
 A rank that fails or is killed ends the group (``torchrun`` stops the others; a broken control
 channel raises on every rank): nothing of the step is committed, the database stays the truth,
-and the next start reloads the committed state as a single learner does.
+and the next start reloads the committed state as a single learner does. A rank that fails in
+the middle of a collective (out of memory in a backward pass) leaves the others waiting in it
+until ``STEP_TIMEOUT``; then the group fails the same way.
 
 Checkpoints are ``torch.distributed.checkpoint`` folders (``save_checkpoint``): each rank writes
 its shards of the trained parameters (``ignore_frozen_params``: a LoRA policy's adapter, the
@@ -252,7 +254,10 @@ class MirroredAlgorithm:
         try:
             result = _apply(self.inner, op, args, leader=True)
         except Exception as exc:
-            self.channel.report(describe(exc))
+            try:
+                self.channel.report(describe(exc))
+            except RuntimeError:
+                pass  # the report names this rank's own error: raise the error itself
             raise
         self.channel.report(None)
         return result
@@ -312,11 +317,13 @@ class RankedLearner(Learner):
 
     def _build_algorithm(self, load_policy) -> Algorithm:
         self.channel.send("build")
-        algorithm = None
         try:
             algorithm = build_algorithm(self.config, load_policy, self.placement)
         except Exception as exc:
-            self.channel.report(describe(exc))
+            try:
+                self.channel.report(describe(exc))
+            except RuntimeError:
+                pass  # as in MirroredAlgorithm._finish: the error itself is raised
             raise
         self.channel.report(None)
         return MirroredAlgorithm(algorithm, self.channel)

@@ -48,3 +48,46 @@ def test_a_fault_point_arms_in_the_rank_it_names(monkeypatch, wanted, rank, arme
     else:
         monkeypatch.setenv("RANK", rank)
     assert faults._this_rank() is armed
+
+
+class FakeChannel:
+    """Rank 0's side of ``learner.distributed.Channel`` without a process group: records the calls
+    sent and the reports; ``follower_error`` is what rank 1 reports."""
+
+    def __init__(self, follower_error: str | None = None):
+        self.sent, self.reports, self.follower_error = [], [], follower_error
+
+    def send(self, op, *args):
+        self.sent.append(op)
+
+    def report(self, error):
+        self.reports.append(error)
+        failed = [(r, e) for r, e in enumerate([error, self.follower_error]) if e is not None]
+        if failed:
+            raise RuntimeError(f"learner rank {failed[0][0]} failed: {failed[0][1]}")
+
+
+class FakeAlgorithm:
+    steps = 7
+
+    def step(self, batch):
+        if batch == "bad":
+            raise ValueError("a row has no action tokens")
+        return {"policy_loss": 0.5}
+
+
+def test_a_mirrored_call_runs_on_rank_0_after_it_is_sent_and_raises_any_ranks_error():
+    from learner.distributed import MirroredAlgorithm
+
+    channel = FakeChannel()
+    mirrored = MirroredAlgorithm(FakeAlgorithm(), channel)
+    assert mirrored.step("ok") == {"policy_loss": 0.5} and mirrored.steps == 7
+    assert channel.sent == ["step"] and channel.reports == [None]
+    # Rank 0's own error is reported to the group and raised as itself.
+    with pytest.raises(ValueError, match="no action tokens"):
+        mirrored.step("bad")
+    assert channel.reports[-1] == "ValueError: a row has no action tokens"
+    # A follower's error is raised on rank 0, naming the rank.
+    broken = MirroredAlgorithm(FakeAlgorithm(), FakeChannel(follower_error="OutOfMemoryError: ..."))
+    with pytest.raises(RuntimeError, match="learner rank 1 failed: OutOfMemoryError"):
+        broken.step("ok")

@@ -27,7 +27,7 @@ Pure torch (no I/O); the process group is created by ``learner.distributed``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -40,6 +40,9 @@ if TYPE_CHECKING:
 
     from learner.batch import Batch
     from learner.critic import ValueModel
+
+ROOT_ATTRIBUTE = "_fsdp_root"
+"""Where ``Placement.place`` leaves a sharded causal LM's ``_LogprobModule`` root on the model."""
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -120,7 +123,6 @@ class Placement:
     rank: int = 0
     world: int = 1
     bf16: bool = False
-    _roots: dict[int, torch.nn.Module] = field(default_factory=dict, repr=False)
 
     @property
     def sharded(self) -> bool:
@@ -158,12 +160,14 @@ class Placement:
                 unit.set_gradient_divide_factor(1.0)
                 if hasattr(unit, "set_force_sum_reduction_for_comms"):  # torch < 2.8: NCCL only
                     unit.set_force_sum_reduction_for_comms(True)
-        self._roots[id(model)] = root
+        # Kept on the model (not in this placement, which outlives the models a rebuild drops):
+        # past nn.Module's __setattr__, which would make the root a submodule of what it wraps.
+        object.__setattr__(model, ROOT_ATTRIBUTE, root)
 
     def root(self, model: torch.nn.Module) -> torch.nn.Module:
         """The FSDP root ``place`` made for ``model`` (the module whose state dict and optimiser
         a sharded checkpoint holds, ``learner.distributed``), or ``model`` itself."""
-        return self._roots.get(id(model), model)
+        return model.__dict__.get(ROOT_ATTRIBUTE, model)
 
     def _counts(self, rows: int) -> list[int]:
         base, extra = divmod(rows, self.world)
@@ -203,7 +207,7 @@ class Placement:
                 chunk_tokens=chunk_tokens,
             )
         local, pos = self._shard_rows(batch, positions)
-        out = self._roots[id(model)](
+        out = self.root(model)(
             local.input_ids, local.attention_mask, local.temperatures, pos, chunk_tokens, self._shared(batch)
         )
         return _GatherRows.apply(out, self.rank, self._counts(batch.input_ids.shape[0]))

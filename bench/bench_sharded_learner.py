@@ -293,8 +293,9 @@ def main() -> None:
 NOTES = {
     "fp32": (
         "Equivalence of the first step (2 ranks vs 1; targets: metrics within 1e-5, weights within "
-        "1e-6 relative); time and memory per rank, 2 ranks on the 2-core machine (one core each: for "
-        "correctness, not speed). collectives: summed gloo operation time in one profiled step."
+        "1e-6 relative); time and memory per rank, one torch thread per rank on the shared 2-core "
+        "machine (for correctness, not speed). collectives: summed gloo operation time in one "
+        "profiled step."
     ),
     "bf16": (
         "bf16: one rank with float32 masters (MixedPrecisionAdamW), two with FSDP mixed precision. "
@@ -327,13 +328,13 @@ def table(args, runs) -> list[dict]:
         tokens = v1["tokens"]
         row = {
             "variant": name,
-            "metric max |Δ|": eq["metric_abs"],
+            "metric max abs diff": eq["metric_abs"],
             "metric max rel": eq["metric_rel"],
             "weight max rel": eq["weight_rel"],
-            "weight max |Δ|/lr": eq["weight_lr"],
+            "weight max diff / lr": eq["weight_lr"],
         }
         if noise is not None:
-            row["bf16 noise |Δ|"] = noise["metric_abs"]
+            row["bf16 noise (abs)"] = noise["metric_abs"]
             row["within bound"] = within_bf16_bound(eq, noise)
         else:
             row["within target"] = eq["metric_abs"] <= 1e-5 and eq["weight_rel"] <= 1e-6

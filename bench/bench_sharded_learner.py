@@ -261,6 +261,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--no-record", action="store_true", help="print only (CI's tiny run)")
+    ap.add_argument("--record-name", help="the result's name (default: sharded_learner_<precision>)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -283,7 +284,7 @@ def main() -> None:
     print_table(rows)
     if not args.no_record:
         record(
-            f"sharded_learner_{args.precision}",
+            args.record_name or f"sharded_learner_{args.precision}",
             f"Learner step, 1 rank vs 2 gloo ranks (FSDP2), {args.precision}, model {model_name(args.model)}",
             rows,
             notes=NOTES[args.precision],

@@ -35,3 +35,9 @@ def bf16_warning(what: str) -> str | None:
         f"AVX512-BF16; torch reports {torch.backends.cpu.get_cpu_capability()}): bf16 matmuls run "
         "hundreds of times slower than float32 here (docs/precision.md, 'CPUs without bf16 units')"
     )
+
+
+def cuda_bf16() -> bool:
+    """True when a CUDA GPU is visible and supports bf16 (compute capability 8.0 or newer, where
+    a bf16 matmul runs at the tensor cores' full rate): the learner's fast bf16 on a GPU."""
+    return torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from learner.config import LoraPolicy
+from learner.placement import full_tensor, load_full
 from learner.precision import MixedPrecisionAdamW
 
 if TYPE_CHECKING:
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
     from learner.batch import Batch
     from learner.config import LearnerConfig
     from learner.lora import Adapter
+    from learner.placement import Placement
 
 
 class Algorithm(ABC):
@@ -59,15 +61,29 @@ class Algorithm(ABC):
 
             self.adapter = Adapter(self.policy, self.config.policy)
             self.policy.eval()  # the injected layers are built in train mode
+        self.find_policy_params()
+
+    def find_policy_params(self) -> None:
+        """Set ``policy_params`` from the policy as it now is: the adapter's tensors, or every
+        parameter that requires a gradient. Called again once the policy is placed: sharding it
+        (``learner.placement``) replaces its parameters."""
+        if self.adapter is not None:
             self.policy_params = self.adapter.parameters()
         else:
             self.policy_params = [p for p in self.policy.parameters() if p.requires_grad]
 
     @classmethod
     @abstractmethod
-    def build(cls, config: LearnerConfig, load_policy: Callable[[], PreTrainedModel]) -> Algorithm:
+    def build(
+        cls,
+        config: LearnerConfig,
+        load_policy: Callable[[], PreTrainedModel],
+        placement: Placement | None = None,
+    ) -> Algorithm:
         """A fresh learner for ``config``; ``load_policy()`` returns a new float32 copy of the
-        base policy each call (the policy, and e.g. the KL reference or the critic's body)."""
+        base policy each call (the policy, and e.g. the KL reference or the critic's body).
+        ``placement``: its device and rank (``learner.placement.Placement``); None: one process
+        on ``config.device``."""
 
     @abstractmethod
     def step(self, batch: Batch) -> dict:
@@ -103,7 +119,7 @@ class Algorithm(ABC):
             self.adapter.load_state(weights)
             missing, unexpected = [], []
         else:
-            missing, unexpected = self.policy.load_state_dict(weights, strict=False)
+            missing, unexpected = load_full(self.policy, weights, strict=False)
         self._sync_masters()
         return missing, unexpected
 
@@ -127,12 +143,22 @@ class Algorithm(ABC):
         self.policy_opt.state.clear()
 
     def policy_weights(self, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
-        """The policy's state dict in ``dtype``, detached (for publishing); with LoRA the
-        adapter's tensors (``Adapter.state`` names). A tensor already in ``dtype`` shares the
-        policy's storage (publishing a bf16 policy copies nothing), so read the result before
-        the next update."""
+        """The policy's state dict in ``dtype``, detached (for publishing), on the learner's
+        device; with LoRA the adapter's tensors (``Adapter.state`` names). A tensor already in
+        ``dtype`` shares the policy's storage (publishing a bf16 policy copies nothing), so read
+        the result before the next update. With N ranks each tensor is gathered whole
+        (``learner.placement.full_tensor``): every rank must call this, in step."""
         state = self.adapter.state() if self.adapter is not None else self.policy.state_dict()
-        return {k: v.detach().to(dtype=dtype) for k, v in state.items()}
+        return {k: full_tensor(v.detach()).to(dtype=dtype) for k, v in state.items()}
+
+    def save_adapter(self, folder: Path, dtype: torch.dtype) -> Path:
+        """Write the LoRA adapter into ``folder`` in ``dtype`` (``learner.lora.Adapter.save``);
+        returns the safetensors file. Raises ValueError for a fully fine-tuned policy, OSError
+        when the folder cannot be written. With N ranks every rank must call
+        ``adapter.tensors`` in step with the one that writes."""
+        if self.adapter is None:
+            raise ValueError("a fully fine-tuned policy has no adapter to save")
+        return self.adapter.save(folder, dtype)
 
     def policy_state(self) -> dict[str, torch.Tensor]:
         """The policy's part of a checkpoint: its state dict, or with LoRA only the adapter's
@@ -149,4 +175,4 @@ class Algorithm(ABC):
         if self.adapter is not None:
             self.adapter.load_state(state)
         else:
-            self.policy.load_state_dict(state)
+            load_full(self.policy, state)

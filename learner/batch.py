@@ -168,6 +168,7 @@ def policy_logprobs(
     temperatures: torch.Tensor,
     positions: torch.Tensor | None = None,
     chunk_tokens: int = 512,
+    shared_prefix: int | None = None,
 ) -> torch.Tensor:
     """Token log-probabilities under the temperature-scaled policy, as the server sampled them.
 
@@ -190,6 +191,8 @@ def policy_logprobs(
             which skips the LM head on prompt and observation tokens). Default: every attended
             position.
         chunk_tokens: tokens per LM-head chunk (memory ≈ chunk_tokens · V · 4 bytes · 3).
+        shared_prefix: the common prefix length the body runs once (``learner.prefix.body_hidden``'s
+            ``shared``; None: this batch's own).
 
     Returns:
         [B, T] float32; 0 at t = 0 and at positions not computed.
@@ -207,7 +210,7 @@ def policy_logprobs(
     want = (attention_mask if positions is None else positions).bool().clone()
     want[:, 0] = False
     rows, cols = want.nonzero(as_tuple=True)
-    hidden = body_hidden(model.base_model, input_ids, attention_mask)
+    hidden = body_hidden(model.base_model, input_ids, attention_mask, shared=shared_prefix)
     device = hidden.device
     compute_dtype = (
         torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else head.weight.dtype

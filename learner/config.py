@@ -27,6 +27,7 @@ has no KL anchor to set).
 
 from __future__ import annotations
 
+import enum
 import json
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -182,6 +183,17 @@ class LoraPolicy(BaseModel):
         return self
 
 
+class Device(enum.StrEnum):
+    """Where the learner's models, optimiser states and batches live (``learner.device``)."""
+
+    AUTO = "auto"
+    """A CUDA GPU where one is visible, else the CPU."""
+    CPU = "cpu"
+    """The CPU, even where a GPU is visible."""
+    CUDA = "cuda"
+    """A CUDA GPU (with N ranks, rank r takes GPU r of its host); refused where none is visible."""
+
+
 PolicyConfig = Annotated[FullPolicy | LoraPolicy, Field(discriminator="kind")]
 
 
@@ -318,7 +330,7 @@ class _MISCorrection(BaseModel):
 
 
 class MISSnapshotCorrection(_MISCorrection):
-    """Exact π_old per token from CPU snapshots of the last W + 1 versions (papers/004 §5.1);
+    """Exact π_old per token from snapshots (on the learner's device) of the last W + 1 versions (papers/004 §5.1);
     samples with a token more than W versions old are dropped and counted."""
 
     kind: Literal["mis_snapshot"] = "mis_snapshot"
@@ -365,6 +377,12 @@ class LearnerConfig(BaseModel):
     """What the learner trains: every weight (``full``) or a LoRA adapter (``lora``)."""
     batch_size: int = Field(8, ge=1)
     """Samples (one rollout per prompt) per learner step."""
+    device: Device = Device.AUTO
+    """Where the policy, critic, KL reference, π_old copies and optimiser states live
+    (``learner.device.resolve``): ``auto`` takes a CUDA GPU where one is visible. On a device with
+    fast bf16 (CUDA with bf16 support) the presets compute in bf16 (``build_config``); on the
+    CPU the rule of ``core.hardware`` stays. A learner under ``torchrun`` shards its models over
+    the ranks (``learner.distributed``, docs/scaling.md)."""
     max_identity_share: float | None = Field(None, gt=0.0, le=1.0)
     """The most of a batch one identity (API key, else ``user`` field) may contribute: at most
     max(1, ⌊share·batch_size⌋) samples; the rest wait for later batches (``learner.identity_cap``,
@@ -529,6 +547,19 @@ def _explain(exc: ValidationError) -> str:
     return "; ".join(parts)
 
 
+def _fast_bf16_device(device: Any) -> bool:
+    """Whether the learner's device (a ``Device`` value, None for the default ``auto``) is a CUDA
+    GPU with bf16 support: there the presets train in bf16 (the CPU presets' rule,
+    ``core.hardware``, is the ``demo`` preset's own). An unknown value is left to the validation."""
+    from core.hardware import cuda_bf16
+
+    try:
+        setting = Device(device if device is not None else Device.AUTO)
+    except ValueError:
+        return False
+    return setting != Device.CPU and cuda_bf16()
+
+
 def build_config(
     preset: str = "cpu",
     algorithm: str | None = None,
@@ -548,6 +579,9 @@ def build_config(
             dropped.
         correction: the correction's kind; None keeps the base's (``dis`` by default).
 
+    Where the device (``device``, ``auto`` by default) is a CUDA GPU with bf16 support, ``bf16``
+    is set unless ``overrides`` set it or the config computes under ``autocast_bf16``.
+
     Raises:
         ConfigError: unknown preset, algorithm or correction, a field the algorithm or
             correction lacks, a value out of bounds; the message names the field.
@@ -559,6 +593,8 @@ def build_config(
     overrides = dict(overrides or {})
     chosen = {"algorithm": overrides.pop("algorithm", None), "correction": overrides.pop("correction", None)}
     data = overlay(base, overrides)
+    if "bf16" not in overrides and not data.get("autocast_bf16") and _fast_bf16_device(data.get("device")):
+        data["bf16"] = True
     for kind, key, models, choice in (
         ("algorithm", "name", ALGORITHM_MODELS, algorithm),
         ("correction", "kind", CORRECTION_MODELS, correction),

@@ -135,18 +135,22 @@ class ValueModel(torch.nn.Module):
         """The parameters an optimizer should update (``requires_grad=True``), head included."""
         return [p for p in self.parameters() if p.requires_grad]
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, shared_prefix: int | None = None
+    ) -> torch.Tensor:
         """Values ``V(s_t)`` for every position.
 
         Args:
             input_ids: [B, T] long token ids.
             attention_mask: [B, T] 0/1 (left or right padding; positions count attended tokens).
+            shared_prefix: the common prefix length the body runs once
+                (``learner.prefix.body_hidden``'s ``shared``; None: this batch's own).
 
         Returns:
             [B, T] float32; ``out[:, t]`` is computed from the hidden state at ``t - 1``;
             ``out[:, 0] = 0``. Values at padding positions are meaningless.
         """
-        hidden = body_hidden(self.backbone, input_ids, attention_mask)
+        hidden = body_hidden(self.backbone, input_ids, attention_mask, shared=shared_prefix)
         with torch.autocast(device_type=hidden.device.type, enabled=False):
             v = self.head(hidden[:, :-1].float()).squeeze(-1)
         return torch.cat([torch.zeros_like(v[:, :1]), v], dim=1)

@@ -1,7 +1,8 @@
 """Named kill points in the learner's cycle, for the fault-injection harness (issue 13, docs/design.md §8).
 
 ``SAOSERVE_FAULT_POINT=<point>:<n>`` makes the learner process end with ``os._exit(137)`` the
-n-th time it passes ``<point>`` (n defaults to 1): no ``finally`` block, atexit handler or
+n-th time it passes ``<point>`` (n defaults to 1); with N ranks (``learner.distributed``),
+``SAOSERVE_FAULT_RANK=<r>`` arms it in rank r only (``RANK`` of ``torchrun``; unset: every rank): no ``finally`` block, atexit handler or
 buffered write runs, which is what ``kill -9`` at that line does. Unset (the normal case),
 ``fault_point`` is one comparison with None. The variable is read once, at import; ``arm``
 sets the point in a process forked from one that imported this module already (the harness's
@@ -11,7 +12,8 @@ Points, in the order of one cycle (``learner.process.Learner``):
 
 * ``after_read``: the joiner has read records from the log, nothing committed yet;
 * ``after_join_commit``: offsets, pending joins, samples and evidence committed;
-* ``during_step``: the update applied to the in-memory models, nothing written;
+* ``during_step``: the update applied to the in-memory models, nothing written (on a rank > 0:
+  its share of the step done, not yet reported to rank 0);
 * ``after_weights``: the new version's directory written, not yet in the database;
 * ``after_commit``: the version (and the removal of its samples) committed;
 * ``after_checkpoint``: ``checkpoint.pt`` replaced (only on checkpoint steps);
@@ -38,6 +40,7 @@ import os
 from core.logbus import LogTransport
 
 FAULT_ENV = "SAOSERVE_FAULT_POINT"
+FAULT_RANK_ENV = "SAOSERVE_FAULT_RANK"
 EXIT_CODE = 137
 """What a shell reports for a process killed by SIGKILL (128 + 9)."""
 
@@ -81,7 +84,13 @@ def parse(value: str | None) -> tuple[str, int] | None:
     return name, n
 
 
-_target = parse(os.environ.get(FAULT_ENV))
+def _this_rank() -> bool:
+    """Whether this process is the rank ``SAOSERVE_FAULT_RANK`` names (any, when unset)."""
+    wanted = os.environ.get(FAULT_RANK_ENV)
+    return not wanted or wanted == os.environ.get("RANK", "0")
+
+
+_target = parse(os.environ.get(FAULT_ENV)) if _this_rank() else None
 _passes = 0
 
 

@@ -26,10 +26,12 @@ from pathlib import Path
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 from peft.tuners.lora import LoraLayer
+from torch.distributed.tensor.experimental import implicit_replication
 from transformers import PreTrainedModel
 
 from core.policy_store import ADAPTER_FILE
 from learner.config import LoraPolicy
+from learner.placement import full_tensor
 
 ADAPTER_NAME = "default"
 """PEFT's name for a model's one adapter (its files then sit at the folder's top level)."""
@@ -103,7 +105,11 @@ class Adapter:
                 raise ValueError(
                     f"adapter tensor {k} has shape {list(v.shape)}, this adapter {list(want[k].shape)}"
                 )
-        set_peft_model_state_dict(self.peft, {k: v.to(want[k].dtype) for k, v in state.items()}, ADAPTER_NAME)
+        # Whole tensors into a sharded policy keep each rank's shard (learner.placement.load_full).
+        with implicit_replication():
+            set_peft_model_state_dict(
+                self.peft, {k: v.to(want[k].dtype) for k, v in state.items()}, ADAPTER_NAME
+            )
 
     def reset(self) -> None:
         """Back to the initial adapter (B = 0: the policy equals the base model, version 0)."""
@@ -116,20 +122,24 @@ class Adapter:
         with self.peft.disable_adapter():
             yield
 
+    def tensors(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """The adapter's tensors under the wrapper's own names (with the adapter name, which
+        ``save_pretrained`` filters and renames as it does its own state dict), whole
+        (``learner.placement.full_tensor``: with N ranks every rank calls this in step), as CPU
+        copies in ``dtype``, for writing."""
+        return {
+            k: full_tensor(v.detach()).to(device="cpu", dtype=dtype, copy=True)
+            for k, v in self.peft.state_dict().items()
+            if "lora_" in k
+        }
+
     def save(self, folder: Path, dtype: torch.dtype) -> Path:
         """Write the adapter into ``folder`` (created if needed) with its tensors cast to ``dtype``,
         by ``PeftModel.save_pretrained``: ``adapter_model.safetensors``, ``adapter_config.json``
         (``base_model_name_or_path``: the base model's directory) and PEFT's ``README.md``.
         Returns the safetensors file's path. Raises OSError when the folder cannot be written."""
         folder = Path(folder)
-        # The adapter's tensors under the wrapper's own names (with the adapter name), which
-        # save_pretrained filters and renames as it does its own state dict.
-        state = {
-            k: v.detach().to(dtype=dtype, copy=True)
-            for k, v in self.peft.state_dict().items()
-            if "lora_" in k
-        }
-        self.peft.save_pretrained(str(folder), state_dict=state)
+        self.peft.save_pretrained(str(folder), state_dict=self.tensors(dtype))
         return folder / ADAPTER_FILE
 
     @torch.no_grad()

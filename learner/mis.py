@@ -21,6 +21,8 @@ PPO, Ye et al. 2020; verl's ``clip_ratio_c`` = 3), so every kept weight is at mo
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from learner.finite import usable_tokens
@@ -81,7 +83,7 @@ def mis_loss(
     usable, dropped = usable_tokens(action_mask, logp_new, logp_old, logp_behaviour)
     if dual_clip is not None:
         log_rs = torch.where(usable, logp_new.detach().double() - logp_old.detach().double(), 0.0)
-        keep = keep & ~((advantages.detach() < 0) & (log_rs > torch.log(torch.tensor(dual_clip)).double()))
+        keep = keep & ~((advantages.detach() < 0) & (log_rs > math.log(dual_clip)))
     log_w = torch.where(usable, logp_new.detach().double() - logp_behaviour.double(), 0.0)
     log_rd = torch.where(usable, logp_old.detach().double() - logp_behaviour.double(), 0.0)
     rd_out = usable & ((torch.exp(log_rd) < 1.0 / c) | (torch.exp(log_rd) > c))

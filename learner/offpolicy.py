@@ -87,7 +87,11 @@ def mis_token_mask(
     check_token_inputs("logp_new", logp_new, named, eps_low, eps_high)
     shape = logp_new.shape
     low, high = _interval(c)
-    action = torch.ones(shape, dtype=torch.bool) if action_mask is None else action_mask.bool()
+    action = (
+        torch.ones(shape, dtype=torch.bool, device=logp_new.device)
+        if action_mask is None
+        else action_mask.bool()
+    )
     usable, _ = usable_tokens(action, logp_new, logp_old, logp_behaviour)
     new, old, beh = (t.detach().double() for t in (logp_new, logp_old, logp_behaviour))
     # Ratios in float64 at usable positions only, so inf/NaN elsewhere cannot leak through.
@@ -158,7 +162,8 @@ def ewma_proxy_step(
 
 
 class SnapshotStore:
-    """The parameters of the last W policy versions in CPU memory (papers/004 §5.1, snapshots).
+    """The parameters of the last W policy versions (papers/004 §5.1, snapshots; kept on the
+    learner's device, the paper keeps them in CPU memory).
 
     π_old of a token is computed with the snapshot of the version that generated it (the
     trajectory's ``token_versions``); a version older than the window is gone (``get`` → None)
@@ -173,14 +178,15 @@ class SnapshotStore:
         self._states: OrderedDict[int, dict[str, torch.Tensor]] = OrderedDict()
 
     def put(self, version: int, state: Mapping[str, torch.Tensor]) -> None:
-        """Keep a CPU copy of ``state`` (name → tensor) as ``version``; drop the oldest beyond W.
+        """Keep a copy of ``state`` (name → tensor, on the tensors' device: the learner's,
+        issue 38) as ``version``; drop the oldest beyond W.
 
         Raises ValueError when ``version`` is not newer than every stored one (versions are
         monotone; a rollback publishes a new version).
         """
         if self._states and version <= next(reversed(self._states)):
             raise ValueError(f"version {version} is not newer than {next(reversed(self._states))}")
-        self._states[version] = {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
+        self._states[version] = {k: v.detach().clone() for k, v in state.items()}
         while len(self._states) > self.window:
             self._states.popitem(last=False)
 
@@ -193,5 +199,5 @@ class SnapshotStore:
         return list(self._states)
 
     def nbytes(self) -> int:
-        """CPU memory held by the snapshots (bytes)."""
+        """Memory held by the snapshots (bytes)."""
         return sum(t.numel() * t.element_size() for s in self._states.values() for t in s.values())

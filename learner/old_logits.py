@@ -1,10 +1,11 @@
 """Where π_old comes from when the learner needs it: snapshots or the PPO-EWMA proxy.
 
-Source: papers/004 §5.1 (exact old logits from parameter snapshots kept in CPU memory) and §5.2
+Source: papers/004 §5.1 (exact old logits from parameter snapshots; the paper keeps them in CPU
+memory, the learner on its device: issue 38) and §5.2
 (the revised PPO-EWMA proxy with a reset), docs/design.md §5.5. Both keep one scratch copy of the
 policy's architecture to evaluate old parameters; the live policy is never modified here.
 
-- ``SnapshotOldPolicy``: ``on_version(v, policy)`` stores a CPU copy of version v's trained
+- ``SnapshotOldPolicy``: ``on_version(v, policy)`` stores a copy of version v's trained
   parameters (``learner.offpolicy.SnapshotStore`` of the last W + 1 versions: the current one
   and W older); ``logprobs`` evaluates each token with the snapshot of the version that
   generated it, loading that snapshot into the scratch model (the "switch"). Rows with a token
@@ -36,6 +37,7 @@ from transformers import PreTrainedModel
 
 from learner.batch import Batch
 from learner.offpolicy import SnapshotStore, ewma_beta, ewma_proxy_step
+from learner.placement import load_full
 
 LogprobFn = Callable[[PreTrainedModel, Batch, torch.Tensor], torch.Tensor]
 """(model, batch, positions [B, T] bool) → [B, T] float32 logprobs at those positions."""
@@ -63,12 +65,14 @@ class SnapshotOldPolicy:
         """``window``: W, the largest staleness (versions) served exactly (``>= 1``)."""
         self.store = SnapshotStore(window + 1)
         self.scratch = _scratch(policy)
+        self.model = self.scratch
         self.put_s = 0.0
         self.update_s = 0.0
         self.resets = 0
 
     def on_version(self, version: int, policy: PreTrainedModel) -> None:
-        """Keep a CPU copy of ``policy``'s trained parameters (``requires_grad``; a tied tensor
+        """Keep a copy of ``policy``'s trained parameters (on their device, and with N ranks
+        this rank's shard of each) (``requires_grad``; a tied tensor
         once) as ``version`` (the newest)."""
         t0 = time.perf_counter()
         self.store.put(version, {n: p for n, p in policy.named_parameters() if p.requires_grad})
@@ -101,7 +105,7 @@ class SnapshotOldPolicy:
             t0 = time.perf_counter()
             # strict=False: a snapshot holds the trained parameters only, a tied one under its
             # first name.
-            self.scratch.load_state_dict(state, strict=False)
+            load_full(self.scratch, state, strict=False)
             switch_s += time.perf_counter() - t0
             switches += 1
             sel = mask & (versions == v)
@@ -114,7 +118,8 @@ class SnapshotOldPolicy:
         return False
 
     def nbytes(self) -> int:
-        """CPU memory held by the snapshots (bytes; the scratch model not counted)."""
+        """Memory held by the snapshots (bytes, on the policy's device; with N ranks this rank's
+        shards; the scratch model not counted)."""
         return self.store.nbytes()
 
 
@@ -126,6 +131,7 @@ class EWMAOldPolicy:
         self.beta = ewma_beta(window)
         self.tau = tau if reset else -math.inf
         self.proxy = _scratch(policy)
+        self.model = self.proxy
         self.resets = 0
         self.put_s = 0.0
         self.update_s = 0.0
@@ -135,7 +141,7 @@ class EWMAOldPolicy:
         """A version not made by a step of this proxy's learner (the one loaded at start, or a
         rollback's) restarts the proxy at ``policy`` (θ_prox⁽⁰⁾ = θ⁽⁰⁾, §5.2 (i))."""
         if not self._stepped:
-            self.proxy.load_state_dict(policy.state_dict())
+            load_full(self.proxy, policy.state_dict())
         self._stepped = False
 
     def missing_rows(self, versions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -160,7 +166,7 @@ class EWMAOldPolicy:
             active_fraction=active_fraction,
             tau=self.tau,
         )
-        self.proxy.load_state_dict(new)
+        load_full(self.proxy, new)
         self.resets += int(reset)
         self._stepped = True
         self.update_s = time.perf_counter() - t0

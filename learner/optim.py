@@ -11,6 +11,8 @@ from collections.abc import Sequence
 
 import torch
 
+from learner.placement import full_tensor
+
 
 def make_adamw(
     params: list[torch.nn.Parameter], lr: float, weight_decay: float, beta1: float = 0.9
@@ -28,9 +30,11 @@ def optimizer_step(
     opt: torch.optim.Optimizer, loss: torch.Tensor, params: Sequence[torch.nn.Parameter], grad_clip: float
 ) -> float:
     """Zero the gradients, back-propagate ``loss`` (0-dim), clip the global L2 norm of ``params``'
-    gradients to ``grad_clip``, step ``opt``; returns the gradient norm before clipping (float)."""
+    gradients to ``grad_clip``, step ``opt``; returns the gradient norm before clipping (float).
+    With sharded parameters (FSDP2 DTensors, ``learner.placement``) the norm is over every
+    rank's shards (torch reduces it), the same on every rank."""
     opt.zero_grad(set_to_none=True)
     loss.backward()
-    norm = torch.nn.utils.clip_grad_norm_(params, grad_clip).item()
+    norm = full_tensor(torch.nn.utils.clip_grad_norm_(params, grad_clip)).item()
     opt.step()
     return norm

@@ -63,6 +63,11 @@ class PolicyUpdate(ABC):
         May add metrics."""
         return batch
 
+    def models(self) -> list[torch.nn.Module]:
+        """The models this update holds besides the learner's (π_old's), for the learner to
+        place on its device (``learner.placement``); default: none."""
+        return []
+
     @abstractmethod
     def apply(
         self, trainee: Trainee, batch: Batch, mask: torch.Tensor, advantages: torch.Tensor, metrics: dict
@@ -123,6 +128,10 @@ class MISUpdate(PolicyUpdate):
             self.old_policy = EWMAOldPolicy(policy, correction.window, correction.reset, correction.tau)
         self.anchor = anchor
         self.version = 0
+
+    def models(self) -> list[torch.nn.Module]:
+        """The model π_old is evaluated with (the snapshots' scratch copy, or the EWMA proxy)."""
+        return [self.old_policy.model]
 
     def on_version(self, version: int, policy: PreTrainedModel) -> None:
         """Record ``version`` and give it to the old-policy source (a snapshot, or the proxy's

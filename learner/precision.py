@@ -235,13 +235,16 @@ def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
         p.data = p.data.to(dtype)
 
 
-def prepare_compute(model: torch.nn.Module, bf16: bool, compiled: bool) -> None:
+def prepare_compute(
+    model: torch.nn.Module, bf16: bool, compiled: bool, device: torch.device | None = None
+) -> None:
     """Set up a model the learner runs (policy, critic, reference) for its precision: with
-    ``bf16`` attention becomes ``learner.attention.grouped_attention`` (torch's SDPA backward is
-    slow in bf16 on CPU, docs/precision.md); with ``compiled`` every decoder layer is compiled
-    (``learner.fused``). Casting is not done here (``make_optimizer``, or ``cast_parameters``
-    for a frozen model)."""
-    if bf16:
+    ``bf16`` on the CPU (``device`` None or a CPU) attention becomes
+    ``learner.attention.grouped_attention`` (torch's SDPA backward is slow in bf16 on CPU,
+    docs/precision.md; on a GPU SDPA's fused kernels are the fast ones and stay); with
+    ``compiled`` every decoder layer is compiled (``learner.fused``). Casting is not done here
+    (``make_optimizer``, or ``cast_parameters`` for a frozen model)."""
+    if bf16 and (device is None or device.type == "cpu"):
         attention.install(model)
     if compiled:
         compile_layers(model)

@@ -51,6 +51,7 @@ def body_hidden(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     min_shared: int | None = None,
+    shared: int | None = None,
 ) -> torch.Tensor:
     """Last hidden states of a transformers decoder body, running a shared prefix once.
 
@@ -61,6 +62,10 @@ def body_hidden(
         attention_mask: [B, T] 0/1.
         min_shared: the shortest common prefix (tokens) worth a separate pass (default
             ``MIN_SHARED_TOKENS``); below it, or with one row, this is the plain forward.
+        shared: the common prefix length to use instead of this batch's own, at most that (a
+            learner rank evaluating its share of a batch passes the whole batch's, so that every
+            rank runs each layer the same number of times: ``learner.placement``); None: this
+            batch's ``shared_prefix_length`` (0 for one row).
 
     Returns:
         [B, T, H] last hidden states (the body's dtype), positions counting attended tokens
@@ -68,7 +73,8 @@ def body_hidden(
     """
     positions = position_ids_from_mask(attention_mask)
     n_rows = input_ids.shape[0]
-    shared = shared_prefix_length(input_ids, attention_mask) if n_rows > 1 else 0
+    if shared is None:
+        shared = shared_prefix_length(input_ids, attention_mask) if n_rows > 1 else 0
     if shared < (MIN_SHARED_TOKENS if min_shared is None else min_shared):
         return body(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False

@@ -38,6 +38,7 @@ import signal
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -151,10 +152,12 @@ class Learner:
             return AutoModelForCausalLM.from_pretrained(self.base_dir, dtype=torch.float32)
 
         latest = self._latest_version()
-        algorithm = build_algorithm(self.config, load_policy)
+        algorithm = self._build_algorithm(load_policy)
         committed = latest.version if latest is not None else 0
         resume.discard_uncommitted(self.policy_dir, committed)
-        state = resume.newest_state(self.policy_dir, committed, self.config.policy.kind, self._rejected)
+        state = resume.newest_state(
+            self.policy_dir, committed, self.config.policy.kind, self._rejected, self._read_checkpoint(committed)
+        )
         self.version = self.weights_version = 0
         if state is None:
             loaded = algorithm.warm_start(self.policy_dir)
@@ -184,7 +187,7 @@ class Learner:
             # The base's learner state (fresh or warm-started critic, fresh optimizers): what a
             # rollback to version 0 restores. Written again at each start before the first step,
             # so a policy folder reused with a new database holds this start's, not an old one's.
-            resume.write_state(self.policy_dir, 0, algorithm, self.config)
+            self._write_state(0, algorithm)
 
     def _rejected(self, version: int) -> bool:
         """Whether the database records ``version`` as rejected (or does not know it)."""
@@ -200,8 +203,28 @@ class Learner:
             return
         if resume.state_path(self.policy_dir, version).is_file():
             return
-        resume.write_state(self.policy_dir, version, self.algorithm, self.config)
-        log.info("learner state of the promoted version %d kept", version)
+        if self._write_state(version, self.algorithm):
+            log.info("learner state of the promoted version %d kept", version)
+
+    def _write_state(self, version: int, algorithm: Algorithm) -> bool:
+        """Keep ``algorithm``'s whole state as ``version``'s (``learner.resume.write_state``);
+        False where this learner keeps none (``learner.distributed.RankedLearner``)."""
+        resume.write_state(self.policy_dir, version, algorithm, self.config)
+        return True
+
+    def _read_state(self, version: int) -> dict | None:
+        """The state kept as ``version``'s (``learner.resume.read_state``), None if none."""
+        return resume.read_state(self.policy_dir, version)
+
+    def _build_algorithm(self, load_policy) -> Algorithm:
+        """The algorithm of the config, its models from ``load_policy`` (``learner.registry``;
+        with N ranks ``learner.distributed.RankedLearner`` builds it on every rank)."""
+        return build_algorithm(self.config, load_policy)
+
+    def _read_checkpoint(self, committed: int) -> dict | None:
+        """The checkpoint's state at most at version ``committed`` (``learner.resume.read_checkpoint``;
+        with N ranks the sharded one, ``learner.distributed``), None when there is none."""
+        return resume.read_checkpoint(self.policy_dir, committed, self.config.policy.kind)
 
     def _latest_version(self):
         """The database's latest version row (``learner.publish.latest_version``)."""
@@ -496,7 +519,7 @@ class Learner:
         if row is None:
             order.refuse(self.db)
             return None
-        kept = resume.read_state(self.policy_dir, version)
+        kept = self._read_state(version)
         if kept is None:
             log.warning(
                 "no learner state kept for version %d: its weights only, fresh optimizer moments", version
@@ -508,7 +531,7 @@ class Learner:
         # the commit resumes from it (learner.resume.newest_state), not from the rejected
         # lineage's checkpoint.
         try:
-            resume.write_state(self.policy_dir, self.version + 1, self.algorithm, self.config)
+            self._write_state(self.version + 1, self.algorithm)
         except BaseException:
             self.algorithm = None
             raise
@@ -579,8 +602,14 @@ class Learner:
             self.checkpoint_on_stop()
 
 
-def run_learner(settings: Settings, config: LearnerConfig, stop: threading.Event | None = None) -> Learner:
-    """Migrate, build, and run a learner in this thread (``saoserve learn``), on
+def run_learner(
+    settings: Settings,
+    config: LearnerConfig,
+    stop: threading.Event | None = None,
+    make_learner: Callable[[Settings, LearnerConfig], Learner] = Learner,
+) -> Learner:
+    """Migrate, build (``make_learner``: rank 0's ``learner.distributed.RankedLearner`` with N
+    ranks), and run a learner in this thread (``saoserve learn``), on
     ``settings.learner_threads`` torch threads where that is set (``core.cores``)."""
     if settings.learner_threads is not None:
         torch.set_num_threads(settings.learner_threads)
@@ -590,7 +619,7 @@ def run_learner(settings: Settings, config: LearnerConfig, stop: threading.Event
         warning = bf16_warning("the learner's models")
         if warning:
             log.warning("%s", warning)
-    learner = Learner(settings, config)
+    learner = make_learner(settings, config)
     learner.load()
     stop = stop or threading.Event()
     # SIGTERM (docker stop, systemd) is a clean stop, as Ctrl-C is: the loop ends and the

@@ -139,13 +139,16 @@ def write_version(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     if algorithm.adapter is not None:
-        algorithm.adapter.save(tmp, dtype)
+        algorithm.save_adapter(tmp, dtype)
     else:
         weights = algorithm.policy_weights(dtype)
         if getattr(algorithm.policy.config, "tie_word_embeddings", False):
             weights.pop("lm_head.weight", None)
+        # To the CPU here, at the file's edge: a GPU learner's weights are on its device.
         save_file(
-            {k: v.contiguous() for k, v in weights.items()}, tmp / WEIGHTS_FILE, metadata={"format": "pt"}
+            {k: v.to("cpu").contiguous() for k, v in weights.items()},
+            tmp / WEIGHTS_FILE,
+            metadata={"format": "pt"},
         )
         for f in Path(base_dir).iterdir():
             if f.is_file() and f.suffix != ".safetensors":

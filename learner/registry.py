@@ -17,6 +17,8 @@ from learner.spo import SPOLearner
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
+    from learner.placement import Placement
+
 ALGORITHMS: dict[type, type[Algorithm]] = {
     SAOAlgorithm: SAOLearner,
     RunningMeanAlgorithm: SAOLearner,  # SAO with the critic replaced by the SAO §3.4 baseline
@@ -25,8 +27,11 @@ ALGORITHMS: dict[type, type[Algorithm]] = {
 """Config model of ``LearnerConfig.algorithm`` → the class that runs it."""
 
 
-def build_algorithm(config: LearnerConfig, load_policy: Callable[[], PreTrainedModel]) -> Algorithm:
+def build_algorithm(
+    config: LearnerConfig, load_policy: Callable[[], PreTrainedModel], placement: Placement | None = None
+) -> Algorithm:
     """The learner ``config`` names, built by its class's ``build`` (which loads the models with
-    ``load_policy``, a fresh float32 base policy per call). Raises nothing of its own: the config
-    was validated when it was made."""
-    return ALGORITHMS[type(config.algorithm)].build(config, load_policy)
+    ``load_policy``, a fresh float32 base policy per call) on ``placement`` (None: one process on
+    ``config.device``). Raises ``learner.device.DeviceError`` when that device is not here;
+    nothing else of its own: the config was validated when it was made."""
+    return ALGORITHMS[type(config.algorithm)].build(config, load_policy, placement)

@@ -145,17 +145,20 @@ def prune_states(policy_dir: Path, keep: set[int]) -> None:
             state_path(policy_dir, v).unlink(missing_ok=True)
 
 
-def newest_state(policy_dir: Path, committed: int, kind: str, rejected) -> dict | None:
-    """The learner state a start resumes from: the newest of ``checkpoint.pt``
-    (``read_checkpoint``) and the kept states (``write_state``) at or below ``committed``,
-    leaving out any whose weights version ``rejected(version)`` says was rejected since.
+def newest_state(
+    policy_dir: Path, committed: int, kind: str, rejected, checkpoint: dict | None
+) -> dict | None:
+    """The learner state a start resumes from: the newest of ``checkpoint`` (the checkpoint's
+    state at most at ``committed``: ``read_checkpoint``, or a sharded learner's, read by the
+    caller) and the kept states (``write_state``) at or below ``committed``, leaving out any
+    whose weights version ``rejected(version)`` says was rejected since.
 
     So a crash right after a rollback's commit resumes from the state the rollback restored
     (the rollback's version is newer than the last checkpoint), not from the checkpoint of the
     lineage it rejected; a checkpoint newer than the rollback (steps trained since) wins. Ties
-    go to the checkpoint. Raises RuntimeError as ``read_checkpoint``.
+    go to the checkpoint. Raises RuntimeError as ``read_checkpoint`` for a kept state of another
+    policy kind.
     """
-    checkpoint = read_checkpoint(policy_dir, committed, kind)
     if checkpoint is not None and rejected(checkpoint.get("weights_version", checkpoint["version"])):
         log.info(
             "the checkpoint at version %d holds a rejected version's weights: not resumed",

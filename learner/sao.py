@@ -26,16 +26,17 @@ from transformers import PreTrainedModel
 
 from learner.algorithm import Algorithm
 from learner.baselines import RunningMeanBaseline
-from learner.batch import Batch, policy_logprobs
+from learner.batch import Batch
 from learner.config import FullPolicy, LearnerConfig, LoraPolicy, RunningMeanAlgorithm, SAOAlgorithm
 from learner.critic import ValueModel
+from learner.device import resolve
 from learner.gae import length_adaptive_lambda, step_gae, token_gae
 from learner.kl import KLAnchor
 from learner.metrics import explained_variance, masked_mse, throughput
 from learner.optim import optimizer_step
+from learner.placement import Placement, load_full
 from learner.policy_update import build_policy_update
 from learner.precision import COMPUTE_DTYPE, cast_parameters, make_optimizer, prepare_compute
-from learner.pretrain import PRETRAINED_CRITIC
 
 
 class SAOLearner(Algorithm):
@@ -85,6 +86,11 @@ class SAOLearner(Algorithm):
             ``config.algorithm.has_kl_anchor`` with a full policy; cast to float32, eval mode,
             never updated. A LoRA policy (``config.policy``) takes none: its reference is itself
             with the adapter off (``learner.kl.KLAnchor``), and only its adapter is trained.
+        placement: where the models live and how a step's rows are split
+            (``learner.placement.Placement``: one device, or this rank of N); None: one process
+            on ``config.device`` (``learner.device.resolve``, which raises its DeviceError).
+            Every model (policy, critic, reference, the correction's π_old model) is placed
+            before the optimizers are built, so their states live on the same device.
 
     Raises (constructor): ValueError if the algorithm is not sao/running_mean, ``sao`` without a
     critic, a critic with ``running_mean``, the KL anchor of a full policy without a reference, a
@@ -97,6 +103,7 @@ class SAOLearner(Algorithm):
         policy: PreTrainedModel,
         critic: ValueModel | None = None,
         reference: PreTrainedModel | None = None,
+        placement: Placement | None = None,
     ) -> None:
         algo = config.algorithm
         if not isinstance(algo, SAOAlgorithm | RunningMeanAlgorithm):
@@ -116,6 +123,8 @@ class SAOLearner(Algorithm):
             raise ValueError("kl_coef = 0 uses no reference policy; pass reference=None")
         opt = config.optimizer
         self.config = config
+        self.placement = placement or Placement(resolve(config.device))
+        self.device = self.placement.device
         self.attach_policy(policy)
         self.critic = critic.float().eval() if critic is not None else None
         anchor = None
@@ -123,9 +132,29 @@ class SAOLearner(Algorithm):
             anchor = KLAnchor(self.policy, algo.kl_coef, self.adapter)
         elif reference is not None:
             anchor = KLAnchor(reference, algo.kl_coef)
-        self.device = next(policy.parameters()).device
+        # Built from the float32 policy before it is placed: its π_old model is a copy of it,
+        # and a sharded module cannot be copied.
+        self.policy_update = build_policy_update(
+            config.correction, algo.eps_low, algo.eps_high, self.policy, anchor
+        )
+        own_reference = anchor is not None and not anchor.shares_policy
+        # With N ranks bf16 is FSDP's mixed precision (learner.placement), set when placing.
+        masters = config.bf16 and not self.placement.sharded
+        old_models = self.policy_update.models()
+        if own_reference and config.bf16:
+            cast_parameters(anchor.reference, COMPUTE_DTYPE)
+        for model in old_models if masters else ():
+            cast_parameters(model, COMPUTE_DTYPE)
+        self.placement.place(self.policy)
+        self.find_policy_params()
+        if self.critic is not None:
+            self.placement.place(self.critic, keep_float32=("head",))
+        if own_reference:
+            self.placement.place(anchor.reference, frozen=True)
+        for model in old_models:
+            self.placement.place(model)
         self.policy_opt = make_optimizer(
-            self.policy, self.policy_params, config.policy_lr, opt.weight_decay, opt.adam_beta1, config.bf16
+            self.policy, self.policy_params, config.policy_lr, opt.weight_decay, opt.adam_beta1, masters
         )
         self.critic_opt = (
             make_optimizer(
@@ -134,30 +163,29 @@ class SAOLearner(Algorithm):
                 algo.critic_lr,
                 opt.weight_decay,
                 opt.adam_beta1,
-                config.bf16,
+                masters,
                 keep_float32=("head",),
             )
             if self.critic is not None
             else None
         )
-        own_reference = anchor is not None and not anchor.shares_policy
-        if own_reference and config.bf16:
-            cast_parameters(anchor.reference, COMPUTE_DTYPE)
-        for model in (self.policy, self.critic, anchor.reference if own_reference else None):
+        for model in (self.policy, self.critic, anchor.reference if own_reference else None, *old_models):
             if model is not None:
-                prepare_compute(model, config.bf16, config.compile_layers)
+                prepare_compute(model, config.bf16, config.compile_layers, self.device)
         self.baseline = (
             RunningMeanBaseline(window=algo.running_mean_window)
             if isinstance(algo, RunningMeanAlgorithm)
             else None
         )
-        self.policy_update = build_policy_update(
-            config.correction, algo.eps_low, algo.eps_high, self.policy, anchor
-        )
         self.steps = 0
 
     @classmethod
-    def build(cls, config: LearnerConfig, load_policy: Callable[[], PreTrainedModel]) -> SAOLearner:
+    def build(
+        cls,
+        config: LearnerConfig,
+        load_policy: Callable[[], PreTrainedModel],
+        placement: Placement | None = None,
+    ) -> SAOLearner:
         """Where the models are loaded: the policy, the critic (``sao``: a copy of the policy's
         body with a value head, taken before a LoRA adapter is injected: the critic never has
         one) and, with the KL anchor and full fine-tuning, a second base policy as the reference
@@ -170,7 +198,7 @@ class SAOLearner(Algorithm):
             else None
         )
         reference = load_policy() if algo.has_kl_anchor and isinstance(config.policy, FullPolicy) else None
-        return cls(config, policy, critic, reference)
+        return cls(config, policy, critic, reference, placement)
 
     def on_version(self, version: int) -> None:
         """Give the policy's version to the policy update (token versions are ``version −
@@ -180,10 +208,14 @@ class SAOLearner(Algorithm):
     def warm_start(self, policy_dir: Path) -> Path | None:
         """Load the pretrained critic (``saoserve pretrain-critic``, SAO §2.3) when there is
         one; its path, or None (a fresh value head)."""
+        # Imported here: the step itself needs no database (bench/gpu_learner.py runs it where
+        # only torch, transformers, peft and pydantic are).
+        from learner.pretrain import PRETRAINED_CRITIC
+
         pretrained = policy_dir / PRETRAINED_CRITIC
         if self.critic is None or not pretrained.is_file():
             return None
-        self.critic.load_state_dict(torch.load(pretrained, map_location="cpu"))
+        load_full(self.critic, torch.load(pretrained, map_location=self.device))
         return pretrained
 
     def _autocast(self):
@@ -197,20 +229,13 @@ class SAOLearner(Algorithm):
         """[B, T] float32 log-probabilities of ``batch``'s tokens at ``positions`` ([B, T] bool)
         under ``model`` (the policy, an old policy or the reference), 0 elsewhere."""
         with self._autocast():
-            return policy_logprobs(
-                model,
-                batch.input_ids,
-                batch.attention_mask,
-                batch.temperatures,
-                positions=positions,
-                chunk_tokens=self.config.chunk_tokens,
-            )
+            return self.placement.logprobs(model, batch, positions, self.config.chunk_tokens)
 
     def values(self, batch: Batch) -> torch.Tensor:
         """[B, T] float32 critic values ``V(s_t)`` of ``batch`` (with grad unless the caller is
         under ``torch.no_grad``); meaningless at padding."""
         with self._autocast():
-            return self.critic(batch.input_ids, batch.attention_mask)
+            return self.placement.values(self.critic, batch)
 
     def policy_step(self, loss: torch.Tensor) -> float:
         """One AdamW step of the policy on ``loss``; the gradient norm before clipping. With the
@@ -369,7 +394,7 @@ class SAOLearner(Algorithm):
         self.load_policy_state(state["policy"])
         self.policy_opt.load_state_dict(state["policy_optimizer"])
         if self.critic is not None:
-            self.critic.load_state_dict(state["critic"])
+            load_full(self.critic, state["critic"])
             self.critic_opt.load_state_dict(state["critic_optimizer"])
         if self.baseline is not None and state["baseline"] is not None:
             self.baseline.load_state_dict(state["baseline"])

@@ -26,11 +26,13 @@ from learner.advantages import (
     trajectory_whiten,
 )
 from learner.algorithm import Algorithm
-from learner.batch import Batch, policy_logprobs
+from learner.batch import Batch
 from learner.config import LearnerConfig, SPOAlgorithm
+from learner.device import resolve
 from learner.finite import usable_tokens
 from learner.metrics import throughput
 from learner.optim import optimizer_step
+from learner.placement import Placement
 from learner.precision import make_optimizer, prepare_compute
 
 
@@ -41,40 +43,47 @@ class SPOLearner(Algorithm):
         config: a validated ``LearnerConfig`` whose algorithm is ``spo``.
         policy: the policy to train; cast to float32 in place and put in eval mode; with a LoRA
             ``config.policy`` only its adapter is trained (``Algorithm.attach_policy``).
+        placement: its device and rank (``learner.placement.Placement``); None: one process on
+            ``config.device`` (``learner.device.resolve``, which raises its DeviceError).
 
     Raises (constructor): ValueError if the algorithm is not ``spo``.
     """
 
     critic = None
 
-    def __init__(self, config: LearnerConfig, policy: PreTrainedModel):
+    def __init__(self, config: LearnerConfig, policy: PreTrainedModel, placement: Placement | None = None):
         if not isinstance(config.algorithm, SPOAlgorithm):
             raise ValueError(f"SPOLearner runs the spo algorithm, not {config.algorithm.name}")
         opt = config.optimizer
         self.config = config
+        self.placement = placement or Placement(resolve(config.device))
+        self.device = self.placement.device
         self.attach_policy(policy)
+        self.placement.place(self.policy)
+        self.find_policy_params()
+        # With N ranks bf16 is FSDP's mixed precision (learner.placement), set when placing.
+        masters = config.bf16 and not self.placement.sharded
         self.policy_opt = make_optimizer(
-            self.policy, self.policy_params, config.policy_lr, opt.weight_decay, opt.adam_beta1, config.bf16
+            self.policy, self.policy_params, config.policy_lr, opt.weight_decay, opt.adam_beta1, masters
         )
-        prepare_compute(self.policy, config.bf16, config.compile_layers)
+        prepare_compute(self.policy, config.bf16, config.compile_layers, self.device)
         self.steps = 0
 
     @classmethod
-    def build(cls, config: LearnerConfig, load_policy: Callable[[], PreTrainedModel]) -> SPOLearner:
+    def build(
+        cls,
+        config: LearnerConfig,
+        load_policy: Callable[[], PreTrainedModel],
+        placement: Placement | None = None,
+    ) -> SPOLearner:
         """Where the model is loaded: SPO++ on a fresh base policy."""
-        return cls(config, load_policy())
+        return cls(config, load_policy(), placement)
 
     def logprobs(self, batch: Batch, positions: torch.Tensor) -> torch.Tensor:
         """[B, T] float32 log-probabilities of ``batch``'s tokens at ``positions`` ([B, T] bool)
-        under the policy, with grad; the learner's one forward pass."""
-        return policy_logprobs(
-            self.policy,
-            batch.input_ids,
-            batch.attention_mask,
-            batch.temperatures,
-            positions=positions,
-            chunk_tokens=self.config.chunk_tokens,
-        )
+        under the policy, with grad; the learner's one forward pass (with N ranks each rank's
+        rows, gathered: ``learner.placement``)."""
+        return self.placement.logprobs(self.policy, batch, positions, self.config.chunk_tokens)
 
     def step(self, batch: Batch) -> dict:
         """One update; ``batch.baseline_values`` ([B] float) is v̂ frozen at dispatch per
@@ -88,6 +97,7 @@ class SPOLearner(Algorithm):
         """
         t0 = time.perf_counter()
         algo, opt = self.config.algorithm, self.config.optimizer
+        batch = batch.to(self.device)
         batch.validate()
         if batch.baseline_values is None:
             raise ValueError("the spo algorithm needs batch.baseline_values")

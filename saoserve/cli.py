@@ -17,6 +17,7 @@ import os
 import socket
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import typer
 from pydantic import ValidationError
@@ -181,6 +182,14 @@ def learn(
     lora_rank: int = typer.Option(None, help="lora: the adapter's rank r (8)."),
     lora_lr: float = typer.Option(None, help="lora: the adapter's learning rate (10 × the policy lr)."),
     tenant: str = typer.Option(None, help=f"{TENANT_HELP} Needs --policy lora."),
+    device: str = typer.Option(
+        None, help="auto (a CUDA GPU where one is visible) | cpu | cuda. Default: the config's (auto)."
+    ),
+    ranks: int = typer.Option(
+        None,
+        min=1,
+        help="Run the learner as this many ranks on this host (torchrun; FSDP2, docs/scaling.md).",
+    ),
 ) -> None:
     """Join trajectories with feedback, train the policy, publish versions.
 
@@ -188,12 +197,16 @@ def learn(
     each option given here overriding its field. With --tenant, the learner trains that tenant's
     policy only, from its namespace, and publishes adapters (the engine serves each tenant
     policy as an adapter over the base weights).
+
+    Under ``torchrun --nproc-per-node N`` every rank runs this command and the learner shards its
+    models over them (``learner.distributed``); ``--ranks N`` starts exactly that on this host.
     """
     import logging
 
     from learner.config import ConfigError, build_config, load_config
+    from learner.device import DeviceError, resolve
 
-    top = {"batch_size": batch_size, "expire_s": expire_s, "max_steps": max_steps}
+    top = {"batch_size": batch_size, "expire_s": expire_s, "max_steps": max_steps, "device": device}
     algo = {"critic_lr": critic_lr, "critic_updates": critic_updates, "kl_coef": kl_coef}
     algo |= {
         "critic_trainable": critic_trainable,
@@ -228,16 +241,47 @@ def learn(
             f"with tenant policies ({', '.join(settings.tenant_policies)}) the global policy is served "
             f"as an adapter too: run with --policy lora (the config's policy is {cfg.policy.kind!r})"
         )
+    from learner import distributed
+
+    world = ranks or int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        resolve(cfg.device, int(os.environ.get("LOCAL_RANK", "0")) if ranks is None else world - 1)
+        distributed.check_config(cfg, world)
+    except (DeviceError, ConfigError) as exc:
+        fail(str(exc))
+    if ranks is not None and not distributed.launched():
+        _launch_ranks(ranks, cfg, settings, tenant)
     logs.configure(settings.log_format, {}, default=logging.INFO)
     telemetry.configure(settings, "learner", policy=tenant or GLOBAL)
     from learner.process import run_learner
     from saoserve.model import prepare_model
 
-    prepare_model(settings.resolved_model_dir)
+    if os.environ.get("RANK", "0") == "0":
+        prepare_model(settings.resolved_model_dir)
     try:
-        run_learner(settings, cfg)
+        if distributed.launched():
+            distributed.run_ranked(settings, cfg)
+        else:
+            run_learner(settings, cfg)
     except KeyboardInterrupt:
         typer.echo("learner stopped")
+
+
+def _launch_ranks(ranks: int, cfg, settings: Settings, tenant: str | None) -> NoReturn:
+    """Replace this process by ``torchrun --standalone --nproc-per-node ranks`` running
+    ``saoserve learn`` with ``cfg`` (written to ``<home>/learner-ranks.json``): one host, rank 0
+    the learner, the others its shards (``learner.distributed``). torchrun forwards SIGTERM and
+    SIGINT to the ranks and stops them all when one fails."""
+    home = Path(settings.home)
+    home.mkdir(parents=True, exist_ok=True)
+    path = home / "learner-ranks.json"
+    path.write_text(cfg.to_json(), encoding="utf-8")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
+    command += ["-m", "saoserve.cli", "learn", "--config", str(path)]
+    command += ["--tenant", tenant] if tenant is not None else []
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, command)
 
 
 @app.command("pretrain-critic")

@@ -162,14 +162,15 @@ def sigterm_as_ctrl_c():
 
 
 def drop_weights(home: Path) -> int:
-    """Delete the policy versions and the learner checkpoint under ``home``; returns bytes freed.
+    """Delete the policy versions and the learner checkpoint under ``home`` (``checkpoint.pt``, or
+    a ranked learner's ``checkpoint.dcp`` folder and its pointer); returns bytes freed.
 
     A finished run keeps its database, records, logs and report (megabytes); the weights (about
     540 MB a version in float32, plus a checkpoint with optimiser states) are only needed to
     serve or resume, so ``demo``/``compare`` drop them unless ``--keep-weights`` is given.
     """
     policies = home / "policies"
-    victims = [*policies.glob("v[0-9]*"), *policies.glob("checkpoint.pt*")]
+    victims = [*policies.glob("v[0-9]*"), *policies.glob("checkpoint.*")]
     freed = 0
     for v in victims:
         files = [v] if v.is_file() else [f for f in v.rglob("*") if f.is_file()]
@@ -228,6 +229,7 @@ def run_method(
     traffic: dict | None = None,
     name: str | None = None,
     critic_init: Path | None = None,
+    learner_ranks: int | None = None,
 ) -> SimulationResult:
     """One full run of ``method`` (``sao`` or ``running_mean``) on ``schedule``.
 
@@ -240,7 +242,8 @@ def run_method(
     samples per step; None: the config's) and the step limit, and the learner started as
     ``saoserve learn --config`` that file. ``critic_init``:
     a pretrained critic the learner starts from (``place_pretrained_critic``), for a method
-    with a critic; ignored for one without.
+    with a critic; ignored for one without. ``learner_ranks``: run the learner as that many ranks
+    (``saoserve learn --ranks``: torchrun, FSDP2; docs/scaling.md); None: one process.
     """
     name = name or method
     home = out / f"run-{name}"
@@ -255,6 +258,7 @@ def run_method(
     if critic_init is not None and isinstance(config.algorithm, SAOAlgorithm):
         place_pretrained_critic(home, critic_init)
     learn_args = ["--config", str(home / "learner.json")]
+    learn_args += ["--ranks", str(learner_ranks)] if learner_ranks is not None else []
     services = Services(home, learn_args, out / "logs" / name)
     fault = config.broken_learner
     if fault is not None:
@@ -332,6 +336,7 @@ def run_methods(
     keep_weights: bool = False,
     traffic: dict | None = None,
     critic_init: Path | None = None,
+    learner_ranks: int | None = None,
 ) -> dict[str, Any]:
     """Run each method of ``configs`` (name → its learner's config) ``seeds`` times, seeds
     ``seed .. seed + seeds - 1`` with the methods interleaved so that an interrupted comparison
@@ -339,7 +344,8 @@ def run_methods(
     ``window`` in steps and the lag ``threshold``) and return its metrics.
 
     The model is prepared once at ``model_dir`` (``prepare_model``) and linked into each run's
-    fresh home ``out/run-<name>``. A run that is interrupted (Ctrl-C or SIGTERM, a service that died) ends
+    fresh home ``out/run-<name>``. ``learner_ranks``: each run's learner on that many ranks
+    (``run_method``). A run that is interrupted (Ctrl-C or SIGTERM, a service that died) ends
     the loop and the report is written from what completed, marked partial on the console.
     Raises RuntimeError if no run completed a step.
     """
@@ -371,6 +377,7 @@ def run_methods(
                     traffic=traffic,
                     name=name,
                     critic_init=critic_init,
+                    learner_ranks=learner_ranks,
                 )
                 if result.records:
                     runs[method].append({"seed": s, "records": result.records, "details": result.details()})

@@ -35,6 +35,7 @@ from saoserve.run_options import (
     JudgeOpt,
     KeepWeightsOpt,
     KlCoefOpt,
+    LearnerRanksOpt,
     MaxSecondsOpt,
     MaxTokensOpt,
     MethodsOpt,
@@ -226,6 +227,7 @@ def _run_command(
         pace: PaceOpt = False,
         correction: CorrectionOpt = "dis",
         critic_init: CriticInitOpt = None,
+        learner_ranks: LearnerRanksOpt = None,
         guard: GuardOpt = None,
         gate: GateOpt = False,
         adversary: AdversaryOpt = None,
@@ -263,6 +265,14 @@ def _run_command(
         except ConfigError as exc:
             fail(str(exc))
         size = configs[chosen[0]].batch_size
+        if learner_ranks is not None:
+            from learner.distributed import check_config
+
+            try:
+                for config in configs.values():
+                    check_config(config, learner_ranks)
+            except ConfigError as exc:
+                fail(str(exc))
         traffic = demo_traffic(
             mode, size, concurrency, rate, feedback_delay_s, max_seconds, max_backlog, prompt_pool, pace
         )
@@ -283,6 +293,7 @@ def _run_command(
                 keep_weights=keep_weights,
                 traffic=traffic if attack is None else traffic | {"adversary": attack},
                 critic_init=critic_init,
+                learner_ranks=learner_ranks,
             )
         except RuntimeError as exc:
             fail(str(exc))

@@ -195,6 +195,14 @@ CriticInitOpt = Annotated[
         "default: a fresh value head."
     ),
 ]
+LearnerRanksOpt = Annotated[
+    int | None,
+    typer.Option(
+        min=1,
+        help="Run the learner as this many ranks on this host (saoserve learn --ranks: torchrun, "
+        "FSDP2, gloo on CPU; docs/scaling.md). Default: one process.",
+    ),
+]
 DemoConcurrencyOpt = Annotated[
     int | None,
     typer.Option(min=1, help=f"Requests in flight (default: async {DEMO_CONCURRENCY}, sync the batch size)."),

@@ -257,3 +257,64 @@ async def test_slow_readers_hold_no_slot_and_the_next_version_loads(lora_engine,
         assert eng.version == vs[-1]
         for writer in clients:
             writer.close()
+
+
+async def test_a_version_refused_for_a_slot_loads_once_generations_end(
+    lora_engine, adapters, tmp_path, pg_url
+):
+    """Three slots. Two generations of 512 tokens run on versions 1 and 2 (the engine's own
+    ``generate`` with ``ignore_eos``: both run to 512 tokens, over 10 s on these CPUs); 3 loads
+    (slots: 1, 2 in use, 3 current) and 4 is refused for lack of a slot (counted once). Before
+    the fix /readyz then stayed 503 "behind" until another version was published; now the
+    watcher tries 4 again at every poll: once both generations end, 4 serves and /readyz is 200
+    with nothing published."""
+    from core.records import SamplingRecord
+
+    eng = lora_engine
+    await eng.removals_done()
+    settings = make_settings(tmp_path, database_url=pg_url, policy_poll_s=0.05)
+    vs = [eng.version + 1 + i for i in range(4)]
+    folders = {}
+    for v, (src, sha) in zip(vs, adapters, strict=True):
+        folders[v] = (version_dir(tmp_path / "policies", v), sha)
+        shutil.copytree(src, folders[v][0])
+    long = SamplingRecord(temperature=1.0, max_tokens=512, seed=1)
+
+    async def generate(v: int) -> int:
+        n = 0
+        async for d in eng.generate(eng.render(PROMPT), long, version=v, ignore_eos=True):
+            n += len(d.token_ids)
+        return n
+
+    async with running_server(settings, eng) as url, httpx.AsyncClient(base_url=url, timeout=300) as http:
+        running = []
+        for v in vs[:2]:
+            await publish(settings, v, *folders[v], v - 1)
+
+            async def serves(v: int = v) -> bool:
+                return eng.version == v
+
+            await until(serves, f"version {v} loaded")
+            running.append(asyncio.ensure_future(generate(v)))
+        await publish(settings, vs[2], *folders[vs[2]], vs[1])
+
+        async def third() -> bool:
+            return eng.version == vs[2]
+
+        await until(third, f"version {vs[2]} loaded")
+        await publish(settings, vs[3], *folders[vs[3]], vs[2])
+
+        async def refused() -> bool:
+            return 'saoserve_policy_swaps_total{result="refused"} 1.0' in (await http.get("/metrics")).text
+
+        await until(refused, f"version {vs[3]} refused for lack of a slot")
+        assert not any(t.done() for t in running)  # refused while both still generate
+        assert (await http.get("/readyz")).status_code == 503
+        assert await asyncio.gather(*running) == [512, 512]
+
+        async def recovered() -> bool:
+            return eng.version == vs[3] and (await http.get("/readyz")).status_code == 200
+
+        await until(recovered, f"version {vs[3]} loaded and /readyz 200 with nothing published", tries=1200)
+        metrics = (await http.get("/metrics")).text
+        assert 'saoserve_policy_swaps_total{result="refused"} 1.0' in metrics

@@ -11,7 +11,9 @@ PostgreSQL, adapters written with PEFT on the real model. Run under the machine-
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
+import socket
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -185,13 +187,38 @@ async def test_rejections_with_no_learner_send_every_request_to_the_promoted_ver
         assert (state["promoted"], state["lineage"], state["split"]) == (p1, [], None)
 
 
+async def slow_reader(url: str, body: dict) -> asyncio.StreamWriter:
+    """Send a streamed chat on a connection that then stops reading after the first bytes of the
+    answer: a 4 KiB socket buffer and a 1 KiB stream buffer, so once about 100 KiB are in
+    flight (those buffers and the server's) the server cannot write more. Returns the writer
+    (closing it ends the connection)."""
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect((host, int(port)))
+    sock.setblocking(False)
+    reader, writer = await asyncio.open_connection(sock=sock, limit=1024)
+    payload = json.dumps(body).encode()
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(payload)}\r\n\r\n".encode()
+        + payload
+    )
+    await writer.drain()
+    head = await reader.readuntil(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), head
+    await reader.read(256)  # the first bytes of the stream, then nothing more
+    return writer
+
+
 async def test_slow_readers_hold_no_slot_and_the_next_version_loads(lora_engine, adapters, tmp_path, pg_url):
-    """Three slots. Two streams (256 tokens, 20 top logprobs a token) are opened on two versions
-    and read no further than their first chunk; two more versions are published. Before the
-    fix the two unread streams kept their versions' adapters and the fourth version was refused
-    ("all 3 adapter slots are taken") with /readyz 503 "behind" until yet another was published.
-    Now each adapter is let go when its generation ends: the newest version serves and /readyz
-    is 200, while both streams are still open and unread."""
+    """Three slots. Two streams (256 tokens, 20 top logprobs a token: about 400 KiB of events)
+    are opened on two versions by clients that stop reading after the first bytes; two more
+    versions are published: the newest serves and /readyz is 200 while both clients still read
+    nothing. On this machine this passes before the fix too: the server's socket send buffer
+    (autotuned up to 4 MiB on loopback, ``net.ipv4.tcp_wmem``) takes the whole answer, so the
+    generation ends whatever the client reads. The case the fix is for, a reader that holds the
+    generator back, is tests/unit/server/test_slots.py's (it fails before the fix)."""
     eng = lora_engine
     await eng.removals_done()
     settings = make_settings(tmp_path, database_url=pg_url, policy_poll_s=0.05)
@@ -210,7 +237,7 @@ async def test_slow_readers_hold_no_slot_and_the_next_version_loads(lora_engine,
         "top_logprobs": 20,
     }
     async with running_server(settings, eng) as url, httpx.AsyncClient(base_url=url, timeout=300) as http:
-        streams = []
+        clients = []
         for i, v in enumerate(vs[:2]):
             await publish(settings, v, *folders[v], v - 1)
 
@@ -218,11 +245,7 @@ async def test_slow_readers_hold_no_slot_and_the_next_version_loads(lora_engine,
                 return eng.version == v
 
             await until(serves, f"version {v} loaded")
-            cm = http.stream("POST", "/v1/chat/completions", json=body | {"seed": i})
-            resp = await cm.__aenter__()
-            assert resp.status_code == 200
-            await anext(resp.aiter_raw())  # the first chunk, then nothing more is read
-            streams.append(cm)
+            clients.append(await slow_reader(url, body | {"seed": i}))
         for v in vs[2:]:
             await publish(settings, v, *folders[v], v - 1)
 
@@ -232,5 +255,66 @@ async def test_slow_readers_hold_no_slot_and_the_next_version_loads(lora_engine,
 
             await until(loaded, f"version {v} loaded and /readyz 200", tries=2400)
         assert eng.version == vs[-1]
-        for cm in streams:
-            await cm.__aexit__(None, None, None)
+        for writer in clients:
+            writer.close()
+
+
+async def test_a_version_refused_for_a_slot_loads_once_generations_end(
+    lora_engine, adapters, tmp_path, pg_url
+):
+    """Three slots. Two generations of 512 tokens run on versions 1 and 2 (the engine's own
+    ``generate`` with ``ignore_eos``: both run to 512 tokens, over 10 s on these CPUs); 3 loads
+    (slots: 1, 2 in use, 3 current) and 4 is refused for lack of a slot (counted once). Before
+    the fix /readyz then stayed 503 "behind" until another version was published; now the
+    watcher tries 4 again at every poll: once both generations end, 4 serves and /readyz is 200
+    with nothing published."""
+    from core.records import SamplingRecord
+
+    eng = lora_engine
+    await eng.removals_done()
+    settings = make_settings(tmp_path, database_url=pg_url, policy_poll_s=0.05)
+    vs = [eng.version + 1 + i for i in range(4)]
+    folders = {}
+    for v, (src, sha) in zip(vs, adapters, strict=True):
+        folders[v] = (version_dir(tmp_path / "policies", v), sha)
+        shutil.copytree(src, folders[v][0])
+    long = SamplingRecord(temperature=1.0, max_tokens=512, seed=1)
+
+    async def generate(v: int) -> int:
+        n = 0
+        async for d in eng.generate(eng.render(PROMPT), long, version=v, ignore_eos=True):
+            n += len(d.token_ids)
+        return n
+
+    async with running_server(settings, eng) as url, httpx.AsyncClient(base_url=url, timeout=300) as http:
+        running = []
+        for v in vs[:2]:
+            await publish(settings, v, *folders[v], v - 1)
+
+            async def serves(v: int = v) -> bool:
+                return eng.version == v
+
+            await until(serves, f"version {v} loaded")
+            running.append(asyncio.ensure_future(generate(v)))
+        await publish(settings, vs[2], *folders[vs[2]], vs[1])
+
+        async def third() -> bool:
+            return eng.version == vs[2]
+
+        await until(third, f"version {vs[2]} loaded")
+        await publish(settings, vs[3], *folders[vs[3]], vs[2])
+
+        async def refused() -> bool:
+            return 'saoserve_policy_swaps_total{result="refused"} 1.0' in (await http.get("/metrics")).text
+
+        await until(refused, f"version {vs[3]} refused for lack of a slot")
+        assert not any(t.done() for t in running)  # refused while both still generate
+        assert (await http.get("/readyz")).status_code == 503
+        assert await asyncio.gather(*running) == [512, 512]
+
+        async def recovered() -> bool:
+            return eng.version == vs[3] and (await http.get("/readyz")).status_code == 200
+
+        await until(recovered, f"version {vs[3]} loaded and /readyz 200 with nothing published", tries=1200)
+        metrics = (await http.get("/metrics")).text
+        assert 'saoserve_policy_swaps_total{result="refused"} 1.0' in metrics

@@ -84,6 +84,17 @@ class _LogprobModule(torch.nn.Module):
         )
 
 
+def _reshard_after_evaluation(root: torch.nn.Module) -> None:
+    """Free the gathered parameters of an FSDP root after a pass without gradient.
+
+    FSDP2 keeps the root unit's parameters whole after its forward, expecting the backward that
+    follows at once; an evaluation (the KL reference, ``kl_ref_after``, the critic's values
+    before GAE) has none, and the whole embeddings and head would then stay on every rank until
+    the next backward."""
+    if not torch.is_grad_enabled():
+        root.reshard()
+
+
 class _GatherRows(torch.autograd.Function):
     """All-gather [b_r, T] row shards into [B, T]; the backward hands each rank the gradient
     of its own rows (the others are constants on this rank). ``counts``: rows per rank; a rank
@@ -207,9 +218,11 @@ class Placement:
                 chunk_tokens=chunk_tokens,
             )
         local, pos = self._shard_rows(batch, positions)
-        out = self.root(model)(
+        root = self.root(model)
+        out = root(
             local.input_ids, local.attention_mask, local.temperatures, pos, chunk_tokens, self._shared(batch)
         )
+        _reshard_after_evaluation(root)
         return _GatherRows.apply(out, self.rank, self._counts(batch.input_ids.shape[0]))
 
     def values(self, critic: ValueModel, batch: Batch) -> torch.Tensor:
@@ -219,4 +232,5 @@ class Placement:
             return critic(batch.input_ids, batch.attention_mask)
         local, _ = self._shard_rows(batch, None)
         out = critic(local.input_ids, local.attention_mask, shared_prefix=self._shared(batch))
+        _reshard_after_evaluation(critic)
         return _GatherRows.apply(out, self.rank, self._counts(batch.input_ids.shape[0]))

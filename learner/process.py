@@ -156,7 +156,11 @@ class Learner:
         committed = latest.version if latest is not None else 0
         resume.discard_uncommitted(self.policy_dir, committed)
         state = resume.newest_state(
-            self.policy_dir, committed, self.config.policy.kind, self._rejected, self._read_checkpoint(committed)
+            self.policy_dir,
+            committed,
+            self.config.policy.kind,
+            self._rejected,
+            self._read_checkpoint(committed),
         )
         self.version = self.weights_version = 0
         if state is None:

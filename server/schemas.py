@@ -487,7 +487,10 @@ class ForgetRequest(EdgeModel):
     "Who is forgotten"): a ``user`` (the chat requests' ``user`` field) or an API ``key`` (its
     id, ``k`` + 16 hex digits: every request it authenticated); exactly one."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra=_exactly_one("user", "key", types=({"type": "string"}, {"type": "string"})),
+    )
     user: StoredStr | None = Field(
         None, min_length=1, max_length=MAX_NAME_CHARS, description="The `user` field the chat requests sent."
     )

@@ -8,10 +8,11 @@ trained weights (policy and critic) are compared.
 
 Tolerances, worked out:
 
-- metrics (losses, kept fraction, KL, EV, gradient norms, …): 1e-5 absolute and relative. Both
-  runs evaluate every row with the same kernels; they differ only in the order of float32 sums
-  (half the rows per matmul, two gradient shards summed by the reduce-scatter), a few ulps of
-  float32 (2^-23 ≈ 1.2e-7) per operation, and the metrics are means of O(1) numbers.
+- metrics (losses, kept fraction, KL, EV, gradient norms, …): 1e-5 absolute (the bench's own
+  target). Both runs evaluate every row with the same kernels; they differ only in the order of
+  float32 sums (half the rows per matmul, two gradient shards summed by the reduce-scatter), a few
+  ulps of float32 (2^-23 ≈ 1.2e-7) per operation, and the metrics are means of O(1) numbers. Not
+  relative: a metric near 0 (a KL of 3e-3 after one step) differs by 6e-8, 2e-5 of itself.
 - weights after one AdamW step, full fine-tuning: 1e-6 relative (‖Δw‖/‖w‖ per tensor). Adam's
   first update is lr·g/(|g| + ε) with ε = 1e-8: a gradient element's rounding moves it by
   lr·ε·δg/(|g| + ε)², negligible unless |g| is near ε.
@@ -46,7 +47,7 @@ def test_two_ranks_step_as_one(tmp_path):
     two = bench.launch(args, "fp32", 2, tmp_path / "two")
     for name in args.variants:
         eq = bench.compare(one, two, name)
-        assert eq["metric_abs"] <= 1e-5 and eq["metric_rel"] <= 1e-5, (name, eq)
+        assert eq["metric_abs"] <= 1e-5, (name, eq)
         if name == "lora":
             assert eq["weight_lr"] <= 1e-2 and eq["weight_rel"] <= 1e-4, (name, eq)
         else:

@@ -13,7 +13,7 @@ import pytest
 from sqlalchemy import select
 
 from core.db import TrajectoryIndex, make_engine
-from core.evidence_store import EvidenceStore
+from core.evidence_store import EvidenceStore, stored_prompt_id
 from core.logbus import open_log
 from core.policies import GLOBAL
 from core.policy_store import version_dir
@@ -94,7 +94,9 @@ async def test_each_tenants_answers_feedback_and_episodes_stay_in_its_namespace(
         # acme's evidence of the prompt "sea": 3 successes at version 0 on the prior (4, 4).
         db = make_engine(ns["acme"].resolved_database_url)
         with db.begin() as conn:
-            EvidenceStore(db).add_results(conn, [("sea", 1.0, 0)] * 3)
+            # Under the hash of the client's id, as the server stores it (docs/privacy.md).
+            sea = stored_prompt_id(ns["acme"].feedback_secret, "sea")
+            EvidenceStore(db).add_results(conn, [(sea, 1.0, 0)] * 3)
         db.dispose()
         answers = {}
         for who, key in (("acme", acme), ("beta", beta)):

@@ -28,9 +28,20 @@ announced) are never loaded: once caught up, each is logged (version, stage, act
 (``saoserve_policy_stage_events_total{stage}``); those read at start are history, not logged.
 Every ``rejected`` notice, at start or later, takes its version out of what this replica will
 load: a replica that restarts after an operator rejected the newest version (and before the
-learner published the restore) catches up to the newest version not rejected, never to it. A
-replica already serving a version when its rejection arrives serves on until the learner's
-restore version arrives (versions only go forward).
+learner published the restore) catches up to the newest version not rejected, never to it.
+
+A replica of full weights (or merged adapters) serving a version when its rejection arrives
+leaves it at once, by the same rule (issue 40, item 3): it swaps back to the newest published
+version not rejected, or to the base weights (version 0) when every published one is, without
+waiting for the learner's restore version, so an operator's reject works with the learner down.
+This is the one exception to "versions only go forward", and the next version published (the
+learner's restore) is served as usual. Its requests meanwhile: those in flight finish under the
+weights swapped in (a second version span), new ones are served by them once the swap ends, a
+poll (``policy_poll_s``) plus a swap after the notice. A replica that cannot leave (every folder
+below gone, the base rejected) serves on, logs an error once and answers 503 ``serves rejected
+version N`` at ``/readyz``. An engine serving adapters as LoRA leaves a rejected version by its
+router instead (``server.canary``: each request sent to the promoted version held beside it).
+docs/guard.md, "Rejecting a version".
 
 Each swap sets ``saoserve_policy_version`` and ``saoserve_policy_swapped_at_seconds`` (Unix
 time the version started serving) together, so the delay from a policy event's ``created_at``
@@ -49,7 +60,8 @@ from core.breaker import Unavailable
 from core.lifecycle import Stage
 from core.logbus import LogTransport
 from core.policies import GLOBAL
-from core.records import TOPIC_POLICY, PolicyEvent
+from core.records import TOPIC_POLICY, PolicyEvent, utcnow
+from core.weights import weights_sha256
 from server.engine import PolicyEngine, SlotsTaken, SwapRefused
 from server.metrics import ServerMetrics, TenantPolicyMetrics
 from server.policy_log import PolicyLog
@@ -88,7 +100,7 @@ class PolicyWatcher:
         self.offsets: dict[int, int] = {}
         self.failures = 0  # consecutive failed reads (0: the log answers)
         self._ignored: set[int] = set()  # older versions already logged as ignored
-        self.newest: int | None = None  # the highest version read from the topic
+        self.published: dict[int, PolicyEvent] = {}  # every version the topic announced
         self.read_once = False  # the topic was read to its end at least once
         self.caught_up = False  # ...and the newest version found then (or a later one) serves
         self.swapping: int | None = None  # the version being loaded now
@@ -96,6 +108,12 @@ class PolicyWatcher:
         self._pending: PolicyEvent | None = None  # found by catch_up, loaded by run
         self.rejected: set[int] = set()  # versions a stage notice said are rejected
         self._waiting: PolicyEvent | None = None  # refused for lack of a slot: tried again each poll
+        self.stranded: int | None = None  # a rejected version served that could not be left
+
+    @property
+    def newest(self) -> int | None:
+        """The highest version the topic announced that is not rejected (None: none)."""
+        return max((v for v in self.published if v not in self.rejected), default=None)
 
     async def _read_new(self) -> list[PolicyEvent]:
         """The events after the last read, oldest first; the offsets move only when the whole
@@ -129,6 +147,7 @@ class PolicyWatcher:
         out = []
         for e in events:
             if e.kind == "publish":
+                self.published[e.version] = e
                 out.append(e)
                 continue
             if e.lifecycle == Stage.REJECTED:
@@ -154,14 +173,13 @@ class PolicyWatcher:
 
     def _select(self, events: list[PolicyEvent]) -> PolicyEvent | None:
         """The event of one read to serve: the highest version, if it is not served already.
-        Updates ``newest``; every event below the version served is ignored as stale."""
+        Every event below the version served is ignored as stale."""
         for e in events:
             if e.version < self.engine.version:
                 self._ignore(e)
         best = max(events, key=lambda e: (e.version, e.created_at), default=None)
         if best is None:
             return None
-        self.newest = best.version if self.newest is None else max(self.newest, best.version)
         if best.version < self.engine.version:
             return None
         if best.version == self.engine.version and Path(best.path) == self.engine.path:
@@ -257,10 +275,61 @@ class PolicyWatcher:
                 target, retry = waiting, True
         if target is not None and await self.apply(target, measure=self.caught_up, retry=retry):
             self.caught_up = True
+        if self.read_once:
+            await self.leave_rejected()
+
+    async def _restore_target(self) -> tuple[PolicyEvent | None, str]:
+        """Where a replica serving a rejected version goes: the newest published version below
+        it not rejected, else the base weights (version 0, ``model_dir``, checksummed here);
+        else None and why."""
+        served = self.engine.version
+        below = [v for v in self.published if v < served and v not in self.rejected]
+        if below:
+            return self.published[max(below)], ""
+        if 0 in self.rejected:
+            return None, "every version below it is rejected, the base weights too"
+        base = Path(self.engine.model_dir)
+        try:
+            sha = await asyncio.to_thread(weights_sha256, base)
+        except OSError as exc:
+            return None, f"the base weights cannot be read: {exc}"
+        return PolicyEvent(version=0, path=str(base), sha256=sha, created_at=utcnow()), ""
+
+    async def leave_rejected(self) -> None:
+        """Swap a replica of full weights (or merged adapters) off a rejected version it serves
+        (module docstring) to ``_restore_target``'s version, logged as a warning; when there is
+        none or the swap is refused, an error logged once and ``/readyz`` 503 until a version
+        not rejected serves."""
+        served = self.engine.version
+        if self.engine.adapters is not None or served not in self.rejected or self.stranded == served:
+            return
+        target, why = await self._restore_target()
+        if target is not None:
+            self.logger.warning(
+                "policy version %d is rejected: swapping back to version %d (the newest not "
+                "rejected) until a newer version is published",
+                served,
+                target.version,
+            )
+            self.swapping = target.version
+            try:
+                res = await self.engine.swap(target.version, Path(target.path), target.sha256)
+            except SwapRefused as exc:
+                why = f"version {target.version} was refused: {exc}"
+            else:
+                self.metrics.swapped(res)
+                return
+            finally:
+                self.swapping = None
+        self.stranded = served
+        self.metrics.swaps.labels("refused").inc()
+        self.logger.error("policy version %d is rejected and still serves: %s", served, why)
 
     def readiness(self) -> str:
         """``"ok"``, or why this replica must not take traffic (``/readyz``'s ``policy``)."""
         served = self.engine.version
+        if self.stranded is not None and self.stranded == served:
+            return f"serves rejected version {served}: nothing else could be loaded (see the server's log)"
         if not self.read_once:
             return f"catching up: the policy topic has not been read yet (serves version {served})"
         behind = self.newest is not None and self.newest > served

@@ -33,6 +33,7 @@ class FakeEngine:
 
     version: int = 0
     path: Path | None = None
+    model_dir: Path | None = None  # version 0's weights
     engine: object = True  # /readyz: the engine runs
     adapters: None = None  # a full-weight engine: no adapter table, no canary split
     swaps: list[tuple[int, Path, str]] = field(default_factory=list)

@@ -1,7 +1,8 @@
 """On the real engine serving LoRA adapters (issue 40 items 3 and 4): a rejected version never
 gets a new request, with no learner running; rejecting a promoted version takes its descendants
 and serves the newest promoted version left; a slow reader keeps no adapter slot and the next
-version loads.
+version loads. On the session's engine of full weights (adapters merged): a rejected version is
+left at once for the newest not rejected, with no learner running.
 
 One LoRA-enabled vLLM engine for the module (3 slots, 2 per batch, rank ≤ 16), the real app on
 PostgreSQL, adapters written with PEFT on the real model. Run under the machine-wide lock:
@@ -318,3 +319,55 @@ async def test_a_version_refused_for_a_slot_loads_once_generations_end(
         await until(recovered, f"version {vs[3]} loaded and /readyz 200 with nothing published", tries=1200)
         metrics = (await http.get("/metrics")).text
         assert 'saoserve_policy_swaps_total{result="refused"} 1.0' in metrics
+
+
+async def test_a_full_weight_replica_leaves_a_rejected_version_with_no_learner(
+    policy_engine, adapters, model_dir, tmp_path, pg_url
+):
+    """The session's engine of full weights (adapters merged, the default): versions P promoted,
+    C1 and C2 on probation (no split: full weights), C2 serving, no learner. (1) The operator
+    rejects C1, C2 with it (its descendant): the replica swaps back to P, the newest version not
+    rejected, within a poll and a swap, and 20 of 20 chats then answer P (before: C2 served until
+    a learner published the restore). (2) Rejecting P too: the base weights (version 0) serve,
+    20 of 20; /readyz 200 throughout. The engine ends on the base weights it started from."""
+    eng = policy_engine
+    settings = make_settings(tmp_path, database_url=pg_url, policy_poll_s=0.05)
+    p, c1, c2 = eng.version + 1, eng.version + 2, eng.version + 3
+    folders, shas = {}, {}
+    for v, (src, sha) in zip((p, c1, c2), adapters, strict=False):
+        folders[v], shas[v] = version_dir(tmp_path / "policies", v), sha
+        shutil.copytree(src, folders[v])
+    async with running_server(settings, eng) as url, httpx.AsyncClient(base_url=url, timeout=120) as http:
+        record(
+            settings.resolved_database_url,
+            [
+                (0, model_dir, weights_sha256(model_dir), "promoted", None),
+                (p, folders[p], shas[p], "promoted", 0),
+                (c1, folders[c1], shas[c1], "canary", p),
+                (c2, folders[c2], shas[c2], "canary", c1),
+            ],
+        )
+        for v, parent in ((p, 0), (c1, p), (c2, c1)):
+            await publish(settings, v, folders[v], shas[v], parent)
+
+        def serves(version: int):
+            async def check() -> bool:
+                return eng.version == version
+
+            return check
+
+        await until(serves(c2), "C2 serving")
+        assert {v for v, _ in await served_versions(http, 5, "a")} == {c2}
+
+        r = await http.post("/admin/lifecycle/reject", json={"version": c1}, headers=ADMIN)
+        assert r.status_code == 200 and r.json()["versions"] == [c1, c2]
+        await until(serves(p), "P serving after C1 and C2 were rejected")
+        assert await served_versions(http, 20, "b") == [(p, None)] * 20
+        assert (await http.get("/readyz")).status_code == 200
+
+        r = await http.post("/admin/lifecycle/reject", json={"version": p}, headers=ADMIN)
+        assert r.status_code == 200 and r.json()["versions"] == [p]
+        await until(serves(0), "the base weights serving after P was rejected")
+        assert await served_versions(http, 20, "c") == [(0, None)] * 20
+        assert (await http.get("/readyz")).status_code == 200
+    assert eng.version == 0 and eng.path == model_dir

@@ -10,6 +10,7 @@ recovery and goes back to ``poll_s``. The waits are read from the watcher's own 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 from datetime import UTC, datetime
 from pathlib import Path
@@ -104,7 +105,8 @@ async def test_stage_notices_are_logged_and_counted_once_caught_up_and_never_loa
         LogEntry(TOPIC_POLICY, 0, 4, "policy", notice(3, "bogus", 2).to_json()),
     ]
     await watcher.poll()
-    assert engine.swaps == [(2, Path("/policies/v2"), "0" * 64)] and engine.version == 2
+    # Version 2 is left at once for version 1, the newest not rejected (test below).
+    assert engine.swaps == [(2, Path("/policies/v2"), "0" * 64), (1, Path("/policies/v1"), "0" * 64)]
     assert metrics.stage_events.labels("rejected")._value.get() == 1
     assert metrics.stage_events.labels("other")._value.get() == 1  # a stage that is not one
     assert metrics.stage_events.labels("promoted")._value.get() == 0  # the start's history
@@ -139,6 +141,78 @@ async def test_a_replica_that_restarts_never_catches_up_to_a_rejected_version():
     log.entries.append(LogEntry(TOPIC_POLICY, 0, 3, "policy", event(8).to_json()))
     await watcher.poll()
     assert engine.version == 8
+
+
+def poll_with(log: OutageLog, *entries: PolicyEvent) -> None:
+    """Append ``entries`` to the policy topic of ``log`` after what it holds."""
+    for e in entries:
+        log.entries.append(LogEntry(TOPIC_POLICY, 0, len(log.entries), "policy", e.to_json()))
+
+
+async def test_a_replica_serving_a_version_when_it_is_rejected_swaps_back_at_once(caplog):
+    # Issue 40, item 3: version 3 serves, the lineage [2, 3] is rejected (an operator, the learner
+    # down). At the next poll the replica swaps back to version 1, the newest not rejected, without
+    # a restore version; the learner's restore (version 4) later serves as usual.
+    caplog.set_level(logging.WARNING, logger="server.policy_watch")
+    log = OutageLog(0, [event(1), event(2), event(3)])
+    engine, metrics = FakeEngine(version=0), ServerMetrics()
+    watcher = PolicyWatcher(log, engine, metrics, poll_s=0.25)
+    await watcher.catch_up()
+    await watcher.poll()
+    assert engine.version == 3
+    poll_with(log, notice(2, "rejected", 1), notice(3, "rejected", 2))
+    await watcher.poll()
+    assert engine.swaps[-1] == (1, Path("/policies/v1"), "0" * 64) and engine.version == 1
+    assert watcher.newest == 1 and watcher.readiness() == "ok"
+    assert metrics.swaps.labels("ok")._value.get() == 2  # version 3, then version 1
+    assert [r.getMessage() for r in caplog.records] == [
+        "global: policy version 3 is rejected: swapping back to version 1 (the newest not rejected) "
+        "until a newer version is published"
+    ]
+    poll_with(log, event(4))
+    await watcher.poll()
+    assert engine.version == 4 and len(engine.swaps) == 3
+
+
+async def test_with_every_version_rejected_the_base_weights_serve(tmp_path):
+    # Versions 1 and 2 published and both rejected: the replica goes back to version 0, the
+    # model's own weights, checked by their checksum (the bytes' sha256: one safetensors file).
+    (tmp_path / "model.safetensors").write_bytes(b"weights")
+    sha = hashlib.sha256(b"weights").hexdigest()
+    engine = FakeEngine(version=0, model_dir=tmp_path)
+    log = OutageLog(0, [event(1), event(2)])
+    watcher = PolicyWatcher(log, engine, ServerMetrics(), poll_s=0.25)
+    await watcher.catch_up()
+    await watcher.poll()
+    poll_with(log, notice(1, "rejected", 1), notice(2, "rejected", 1))
+    await watcher.poll()
+    assert engine.swaps[-1] == (0, tmp_path, sha) and watcher.readiness() == "ok"
+
+
+async def test_a_replica_that_cannot_leave_a_rejected_version_says_so_once(caplog):
+    # Version 1 serves and is rejected, and so is version 0 (the base): nothing else can serve.
+    # One error line, no swap, /readyz 503 naming the version; a later version clears it.
+    caplog.set_level(logging.ERROR, logger="server.policy_watch")
+    log = OutageLog(0, [event(1)])
+    engine, metrics = FakeEngine(version=0), ServerMetrics()
+    watcher = PolicyWatcher(log, engine, metrics, poll_s=0.25)
+    await watcher.catch_up()
+    await watcher.poll()
+    poll_with(log, notice(0, "rejected", 1), notice(1, "rejected", 1))
+    await watcher.poll()
+    await watcher.poll()
+    assert engine.swaps == [(1, Path("/policies/v1"), "0" * 64)]
+    assert [r.getMessage() for r in caplog.records] == [
+        "global: policy version 1 is rejected and still serves: every version below it is "
+        "rejected, the base weights too"
+    ]
+    assert watcher.readiness() == (
+        "serves rejected version 1: nothing else could be loaded (see the server's log)"
+    )
+    assert metrics.swaps.labels("refused")._value.get() == 1
+    poll_with(log, event(2))
+    await watcher.poll()
+    assert engine.version == 2 and watcher.readiness() == "ok"
 
 
 class WaitsLog(OutageLog):

@@ -22,7 +22,8 @@ from core.db import make_engine, migrate
 from core.evidence_store import EvidenceStore
 from core.logbus import LogTransport, open_log
 from core.policies import GLOBAL
-from core.records import FrozenBaseline
+from core.records import FrozenBaseline, utcnow
+from core.retention import finish_pending, sql_log_engine
 from core.settings import Settings, get_settings
 from server.auth import authenticate
 from server.backpressure import Backpressure
@@ -202,7 +203,30 @@ async def follow(state: ServerState, watch_policy: bool) -> list[asyncio.Task]:
     if state.spool is not None:
         tasks.append(asyncio.create_task(state.spool.run()))
     state.resume_deferred()
+    tasks.append(asyncio.create_task(finish_forgets(state)))
     return tasks
+
+
+async def finish_forgets(state: ServerState) -> None:
+    """Finish the forget requests a crash left pending in ``state``'s namespace (recorded, not
+    completed: the server stopped mid-way), once at start, so a forget answered or interrupted
+    completes without waiting for the next forget or retention run (docs/privacy.md, "The
+    receipt"). A failure is logged; the next forget, retention run or start finishes them."""
+    try:
+        receipts = await asyncio.to_thread(
+            finish_pending,
+            state.store.engine,
+            sql_log_engine(state.log),
+            state.settings.feedback_secret,
+            utcnow(),
+        )
+    except Exception as exc:
+        log.warning("%s: finishing the pending forget requests failed: %s", state.policy, exc)
+        return
+    if receipts:
+        state.store.subject_keys.drop_cached()
+    for r in receipts:
+        log.info("%s: finished forget %s left pending (%d trajectories)", state.policy, r.id, r.trajectories)
 
 
 async def close_policy(state: ServerState, own_log: bool) -> None:

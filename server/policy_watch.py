@@ -31,9 +31,11 @@ load: a replica that restarts after an operator rejected the newest version (and
 learner published the restore) catches up to the newest version not rejected, never to it.
 
 A replica of full weights (or merged adapters) serving a version when its rejection arrives
-leaves it at once, by the same rule (issue 40, item 3): it swaps back to the newest published
-version not rejected, or to the base weights (version 0) when every published one is, without
-waiting for the learner's restore version, so an operator's reject works with the learner down.
+leaves it at once (issue 40, item 3) for the control, as a replica serving adapters sends its
+requests there: the newest published version below it that is promoted (by its announcement or
+a later stage notice; a version announced without a stage counts as promoted), else the base
+weights (version 0), without waiting for the learner's restore version, so an operator's
+reject works with the learner down.
 This is the one exception to "versions only go forward", and the next version published (the
 learner's restore) is served as usual. Its requests meanwhile: those in flight finish under the
 weights swapped in (a second version span), new ones are served by them once the swap ends, a
@@ -101,6 +103,7 @@ class PolicyWatcher:
         self.failures = 0  # consecutive failed reads (0: the log answers)
         self._ignored: set[int] = set()  # older versions already logged as ignored
         self.published: dict[int, PolicyEvent] = {}  # every version the topic announced
+        self.stage: dict[int, str | None] = {}  # each announced version's newest stage
         self.read_once = False  # the topic was read to its end at least once
         self.caught_up = False  # ...and the newest version found then (or a later one) serves
         self.swapping: int | None = None  # the version being loaded now
@@ -148,8 +151,10 @@ class PolicyWatcher:
         for e in events:
             if e.kind == "publish":
                 self.published[e.version] = e
+                self.stage.setdefault(e.version, e.lifecycle)
                 out.append(e)
                 continue
+            self.stage[e.version] = e.lifecycle
             if e.lifecycle == Stage.REJECTED:
                 self.rejected.add(e.version)
             if live:
@@ -280,14 +285,18 @@ class PolicyWatcher:
 
     async def _restore_target(self) -> tuple[PolicyEvent | None, str]:
         """Where a replica serving a rejected version goes: the newest published version below
-        it not rejected, else the base weights (version 0, ``model_dir``, checksummed here);
-        else None and why."""
+        it that is promoted and not rejected, else the base weights (version 0, ``model_dir``,
+        checksummed here); else None and why."""
         served = self.engine.version
-        below = [v for v in self.published if v < served and v not in self.rejected]
+        below = [
+            v
+            for v in self.published
+            if v < served and v not in self.rejected and self.stage.get(v) in (None, Stage.PROMOTED)
+        ]
         if below:
             return self.published[max(below)], ""
         if 0 in self.rejected:
-            return None, "every version below it is rejected, the base weights too"
+            return None, "no version below it is promoted and not rejected, and the base weights are rejected"
         base = Path(self.engine.model_dir)
         try:
             sha = await asyncio.to_thread(weights_sha256, base)
@@ -306,8 +315,8 @@ class PolicyWatcher:
         target, why = await self._restore_target()
         if target is not None:
             self.logger.warning(
-                "policy version %d is rejected: swapping back to version %d (the newest not "
-                "rejected) until a newer version is published",
+                "policy version %d is rejected: swapping back to version %d (the newest promoted) "
+                "until a newer version is published",
                 served,
                 target.version,
             )

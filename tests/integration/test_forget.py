@@ -317,6 +317,31 @@ def test_an_unknown_request_is_named(db):
 
 
 # ------------------------------------------------------------------ the admin route and the CLI
+async def test_a_forget_a_crash_left_pending_is_finished_when_the_server_starts(tmp_path):
+    # The server stopped between recording the forget and carrying it out (its 202 never came,
+    # or the process died mid-way): the next start finishes it, with no other forget or
+    # retention run; its receipt then counts olga's one trajectory, and pia's stays.
+    settings = make_settings(tmp_path)
+    migrate(settings.resolved_database_url)
+    engine = make_engine(settings.resolved_database_url)
+    log = SqlLog(settings.resolved_log_url)
+    store = ServerStore(engine)
+    logged(store, log, traj("o1", **by_user("olga")))
+    logged(store, log, traj("p1", **by_user("pia")))
+    record_request(engine, "f-restart", ForgetTarget(ForgetKind.USER, "olga"), utcnow())
+    async with running_server(settings, FakeEngine(), watch_policy=False) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+            for _ in range(200):
+                body = (await http.get("/admin/forget/f-restart", headers=ADMIN)).json()
+                if body["completed"]:
+                    break
+                await asyncio.sleep(0.05)
+    assert body["completed"] and body["trajectories"] == 1
+    assert pending_requests(engine) == [] and keys_of(engine, TrajectoryIndex.id) == ["p1"]
+    log.close()
+    engine.dispose()
+
+
 async def cli(*args: str):
     return await asyncio.to_thread(runner.invoke, app, ["admin", *args])
 

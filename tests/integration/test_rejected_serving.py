@@ -102,14 +102,14 @@ def record(url: str, rows: list[tuple[int, Path, str, str, int | None]]) -> None
     db.dispose()
 
 
-async def publish(settings, v: int, folder: Path, sha: str, parent: int) -> None:
+async def publish(settings, v: int, folder: Path, sha: str, parent: int, stage: str = "canary") -> None:
     event = PolicyEvent(
         version=v,
         path=str(folder),
         sha256=sha,
         created_at=datetime.now(UTC),
         parent_version=parent,
-        lifecycle="canary",
+        lifecycle=stage,
     )
     log = open_log(settings.resolved_log_url)
     await asyncio.to_thread(log.append, TOPIC_POLICY, "policy", event.to_json())
@@ -326,8 +326,8 @@ async def test_a_full_weight_replica_leaves_a_rejected_version_with_no_learner(
 ):
     """The session's engine of full weights (adapters merged, the default): versions P promoted,
     C1 and C2 on probation (no split: full weights), C2 serving, no learner. (1) The operator
-    rejects C1, C2 with it (its descendant): the replica swaps back to P, the newest version not
-    rejected, within a poll and a swap, and 20 of 20 chats then answer P (before: C2 served until
+    rejects C1, C2 with it (its descendant): the replica swaps back to P, the newest promoted
+    version, within a poll and a swap, and 20 of 20 chats then answer P (before: C2 served until
     a learner published the restore). (2) Rejecting P too: the base weights (version 0) serve,
     20 of 20; /readyz 200 throughout. The engine ends on the base weights it started from."""
     eng = policy_engine
@@ -347,8 +347,8 @@ async def test_a_full_weight_replica_leaves_a_rejected_version_with_no_learner(
                 (c2, folders[c2], shas[c2], "canary", c1),
             ],
         )
-        for v, parent in ((p, 0), (c1, p), (c2, c1)):
-            await publish(settings, v, folders[v], shas[v], parent)
+        for v, parent, stage in ((p, 0, "promoted"), (c1, p, "canary"), (c2, c1, "canary")):
+            await publish(settings, v, folders[v], shas[v], parent, stage)
 
         def serves(version: int):
             async def check() -> bool:

@@ -86,10 +86,9 @@ def reject(
 ) -> None:
     """Reject VERSION and the versions trained from it: none serves again (replicas send their
     requests to the newest promoted version left at once: routed there with adapters, swapped
-    back to with full weights); the learner
-    restores that version's weights as a new version and quarantines their samples. Exit 5 if
-    it is unknown (404) or cannot be rejected (409: rejected already, version 0, or moved by
-    another operator or the guard first)."""
+    back to with full weights); the learner restores that version's weights as a new version
+    and quarantines their samples. Exit 5 if it is unknown (404) or cannot be rejected (409:
+    rejected already, version 0, or moved by another operator or the guard first)."""
     _lifecycle_call(
         "/admin/lifecycle/reject",
         {"version": version, "reason": reason},

@@ -37,12 +37,15 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from learner import prefix
-from learner.batch import Batch, policy_logprobs
-from learner.config import build_config
-from learner.critic import ValueModel
-from learner.metrics import masked_mse
-from learner.sao import SAOLearner
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.results import record  # noqa: E402
+from learner import prefix  # noqa: E402
+from learner.batch import Batch, policy_logprobs  # noqa: E402
+from learner.config import build_config  # noqa: E402
+from learner.critic import ValueModel  # noqa: E402
+from learner.metrics import masked_mse  # noqa: E402
+from learner.sao import SAOLearner  # noqa: E402
 
 
 class PeakRSS:
@@ -210,6 +213,39 @@ def main() -> None:
             f"ratio shared / not shared = {step / med[name]:.3f} (median), {step_low / low[name]:.3f} (min)"
         )
     print("tokens/s column: from the median time")
+    names = [*pass_names, "optimizer steps (not in sum)", "full SAO step"]
+    if args.shared_prefix:
+        names.append("full SAO step, prefix not shared")
+    table = [
+        {
+            "phase": n,
+            "median s": round(med[n], 3),
+            "min s": round(low[n], 3),
+            "tokens/s": round(tokens / med[n], 1),
+            "peak RSS MiB": round(peak[n]),
+        }
+        for n in names
+    ]
+    table.append(
+        {
+            "phase": "step / sum of required passes",
+            "median s": round(step / total, 3),
+            "min s": round(step_low / total_low, 3),
+            "tokens/s": "",
+            "peak RSS MiB": "",
+        }
+    )
+    record(
+        "sao_step_shared_prefix" if args.shared_prefix else "sao_step",
+        "One SAO step against the sum of its passes" + (", shared prefix" if args.shared_prefix else ""),
+        table,
+        notes=(
+            f"Batch {args.batch} × {args.seq} tokens (prompt {args.prompt}, shared prefix {args.shared_prefix}), "
+            f"K = {cfg.algorithm.critic_updates}, autocast_bf16 {args.bf16}, {torch.get_num_threads()} threads, "
+            f"{args.reps} timed reps after {args.warmup} warm-up; memory: {mem.method}. The last row is "
+            "the step over the sum of its required passes (target ≤ 1.15); its columns are ratios."
+        ),
+    )
 
 
 if __name__ == "__main__":

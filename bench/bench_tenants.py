@@ -67,7 +67,7 @@ MODEL_DIR = Path(__file__).resolve().parent.parent / "var" / "model"
 
 def learner_config(batch_size: int, lora_rank: int, guard: bool) -> str:
     """The tenants' learner config as JSON: the ``demo`` preset (bf16, policy lr 1e-4 → LoRA lr
-    1e-3, critic 2e-4, β1 0.5, KL anchor 0.04; docs/demo.md) with a LoRA policy of ``lora_rank``
+    1e-3, critic 2e-4, β1 0.5, KL anchor 0.04; docs/log/2026-12-05-demo-runs.md) with a LoRA policy of ``lora_rank``
     (docs/lora.md), ``batch_size`` samples a step and the guard on or off (off: every version is
     promoted when recorded and serves all of its tenant's requests). Raises
     ``learner.config.ConfigError`` for a value the config refuses."""
@@ -271,7 +271,7 @@ def simulations(args: argparse.Namespace, url: str, admin_key: str, keys: dict[s
             policy=tenant,
             mode="async",
             max_seconds=args.seconds,
-            # The demo's cap: at most two batches waiting for the learner (docs/demo.md).
+            # The demo's cap: at most two batches waiting for the learner (docs/log/2026-12-05-demo-runs.md).
             max_backlog=2 * args.batch_size,
         )
         sim = Simulation(cfg, judge)

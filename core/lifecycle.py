@@ -220,7 +220,7 @@ the same window, and neither bound decides until each arm has ``min_samples`` ra
 (``core.sequential.RuleParams``, 20 by default). At a share ``s`` that takes at least
 ``min_samples / min(s, 1 − s)`` rated answers in all: 100 at the default 0.2, 2 000 at 0.01,
 about 4·10^325 at 5e-324, which no deployment ever collects; a decision needs many more
-(docs/guard.md, "Measured"). A share below 1% is a misconfiguration, not a cautious canary. At the other end a share of 1 routes every
+(docs/log/2026-12-03-guard-runs.md). A share below 1% is a misconfiguration, not a cautious canary. At the other end a share of 1 routes every
 request to the canary (``route``: a draw in [0, 1) is always below it), so the control arm gets
 no rating, the bounds never decide, and the lineage waits for the time-out: the share must leave
 the control arm its own 1%.

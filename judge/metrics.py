@@ -99,7 +99,7 @@ def adaptation_lag(
     Why ``d >= window - 1``: before then the window holds fewer steps than it should (one step
     at ``d = 0``: 16 answers at the demo's batch), all answered by versions trained before or
     just after the switch, and a lucky step reads as adaptation (a share of 0.5 at ``d = 0`` in
-    an unadapted run, docs/demo.md, eleventh session). So the lag of a window of ``w`` steps is
+    an unadapted run, docs/log/2026-12-05-demo-runs.md, eleventh session). So the lag of a window of ``w`` steps is
     at least ``w - 1``. docs/design.md §6; SAO §3.4 (adaptation lag of the running mean).
 
     Raises ``ValueError`` for switch steps that are not increasing or ``window < 1``.

@@ -5,7 +5,7 @@ the learner's step in progress; its last feedback then waits for that step and f
 (feedback→served ≈ two steps, issue 10). Spacing admissions by the learner's measured period
 lets a batch complete about when the learner frees up. Where serving and learning share
 cores, spreading the traffic also spreads their contention over the whole step, which is why
-``SimulationConfig.pace`` is off unless asked for (measurements in docs/demo.md).
+``SimulationConfig.pace`` is off unless asked for (measurements in docs/log/2026-12-05-demo-runs.md).
 """
 
 from __future__ import annotations

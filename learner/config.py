@@ -20,7 +20,7 @@ Presets (``PRESETS``): ``paper`` (the papers' numbers: SAO §3 setup, papers/003
 ``cpu`` (the defaults of ``saoserve learn`` for the 135M model on CPU; the model defaults here)
 and ``demo`` (``saoserve demo``/``compare``: the bf16 learner where the CPU has bf16 units
 (``core.hardware``), float32 where it has not; batch 16, policy lr 1e-4, critic
-lr 2e-4, AdamW β1 0.5, KL anchor 0.04; measured in docs/demo.md). A preset's algorithm fields apply to the
+lr 2e-4, AdamW β1 0.5, KL anchor 0.04; measured in docs/log/2026-12-05-demo-runs.md). A preset's algorithm fields apply to the
 chosen algorithm where it has them (``demo`` with ``spo`` takes its batch and learning rate but
 has no KL anchor to set).
 """
@@ -489,7 +489,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # SAO §3 setup (papers/003 §三(一)): batch 128, policy 1e-6, critic 5e-6 (10-step warm-up).
     "paper": {"batch_size": 128, "optimizer": {"policy_lr": 1e-6}, "algorithm": {"critic_lr": 5e-6}},
     "cpu": {},
-    # saoserve demo/compare, the values their options default to (measured in docs/demo.md): at
+    # saoserve demo/compare, the values their options default to (measured in docs/log/2026-12-05-demo-runs.md): at
     # batch 8 one or two rewarded answers a step carried too little signal to follow a switch;
     # without the KL anchor answer quality fell within a few steps of a switch; a policy lr of
     # 2e-4 collapsed the text; AdamW's usual β1 0.9 kept pushing the old style after a switch.

@@ -10,7 +10,7 @@ off: SPO++ write-up §2.4, papers/000_…txt). This project adds it as an option
 switch leaves nearly every reward at 0, and SAO's advantages then push down each sampled answer
 with nothing pulling back, so the text drifts into fluent-looking nonsense (measured in the demo:
 answers passing the judge's quality check fell from 6–8 of 8 in most steps before the switch to 1–2
-of 8 five to six steps after it, docs/demo.md runs J and K). The penalty keeps the policy near the
+of 8 five to six steps after it, docs/log/2026-12-05-demo-runs.md runs J and K). The penalty keeps the policy near the
 base model's distribution, the usual RLHF safeguard (GRPO's β·KL term uses the same estimator).
 
 Estimator (Schulman, "Approximating KL divergence", 2020): for a token sampled from πθ,

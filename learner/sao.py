@@ -51,7 +51,7 @@ class SAOLearner(Algorithm):
            ``before_updates`` the first update's forward values instead) and clamped to ``value_range``
            (the returns' range, [0, 1]; not in the paper: the feedback contract bounds rewards
            to [0, 1], so a value outside it is a critic error that would otherwise give the whole
-           batch one-signed advantages, docs/demo.md); per-row λ_policy = 1 − 1/(α·L_i) with L_i
+           batch one-signed advantages, docs/log/2026-12-05-demo-runs.md); per-row λ_policy = 1 − 1/(α·L_i) with L_i
            the row's action-token count; advantages by skip-observation token GAE (or the
            step-level ablation). Advantages are not whitened (the paper does not). The critic's
            own loss uses the unclamped output. ``running_mean`` instead uses

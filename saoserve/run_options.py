@@ -141,7 +141,7 @@ def make_schedule(spec: str, steps_per_style: int):
 
 
 # 30 learner steps, as many as the 15 minutes of `make demo` hold on 2 cores with the demo's
-# defaults (docs/demo.md, eleventh session); 22 of them after the switch, where the earlier
+# defaults (docs/log/2026-12-05-demo-runs.md, eleventh session); 22 of them after the switch, where the earlier
 # 16 left the crossing at the threshold's edge.
 DEMO_SCHEDULE = "pirate:8,poetic:22"
 # Async traffic of demo/compare: 8 requests in flight, and new requests held while two batches
@@ -149,7 +149,7 @@ DEMO_SCHEDULE = "pirate:8,poetic:22"
 # paced by default: on 2 shared cores, pacing (judge.pacing.pace_gap) kept vLLM serving through
 # every learner step, the two contended and the learner's step doubled; bursts let the learner
 # run alone for most of a step. Three batches trained on 2-versions-old tokens at every step, and
-# an uncapped rate outran the learner (measurements in docs/demo.md).
+# an uncapped rate outran the learner (measurements in docs/log/2026-12-05-demo-runs.md).
 DEMO_CONCURRENCY = 8
 DEMO_BACKLOG_BATCHES = 2
 

@@ -68,7 +68,7 @@ def test_adaptation_lag_by_hand() -> None:
 
 
 def test_adaptation_lag_waits_for_a_full_window() -> None:
-    """The demo's seed 0 at KL 0.1 (docs/demo.md, eleventh session): window 3, switch at step 8,
+    """The demo's seed 0 at KL 0.1 (docs/log/2026-12-05-demo-runs.md, eleventh session): window 3, switch at step 8,
     16 answers a step. Poetic answers at steps 8..29, as the run's records have them:"""
     poetic = [8, 6, 1, 2, 5, 2, 4, 5, 7, 4, 3, 3, 5, 5, 6, 6, 7, 6, 6, 4, 9, 6]
     styles = [["pirate"] * 16 for _ in range(8)] + [["poetic"] * k + ["plain"] * (16 - k) for k in poetic]
@@ -208,7 +208,7 @@ def test_write_report_window_and_spec(tmp_path: Path) -> None:
 
 
 def test_records_with_unicode_line_separators_round_trip(tmp_path: Path) -> None:
-    """A demo's seed 1 (docs/demo.md, eleventh session) answered "…grammar:\u2028They say…";
+    """A demo's seed 1 (docs/log/2026-12-05-demo-runs.md, eleventh session) answered "…grammar:\u2028They say…";
     ``save_records`` keeps U+2028 raw (ensure_ascii=False), and a reader that split lines with
     ``str.splitlines`` cut that record in two (``python -m judge.report --runs`` failed)."""
     from judge.sim_result import save_records

@@ -151,7 +151,7 @@ def test_presets():
     assert (demo.batch_size, demo.optimizer.policy_lr, demo.optimizer.adam_beta1) == (16, 1e-4, 0.5)
     assert (demo.algorithm.critic_lr, demo.algorithm.kl_coef) == (2e-4, 0.04)
     # The bf16 learner where the CPU has bf16 units, float32 where a bf16 matmul is the slow one;
-    # eager: compiled layers were no faster at the demo's shape (docs/demo.md).
+    # eager: compiled layers were no faster at the demo's shape (docs/log/2026-12-05-demo-runs.md).
     assert (demo.bf16, demo.compile_layers, cpu.bf16) == (bf16_native(), False, False)
     paper = build_config("paper")
     assert (paper.batch_size, paper.optimizer.policy_lr, paper.algorithm.critic_lr) == (128, 1e-6, 5e-6)

@@ -266,7 +266,7 @@ def test_a_lineage_that_drifted_from_the_promoted_version_is_vetoed_before_its_a
     assert lifecycles(learner) == {0: "promoted", 1: "canary", 2: "canary", 3: "canary"}
     # Version 1's step measured the promoted version it started from: 0.5 nats/token to the
     # base, near the bound 0.6. Version 2's measured version 1: 0.87 = 0.5 + 0.37, the largest
-    # clean drift measured (docs/demo.md) beyond the promoted version's. From the base (0.87 >
+    # clean drift measured (docs/log/2026-12-05-demo-runs.md) beyond the promoted version's. From the base (0.87 >
     # 0.6) it was rejected; from the promoted version (0.37 <= 0.6) it continues.
     set_kl_ref(learner, 1, 0.5)
     set_kl_ref(learner, 2, 0.87)

@@ -87,25 +87,6 @@ class Guard:
         """Whether the lifecycle runs: on in the config and not turned off by an operator."""
         return self.config.enabled and get_flag(self.db, GUARD_OFF) != "1"
 
-    def stage_of_new(self, gate) -> Stage:
-        """The stage a new trained version is recorded with, given its ``gate`` result (None: no
-        gate ran): promoted with the guard off, rejected when the gate failed, else canary."""
-        if not self.on():
-            return Stage.PROMOTED
-        return Stage.REJECTED if gate is not None and not gate.passed else Stage.CANARY
-
-    def why(self, gate) -> str:
-        """The reason recorded with that stage (``stage_of_new``). "Under watch" names a canary
-        share and probation alike: the servers, not the learner, decide which one a version
-        gets (``core.lifecycle.check_canary_share``, docs/guard.md "The canary share")."""
-        if not self.on():
-            return "the guard is off"
-        if gate is None:
-            return "no gate configured; under watch"
-        if gate.passed:
-            return f"gate passed (KL to base {gate.kl_base}, to parent {gate.kl_promoted}); under watch"
-        return "gate failed: " + "; ".join(gate.reasons)
-
     def run_gate(self, policy, parent: int):
         """The gate (``learner.gate.run_gate``) on ``policy`` just stepped, against the base and
         ``parent``, the version it was trained from (serving now), in eval mode (its training

@@ -5,11 +5,12 @@ trajectory id, or by episode id for multi-turn episodes); in ONE database transa
 the new offsets, the pending joins, the produced samples and the prompt evidence of the joined
 results (SPO++ results enter the evidence when feedback is joined, attributed to the dispatch
 version; ``learner.joiner``). When ``batch_size`` samples are waiting (``learner.sample_queue``)
-and learning is not paused: one step of the configured algorithm, the new policy written,
-committed with the deletion of the consumed samples in one transaction, then announced on the
-policy topic that every server replica follows (``learner.publish``). The guard gates each new
-version and judges the lineage on probation (``learner.guard``); a rollback publishes an earlier
-version's weights as a new version (``learner.rollback``).
+and learning is not paused: one step of the configured algorithm, what it commits planned
+(``learner.step_plan``), the new policy written, committed with the deletion of the consumed
+samples in one transaction, then announced on the policy topic that every server replica
+follows (``learner.publish``). The guard gates each new version and judges the lineage on
+probation (``learner.guard``); a rollback publishes an earlier version's weights as a new
+version (``learner.rollback``).
 
 A crash at any point loses and duplicates nothing: offsets only move together with the state
 they produced; a trajectory id joined once leaves a tombstone so a re-sent copy is ignored; a
@@ -54,7 +55,6 @@ from core.hardware import bf16_warning
 from core.lifecycle import LEARNER, Stage
 from core.logbus import LogTransport, open_log
 from core.policy_store import version_dir, version_dirs
-from core.records import as_utc
 from core.sequential import Decision
 from core.settings import Settings
 from learner import publish, resume, rollback, sample_queue
@@ -64,11 +64,11 @@ from learner.faults import ReadFaultLog, armed, fault_point
 from learner.gate_models import GateReferences
 from learner.guard import Guard
 from learner.guard_votes import Electorate
-from learner.identity_cap import identity_shares
 from learner.joiner import Joiner, JoinStats
-from learner.publish import AlsoCommit, storable
+from learner.publish import AlsoCommit
 from learner.registry import build_algorithm
 from learner.samples import Sample, collate
+from learner.step_plan import StepPlan, Trained, plan_step
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +151,7 @@ class Learner:
         def load_policy():
             return AutoModelForCausalLM.from_pretrained(self.base_dir, dtype=torch.float32)
 
-        latest = self._latest_version()
+        latest = publish.latest_version(self.db)
         algorithm = self._build_algorithm(load_policy)
         committed = latest.version if latest is not None else 0
         resume.discard_uncommitted(self.policy_dir, committed)
@@ -230,10 +230,6 @@ class Learner:
         with N ranks the sharded one, ``learner.distributed``), None when there is none."""
         return resume.read_checkpoint(self.policy_dir, committed, self.config.policy.kind)
 
-    def _latest_version(self):
-        """The database's latest version row (``learner.publish.latest_version``)."""
-        return publish.latest_version(self.db)
-
     def _restore(self, path: Path) -> None:
         """Put the policy on the weights of the version folder at ``path``
         (``learner.resume.load_policy_weights``), with fresh optimizer moments: they belong to
@@ -255,50 +251,41 @@ class Learner:
             raise
 
     # --------------------------------------------------------------- publish
-    def _write_version(self, version: int) -> tuple[Path, str]:
-        """The policy as the folder of ``version`` (``learner.publish.write_version``, in the
-        servers' dtype ``SAOSERVE_DTYPE``); returns (path, sha256)."""
-        dtype = getattr(torch, self.settings.dtype)
-        return publish.write_version(self.algorithm, self.policy_dir, self.base_dir, version, dtype)
-
-    def _commit_version(self, version, path, sha, parent, metrics, also, stage, gate) -> None:
-        """Commit the row of ``version`` with ``also`` (``learner.publish.commit_version``, whose
-        arguments these are after the database)."""
-        publish.commit_version(self.db, version, path, sha, parent, metrics, also, stage, gate)
-
     def _publish(
         self,
+        version: int,
         parent: int,
         metrics: dict,
         also: AlsoCommit,
         stage: Stage = Stage.PROMOTED,
         gate: dict | None = None,
-    ) -> int:
-        """Write the next version's weights, then commit its row (lifecycle ``stage``, the gate's
-        figures ``gate``) together with ``also(conn, version, now)`` in one transaction; returns
-        the new version (still to be announced; a rejected one never is).
+    ) -> None:
+        """Write the policy as the folder of ``version`` (``learner.publish.write_version``, in the
+        servers' dtype ``SAOSERVE_DTYPE``), then commit its row (lifecycle ``stage``, the gate's
+        figures ``gate``) together with ``also(conn, version, now)`` in one transaction
+        (``learner.publish.commit_version``); the version is still to be announced (a rejected
+        one never is). ``version`` is the next one, ``self.version + 1``.
 
         Metrics must be storable (``storable``). On any error before the commit the in-memory
         models are dropped (``self.algorithm = None``) and the error re-raised.
         """
-        new_version = self.version + 1
         try:
-            path, sha = self._write_version(new_version)
+            dtype = getattr(torch, self.settings.dtype)
+            path, sha = publish.write_version(self.algorithm, self.policy_dir, self.base_dir, version, dtype)
             fault_point("after_weights")
-            self._commit_version(new_version, path, sha, parent, metrics, also, stage, gate)
+            publish.commit_version(self.db, version, path, sha, parent, metrics, also, stage, gate)
         except BaseException:
             self.algorithm = None
             raise
-        self.version = new_version
+        self.version = version
         if stage != Stage.REJECTED:
-            self.weights_version = new_version
+            self.weights_version = version
         self._unannounced = True
-        self.algorithm.on_version(new_version)
+        self.algorithm.on_version(version)
         fault_point("after_commit")
-        return new_version
 
     def _announce_latest(self) -> None:
-        publish.announce(self.db, self.log, self._latest_version())
+        publish.announce(self.db, self.log, publish.latest_version(self.db))
         self._unannounced = False
 
     def _prune(self) -> None:
@@ -325,7 +312,7 @@ class Learner:
         if self.algorithm is None or self._durable_version == self.version:
             return False
         try:
-            latest = self._latest_version()
+            latest = publish.latest_version(self.db)
             if latest is None or latest.version != self.version:
                 log.warning(
                     "no checkpoint at stop: the database is at version %s, the learner at %d",
@@ -344,16 +331,87 @@ class Learner:
     def train_step(self) -> dict | None:
         """One step on the oldest ``batch_size`` samples, then publish the new version.
 
+        Batch → step → gate → plan (``learner.step_plan.plan_step``: the version, its stage,
+        its events, quarantine, what follows) → one transaction (``_publish``) → after the
+        commit: back to the parent's weights if the gate rejected it, announce, checkpoint,
+        prune. Returns the step's metrics.
+
         The step counts as applied only once its version is committed: on any error before
         that, the in-memory models are dropped (``self.algorithm = None``) and the error
         re-raised; ``run`` reloads the committed state before anything else. Samples that do not
         parse are set aside at once, and a batch whose step fails ``MAX_TRIES`` times in a row
-        (collating it or the update, not an outage of the commit) is set aside whole (dead
-        letters of kind ``untrainable``, ``core.dead_letters``); None is returned then.
+        (collating it, the update, the gate or its plan, not an outage of the commit) is set
+        aside whole (dead letters of kind ``untrainable``, ``core.dead_letters``); None is
+        returned then.
         """
         rows, deferred = self._next_batch()
         if rows is None:
             return None
+        samples = self._parse_batch(rows)
+        if samples is None:
+            return None
+        step_started_ns = time.time_ns()  # the step's span (core.telemetry.trained)
+        try:
+            plan = self._step_and_plan(rows, samples, deferred)
+        except Exception as exc:
+            self.algorithm = None
+            if self._step_failed(rows, exc):
+                return None
+            raise
+        except BaseException:
+            self.algorithm = None
+            raise
+        self._failed_batch = ((), 0)
+        publish_started_ns = time.time_ns()
+        also = partial(self._record_step, plan)
+        self._publish(plan.version, plan.parent, plan.version_metrics, also, plan.stage, plan.gate)
+        if plan.back_to is not None:
+            self._unserve(plan)
+        # Announced before the checkpoint is written (seconds, every checkpoint_every-th step):
+        # servers need only the committed version, and a restart takes the policy's weights from
+        # the database's latest version whether or not the checkpoint caught up.
+        self._announce_latest()
+        trained = [(r.id, r.created_at) for r in rows]
+        telemetry.trained(plan.version, plan.parent, trained, step_started_ns, publish_started_ns)
+        if plan.checkpoint:
+            self._checkpoint(plan.version)
+            fault_point("after_checkpoint")
+        self._prune()
+        _log_step(plan)
+        return plan.metrics
+
+    def _step_and_plan(self, rows, samples: list[Sample], deferred: int) -> StepPlan:
+        """Step on the batch ``rows`` (parsed: ``samples``; ``deferred``: how many the identity
+        cap held back), run the gate on the stepped policy, and plan what the step commits
+        (``learner.step_plan.plan_step``). Nothing is written; raises what they raise."""
+        metrics = self._step(collate(samples, self.version))
+        fault_point("during_step")
+        gate = self._run_gate()
+        trained = Trained(
+            metrics,
+            tuple(r.id for r in rows),
+            tuple(r.identity for r in rows),
+            tuple(smp.reward for smp in samples),
+            deferred,
+            rows[-1].created_at,
+            self.algorithm.steps,
+        )
+        on = self.guard.on()
+        return plan_step(trained, gate, on, self.version, self.weights_version, self.config.checkpoint_every)
+
+    def _unserve(self, plan: StepPlan) -> None:
+        """After the commit of a version the gate rejected: the policy back to ``plan.back_to``'s
+        weights, and the version's folder deleted (never served, never restored: only its
+        figures, in the database, matter)."""
+        fault_point("after_gate_reject")
+        self._back_to(plan.back_to)
+        shutil.rmtree(version_dir(self.policy_dir, plan.version), ignore_errors=True)
+        reasons = "; ".join(plan.metrics["gate_reasons"])
+        log.warning("version %d rejected by the gate: %s", plan.version, reasons)
+
+    def _parse_batch(self, rows) -> list[Sample] | None:
+        """The samples of the batch ``rows``; None when one does not parse: those that do not
+        are set aside at once (dead letters of kind ``untrainable``), the others wait."""
         samples, unreadable = [], []
         for row in rows:
             try:
@@ -366,93 +424,23 @@ class Learner:
                 self.db, unreadable, f"the sample does not parse: {describe(error)}", 1
             )
             return None
-        sample_ids = [r[0] for r in rows]
-        step_started_ns = time.time_ns()  # the step's span (core.telemetry.trained)
-        try:
-            batch = collate(samples, self.version)
-            metrics = self._step(batch)
-            metrics |= identity_shares([r.identity for r in rows], [smp.reward for smp in samples])
-            metrics["identity_deferred"] = deferred
-            # The newest sample of the batch, whose feedback completed it (judge.runstats).
-            metrics["completing_sample"] = rows[-1].id
-            # When that sample was joined (unix s, within a poll of its feedback's receipt): the
-            # start of feedback→served, which servers measure (saoserve_feedback_to_served_seconds).
-            joined = rows[-1].created_at
-            metrics["batch_completed_at"] = (as_utc(joined)).timestamp()
-            fault_point("during_step")
-            gate = self._run_gate()
-        except Exception as exc:
-            self.algorithm = None
-            if self._step_failed(rows, exc):
-                return None
-            raise
-        except BaseException:
-            self.algorithm = None
-            raise
-        self._failed_batch = ((), 0)
-        if gate is not None:
-            metrics["gate_reasons"] = gate.reasons
-        clean = storable(metrics)
-        flat = {k: v for k, v in clean.items() if v is None or isinstance(v, int | float)}
-        step = self.algorithm.steps
-        parent = self.weights_version
-        stage = self.guard.stage_of_new(gate)
+        return samples
 
-        def record_step(conn: Connection, version: int, now) -> None:
-            # The step (with the ids of the samples it trained) and the samples' deletion.
-            conn.execute(delete(LearnerSample).where(LearnerSample.id.in_(sample_ids)))
-            conn.execute(
-                insert(LearnerStep).values(
-                    run_id=self.run_id,
-                    step=step,
-                    version=version,
-                    metrics=json.loads(json.dumps(clean | {"sample_ids": sample_ids}, default=str)),
-                    created_at=now,
-                )
+    def _record_step(self, plan: StepPlan, conn: Connection, version: int, now) -> None:
+        """What the step's commit writes beside its version's row (``plan``; an ``AlsoCommit``):
+        the consumed samples' deletion, the step's row (with their ids), the lifecycle events,
+        and the quarantine of a rejected version's samples."""
+        conn.execute(delete(LearnerSample).where(LearnerSample.id.in_(plan.sample_ids)))
+        conn.execute(
+            insert(LearnerStep).values(
+                run_id=self.run_id, step=plan.step, version=version, metrics=plan.step_metrics, created_at=now
             )
-            lifecycle_store.record_event(
-                conn, version, None, Stage.CANDIDATE, LEARNER, f"trained from version {parent}", now
-            )
-            lifecycle_store.record_event(
-                conn, version, Stage.CANDIDATE, stage, LEARNER, self.guard.why(gate), now
-            )
-            if stage == Stage.REJECTED:
-                n = lifecycle_store.quarantine(
-                    conn, {version: sample_ids}, "trained a version the gate rejected", now
-                )
-                bump_counter(conn, lifecycle_store.QUARANTINED, n)
-
-        gate_json = None if gate is None else storable(gate.model_dump(mode="json"))
-        publish_started_ns = time.time_ns()
-        new_version = self._publish(parent, flat, record_step, stage, gate_json)
-        if stage == Stage.REJECTED:
-            fault_point("after_gate_reject")
-            self._back_to(parent)
-            # Never served, never restored: only its figures (in the database) matter.
-            shutil.rmtree(version_dir(self.policy_dir, new_version), ignore_errors=True)
-            log.warning("version %d rejected by the gate: %s", new_version, "; ".join(gate.reasons))
-        # Announced before the checkpoint is written (seconds, every checkpoint_every-th step):
-        # servers need only the committed version, and a restart takes the policy's weights from
-        # the database's latest version whether or not the checkpoint caught up.
-        self._announce_latest()
-        telemetry.trained(
-            new_version, parent, [(r.id, r.created_at) for r in rows], step_started_ns, publish_started_ns
         )
-        if step % self.config.checkpoint_every == 0:
-            self._checkpoint(new_version)
-            fault_point("after_checkpoint")
-        self._prune()
-        log.info(
-            "version %d: reward %.3f kept %.3f EV %s loss %.4f (%.1fs)",
-            new_version,
-            metrics["reward_mean"],
-            metrics["kept_fraction"],
-            metrics.get("explained_variance"),
-            metrics["policy_loss"],
-            metrics["step_time_s"],
-            extra={"version": new_version},
-        )
-        return metrics
+        for before, after, why in plan.events:
+            lifecycle_store.record_event(conn, version, before, after, LEARNER, why, now)
+        if plan.quarantine is not None:
+            n = lifecycle_store.quarantine(conn, {version: list(plan.sample_ids)}, plan.quarantine, now)
+            bump_counter(conn, lifecycle_store.QUARANTINED, n)
 
     def _next_batch(self):
         """The rows of the next batch and how many samples the identity cap deferred
@@ -534,12 +522,13 @@ class Learner:
         # The restored state is the new version's, kept before its commit: a crash right after
         # the commit resumes from it (learner.resume.newest_state), not from the rejected
         # lineage's checkpoint.
+        new_version = self.version + 1
         try:
-            self._write_state(self.version + 1, self.algorithm)
+            self._write_state(new_version, self.algorithm)
         except BaseException:
             self.algorithm = None
             raise
-        new_version = self._publish(version, {"rollback_to": version}, order.commit)
+        self._publish(new_version, version, {"rollback_to": version}, order.commit)
         fault_point("after_rollback_commit")
         self._announce_latest()
         self._prune()
@@ -604,6 +593,21 @@ class Learner:
                     stop.wait(max(self.config.poll_s, 2.0))
         finally:
             self.checkpoint_on_stop()
+
+
+def _log_step(plan: StepPlan) -> None:
+    """Log the step of ``plan``: its version and headline figures."""
+    m = plan.metrics
+    log.info(
+        "version %d: reward %.3f kept %.3f EV %s loss %.4f (%.1fs)",
+        plan.version,
+        m["reward_mean"],
+        m["kept_fraction"],
+        m.get("explained_variance"),
+        m["policy_loss"],
+        m["step_time_s"],
+        extra={"version": plan.version},
+    )
 
 
 def run_learner(

@@ -38,6 +38,7 @@ from core.logbus import SqlLog, open_log
 from core.records import TOPIC_FEEDBACK, TOPIC_TRAJECTORIES, utcnow
 from learner.join_plan import JoinState, Unreadable
 from learner.joiner import Joiner
+from learner.publish import latest_version
 from saoserve.cli import app as cli_app
 from server.metrics import ServerMetrics
 from server.state import ServerState
@@ -324,7 +325,7 @@ def test_rollback_is_carried_out_while_every_join_fails(tmp_path):
     thread = threading.Thread(target=learner.run, args=(stop,))
     thread.start()
     try:
-        assert wait_for(lambda: learner._latest_version().version == 3, 60)
+        assert wait_for(lambda: latest_version(learner.db).version == 3, 60)
     finally:
         stop.set()
         thread.join(60)
@@ -350,9 +351,9 @@ def test_pause_is_honoured_while_every_join_fails(tmp_path):
     thread.start()
     try:
         assert wait_for(lambda: len(joins) >= 5, 60)  # several iterations, each with a failing join
-        assert learner._latest_version().version == 0 and learner.waiting_samples() == 2
+        assert latest_version(learner.db).version == 0 and learner.waiting_samples() == 2
         set_flag(learner.db, PAUSED, None)
-        assert wait_for(lambda: learner._latest_version().version == 1, 60)
+        assert wait_for(lambda: latest_version(learner.db).version == 1, 60)
     finally:
         stop.set()
         thread.join(60)

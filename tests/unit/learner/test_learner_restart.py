@@ -24,8 +24,9 @@ from core.control import PAUSED, set_flag
 from core.db import PolicyVersion, make_engine
 from core.logbus import open_log
 from core.policy_store import CHECKPOINT_FILE
+from learner import publish
 from learner.process import Learner
-from learner.publish import storable
+from learner.publish import latest_version, storable
 from testing.learner import (
     assert_policy_is,
     committed_weights,
@@ -64,13 +65,13 @@ def test_failed_commit_reloads_the_committed_state(tmp_path, monkeypatch):
     fed = feed(log, 4, 0)
     learner.poll_once()
     assert learner.train_step() is not None and learner.version == 1
-    real = learner._commit_version
+    real = publish.commit_version
 
     def refuse(*args, **kwargs):
-        monkeypatch.setattr(learner, "_commit_version", real)
+        monkeypatch.setattr(publish, "commit_version", real)
         raise RuntimeError("the database refused the commit")
 
-    monkeypatch.setattr(learner, "_commit_version", refuse)
+    monkeypatch.setattr(publish, "commit_version", refuse)
     with pytest.raises(RuntimeError, match="refused"):
         learner.train_step()
     # The step was applied in memory and v000002 written, but nothing committed: the models are
@@ -109,9 +110,9 @@ def test_pause_joins_without_training_and_resume_trains(tmp_path):
     thread.start()
     try:
         assert wait_for(lambda: learner.waiting_samples() == 4)
-        assert learner._latest_version().version == 0
+        assert latest_version(learner.db).version == 0
         set_flag(learner.db, PAUSED, None)
-        assert wait_for(lambda: learner._latest_version().version == 2)
+        assert wait_for(lambda: latest_version(learner.db).version == 2)
     finally:
         stop.set()
         thread.join(60)
@@ -129,7 +130,7 @@ def test_a_clean_stop_writes_the_checkpoint_at_the_last_committed_version(tmp_pa
     checkpoint was written every checkpoint_every steps only)."""
     learner = in_process(tmp_path, f"sqlite:///{tmp_path / 'db.sqlite'}", checkpoint_every=10)
     feed(open_log(learner.settings.resolved_database_url), 4, 0)
-    assert run_until(learner, lambda: learner._latest_version().version == 2)
+    assert run_until(learner, lambda: latest_version(learner.db).version == 2)
     state = torch.load(tmp_path / "policies" / CHECKPOINT_FILE, weights_only=False)
     assert state["version"] == 2
     again = restarted(learner)
@@ -165,7 +166,7 @@ def test_ctrl_c_writes_the_checkpoint_and_a_step_cut_short_does_not(tmp_path, mo
     monkeypatch.setattr(learner, "_step", ctrl_c_in_the_step)
     with pytest.raises(KeyboardInterrupt):
         learner.run()
-    assert learner.algorithm is None and learner._latest_version().version == 2
+    assert learner.algorithm is None and latest_version(learner.db).version == 2
     assert torch.load(tmp_path / "policies" / CHECKPOINT_FILE, weights_only=False)["version"] == 2
     assert restarted(learner).algorithm.steps == 2
 

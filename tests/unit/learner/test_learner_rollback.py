@@ -14,7 +14,9 @@ from sqlalchemy import select
 from core.control import ROLLBACK_TO, get_flag, set_flag
 from core.db import LearnerCounter, PolicyVersion
 from core.logbus import open_log
+from learner import publish
 from learner.process import Learner
+from learner.publish import latest_version
 from testing.learner import assert_policy_is, committed_weights, feed, in_process, run_until
 
 
@@ -80,17 +82,17 @@ def test_a_rollback_requested_while_another_runs_is_carried_out(tmp_path, monkey
     learner.train_step()
     learner.train_step()
     set_flag(learner.db, ROLLBACK_TO, "1")
-    real = learner._write_version
+    real = publish.write_version
     written = []
 
-    def second_request_meanwhile(version: int):
+    def second_request_meanwhile(algorithm, policy_dir, base_dir, version: int, dtype):
         if not written:  # POST /admin/rollback {"version": 0} while version 3 is being written
             set_flag(learner.db, ROLLBACK_TO, "0")
         written.append(version)
-        return real(version)
+        return real(algorithm, policy_dir, base_dir, version, dtype)
 
-    monkeypatch.setattr(learner, "_write_version", second_request_meanwhile)
-    assert run_until(learner, lambda: learner._latest_version().version == 4, 30)
+    monkeypatch.setattr(publish, "write_version", second_request_meanwhile)
+    assert run_until(learner, lambda: latest_version(learner.db).version == 4, 30)
     assert written == [3, 4]
     assert versions(learner)[3:] == [(3, 1, {"rollback_to": 1}), (4, 0, {"rollback_to": 0})]
     assert get_flag(learner.db, ROLLBACK_TO) is None

@@ -35,8 +35,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from core.hardware import bf16_native
-from core.sequential import Decision, RuleParams
-from learner.gate_config import GateConfig
+from learner.faults import BrokenLearner
+from learner.guard_config import GuardConfig
 
 # allow_inf_nan: no learner setting is meaningful at ±inf or nan (a poll of inf seconds, an
 # infinite time-out); a time-out that never fires is None.
@@ -198,104 +198,6 @@ PolicyConfig = Annotated[FullPolicy | LoraPolicy, Field(discriminator="kind")]
 
 
 AlgorithmConfig = Annotated[SAOAlgorithm | RunningMeanAlgorithm | SPOAlgorithm, Field(discriminator="name")]
-
-
-class GuardConfig(BaseModel):
-    """The guard (docs/guard.md, "The lifecycle"): the gate each new version must pass before it
-    is announced, and the decision rule that promotes or rejects the lineage on probation
-    (``core.sequential``, ``core.lifecycle``). The rule's defaults are ``core.sequential``'s."""
-
-    model_config = _MODEL
-    enabled: bool = True
-    """Run the lifecycle (off: no gate, every version is promoted when recorded; an operator's
-    ``saoserve admin guard off`` turns it off at run time too)."""
-    gate: GateConfig | None = None
-    """The gate's bounds and generation settings (``learner.gate``; ``{}``: its defaults);
-    None: no gate, the version goes to probation unchecked. Off by default: a gate costs about
-    as much as a learner step on this machine (docs/guard.md, "The gate", Cost). It holds the
-    base model and the parent's weights (+540 MB each for 135M)."""
-    delta: float = Field(0.05, gt=0.0, le=0.5)
-    """Non-inferiority margin δ, reward units (rewards in [0, 1]). At most 0.5: a wider margin
-    promotes a candidate that loses half the reward range to the promoted version, so the rule
-    would promote on its first ``min_samples`` ratings whatever they are."""
-    alpha: float = Field(0.05, gt=0.0, le=0.5)
-    """Error rate α of each decision. At most 0.5: above it each bound is more often wrong than
-    right, and a decision at that confidence is not one."""
-    min_samples: int = Field(20, ge=1)
-    """Rated answers each arm needs before a bound decides."""
-    max_samples: int | None = Field(50_000, ge=1)
-    """Time-out: the lineage's rated answers (None: never on count)."""
-    max_seconds: float | None = Field(None, gt=0.0)
-    """Time-out: seconds since the lineage's first version was recorded (None: never on time)."""
-    on_timeout: Literal["reject", "promote"] = "reject"
-    """The decision at a time-out no bound decided (reject: a lineage that cannot show it is not
-    worse is not promoted)."""
-    promoted_window: int = Field(2000, ge=1)
-    """Rated answers of the promoted versions (the newest, from before the lineage) that form the
-    probation's comparison arm."""
-    check_s: float = Field(5.0, ge=0.0)
-    """Seconds between two evaluations of the lineage by the learner's loop."""
-    min_answer_tokens: int | None = Field(4, ge=1)
-    """The health veto (docs/guard.md, "The health veto"): the lineage is rejected when its
-    share of sound answers (``core.lifecycle.healthy``: cut by the budget, or ended by the model
-    after at least this many tokens) is surely below the promoted versions' (the same rule on
-    every answer served, rated or not). None: no veto."""
-    max_kl_ref: float | None = Field(0.6, gt=0.0)
-    """The drift veto (docs/guard.md, "The drift veto"): the lineage is rejected when one of its
-    versions measured more than this KL to the base (nats per action token) on a training batch:
-    the KL anchor's ``kl_ref`` of the step trained from it (``core.lifecycle.drifted``). The
-    gate's ``max_kl_base``, measured for free on every step; only with the anchor on (the
-    ``demo`` preset; without it no step measures ``kl_ref`` and the veto never fires). None: no
-    veto."""
-
-    @model_validator(mode="after")
-    def _timeout_after_min(self) -> GuardConfig:
-        if self.max_samples is not None and self.max_samples < self.min_samples:
-            raise ValueError(f"max_samples ({self.max_samples}) must be >= min_samples ({self.min_samples})")
-        return self
-
-    def health_params(self) -> RuleParams:
-        """The health veto's parameters: the rule's α and minimum samples, no time-out (the veto
-        only ever rejects, on evidence)."""
-        return RuleParams(delta=self.delta, alpha=self.alpha, min_samples=self.min_samples, max_samples=None)
-
-    def rule_params(self) -> RuleParams:
-        """The decision rule's parameters (``core.sequential.RuleParams``)."""
-        return RuleParams(
-            delta=self.delta,
-            alpha=self.alpha,
-            min_samples=self.min_samples,
-            max_samples=self.max_samples,
-            max_seconds=self.max_seconds,
-            on_timeout=Decision(self.on_timeout),
-        )
-
-
-class BrokenLearner(BaseModel):
-    """FAULT INJECTION, for measuring the guard only (docs/guard.md, "Simulated attacks and
-    faults"): every policy update of the run is wrong on purpose. ``flip``: the policy loss is
-    negated before its backward pass, so each AdamW step is the opposite of the right one (the
-    loss reported is still the true one). ``scale``: the policy's learning rate is multiplied by
-    ``factor``, so each AdamW step is ``factor`` times too large (scaling the loss instead would
-    do nothing: the gradient is clipped and AdamW divides it by its own scale). Never in a preset
-    and not an option of ``saoserve learn``: only ``saoserve demo|compare --broken-learner`` sets
-    it, and ``kind`` has no default."""
-
-    model_config = _MODEL
-    kind: Literal["flip", "scale"]
-    """Which fault: the sign of the policy loss, or the size of the policy step."""
-    factor: float = Field(100.0, gt=1.0)
-    """``scale``: the multiplier of the policy's learning rate (100)."""
-
-    @property
-    def loss_sign(self) -> float:
-        """-1 for ``flip``, else 1: the factor on the policy loss."""
-        return -1.0 if self.kind == "flip" else 1.0
-
-    @property
-    def lr_factor(self) -> float:
-        """``factor`` for ``scale``, else 1: the factor on the policy's learning rate."""
-        return self.factor if self.kind == "scale" else 1.0
 
 
 class DISCorrection(BaseModel):

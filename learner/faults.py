@@ -31,11 +31,17 @@ Points of the version lifecycle (docs/guard.md), passed only when the guard acts
   and the new version restoring the promoted weights written in one transaction, not committed;
 * ``after_rollback_commit``: a rollback's new version committed (the guard's restore, or an
   operator's), not yet announced.
+
+And the other fault injection, of the algorithm's updates themselves: ``BrokenLearner`` (a
+learner config's ``broken_learner``), for measuring the guard.
 """
 
 from __future__ import annotations
 
 import os
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from core.logbus import LogTransport
 
@@ -140,3 +146,30 @@ class ReadFaultLog:
 
     def __getattr__(self, name: str):
         return getattr(self._inner, name)
+
+
+class BrokenLearner(BaseModel):
+    """FAULT INJECTION, for measuring the guard only (docs/guard.md, "Simulated attacks and
+    faults"): every policy update of the run is wrong on purpose. ``flip``: the policy loss is
+    negated before its backward pass, so each AdamW step is the opposite of the right one (the
+    loss reported is still the true one). ``scale``: the policy's learning rate is multiplied by
+    ``factor``, so each AdamW step is ``factor`` times too large (scaling the loss instead would
+    do nothing: the gradient is clipped and AdamW divides it by its own scale). Never in a preset
+    and not an option of ``saoserve learn``: only ``saoserve demo|compare --broken-learner`` sets
+    it, and ``kind`` has no default."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True, allow_inf_nan=False)
+    kind: Literal["flip", "scale"]
+    """Which fault: the sign of the policy loss, or the size of the policy step."""
+    factor: float = Field(100.0, gt=1.0)
+    """``scale``: the multiplier of the policy's learning rate (100)."""
+
+    @property
+    def loss_sign(self) -> float:
+        """-1 for ``flip``, else 1: the factor on the policy loss."""
+        return -1.0 if self.kind == "flip" else 1.0
+
+    @property
+    def lr_factor(self) -> float:
+        """``factor`` for ``scale``, else 1: the factor on the policy's learning rate."""
+        return self.factor if self.kind == "scale" else 1.0

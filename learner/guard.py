@@ -35,9 +35,9 @@ from core.lifecycle import GUARD, Arm, Stage, drifted, lineage
 from core.logbus import LogTransport
 from core.records import POLICY_KEY, TOPIC_POLICY, as_utc, utcnow
 from core.sequential import Decision, Verdict, decide_lineage
-from learner.config import GuardConfig
 from learner.faults import fault_point
 from learner.gate_models import GateReferences
+from learner.guard_config import GuardConfig
 from learner.guard_votes import Electorate, health_votes, rated_votes
 from learner.publish import AlsoCommit, promoted_version, storable
 

@@ -239,7 +239,7 @@ class SAOLearner(Algorithm):
 
     def policy_step(self, loss: torch.Tensor) -> float:
         """One AdamW step of the policy on ``loss``; the gradient norm before clipping. With the
-        ``broken_learner`` fault (``learner.config.BrokenLearner``) the step is on
+        ``broken_learner`` fault (``learner.faults.BrokenLearner``) the step is on
         ``loss_sign · loss``."""
         if self.config.broken_learner is not None:
             loss = self.config.broken_learner.loss_sign * loss

@@ -22,8 +22,9 @@ from judge.report import _lifecycle_html
 from judge.sim_config import SimulationConfig
 from judge.simulate import Simulation
 from judge.styles import schedule_from_spec
-from learner.config import PRESETS, BrokenLearner, ConfigError, build_config
+from learner.config import PRESETS, ConfigError, build_config
 from learner.critic import ValueModel
+from learner.faults import BrokenLearner
 from learner.optim import make_adamw
 from learner.sao import SAOLearner
 from saoserve.cli import app

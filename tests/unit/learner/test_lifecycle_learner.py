@@ -31,8 +31,8 @@ from core.lifecycle import judge_lineage
 from core.logbus import open_log
 from core.records import PolicyEvent, utcnow
 from core.sequential import Decision
-from learner.config import GuardConfig
 from learner.gate import GateConfig, GateResult, decide
+from learner.guard_config import GuardConfig
 from learner.guard_votes import Electorate
 from learner.process import Learner
 from server.db_figures import read_lifecycle

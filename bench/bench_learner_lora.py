@@ -3,7 +3,7 @@
 Usage: ``python bench/bench_learner_lora.py [MODEL_DIR] [--batch 16] [--seq 160] [--prompt 32]
 [--options bf16-full,bf16-lora8,bf16-lora1,fp32-full,fp32-lora8,fp32-lora1] [--steps 2]
 [--warmup 1] [--threads 2]``. MODEL_DIR defaults to ``var/model``. Run it under
-``flock /tmp/saoserve-heavy.lock`` (docs/lora.md has the figures).
+``flock /tmp/saoserve-heavy.lock`` (its runs: docs/log/2026-12-06-lora-runs.md).
 
 Each option is ``<precision>-<policy>``: precision ``bf16`` (``LearnerConfig.bf16``: bf16 models,
 float32 masters of what is trained) or ``fp32``; policy ``full`` or ``lora<r>`` (a rank-r adapter

@@ -28,7 +28,8 @@ correction masks from precision alone: DIS (``learner.dis.dis_loss`` with the de
 (``learner.offpolicy.mis_token_mask`` with the default ``c``; at the same weights π_old is the
 learner's own logprob, so only ``r_d = π_old/μ`` can mask).
 
-No timing is asserted anywhere; figures go to docs/precision.md with the machine they came from.
+No timing is asserted anywhere; its runs go to a dated log (docs/log/2026-12-06-precision-runs.md)
+with the machine they came from.
 """
 
 from __future__ import annotations

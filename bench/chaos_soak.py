@@ -36,7 +36,8 @@ left (padding with a few rated chats of its own to fill the last batch), and the
 Prints the figures (requests, 2xx, 5xx in and out of the windows, trajectories, feedback
 trained, kills, swaps, outages and their recovery times) and exits 1 if any check failed;
 ``--json FILE`` writes them. tests/system/test_chaos_soak.py runs a short soak (opt-in: ``SAOSERVE_SOAK=1``);
-the measured runs are in docs/reliability.md, "The chaos soak".
+the command is in docs/reliability.md, "The chaos soak", its measured runs in
+docs/log/2026-12-06-reliability-runs.md.
 
 The run and its drain are here; the traffic is bench/soak_traffic.py, the faults
 bench/soak_faults.py, the audit and the printed report bench/soak_audit.py (imported as this

@@ -264,7 +264,7 @@ async def test_same_version_reload_full_table_and_racing_loads(lora_engine, adap
 
 
 # Merged mode (W + scale·B·A swapped in as full weights) against the LoRA path, same adapter,
-# same tokens: the gap measured on this machine is in docs/serving_adapters.md.
+# same tokens: the gap measured on this machine is in docs/log/2026-12-06-serving-adapters-checks.md.
 MERGED_VS_ADAPTER_NATS = 1e-4
 
 

@@ -8,7 +8,7 @@ fault it was meant to inject happened, so a soak that injected nothing cannot pa
 
 Opt-in (``SAOSERVE_SOAK=1``): two vLLM replicas, PostgreSQL, tansu and a learner for several
 minutes are more than CI's two shared cores hold in a test's time (it ran past 420 s there).
-The measured runs and their commands are in docs/reliability.md.
+The command is in docs/reliability.md, the measured runs in docs/log/2026-12-06-reliability-runs.md.
 """
 
 from __future__ import annotations

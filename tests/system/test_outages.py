@@ -32,7 +32,7 @@ FRESH_S = 0.6
 RECOVERY_LIMIT_S = 30.0
 # Under load, half the chats are sent at once (before the outage, which starts 0.3 s in) and
 # half this many seconds later (during it).
-LATE_S = 1.2  # a guard against hanging, not a speed check (figures: docs/reliability.md)
+LATE_S = 1.2  # a guard against hanging, not a speed check (figures: docs/log/2026-12-06-reliability-runs.md)
 
 
 # Stopping and starting dependencies runs on threads of the test's own, never queued behind

@@ -30,8 +30,20 @@ PAGES = [
     "docs/configuration.md",
     "docs/demo.md",
     "docs/guard.md",
+    "docs/design.md",
+    "docs/precision.md",
+    "docs/scaling.md",
+    "docs/lora.md",
+    "docs/offpolicy.md",
+    "docs/serving_adapters.md",
+    "docs/tenants.md",
+    "docs/reliability.md",
+    "docs/privacy.md",
+    "docs/judge.md",
+    "docs/deploy.md",
+    "docs/papers.md",
 ]
-UNIT = r"(?:×|%|s|ms|MiB|GiB|tok/s)"
+UNIT = r"(?:×|%|s|ms|MiB|GiB|tok/s|appends/s)"
 QUOTE = re.compile(r"(?P<num>-?\d+(?:\.\d+)?)\s?(?P<unit>" + UNIT + r")?\s\(results: `(?P<name>[\w-]+)`\)")
 # Units no setting or limit is written in: only a measurement gives them.
 MEASURED = re.compile(

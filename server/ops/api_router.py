@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Literal
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from pydantic import BaseModel
 from sqlalchemy import String, func, literal, select
 from sqlalchemy.engine import Engine
 
@@ -25,14 +23,25 @@ from core.db import ControlFlag, FeedbackClaim, LearnerSample, LearnerStep, Poli
 from core.lifecycle import CanarySplit
 from core.policies import GLOBAL
 from core.records import as_utc
-from server.admin_schemas import PolicyRow
+from server.admin.api_router import policy_rows
+from server.admin.protocol import PolicyRow
 from server.auth import authenticate, served_state, visible_policies, visible_state
 from server.db_figures import read_lifecycle
 from server.errors import ApiError, errors
 from server.health import RETRY_AFTER_S
-from server.responses import DashboardData, Liveness, ModelCard, ModelList, Readiness
-from server.routes import PolicyQuery, all_states, policy_state, state_of
-from server.routes.admin import policy_rows
+from server.ops.protocol import (
+    DashboardData,
+    DashboardState,
+    GuardCan,
+    GuardState,
+    Liveness,
+    ModelCard,
+    ModelList,
+    Readiness,
+    VersionPoint,
+    VersionReward,
+)
+from server.scope import PolicyQuery, all_states, policy_state, state_of
 
 router = APIRouter()
 
@@ -59,30 +68,6 @@ DASHBOARD_KEYS = (
 )
 # The newest policy versions the dashboard's version chart shows.
 DASHBOARD_VERSIONS = 500
-
-
-class VersionPoint(BaseModel):
-    """A policy version; ``lifecycle``: its stage (candidate, canary, promoted, rejected);
-    ``rollback_to``: the version whose weights this one republished (a rollback), else None.
-    ``created_at``: ISO 8601 with offset."""
-
-    version: int
-    parent_version: int | None
-    status: str
-    lifecycle: str
-    rollback_to: int | None
-    created_at: str
-
-
-class VersionReward(BaseModel):
-    """The received completion feedback on answers a version began: mean reward in [0, 1], count."""
-
-    version: int
-    reward_mean: float
-    n: int
-
-
-GuardCan = Literal["decide", "watch", "off", "pinned"]
 
 
 def guard_capability(
@@ -130,44 +115,6 @@ def guard_capability(
         "all traffic on probation, compared with the promoted version's earlier ratings (no live "
         "control arm: drift between the two windows is confounded with the version)"
     )
-
-
-class GuardState(BaseModel):
-    """The lifecycle's state (``server.db_figures.LifecycleState``): versions per stage, the
-    promoted version, the lineage under watch, the operators' switches, the learner's last
-    verdict on this lineage (bounds on Δ, each arm's ratings and mean, the decision; None until
-    it judged it); and what the guard can do on this replica (``guard_capability``: ``can``,
-    the sentence ``says``), from its ``mode`` (``canary``: its engine serves adapters, else
-    ``probation``) and its canary split."""
-
-    on: bool
-    pinned: int | None
-    promoted: int | None
-    lineage: list[int]
-    stages: dict[str, int]
-    verdict: dict | None
-    mode: Literal["canary", "probation"]
-    can: GuardCan
-    says: str
-
-
-class DashboardState(BaseModel):
-    """``GET /dashboard/state``: aggregates only (no prompts or texts) of one policy (``?policy=``),
-    and ``policies``: one row per policy served (``server.admin_schemas.PolicyRow``, as
-    ``GET /admin/policies``)."""
-
-    serving: int
-    newest_version: int | None
-    learning: Literal["running", "paused"]
-    rollback_to: int | None
-    versions: list[VersionPoint]
-    samples_trained: int
-    samples_waiting: int
-    reward_by_version: list[VersionReward]
-    requests_per_s_last_minute: float
-    outcomes: dict[str, dict[str, int]]
-    guard: GuardState
-    policies: list[PolicyRow]
 
 
 def learner_overview(

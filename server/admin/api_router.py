@@ -1,7 +1,7 @@
 """``/admin/*``: routes behind the admin key (``Authorization: Bearer <SAOSERVE_ADMIN_KEY>``;
 403 for all of them while no key is set: ``require_admin``). ``saoserve admin`` (saoserve/admin/)
-is their client. The version lifecycle's routes are ``server.routes.lifecycle``'s, the API keys'
-``server.routes.keys``'; both take ``require_admin`` and the errors from here."""
+is their client. The version lifecycle's routes are ``server.admin.lifecycle_router``'s, the API keys'
+``server.admin.keys_router``'; both take ``require_admin`` and the errors from here."""
 
 from __future__ import annotations
 
@@ -37,22 +37,27 @@ from core.retention import (
     sql_log_engine,
 )
 from core.sealing import Shredded
-from server.admin_schemas import DeadLetters, LearnerStatus, PolicyList
+from server.admin.protocol import (
+    DeadLetters,
+    ForgetRequest,
+    Forgotten,
+    LearnerStatus,
+    LearningState,
+    LoadPolicyRequest,
+    PolicyList,
+    PolicyLoaded,
+    PolicyVersions,
+    PromptEvidence,
+    RollbackRequest,
+    RollbackRequested,
+    UncertainPrompts,
+)
 from server.auth import admin_key_given
 from server.engine import SwapRefused
 from server.errors import ApiError, errors
 from server.health import is_storage_error
-from server.responses import (
-    Forgotten,
-    LearningState,
-    PolicyLoaded,
-    PolicyVersions,
-    PromptEvidence,
-    RollbackRequested,
-    UncertainPrompts,
-)
-from server.routes import PolicyState, all_states, state_of
-from server.schemas import EdgeStr, ErrorResponse, ForgetRequest, LoadPolicyRequest, RollbackRequest
+from server.schemas import EdgeStr, ErrorResponse
+from server.scope import PolicyState, all_states, state_of
 from server.state import ServerState
 
 
@@ -273,7 +278,7 @@ async def admin_uncertain(s: PolicyState, top: Annotated[int, Query(ge=1, le=100
 
 
 def policy_overview(s: ServerState) -> dict:
-    """One policy's row of ``GET /admin/policies`` (``server.admin_schemas.PolicyRow``), read
+    """One policy's row of ``GET /admin/policies`` (``server.admin.protocol.PolicyRow``), read
     from its namespace's database in one connection. Raises the driver's error when the
     database does not answer (503)."""
     version = s.engine.version

@@ -1,7 +1,7 @@
 """``/admin/lifecycle/*`` and ``/admin/quarantine``: the operators' moves of the version lifecycle
 (promote, reject, pin, unpin, the guard's switch, the canary share), each recorded with who
 (``X-Operator``) and when, and what they read back (the lifecycle, the quarantined samples).
-Behind the admin key as every ``/admin`` route (``server.routes.admin.require_admin``), in the
+Behind the admin key as every ``/admin`` route (``server.admin.api_router.require_admin``), in the
 namespace of the policy ``?policy=`` names. ``saoserve admin`` is their client (the moves:
 saoserve/admin/lifecycle.py; the quarantine: saoserve/admin/records.py); docs/guard.md ("The
 lifecycle") says what each move does."""
@@ -13,7 +13,6 @@ import logging
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query, Request
-from pydantic import ConfigDict, Field, field_validator
 
 from core import lifecycle_store
 from core.control import (
@@ -26,30 +25,29 @@ from core.control import (
     write_flag,
 )
 from core.lifecycle import (
-    CANARY_SHARE_MAX,
-    CANARY_SHARE_MIN,
     Stage,
     TransitionError,
-    check_canary_share,
     descendants,
     lineage,
     promoted,
 )
 from core.limits import NAME_CHARS
 from core.records import POLICY_KEY, TOPIC_POLICY, utcnow
-from server.admin_schemas import (
+from server.admin.api_router import ADMIN_ERRORS, POLICY_ERRORS, require_admin
+from server.admin.protocol import (
+    CanaryShare,
     CanaryShareSet,
+    GuardSwitch,
     GuardSwitched,
     LifecycleState,
     Quarantine,
     Unpinned,
+    VersionAction,
     VersionPinned,
     VersionsMoved,
 )
 from server.errors import ApiError, errors
-from server.routes import PolicyState
-from server.routes.admin import ADMIN_ERRORS, POLICY_ERRORS, require_admin
-from server.schemas import MAX_INT32, EdgeModel, StoredStr
+from server.scope import PolicyState
 from server.state import ServerState
 
 log = logging.getLogger(__name__)
@@ -60,36 +58,6 @@ OPERATOR_HEADER = "x-operator"
 """Who the operator is (the admin key names no one): recorded with each lifecycle action."""
 
 LIFECYCLE_ERRORS = ADMIN_ERRORS | errors(404, 409)
-
-
-class VersionAction(EdgeModel):
-    """``POST /admin/lifecycle/{promote,reject,pin}``: the version and, optionally, why."""
-
-    model_config = ConfigDict(extra="forbid")
-    version: int = Field(ge=0, le=MAX_INT32)
-    # StoredStr: the OpenAPI document says a NUL is refused (400), as the edge check does.
-    reason: StoredStr = Field("", max_length=1000)
-
-
-class GuardSwitch(EdgeModel):
-    """``POST /admin/lifecycle/guard``: turn the guard on or off."""
-
-    model_config = ConfigDict(extra="forbid")
-    on: bool
-
-
-class CanaryShare(EdgeModel):
-    """``POST /admin/lifecycle/canary``: the share of traffic a canary gets, in
-    [``CANARY_SHARE_MIN``, ``CANARY_SHARE_MAX``] (``core.lifecycle.check_canary_share`` says why;
-    400 naming ``share`` otherwise)."""
-
-    model_config = ConfigDict(extra="forbid")
-    share: float = Field(json_schema_extra={"minimum": CANARY_SHARE_MIN, "maximum": CANARY_SHARE_MAX})
-
-    @field_validator("share")
-    @classmethod
-    def _bounded(cls, v: float) -> float:
-        return check_canary_share(v)
 
 
 def operator_of(request: Request) -> str:

@@ -387,7 +387,7 @@ class ChatHandler:
 
     def sampling_of(self, req: ChatCompletionRequest, n_prompt: int) -> SamplingRecord:
         """The sampling record of ``req`` after a prompt of ``n_prompt`` tokens, checked by vLLM
-        as the engine will build it (``server.engine.vllm_sampling``). Raises ApiError 400
+        as the engine will build it (``server.engine.sampling.vllm_sampling``). Raises ApiError 400
         ``invalid_value`` (max_tokens over the limit, ``invalid sampling parameters: …``) or
         ``context_length_exceeded`` (prompt + max_tokens)."""
         st = self.settings

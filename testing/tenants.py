@@ -3,7 +3,7 @@
 fake engines per policy (``SharedFakeEngine``, ``RefusingEngine``), API keys (``make_key``,
 ``bearer``), and the rows of ``GET /admin/policies`` and ``/dashboard/state``'s ``policies`` as a
 test expects them (``row``: ``server.admin.protocol.PolicyRow``, built by
-``server.admin.api_router.policy_overview``)."""
+``server.admin.queries.policy_overview``)."""
 
 from __future__ import annotations
 

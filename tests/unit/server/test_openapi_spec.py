@@ -10,8 +10,7 @@ import jsonschema
 import pytest
 from pydantic import ValidationError
 
-from server.admin.lifecycle_router import CanaryShare, VersionAction
-from server.admin.protocol import LoadPolicyRequest
+from server.admin.protocol import CanaryShare, LoadPolicyRequest, VersionAction
 from server.chat.protocol import MAX_SEED, ChatCompletionRequest
 from server.feedback.protocol import FeedbackRequest
 from testing.servers import make_settings

@@ -4,7 +4,7 @@ Usage: ``python bench/bench_serving_precision.py [MODEL_DIR] [--dtypes float32,b
 [--answers 32] [--max-tokens 48] [--streams 8] [--kv-cache-gib 0.5] [--learner-batch 16]``.
 MODEL_DIR defaults to ``var/model`` (prepared by ``saoserve prepare-model`` if missing).
 
-Serving: for each dtype of ``--dtypes``, one vLLM engine (``server.engine.PolicyEngine.start``
+Serving: for each dtype of ``--dtypes``, one vLLM engine (``server.engine.core.PolicyEngine.start``
 with ``Settings(dtype=…)``, eager, a ``--kv-cache-gib`` KV cache) answers 8 short warm-up
 requests, then the same ``--answers`` requests at each concurrency of ``--streams``: the
 simulation's writing requests (``judge.styles.writing_requests``, the first ``--answers``),

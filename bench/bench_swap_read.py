@@ -1,6 +1,6 @@
 """The full-weight swap's pause beside a raw read of the same weights, cold and warm (issue 42).
 
-One vLLM engine in this process (``server.engine.PolicyEngine``, float32, eager), and two float32
+One vLLM engine in this process (``server.engine.core.PolicyEngine``, float32, eager), and two float32
 weight sets as the learner writes them (the base model and a perturbed copy,
 ``bench.bench_replica_swap.weight_sets``), each version folder hard-linking one of them. In each
 round, for the page cache cold and then warm, interleaved:

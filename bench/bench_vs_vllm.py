@@ -45,7 +45,7 @@ STREAMS = (1, 8, 16)
 
 
 def vllm_command(model: Path, port: int) -> list[str]:
-    """vLLM's server with ``server.engine.PolicyEngine.start``'s engine arguments."""
+    """vLLM's server with ``server.engine.core.PolicyEngine.start``'s engine arguments."""
     return [
         sys.executable,
         "-m",

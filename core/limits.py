@@ -1,8 +1,8 @@
 """Field lengths, declared once: what the HTTP edge accepts is what the log records and the
 database columns hold (docs/design.md §8).
 
-The request schemas (``server/schemas.py``, the admin routes' path parameters), the log records
-(``core/records.py``) and the database models (``core/db.py``) take their bounds from here; the
+The request schemas (each API family's ``protocol`` module, e.g. ``server/chat/protocol.py``; the
+admin routes' path parameters), the log records (``core/records.py``) and the database models (``core/db.py``) take their bounds from here; the
 migrations keep the literal widths of their day, and ``tests/unit/core/test_field_lengths.py`` checks that
 the edge, the records, the models and the schema the migrations create agree (on SQLite and
 PostgreSQL). A value the edge accepts must fit every column it reaches: PostgreSQL refuses a

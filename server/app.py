@@ -3,9 +3,10 @@
 Every chat request that reaches generation yields exactly one trajectory record, durable in
 the log before the client receives its last byte (docs/design.md §4). FastAPI/pydantic do the HTTP
 and validation work; the engine, the log and the database are injected so tests can share
-one vLLM engine between apps with different log backends. The routes live in
-``server.routes`` (one router per API family), the error shape and its handlers in
-``server.errors``.
+one vLLM engine between apps with different log backends. The routes live in one package per
+API family, as vLLM's server is organised (``server.chat``, ``server.feedback``, ``server.admin``,
+``server.ops``: each with its ``api_router``, its ``protocol``...), the error shape and its
+handlers in ``server.errors``.
 """
 
 from __future__ import annotations
@@ -25,18 +26,23 @@ from core.policies import GLOBAL
 from core.records import FrozenBaseline, utcnow
 from core.retention import finish_pending, sql_log_engine
 from core.settings import Settings, get_settings
+from server.admin import api_router as admin
+from server.admin import keys_router as keys
+from server.admin import lifecycle_router as lifecycle
 from server.auth import authenticate
 from server.backpressure import Backpressure
 from server.canary import CanaryRouter
-from server.chat import ChatHandler
+from server.chat import api_router as chat
+from server.chat.serving import ChatHandler
 from server.engine import PolicyEngine
 from server.errors import install_error_handlers
 from server.fate import Fate
+from server.feedback import api_router as feedback
 from server.health import Health
 from server.limits import BodySizeLimit, max_body_bytes
 from server.metrics import ServerMetrics, TenantPolicyMetrics
+from server.ops import api_router as ops
 from server.policy_watch import PolicyWatcher
-from server.routes import admin, chat, feedback, keys, lifecycle, ops
 from server.spool import Spool, WriteJournal
 from server.state import BaselineReader, ServerState
 from server.store import ServerStore

@@ -12,7 +12,7 @@ policy when it is one of ``Settings.tenant_policies``, else the global one; chat
 episodes and the model list then work in that policy's state (``served_state``).
 
 The key's training setting (``core.keys.KeyInfo.train``) is read with it, on every request: a
-key opted out of training makes each answer it is sent ``train: false`` (``server.chat.trains``;
+key opted out of training makes each answer it is sent ``train: false`` (``server.chat.serving.trains``;
 docs/privacy.md).
 
 The pages that need no key (the dashboard, ``/readyz``) show a tenant policy only to a request
@@ -34,7 +34,7 @@ from core.policies import GLOBAL
 from core.settings import Settings
 from server.errors import ApiError
 from server.health import is_storage_error
-from server.routes import policy_names, policy_state, state_of, unknown_policy
+from server.scope import policy_names, policy_state, state_of, unknown_policy
 from server.state import ServerState
 
 

@@ -170,7 +170,7 @@ NOT_AN_OBJECT = frozenset({"missing", "model_type", "model_attributes_type", "di
 
 def where(err: dict) -> str:
     """A validation error's field as a dotted path without ``body`` ("" for the whole body); a
-    model-level check names its field in ``ctx.field`` (``server.schemas.unsupported``)."""
+    model-level check names its field in ``ctx.field`` (``server.chat.protocol.unsupported``)."""
     loc = [printable(p) for p in err.get("loc", []) if p != "body"]
     field = (err.get("ctx") or {}).get("field")
     if field is not None and (not loc or loc[-1] != printable(field)):

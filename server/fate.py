@@ -1,6 +1,6 @@
 """The fate of one chat request's trajectory, decided in one place.
 
-Every chat request that passed its checks (``server.chat.ChatHandler.prepare``) ends in exactly one
+Every chat request that passed its checks (``server.chat.serving.ChatHandler.prepare``) ends in exactly one
 of three ways, and ``Fate`` is the only code that writes its trajectory record or frees its
 episode turn (docs/design.md §3 step 3, §8 "a 503 means not recorded and never will be"):
 

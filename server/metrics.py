@@ -71,7 +71,7 @@ class PolicySeries:
             self.feedback_to_served.observe(max(0.0, now - self._awaiting_answer.pop(v)))
 
     def swapped(self, res) -> None:
-        """Record a successful swap (a ``server.engine.SwapResult``)."""
+        """Record a successful swap (a ``server.engine.types.SwapResult``)."""
         self.swaps.labels("ok").inc()
         self.swap_seconds.observe(res.seconds)
         self.serving(res.version)

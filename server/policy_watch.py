@@ -15,7 +15,7 @@ replica that could not read the topic at start (the log down) starts anyway and 
 when the log answers. Once caught up, a swap under way keeps the replica ready (every replica
 swaps at once, and taking them all out would be an outage); a swap refused leaves it 503
 ``behind`` until a later version loads, or, for a version refused only because its policy's
-adapter slots were all taken (``server.engine.SlotsTaken``), until that version loads: it is
+adapter slots were all taken (``server.engine.types.SlotsTaken``), until that version loads: it is
 tried again at every poll, so the replica is ready again by itself once a slot frees (issue 40).
 docs/reliability.md, "Replicas that restart".
 

@@ -17,8 +17,8 @@ from core.records import (
     feedback_token,
 )
 from server.errors import ApiError
+from server.feedback.protocol import FeedbackRequest
 from server.metrics import ServerMetrics
-from server.schemas import FeedbackRequest
 from server.state import ServerState
 from server.store import ServerStore
 from testing.servers import make_settings

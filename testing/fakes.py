@@ -1,6 +1,6 @@
 """Small fakes for unit tests of the server (no vLLM, no broker).
 
-``FakeEngine`` stands in for ``server.engine.PolicyEngine`` where a test exercises the server's
+``FakeEngine`` stands in for ``server.engine.core.PolicyEngine`` where a test exercises the server's
 edges (admin routes, feedback, readiness) and no answer is generated: the real app, database and
 log under uvicorn, with the engine's version, path and swap only; ``ScriptedEngine`` also answers
 every chat with two fixed tokens. ``FakeState`` is what ``server.fate.Fate`` uses of the server's

@@ -2,8 +2,8 @@
 (``tenant_settings``), their namespaces (``namespaces``), a policy event in one (``publish``),
 fake engines per policy (``SharedFakeEngine``, ``RefusingEngine``), API keys (``make_key``,
 ``bearer``), and the rows of ``GET /admin/policies`` and ``/dashboard/state``'s ``policies`` as a
-test expects them (``row``: ``server.admin_schemas.PolicyRow``, built by
-``server.routes.admin.policy_overview``)."""
+test expects them (``row``: ``server.admin.protocol.PolicyRow``, built by
+``server.admin.queries.policy_overview``)."""
 
 from __future__ import annotations
 

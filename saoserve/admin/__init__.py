@@ -5,6 +5,6 @@ The command group is ``saoserve.admin.app.admin_app``; the commands live by subj
 client (``client``: the calls, the exit codes, the one-line errors) and one way of printing
 (``output``). Each command prints rich tables, or with ``--json`` the JSON a script reads.
 
-The server's answers (server/routes/admin.py, server/responses.py) are printed as given; these
+The server's answers (server/admin/api_router.py, server/admin/protocol.py) are printed as given; these
 modules only choose columns and format numbers.
 """

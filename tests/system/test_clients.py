@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from core.records import TrajectoryRecord, feedback_token
-from server.chat import logprobs_body
+from server.chat.serving import logprobs_body
 from testing.servers import ADMIN, make_settings, running_server
 
 pytestmark = pytest.mark.engine

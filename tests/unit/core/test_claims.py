@@ -18,7 +18,7 @@ from core.claims import (
 from core.records import feedback_token, is_whole_answer
 from learner.join_plan import JoinState
 from learner.samples import NotWholeAnswer, single_turn_sample
-from server.feedback import accept_feedback
+from server.feedback.serving import accept_feedback
 from testing.builders import fb, plan, read, record, traj
 from testing.edges import SECRET, episode_token, feedback, feedback_state, refused
 

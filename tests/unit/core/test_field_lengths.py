@@ -17,7 +17,8 @@ from sqlalchemy import String
 from core import limits
 from core.db import Base
 from core.records import FeedbackRecord, TrajectoryRecord
-from server.schemas import ChatCompletionRequest, FeedbackRequest
+from server.chat.protocol import ChatCompletionRequest
+from server.feedback.protocol import FeedbackRequest
 from testing.backends.field_lengths import COLUMNS, join_long_ids, migrated_lengths
 from testing.builders import fb, traj
 from testing.servers import make_settings

@@ -203,7 +203,7 @@ def resolves(dotted: str) -> bool:
 def test_resolves_names_modules_and_members():
     assert resolves("learner.dis.dis_loss")
     assert resolves("learner.sao.SAOLearner._critic_phase")
-    assert resolves("server.routes.admin")
+    assert resolves("server.admin.api_router")
     assert resolves("learner.offpolicy.RESET_TAU")
     assert not resolves("learner.dis.no_such_function")
     assert not resolves("learner.no_such_module")

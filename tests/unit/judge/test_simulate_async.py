@@ -195,7 +195,7 @@ async def test_a_paced_request_waits_again_if_the_cap_binds_by_its_slot(monkeypa
 
 
 def _sse(*chunks: object) -> bytes:
-    """SSE as server.chat.sse writes it (ensure_ascii=False)."""
+    """SSE as server.chat.serving.sse writes it (ensure_ascii=False)."""
     return b"".join(
         f"data: {c if isinstance(c, str) else json.dumps(c, ensure_ascii=False)}\n\n".encode() for c in chunks
     )

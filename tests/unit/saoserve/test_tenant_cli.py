@@ -4,7 +4,7 @@ jobs (``learn``, ``migrate``, ``pretrain-critic``, ``evidence-init``) and on the
 over every namespace.
 
 The admin commands run against a stub HTTP server that records each request and answers the
-shapes of server/admin_schemas.py, refusing an unknown ``policy`` as the server does (404
+shapes of server/admin/protocol.py, refusing an unknown ``policy`` as the server does (404
 ``unknown_policy``); no engine, no learner (``run_learner`` is replaced).
 """
 

@@ -1,4 +1,4 @@
-"""API keys and tenants (core/keys.py, server/auth.py, server/routes/keys.py, saoserve admin keys):
+"""API keys and tenants (core/keys.py, server/auth.py, server/admin/keys_router.py, saoserve admin keys):
 created, listed and revoked through the CLI and the routes; stored as a hash; a revoked key
 refused on its next request (also mid-episode, for feedback); ``require_keys`` on and off; the
 key's identity and tenant on the trajectory record; the tenant label on /metrics.
@@ -483,7 +483,7 @@ async def test_the_opt_out_through_the_cli(tmp_path):
 
 
 async def test_a_key_opted_out_logs_every_answer_train_false_from_its_next_request(tmp_path):
-    """The scripted engine: the key's setting joins the request's ``store`` (server.chat.trains),
+    """The scripted engine: the key's setting joins the request's ``store`` (server.chat.serving.trains),
     read on each request. The real engine and the learner's join: tests/unit/server/test_privacy.py."""
     settings = make_settings(tmp_path)
     async with running_server(settings, ScriptedEngine(), watch_policy=False) as url:

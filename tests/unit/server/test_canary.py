@@ -183,7 +183,7 @@ def test_read_plan_follows_the_lineage_the_guard_switch_and_the_share_flag(db):
 
 
 class FakeEngine:
-    """The part of ``server.engine.PolicyEngine`` the router uses: the version new requests get,
+    """The part of ``server.engine.core.PolicyEngine`` the router uses: the version new requests get,
     the full weights' version, and holding/unpinning an adapter (recorded, not loaded)."""
 
     def __init__(self, version: int, refuse: bool = False):

@@ -15,10 +15,10 @@ import pytest
 from core.claims import episode_token_subject
 from core.logbus import LogUnavailable
 from core.records import feedback_token
-from server.chat import ChatHandler
+from server.chat.protocol import ChatCompletionRequest
+from server.chat.serving import ChatHandler
 from server.engine import GenerationDelta
 from server.fate import Fate
-from server.schemas import ChatCompletionRequest
 from testing.builders import rollout
 from testing.fakes import FakeState
 from testing.servers import make_settings

@@ -1,4 +1,4 @@
-"""server/chat.py ``ChatHandler.prepare``: the request's one sampling record (what is logged and
+"""server/chat/serving.py ``ChatHandler.prepare``: the request's one sampling record (what is logged and
 what the engine samples with), and a sampling vLLM refuses answered 400 before anything is
 stored or dispatched. A scripted engine renders every prompt as 3 tokens, vocabulary 100."""
 
@@ -9,10 +9,10 @@ from types import SimpleNamespace
 import pytest
 
 from server.auth import Caller
-from server.chat import ChatHandler
+from server.chat.protocol import ChatCompletionRequest, ChatMessage
+from server.chat.serving import ChatHandler
 from server.errors import ApiError
 from server.metrics import ServerMetrics
-from server.schemas import ChatCompletionRequest, ChatMessage
 from testing.servers import make_settings
 
 USER = [{"role": "user", "content": "hi"}]

@@ -27,7 +27,7 @@ def test_label_counts_sums_over_the_other_labels():
 
 
 def test_the_guard_says_whether_it_can_decide_or_only_watch(tmp_path):
-    """What the guard can do is read from this replica (``server.routes.ops.guard_capability``):
+    """What the guard can do is read from this replica (``server.ops.serving.guard_capability``):
     an engine serving adapters decides against a live control arm while its canary split is in
     effect; a lineage without the split (the promoted version not held) is on probation, where
     the guard only watches; the pin says so; ``saoserve admin status`` prints the same words.

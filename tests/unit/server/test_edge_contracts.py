@@ -31,9 +31,9 @@ from core.db import EpisodeTurn, make_engine, migrate
 from core.limits import MAX_EPISODE_TURNS
 from core.records import FeedbackRecord, feedback_token, utcnow
 from learner.join_plan import JoinState
-from server.chat import ChatHandler
-from server.feedback import accept_feedback
-from server.schemas import ChatCompletionRequest
+from server.chat.protocol import ChatCompletionRequest
+from server.chat.serving import ChatHandler
+from server.feedback.serving import accept_feedback
 from server.state import ServerState
 from server.store import ServerStore, Slot, plan_turn
 from testing.builders import episode_turns, fb, plan, read, record, tomb
@@ -285,7 +285,7 @@ def sqlite_store(tmp_path) -> ServerStore:
 
 
 async def turn_of(s, ep: str, cid: str, turn: int | None, token: bool = True) -> int:
-    """``server.chat.ChatHandler.start_episode_turn`` (``s``'s settings and store) for a chat on
+    """``server.chat.serving.ChatHandler.start_episode_turn`` (``s``'s settings and store) for a chat on
     ``ep`` (with its token unless ``token`` is False): the turn's number, or ApiError."""
     body = {"messages": USER, "episode_id": ep, "turn": turn}
     if token:

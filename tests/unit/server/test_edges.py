@@ -16,8 +16,10 @@ import pytest
 from pydantic import ValidationError
 
 from core.db import make_engine, migrate
+from server.admin.protocol import LoadPolicyRequest, RollbackRequest
+from server.chat.protocol import ChatCompletionRequest
+from server.feedback.protocol import FeedbackRequest
 from server.limits import BodySizeLimit, max_body_bytes, max_message_chars
-from server.schemas import ChatCompletionRequest, FeedbackRequest, LoadPolicyRequest, RollbackRequest
 from server.store import ServerStore
 from testing.builders import record
 from testing.edges import USER, chat_json, edge_app, post_raw

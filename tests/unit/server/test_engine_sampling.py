@@ -1,4 +1,4 @@
-"""server/engine.py ``vllm_sampling``: the one sampling record → vLLM's parameters (values
+"""server/engine/sampling.py ``vllm_sampling``: the one sampling record → vLLM's parameters (values
 carried, the record untouched, vLLM's refusals named), and the record's ``stop`` in the log."""
 
 from __future__ import annotations

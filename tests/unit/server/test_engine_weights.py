@@ -1,5 +1,5 @@
 """Weights checks before a hot-swap (core/weights.py) and the swap's failure paths
-(server/engine.py) on a small fake engine; the real engine's swaps are in
+(server/engine/) on a small fake engine; the real engine's swaps are in
 tests/integration/test_engine_hotswap.py."""
 
 from __future__ import annotations

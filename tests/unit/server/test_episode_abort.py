@@ -24,7 +24,7 @@ from core.records import TOPIC_TRAJECTORIES, utcnow
 from learner.joiner import Joiner
 from server.engine import GenerationDelta
 from server.errors import ApiError
-from server.feedback import accept_feedback
+from server.feedback.serving import accept_feedback
 from server.store import plan_turn
 from testing.builders import record
 from testing.edges import episode_token, feedback, feedback_state

@@ -11,7 +11,7 @@ import logging
 import pytest
 
 from core.logbus import LogUnavailable
-from server.chat import ChatStream
+from server.chat.serving import ChatStream
 from server.fate import Fate
 from testing.builders import rollout
 from testing.fakes import FakeState

@@ -1,4 +1,4 @@
-"""Operators' lifecycle actions (server/routes/lifecycle.py, saoserve admin promote|reject|pin|unpin|
+"""Operators' lifecycle actions (server/admin/lifecycle_router.py, saoserve admin promote|reject|pin|unpin|
 guard|canary|quarantine|versions), each recorded with who and when; servers never serve a
 rejected version (server/policy_watch.py, POST /admin/load_policy and /admin/rollback). The real
 app with ``testing.fakes.FakeEngine``."""

@@ -10,8 +10,9 @@ import jsonschema
 import pytest
 from pydantic import ValidationError
 
-from server.routes.lifecycle import CanaryShare, VersionAction
-from server.schemas import MAX_SEED, ChatCompletionRequest, FeedbackRequest, LoadPolicyRequest
+from server.admin.protocol import CanaryShare, LoadPolicyRequest, VersionAction
+from server.chat.protocol import MAX_SEED, ChatCompletionRequest
+from server.feedback.protocol import FeedbackRequest
 from testing.servers import make_settings
 
 USER = [{"role": "user", "content": "hi"}]

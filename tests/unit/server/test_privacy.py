@@ -22,8 +22,8 @@ from core.records import TrajectoryRecord
 from learner.join_plan import JoinState
 from learner.samples import NotWholeAnswer, OptedOut, episode_sample, single_turn_sample
 from server.auth import ANONYMOUS, Caller
-from server.chat import trains
-from server.schemas import ChatCompletionRequest
+from server.chat.protocol import ChatCompletionRequest
+from server.chat.serving import trains
 from testing.builders import episode_turns, fb, plan, read, tomb, traj
 from testing.edges import chat_json, edge_app, post_raw
 from testing.servers import ADMIN

@@ -8,8 +8,8 @@ from __future__ import annotations
 import openai
 import pytest
 
-from server.chat import messages_of
-from server.schemas import ChatCompletionRequest
+from server.chat.protocol import ChatCompletionRequest
+from server.chat.serving import messages_of
 from testing.fakes import FakeEngine
 from testing.servers import MODEL, make_settings, running_server, sdk
 

@@ -59,7 +59,7 @@ def adapter_folder(root: Path, version: int) -> None:
 
 
 class StandInEngine:
-    """What the router uses of ``server.engine.PolicyEngine``: the version new requests get, the
+    """What the router uses of ``server.engine.core.PolicyEngine``: the version new requests get, the
     full weights' version (0: the base), holding an adapter (it is then registered and pinned)
     and unpinning it."""
 

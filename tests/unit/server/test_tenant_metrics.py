@@ -286,7 +286,7 @@ def test_a_tenant_database_that_hangs_does_not_hold_the_scrape(tmp_path, caplog,
         write(ns[policy].resolved_database_url)
     from server.app import create_app
     from server.metrics import ServerMetrics
-    from server.routes import ops
+    from server.ops import api_router as ops
 
     monkeypatch.setattr(ops, "READY_PROBE_S", 0.5)
     release, started_reads = threading.Event(), []

@@ -19,7 +19,7 @@ from starlette.testclient import TestClient
 from core.db import LearnerStep, make_engine
 from core.keys import KeyStore
 from core.policies import GLOBAL
-from server.routes import ops
+from server.ops import api_router as ops
 from testing.fakes import FakeEngine, index_answer
 from testing.servers import ADMIN, make_settings
 from testing.tenants import SharedFakeEngine, bearer, make_key, namespaces, row, tenant_settings

@@ -1,34 +1,27 @@
 """``/admin/*``: routes behind the admin key (``Authorization: Bearer <SAOSERVE_ADMIN_KEY>``;
 403 for all of them while no key is set: ``require_admin``). ``saoserve admin`` (saoserve/admin/)
-is their client. The version lifecycle's routes are ``server.routes.lifecycle``'s, the API keys'
-``server.routes.keys``'; both take ``require_admin`` and the errors from here."""
+is their client. The version lifecycle's routes are ``server.admin.lifecycle_router``'s, the API keys'
+``server.admin.keys_router``'; both take ``require_admin`` and the errors from here."""
 
 from __future__ import annotations
 
 import asyncio
-import logging
-import math
 from pathlib import Path
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi import Path as PathParam
 from fastapi.responses import Response
-from sqlalchemy import func, select
 
 from core.control import PAUSED, ROLLBACK_TO, get_flag, set_flag
-from core.db import ControlFlag, LearnerStep, PolicyVersion
 from core.dead_letters import KINDS as DEAD_LETTER_KINDS
 from core.dead_letters import recent as recent_dead_letters
 from core.evidence_store import EvidenceStore
 from core.lifecycle import Stage
 from core.limits import ID_CHARS, NAME_CHARS, PROMPT_ID_CHARS
-from core.policies import GLOBAL
-from core.policy_store import layout
-from core.records import TOPIC_TRAJECTORIES, TrajectoryRecord, as_utc, utcnow
+from core.records import TOPIC_TRAJECTORIES, TrajectoryRecord, utcnow
 from core.retention import (
     ForgetKind,
-    ForgetReceipt,
     ForgetTarget,
     forget,
     new_request_id,
@@ -37,32 +30,27 @@ from core.retention import (
     sql_log_engine,
 )
 from core.sealing import Shredded
-from server.admin_schemas import DeadLetters, LearnerStatus, PolicyList
-from server.auth import admin_key_given
-from server.engine import SwapRefused
-from server.errors import ApiError, errors
-from server.health import is_storage_error
-from server.responses import (
+from server.admin.protocol import (
+    DeadLetters,
+    ForgetRequest,
     Forgotten,
+    LearnerStatus,
     LearningState,
+    LoadPolicyRequest,
+    PolicyList,
     PolicyLoaded,
     PolicyVersions,
     PromptEvidence,
+    RollbackRequest,
     RollbackRequested,
     UncertainPrompts,
 )
-from server.routes import PolicyState, all_states, state_of
-from server.schemas import EdgeStr, ErrorResponse, ForgetRequest, LoadPolicyRequest, RollbackRequest
-from server.state import ServerState
-
-
-def weights_present(path: str) -> bool:
-    """Whether the version folder ``path`` still holds the weights a rollback loads
-    (``core.policy_store``; the learner prunes whole folders, ``keep_versions``)."""
-    return layout(path) is not None
-
-
-log = logging.getLogger(__name__)
+from server.admin.serving import check_loadable, policy_rows, receipt_body, weights_present
+from server.auth import admin_key_given
+from server.engine import SwapRefused
+from server.errors import ApiError, errors
+from server.schemas import EdgeStr, ErrorResponse
+from server.scope import PolicyState, all_states, state_of
 
 
 def require_admin(request: Request) -> None:
@@ -102,44 +90,6 @@ async def admin_trajectory(
     except Shredded:
         raise ApiError(404, f"trajectory {trajectory_id!r} was forgotten", code="not_found") from None
     return Response(value, media_type="application/json")
-
-
-def check_loadable(body: LoadPolicyRequest, recorded: dict | None, serving: int) -> None:
-    """Raise ApiError unless ``body`` names a version this server may serve: one recorded in
-    ``policy_versions`` (``recorded``: its row; version 0, the prepared model, also before any
-    learner recorded it) with that checksum, and not older than ``serving``. Versions only go
-    forward: evidence and staleness are computed from them (a version ahead of the recorded
-    chain would outweigh every later result, one older would read evidence from the future)."""
-    if body.version < serving:
-        raise ApiError(
-            409,
-            f"policy version {body.version} is older than the version served ({serving}): versions only "
-            "go forward; POST /admin/rollback publishes an old version's weights as a new version",
-            param="version",
-            code="version_behind",
-        )
-    if recorded is None and body.version != 0:
-        raise ApiError(
-            404,
-            f"no policy version {body.version} is recorded (GET /admin/policy_versions lists them): "
-            "only a version the learner published can be served",
-            param="version",
-            code="not_found",
-        )
-    if recorded is not None and recorded.get("lifecycle") == Stage.REJECTED:
-        raise ApiError(
-            409,
-            f"policy version {body.version} is rejected: a rejected version never serves",
-            param="version",
-            code="version_rejected",
-        )
-    if recorded is not None and recorded["sha256"] != body.sha256:
-        raise ApiError(
-            422,
-            f"sha256 {body.sha256} is not policy version {body.version}'s recorded checksum {recorded['sha256']}",
-            param="sha256",
-            code="swap_refused",
-        )
 
 
 @router.post("/load_policy", responses=ADMIN_ERRORS | errors(404, 409, 413, 422))
@@ -272,100 +222,12 @@ async def admin_uncertain(s: PolicyState, top: Annotated[int, Query(ge=1, le=100
     )
 
 
-def policy_overview(s: ServerState) -> dict:
-    """One policy's row of ``GET /admin/policies`` (``server.admin_schemas.PolicyRow``), read
-    from its namespace's database in one connection. Raises the driver's error when the
-    database does not answer (503)."""
-    version = s.engine.version
-    with s.store.engine.connect() as conn:
-        stage = conn.execute(
-            select(PolicyVersion.lifecycle).where(PolicyVersion.version == version)
-        ).scalar_one_or_none()
-        paused = conn.execute(
-            select(ControlFlag.value).where(ControlFlag.name == PAUSED)
-        ).scalar_one_or_none()
-        steps = conn.execute(select(func.count()).select_from(LearnerStep)).scalar_one()
-        newest = conn.execute(
-            select(LearnerStep.metrics, LearnerStep.created_at).order_by(LearnerStep.id.desc()).limit(1)
-        ).one_or_none()
-    figures = newest.metrics if newest is not None and isinstance(newest.metrics, dict) else {}
-
-    def figure(name: str) -> float | None:
-        v = figures.get(name)
-        return (
-            float(v) if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) else None
-        )
-
-    return {
-        "policy": s.policy,
-        "tenant": None if s.policy == GLOBAL else s.policy,
-        "version": version,
-        "unavailable": None,
-        "lifecycle": stage,
-        "paused": paused == "1",
-        "steps": steps,
-        "reward_mean": figure("reward_mean"),
-        "staleness_mean": figure("staleness_mean"),
-        "last_step_at": None if newest is None else as_utc(newest.created_at).isoformat(),
-    }
-
-
-async def policy_rows(states: list[ServerState]) -> list[dict]:
-    """The row (``policy_overview``) of each policy of ``states``, in their order: every
-    policy's for ``/admin/policies``, those the request may see for the dashboard. A tenant
-    policy whose database does not answer gets a row of what the server knows without it (the
-    version it serves; ``unavailable`` says why the rest is null), so one namespace's outage does
-    not take the others' rows (nor the dashboard) with it; the global one's raises, a 503."""
-    rows = []
-    for s in states:
-        try:
-            rows.append(await asyncio.to_thread(policy_overview, s))
-        except Exception as exc:
-            if s.policy == GLOBAL or not is_storage_error(exc):
-                raise
-            log.warning("policy %s: its row is not readable: %s", s.policy, exc)
-            rows.append(
-                {"policy": s.policy, "tenant": s.policy, "version": s.engine.version}
-                | {"unavailable": f"its database does not answer ({exc.__class__.__name__})"}
-                | dict.fromkeys(
-                    ("lifecycle", "paused", "steps", "reward_mean", "staleness_mean", "last_step_at")
-                )
-            )
-    return rows
-
-
 @router.get("/policies", response_model=PolicyList, responses=ADMIN_ERRORS)
 async def admin_policies(request: Request) -> dict:
     """Every policy this server serves, the global one first, then the tenant policies in the
     order of ``tenant_policies``: the version each serves, its stage, whether its learner is
     paused, and its newest learner step (``server.admin_schemas.PolicyRow``)."""
     return {"policies": await policy_rows(all_states(request))}
-
-
-def _receipt_body(receipts: list[ForgetReceipt], logs: list[bool], target: ForgetTarget | None) -> Forgotten:
-    """One answer of the receipts of one request in each namespace (``logs``: whether each
-    namespace's log keeps records): counts summed, ``deleted`` summed by store."""
-    first = receipts[0]
-    deleted: dict[str, int] = {}
-    for r in receipts:
-        for table, n in r.deleted.items():
-            deleted[table] = deleted.get(table, 0) + n
-    done = [r.completed_at for r in receipts]
-    return Forgotten(
-        id=first.id,
-        kind=first.kind.value,
-        user=target.subject if target is not None and target.kind is ForgetKind.USER else None,
-        key=target.subject if target is not None and target.kind is ForgetKind.KEY else None,
-        subject_hash=first.subject_hash,
-        requested_at=as_utc(first.requested_at).isoformat(),
-        completed_at=None if None in done else max(done).isoformat(),
-        completed=None not in done,
-        trajectories=sum(r.trajectories for r in receipts),
-        episodes=sum(r.episodes for r in receipts),
-        tombstones=sum(r.tombstones for r in receipts),
-        deleted=dict(sorted(deleted.items())),
-        log="kafka" if any(logs) else "sql",
-    )
 
 
 @router.post("/forget", responses=ADMIN_ERRORS | errors(413))
@@ -394,7 +256,7 @@ async def admin_forget(body: ForgetRequest, request: Request) -> Forgotten:
     ]
     for s in states:
         s.store.subject_keys.drop_cached()
-    return _receipt_body(receipts, [s.log.keeps_records for s in states], target)
+    return receipt_body(receipts, [s.log.keeps_records for s in states], target)
 
 
 @router.get("/forget/{request_id}", responses=ADMIN_ERRORS | errors(404))
@@ -407,4 +269,4 @@ async def admin_forget_receipt(
     found = [(r, s) for r, s in found if r is not None]
     if not found:
         raise ApiError(404, f"no forget request {request_id!r}", code="not_found")
-    return _receipt_body([r for r, _ in found], [s.log.keeps_records for _, s in found], None)
+    return receipt_body([r for r, _ in found], [s.log.keeps_records for _, s in found], None)

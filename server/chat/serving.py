@@ -1,6 +1,6 @@
 """The chat completion path (docs/design.md §3): ``ChatHandler`` checks a request against the
 model, renders its prompt, freezes its dispatch (policy version, canary arm, evidence),
-generates, and answers in OpenAI's shapes (``server.answers.ChatCompletion``, or server-sent
+generates, and answers in OpenAI's shapes (``server.chat.protocol.ChatCompletion``, or server-sent
 ``ChatCompletionChunk`` events). Each request's one trajectory is written by its
 ``server.fate.Fate``. The module functions are the parts that need no state."""
 
@@ -24,23 +24,23 @@ from core.lifecycle import Arm, arm_key
 from core.logbus import LogUnavailable
 from core.records import SamplingRecord, check_feedback_token, feedback_token, prompt_id_for, utcnow
 from core.settings import Settings
-from server.answers import (
+from server.auth import Caller
+from server.chat.protocol import (
     AssistantMessage,
     ChatCompletion,
     ChatCompletionChunk,
+    ChatCompletionRequest,
     Choice,
     ChunkChoice,
     Delta,
     Usage,
 )
-from server.auth import Caller
 from server.engine import GenerationDelta, InvalidSampling, PolicyEngine, vllm_sampling
 from server.errors import ApiError, internal_error
 from server.fate import Fate
 from server.limits import max_message_chars
 from server.metrics import ServerMetrics
 from server.rollout import Rollout
-from server.schemas import ChatCompletionRequest
 from server.state import BaselineReader
 from server.store import ServerStore, TurnStart
 
@@ -261,7 +261,7 @@ class ChatStream(StreamingResponse):
 @dataclass
 class ChatHandler:
     """``POST /v1/chat/completions``, in the shape of vLLM's ``OpenAIServingChat``: built once in
-    the app's lifespan (``server.app``), called by ``server.routes.chat``. ``open_fate(rollout,
+    the app's lifespan (``server.app``), called by ``server.chat.api_router``. ``open_fate(rollout,
     stream)``: the ``Fate`` that writes a prepared rollout's one trajectory; ``dispatch`` and
     ``require_storage``: ``ServerState``'s; ``read_baseline``: the prompt's evidence at a version
     (SPO++ dispatch freeze), None for none."""
@@ -387,7 +387,7 @@ class ChatHandler:
 
     def sampling_of(self, req: ChatCompletionRequest, n_prompt: int) -> SamplingRecord:
         """The sampling record of ``req`` after a prompt of ``n_prompt`` tokens, checked by vLLM
-        as the engine will build it (``server.engine.vllm_sampling``). Raises ApiError 400
+        as the engine will build it (``server.engine.sampling.vllm_sampling``). Raises ApiError 400
         ``invalid_value`` (max_tokens over the limit, ``invalid sampling parameters: …``) or
         ``context_length_exceeded`` (prompt + max_tokens)."""
         st = self.settings

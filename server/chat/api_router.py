@@ -6,13 +6,13 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel
 
 from core.policies import GLOBAL
-from server.answers import ChatCompletion, ChatCompletionChunk
 from server.auth import caller_of
 from server.backpressure import THROTTLED, Throttled
-from server.chat import ChatHandler
+from server.chat.protocol import ChatCompletion, ChatCompletionChunk, ChatCompletionRequest
+from server.chat.serving import ChatHandler
 from server.errors import CHAT_PATH, errors
-from server.routes import state_of
-from server.schemas import ChatCompletionRequest, ErrorResponse
+from server.schemas import ErrorResponse
+from server.scope import state_of
 
 router = APIRouter()
 

@@ -9,9 +9,8 @@ from core import logs, telemetry
 from core.claims import episode_key
 from server.auth import caller_of, served_state
 from server.errors import FEEDBACK_PATH, errors
-from server.feedback import accept_feedback
-from server.responses import FeedbackAccepted
-from server.schemas import FeedbackRequest
+from server.feedback.protocol import FeedbackAccepted, FeedbackRequest
+from server.feedback.serving import accept_feedback
 
 router = APIRouter()
 

@@ -9,30 +9,28 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Literal
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from pydantic import BaseModel
-from sqlalchemy import String, func, literal, select
-from sqlalchemy.engine import Engine
 
-from core.claims import TRAJECTORY_PREFIX
-from core.control import PAUSED, ROLLBACK_TO
-from core.db import ControlFlag, FeedbackClaim, LearnerSample, LearnerStep, PolicyVersion, TrajectoryIndex
-from core.lifecycle import CanarySplit
 from core.policies import GLOBAL
-from core.records import as_utc
-from server.admin_schemas import PolicyRow
+from server.admin.protocol import PolicyRow
+from server.admin.serving import policy_rows
 from server.auth import authenticate, served_state, visible_policies, visible_state
-from server.db_figures import read_lifecycle
 from server.errors import ApiError, errors
 from server.health import RETRY_AFTER_S
-from server.responses import DashboardData, Liveness, ModelCard, ModelList, Readiness
-from server.routes import PolicyQuery, all_states, policy_state, state_of
-from server.routes.admin import policy_rows
+from server.ops.protocol import (
+    DashboardData,
+    DashboardState,
+    Liveness,
+    ModelCard,
+    ModelList,
+    Readiness,
+)
+from server.ops.serving import learner_overview
+from server.scope import PolicyQuery, all_states, policy_state, state_of
 
 router = APIRouter()
 
@@ -59,203 +57,6 @@ DASHBOARD_KEYS = (
 )
 # The newest policy versions the dashboard's version chart shows.
 DASHBOARD_VERSIONS = 500
-
-
-class VersionPoint(BaseModel):
-    """A policy version; ``lifecycle``: its stage (candidate, canary, promoted, rejected);
-    ``rollback_to``: the version whose weights this one republished (a rollback), else None.
-    ``created_at``: ISO 8601 with offset."""
-
-    version: int
-    parent_version: int | None
-    status: str
-    lifecycle: str
-    rollback_to: int | None
-    created_at: str
-
-
-class VersionReward(BaseModel):
-    """The received completion feedback on answers a version began: mean reward in [0, 1], count."""
-
-    version: int
-    reward_mean: float
-    n: int
-
-
-GuardCan = Literal["decide", "watch", "off", "pinned"]
-
-
-def guard_capability(
-    on: bool, pinned: int | None, adapters: bool, split: CanarySplit | None, lineage: list[int]
-) -> tuple[GuardCan, str]:
-    """What the guard can do on this replica, and the plain sentence the dashboard and ``saoserve
-    admin status`` show for it (docs/guard.md, "The lifecycle").
-
-    ``decide``: the engine serves adapters, so the lineage gets a canary share beside a live
-    control arm (the promoted version) rated in the same window: the decision rule's
-    comparison is not confounded by drift. ``watch``: each new version serves all traffic on
-    probation and is compared with the promoted version's earlier ratings, which drift between
-    the two windows confounds: the vetoes watch, a verdict is weak (a full-weight engine, or an
-    adapter engine with no split in effect: full-weight versions, or a promoted version it cannot
-    hold beside the lineage). ``off`` and
-    ``pinned``: the operators' switches; the guard decides nothing by itself.
-
-    ``on``, ``pinned``: the switches; ``adapters``: this replica's engine serves adapters;
-    ``split``: its canary split in effect (None: none); ``lineage``: the versions under watch.
-    """
-    if not on:
-        tail = f"; pinned to version {pinned}" if pinned is not None else ""
-        return "off", f"off: every new version is promoted as it is recorded, with no comparison{tail}"
-    if pinned is not None:
-        return "pinned", f"pinned to version {pinned}: the guard promotes and rejects nothing by itself"
-    if adapters and split is not None:
-        versions = ", ".join(map(str, sorted(split.lineage)))
-        return "decide", (
-            f"can decide: versions {versions} get a canary share of {split.share:g} beside a live control "
-            f"arm (version {split.control}), both rated in the same window"
-        )
-    if adapters and not lineage:
-        return "decide", (
-            "can decide: nothing under watch now; a new version will get a canary share beside a live "
-            "control arm (the promoted version)"
-        )
-    if adapters:
-        return "watch", (
-            "only watches for now: no canary split is in effect (full-weight versions, or the promoted "
-            "version cannot be held beside the lineage), so the lineage serves all traffic on probation, "
-            "compared with the promoted version's earlier ratings (no live control arm)"
-        )
-    return "watch", (
-        "only watches: this engine serves one full-weight version at a time, so each new version serves "
-        "all traffic on probation, compared with the promoted version's earlier ratings (no live "
-        "control arm: drift between the two windows is confounded with the version)"
-    )
-
-
-class GuardState(BaseModel):
-    """The lifecycle's state (``server.db_figures.LifecycleState``): versions per stage, the
-    promoted version, the lineage under watch, the operators' switches, the learner's last
-    verdict on this lineage (bounds on Δ, each arm's ratings and mean, the decision; None until
-    it judged it); and what the guard can do on this replica (``guard_capability``: ``can``,
-    the sentence ``says``), from its ``mode`` (``canary``: its engine serves adapters, else
-    ``probation``) and its canary split."""
-
-    on: bool
-    pinned: int | None
-    promoted: int | None
-    lineage: list[int]
-    stages: dict[str, int]
-    verdict: dict | None
-    mode: Literal["canary", "probation"]
-    can: GuardCan
-    says: str
-
-
-class DashboardState(BaseModel):
-    """``GET /dashboard/state``: aggregates only (no prompts or texts) of one policy (``?policy=``),
-    and ``policies``: one row per policy served (``server.admin_schemas.PolicyRow``, as
-    ``GET /admin/policies``)."""
-
-    serving: int
-    newest_version: int | None
-    learning: Literal["running", "paused"]
-    rollback_to: int | None
-    versions: list[VersionPoint]
-    samples_trained: int
-    samples_waiting: int
-    reward_by_version: list[VersionReward]
-    requests_per_s_last_minute: float
-    outcomes: dict[str, dict[str, int]]
-    guard: GuardState
-    policies: list[PolicyRow]
-
-
-def learner_overview(
-    db: Engine,
-    n_versions: int,
-    policy: str = GLOBAL,
-    adapters: bool = False,
-    split: CanarySplit | None = None,
-) -> dict:
-    """What the dashboard shows beside the step metrics, read in one connection.
-
-    ``learning`` (``running`` | ``paused``) and ``rollback_to`` (a requested rollback the learner
-    has not carried out yet, or None) from the control flags; ``versions``: the newest
-    ``n_versions`` (oldest first) and ``newest_version``; ``samples_waiting`` (joined, not trained
-    yet) and ``samples_trained`` (the samples every recorded step trained, from its
-    ``sample_ids``); ``reward_by_version``: completion feedback received, by the version that
-    began the answer, for the versions shown (episode feedback is not in it); ``guard``: the
-    lifecycle (``GuardState``), what the guard can do read from ``adapters`` (the replica's
-    engine serves adapters) and ``split`` (its canary split in effect). docs/design.md §2
-    (operators), docs/guard.md.
-    """
-    with db.connect() as conn:
-        flags = dict(
-            conn.execute(
-                select(ControlFlag.name, ControlFlag.value).where(ControlFlag.name.in_((PAUSED, ROLLBACK_TO)))
-            ).all()
-        )
-        rows = conn.execute(
-            select(
-                PolicyVersion.version,
-                PolicyVersion.parent_version,
-                PolicyVersion.status,
-                PolicyVersion.lifecycle,
-                PolicyVersion.metrics["rollback_to"].as_integer(),
-                PolicyVersion.created_at,
-            )
-            .order_by(PolicyVersion.version.desc())
-            .limit(n_versions)
-        ).all()
-        waiting = conn.execute(select(func.count()).select_from(LearnerSample)).scalar_one()
-        trained = conn.execute(
-            select(func.coalesce(func.sum(func.json_array_length(LearnerStep.metrics["sample_ids"])), 0))
-        ).scalar_one()
-        # Only the versions shown: joining every answer of a long run at each refresh is slow.
-        oldest = rows[-1].version if rows else 0
-        rewards = conn.execute(
-            select(TrajectoryIndex.dispatch_version, func.avg(FeedbackClaim.reward), func.count())
-            .join(
-                FeedbackClaim, FeedbackClaim.target == literal(TRAJECTORY_PREFIX, String) + TrajectoryIndex.id
-            )
-            .where(FeedbackClaim.state == "received", TrajectoryIndex.dispatch_version >= oldest)
-            .group_by(TrajectoryIndex.dispatch_version)
-            .order_by(TrajectoryIndex.dispatch_version)
-        ).all()
-        lc = read_lifecycle(conn, policy)
-    versions = [
-        VersionPoint(
-            version=v,
-            parent_version=p,
-            status=st,
-            lifecycle=stage,
-            rollback_to=rb,
-            created_at=as_utc(c).isoformat(),
-        )
-        for v, p, st, stage, rb, c in reversed(rows)
-    ]
-    target = flags.get(ROLLBACK_TO)
-    can, says = guard_capability(lc.guard_on, lc.pinned, adapters, split, lc.lineage)
-    return {
-        "learning": "paused" if flags.get(PAUSED) == "1" else "running",
-        "rollback_to": None if target is None else int(target),
-        "versions": versions,
-        "newest_version": versions[-1].version if versions else None,
-        "samples_waiting": waiting,
-        "samples_trained": int(trained),
-        "reward_by_version": [VersionReward(version=v, reward_mean=r, n=n) for v, r, n in rewards],
-        "guard": GuardState(
-            on=lc.guard_on,
-            pinned=lc.pinned,
-            promoted=lc.promoted,
-            lineage=lc.lineage,
-            stages=lc.stages,
-            verdict=lc.verdict,
-            mode="canary" if adapters else "probation",
-            can=can,
-            says=says,
-        ),
-    }
 
 
 @router.get("/healthz")

@@ -1,5 +1,5 @@
 """Feedback for a completion or an episode: check it, take its first-wins claim, append it to
-the log, mark the claim received (docs/design.md §4). Routing is ``server.routes.feedback``'s; this is
+the log, mark the claim received (docs/design.md §4). Routing is ``server.feedback.api_router``'s; this is
 what happens to the database and the log, in this order."""
 
 from __future__ import annotations
@@ -12,8 +12,7 @@ from core.claims import episode_key, episode_token_subject, trajectory_target
 from core.logbus import LogUnavailable
 from core.records import TOPIC_FEEDBACK, FeedbackRecord, check_feedback_token, is_whole_answer, utcnow
 from server.errors import ApiError
-from server.responses import FeedbackAccepted
-from server.schemas import FeedbackRequest
+from server.feedback.protocol import FeedbackAccepted, FeedbackRequest
 from server.state import ServerState
 
 log = logging.getLogger(__name__)

@@ -1,12 +1,11 @@
-"""The 200 bodies of the admin routes that answer what ``core`` returns as dicts: API keys
-(``server/routes/keys.py``), the version lifecycle and quarantined samples
-(``server/routes/lifecycle.py``), the learner's status, dead letters, the policies
-(``server/routes/admin.py``). Each route names its model as
-``response_model=``, so ``/openapi.json`` states the shape (``tests/unit/server/test_openapi_spec.py``
-checks that every JSON route has one).
+"""The admin family's shapes (``server.admin``: the admin routes, the version lifecycle's, the
+API keys'), the one home of their request and answer models: what operators send (``CreateKey``,
+``VersionAction``, ``LoadPolicyRequest``...) and the 200 bodies. Each route names its answer's
+model, as its return type or as ``response_model=``, so ``/openapi.json`` states the shape
+(``tests/unit/server/test_openapi_spec.py`` checks that every JSON route has one).
 
-The routes still return the dicts ``core`` builds; a model only states them. So each model
-lists every key in the order the dict has it, and no field has a default a dict could lack
+Several routes return the dicts ``core`` builds; their model only states them. So each such
+model lists every key in the order the dict has it, and no field has a default a dict could lack
 (pydantic would add it; the one optional key, a dead letter's ``payload``, is left out by its
 route's ``response_model_exclude_unset``): the body a client reads is the one it read before
 the models. Times are ISO 8601 strings with their offset (``core.records.as_utc``), as the dicts
@@ -15,15 +14,36 @@ hold them.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from core.keys import TENANT_REGEX
+from core.lifecycle import CANARY_SHARE_MAX, CANARY_SHARE_MIN, check_canary_share
+from core.limits import NAME_CHARS
+from server.schemas import MAX_INT32, MAX_NAME_CHARS, EdgeModel, StoredStr, exactly_one
 
 # Every key a route's dict holds is a field: a key core adds without its field here fails the
 # route's answer (500) in the tests, instead of going missing from the body unseen.
 _CLOSED = ConfigDict(extra="forbid")
 
 # ------------------------------------------------------------------ API keys
+
+
+class CreateKey(EdgeModel):
+    """``POST /admin/keys``: the tenant the new key belongs to (``core.keys.TENANT_PATTERN``), and
+    whether the answers it is sent may be trained (false: the key opts out)."""
+
+    model_config = ConfigDict(extra="forbid")
+    tenant: str = Field(pattern=TENANT_REGEX, max_length=NAME_CHARS)
+    train: bool = True
+
+
+class KeySettings(EdgeModel):
+    """``PATCH /admin/keys/{key_id}``: the key's training setting (false: opted out)."""
+
+    model_config = ConfigDict(extra="forbid")
+    train: bool
 
 
 class ApiKeyInfo(BaseModel):
@@ -54,6 +74,36 @@ class ApiKeyList(BaseModel):
 
 
 # ------------------------------------------------------------------ the version lifecycle
+
+
+class VersionAction(EdgeModel):
+    """``POST /admin/lifecycle/{promote,reject,pin}``: the version and, optionally, why."""
+
+    model_config = ConfigDict(extra="forbid")
+    version: int = Field(ge=0, le=MAX_INT32)
+    # StoredStr: the OpenAPI document says a NUL is refused (400), as the edge check does.
+    reason: StoredStr = Field("", max_length=1000)
+
+
+class GuardSwitch(EdgeModel):
+    """``POST /admin/lifecycle/guard``: turn the guard on or off."""
+
+    model_config = ConfigDict(extra="forbid")
+    on: bool
+
+
+class CanaryShare(EdgeModel):
+    """``POST /admin/lifecycle/canary``: the share of traffic a canary gets, in
+    [``CANARY_SHARE_MIN``, ``CANARY_SHARE_MAX``] (``core.lifecycle.check_canary_share`` says why;
+    400 naming ``share`` otherwise)."""
+
+    model_config = ConfigDict(extra="forbid")
+    share: float = Field(json_schema_extra={"minimum": CANARY_SHARE_MIN, "maximum": CANARY_SHARE_MAX})
+
+    @field_validator("share")
+    @classmethod
+    def _bounded(cls, v: float) -> float:
+        return check_canary_share(v)
 
 
 class VersionsMoved(BaseModel):
@@ -166,6 +216,126 @@ class Quarantine(BaseModel):
     model_config = _CLOSED
     total: int
     samples: list[QuarantinedSample]
+
+
+# ------------------------------------------------------------------ versions, learning, evidence, forget
+
+
+class LoadPolicyRequest(EdgeModel):
+    """``POST /admin/load_policy``: serve the weights in ``path`` as ``version``."""
+
+    model_config = ConfigDict(extra="forbid")
+    version: int = Field(ge=0, le=MAX_INT32)
+    path: StoredStr = Field(min_length=1, max_length=4096)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+
+class RollbackRequest(EdgeModel):
+    """``POST /admin/rollback``: the learner publishes a new version with these weights."""
+
+    model_config = ConfigDict(extra="forbid")
+    version: int = Field(ge=0, le=MAX_INT32)
+
+
+class ForgetRequest(EdgeModel):
+    """``POST /admin/forget``: remove one subject's trajectories and feedback (docs/privacy.md,
+    "Who is forgotten"): a ``user`` (the chat requests' ``user`` field) or an API ``key`` (its
+    id, ``k`` + 16 hex digits: every request it authenticated); exactly one."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra=exactly_one("user", "key", types=({"type": "string"}, {"type": "string"})),
+    )
+    user: StoredStr | None = Field(
+        None, min_length=1, max_length=MAX_NAME_CHARS, description="The `user` field the chat requests sent."
+    )
+    key: str | None = Field(
+        None,
+        pattern=r"^k[0-9a-f]{16}$",
+        description="An API key's id (`saoserve admin keys list`): every request the key authenticated.",
+    )
+
+    @model_validator(mode="after")
+    def _one_subject(self) -> ForgetRequest:
+        if (self.user is None) == (self.key is None):
+            raise ValueError("give exactly one of user and key")
+        return self
+
+
+class PolicyLoaded(BaseModel):
+    """``POST /admin/load_policy``: the version now served; seconds the swap took, of which
+    generation was paused."""
+
+    policy_version: int
+    seconds: float
+    paused_seconds: float
+
+
+class LearningState(BaseModel):
+    """``POST /admin/pause`` and ``/admin/resume``."""
+
+    learning: Literal["paused", "running"]
+
+
+class RollbackRequested(BaseModel):
+    """``POST /admin/rollback``: the learner will publish a new version with these weights."""
+
+    rollback_to: int
+    status: Literal["requested"] = "requested"
+
+
+class Forgotten(BaseModel):
+    """``POST /admin/forget`` and ``GET /admin/forget/{id}``: the receipt of one forget
+    (``core.retention.ForgetReceipt``), summed over every policy's namespace.
+
+    ``id``: the request, to look the receipt up again; ``user`` or ``key``: whom it named (in
+    the answer to the POST only: a receipt keeps ``subject_hash``, never the name);
+    ``completed``: false while some namespace has not finished it (the next forget or retention
+    run does). ``deleted``: rows per store (``log_records.<topic>`` for a SQL-table log,
+    ``subject_keys`` for the data keys destroyed). ``log``: ``kafka`` when a Kafka log keeps the
+    records, sealed under the destroyed keys.
+    """
+
+    id: str
+    kind: Literal["user", "key"]
+    user: str | None = None
+    key: str | None = None
+    subject_hash: str
+    requested_at: str
+    completed_at: str | None
+    completed: bool
+    trajectories: int
+    episodes: int
+    tombstones: int
+    deleted: dict[str, int]
+    log: Literal["sql", "kafka"]
+
+
+class PolicyVersions(BaseModel):
+    """``GET /admin/policy_versions``: the version served and every published one."""
+
+    serving: int
+    versions: list[dict[str, Any]]
+
+
+class PromptEvidence(BaseModel):
+    """``GET /admin/evidence/{prompt_id}``: the prompt's evidence as read at the served version.
+    ``stored_as``: the id its row is kept under (a client's id is stored as its keyed hash,
+    ``core.evidence_store.stored_prompt_id``)."""
+
+    prompt_id: str
+    stored_as: str
+    known: bool
+    at_version: dict[str, Any]
+    n_results: int
+    reward_sum: float
+
+
+class UncertainPrompts(BaseModel):
+    """``GET /admin/evidence``: the prompts whose baseline is least certain at ``version``."""
+
+    version: int
+    prompts: list[dict[str, Any]]
 
 
 # ------------------------------------------------------------------ the policies

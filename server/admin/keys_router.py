@@ -9,34 +9,17 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi import Path as PathParam
-from pydantic import ConfigDict, Field
 
 from core.keys import TENANT_REGEX, KeyRevoked, KeyStore
 from core.limits import NAME_CHARS
 from core.records import utcnow
-from server.admin_schemas import ApiKeyCreated, ApiKeyInfo, ApiKeyList
+from server.admin.api_router import ADMIN_ERRORS, require_admin
+from server.admin.protocol import ApiKeyCreated, ApiKeyInfo, ApiKeyList, CreateKey, KeySettings
 from server.errors import ApiError, errors
-from server.routes import state_of
-from server.routes.admin import ADMIN_ERRORS, require_admin
-from server.schemas import EdgeModel, EdgeStr
+from server.schemas import EdgeStr
+from server.scope import state_of
 
 router = APIRouter(prefix="/admin/keys", dependencies=[Depends(require_admin)])
-
-
-class CreateKey(EdgeModel):
-    """``POST /admin/keys``: the tenant the new key belongs to (``core.keys.TENANT_PATTERN``), and
-    whether the answers it is sent may be trained (false: the key opts out)."""
-
-    model_config = ConfigDict(extra="forbid")
-    tenant: str = Field(pattern=TENANT_REGEX, max_length=NAME_CHARS)
-    train: bool = True
-
-
-class KeySettings(EdgeModel):
-    """``PATCH /admin/keys/{key_id}``: the key's training setting (false: opted out)."""
-
-    model_config = ConfigDict(extra="forbid")
-    train: bool
 
 
 def store_of(request: Request) -> KeyStore:

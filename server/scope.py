@@ -1,6 +1,6 @@
-"""The HTTP routes, one router per API family (as vLLM's server is organised): ``chat``
-(OpenAI chat completions), ``feedback``, ``admin`` (admin key), ``ops`` (operators' pages:
-health, readiness, metrics, models, dashboard)."""
+"""Which policy's state a request works in, for every API family's routes (``server.chat``,
+``server.feedback``, ``server.admin``, ``server.ops``) and ``server.auth``: the app's global
+state, a policy's by name (404 ``unknown_policy`` otherwise), and ``?policy=`` as a dependency."""
 
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ PolicyQuery = Annotated[
 def namespace(request: Request, policy: PolicyQuery = None) -> ServerState:
     """The state of the policy an admin route works in (``?policy=``): absent or ``global``,
     the global policy's; a name in ``tenant_policies``, that tenant policy's. Raises ApiError
-    404 ``unknown_policy`` naming the policies for any other (``server.routes.policy_state``)."""
+    404 ``unknown_policy`` naming the policies for any other (``server.scope.policy_state``)."""
     return policy_state(request, GLOBAL if policy is None else policy)
 
 

@@ -96,6 +96,9 @@ def create_app(
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await t
             for s in states:
+                if s.canary is not None:
+                    s.canary.release()
+            for s in states:
                 await close_policy(s, own_log=s is not state or log_transport is None)
             if own_engine:
                 await eng.close()

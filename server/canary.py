@@ -198,6 +198,13 @@ class CanaryRouter:
         adapter = self.engine.adapters.find(version) if self.held == version else None
         return adapter is not None and adapter.pinned
 
+    def release(self) -> None:
+        """Let go of the control version this router holds (at the app's shutdown, once its
+        tasks are cancelled): an engine that outlives the app (one shared by several apps, as
+        the tests' is) keeps no pin of a router that is gone, which would take a slot for good."""
+        if self.held is not None:
+            self._let_go(self.held)
+
     def _let_go(self, version: int) -> None:
         self.held = None
         try:

@@ -240,6 +240,24 @@ def test_the_router_holds_the_promoted_version_and_routes_by_the_share(db, tmp_p
     assert router.dispatch() == (6, None)
 
 
+def test_a_router_that_stops_lets_go_of_its_hold(db, tmp_path):
+    # A shared engine outlives the app: the router's pin on the control must not outlive it
+    # (it took one of the tests' three slots for good, and a later test's version was refused).
+    with db.begin() as conn:
+        add_version(conn, 0, "promoted", root=str(tmp_path))
+        add_version(conn, 5, "promoted", root=str(tmp_path))
+        add_version(conn, 6, "canary", root=str(tmp_path))
+    adapter_folder(tmp_path, 5)
+    engine = FakeEngine(version=6)
+    router = CanaryRouter(db, engine, ServerMetrics(), 0.25, rng=random.Random(0))
+    asyncio.run(router.refresh())
+    assert router.held == 5
+    router.release()
+    assert router.held is None and engine.unpinned == [5]
+    router.release()  # nothing held: nothing to let go
+    assert engine.unpinned == [5]
+
+
 def test_the_base_as_control_needs_no_hold_and_a_refused_hold_means_no_split(db, tmp_path):
     with db.begin() as conn:
         add_version(conn, 0, "promoted", root=str(tmp_path))

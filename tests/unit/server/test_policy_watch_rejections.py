@@ -1,0 +1,88 @@
+"""The policy watcher (server/policy_watch.py) leaving a rejected version, at the edges a tester
+found: the control below a lineage candidate, a restore target whose folder is gone, and a
+version announced as rejected.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from server.engine import SwapRefused
+from server.metrics import ServerMetrics
+from server.policy_watch import PolicyWatcher
+from testing.fakes import FakeEngine, OutageLog, event
+from tests.unit.server.test_policy_watch import notice, poll_with, staged
+
+
+@dataclass
+class FoldersGone(FakeEngine):
+    """FakeEngine whose swap refuses the versions in ``gone`` (their folder was pruned)."""
+
+    gone: set[int] = field(default_factory=set)
+
+    async def swap(self, version: int, path: Path, sha256: str):
+        if version in self.gone:
+            raise SwapRefused(f"no policy weights at {path}")
+        return await super().swap(version, path, sha256)
+
+
+async def test_a_replica_that_left_for_the_control_is_ready_though_a_lineage_candidate_is_newer():
+    # Version 1 promoted, 2 and 3 canary, 3 serving; 3 alone is rejected. The replica goes to
+    # version 1, the control, by design, and must then answer: /readyz "behind" (newest 2) took
+    # every full-weight replica out of the pool until the learner's restore was published.
+    log = OutageLog(0, [staged(1, "promoted"), staged(2, "canary"), staged(3, "canary")])
+    engine = FakeEngine(version=0)
+    watcher = PolicyWatcher(log, engine, ServerMetrics(), poll_s=0.25)
+    await watcher.catch_up()
+    await watcher.poll()
+    poll_with(log, notice(3, "rejected", 1))
+    await watcher.poll()
+    await watcher.poll()
+    assert engine.version == 1
+    assert watcher.readiness() == "ok"
+
+
+async def test_a_restore_target_whose_folder_is_gone_falls_back_to_an_older_promoted_version(tmp_path):
+    # Versions 1, 2, 3 promoted, 3 serving and rejected; version 2's folder was pruned. Version 1
+    # (and the base weights) can still serve: the module docstring strands a replica only when
+    # "every folder below [is] gone, the base rejected", but only the newest promoted was tried.
+    (tmp_path / "model.safetensors").write_bytes(b"weights")
+    log = OutageLog(0, [event(1), event(2), event(3)])
+    engine = FoldersGone(version=0, model_dir=tmp_path, gone={2})
+    watcher = PolicyWatcher(log, engine, ServerMetrics(), poll_s=0.25)
+    await watcher.catch_up()
+    await watcher.poll()
+    poll_with(log, notice(3, "rejected", 1))
+    await watcher.poll()
+    assert engine.version == 1, watcher.readiness()
+    assert watcher.readiness() == "ok"
+
+
+async def test_with_every_folder_below_gone_the_base_weights_serve(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"weights")
+    log = OutageLog(0, [event(1), event(2)])
+    engine = FoldersGone(version=0, model_dir=tmp_path, gone={1})
+    watcher = PolicyWatcher(log, engine, ServerMetrics(), poll_s=0.25)
+    await watcher.catch_up()
+    await watcher.poll()
+    poll_with(log, notice(2, "rejected", 1))
+    await watcher.poll()
+    assert engine.swaps[-1] == (0, tmp_path, hashlib.sha256(b"weights").hexdigest())
+    assert watcher.readiness() == "ok"
+
+
+async def test_a_version_announced_as_rejected_does_not_hold_the_replica_catching_up():
+    # A publish event whose lifecycle is "rejected" (a bug or a forgery: the learner never
+    # announces one) is never loaded; the replica catches up to version 1, the newest not
+    # rejected. Before, catch_up picked it, apply refused it, and the replica refused every
+    # chat (CatchingUp) until a newer version was published.
+    log = OutageLog(0, [event(1), staged(2, "rejected")])
+    engine = FakeEngine(version=0)
+    watcher = PolicyWatcher(log, engine, ServerMetrics(), poll_s=0.25)
+    await watcher.catch_up()
+    await watcher.poll()
+    assert engine.version == 1 and watcher.caught_up
+    assert watcher.newest == 1 and watcher.readiness() == "ok"
+    watcher.require()

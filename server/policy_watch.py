@@ -152,6 +152,10 @@ class PolicyWatcher:
             if e.kind == "publish":
                 self.published[e.version] = e
                 self.stage.setdefault(e.version, e.lifecycle)
+                if e.lifecycle == Stage.REJECTED:
+                    # Never announced so by the learner (a bug or a forgery): out of ``newest``,
+                    # so catch_up does not wait for a version apply refuses.
+                    self.rejected.add(e.version)
                 out.append(e)
                 continue
             self.stage[e.version] = e.lifecycle
@@ -283,37 +287,50 @@ class PolicyWatcher:
         if self.read_once:
             await self.leave_rejected()
 
-    async def _restore_target(self) -> tuple[PolicyEvent | None, str]:
+    async def _restore_target(self, refused: dict[int, str]) -> tuple[PolicyEvent | None, str]:
         """Where a replica serving a rejected version goes: the newest published version below
-        it that is promoted and not rejected, else the base weights (version 0, ``model_dir``,
-        checksummed here); else None and why."""
+        it that is promoted, not rejected and not in ``refused`` (version → why its swap was
+        refused), else the base weights (version 0, ``model_dir``, checksummed here); else None
+        and why."""
         served = self.engine.version
         below = [
             v
             for v in self.published
-            if v < served and v not in self.rejected and self.stage.get(v) in (None, Stage.PROMOTED)
+            if v < served
+            and v not in self.rejected
+            and v not in refused
+            and self.stage.get(v) in (None, Stage.PROMOTED)
         ]
         if below:
             return self.published[max(below)], ""
+        tried = "".join(f"version {v} was refused: {why}; " for v, why in refused.items())
         if 0 in self.rejected:
-            return None, "no version below it is promoted and not rejected, and the base weights are rejected"
+            return (
+                None,
+                tried + "no version below it is promoted and not rejected, and the base weights are rejected",
+            )
+        if 0 in refused:
+            return None, tried.removesuffix("; ")
         base = Path(self.engine.model_dir)
         try:
             sha = await asyncio.to_thread(weights_sha256, base)
         except OSError as exc:
-            return None, f"the base weights cannot be read: {exc}"
+            return None, f"{tried}the base weights cannot be read: {exc}"
         return PolicyEvent(version=0, path=str(base), sha256=sha, created_at=utcnow()), ""
 
     async def leave_rejected(self) -> None:
         """Swap a replica of full weights (or merged adapters) off a rejected version it serves
-        (module docstring) to ``_restore_target``'s version, logged as a warning; when there is
-        none or the swap is refused, an error logged once and ``/readyz`` 503 until a version
-        not rejected serves."""
+        (module docstring) to ``_restore_target``'s version, logged as a warning, trying the next
+        one down when a swap is refused (a folder pruned); when none is left, an error logged
+        once and ``/readyz`` 503 until a version not rejected serves."""
         served = self.engine.version
         if self.engine.adapters is not None or served not in self.rejected or self.stranded == served:
             return
-        target, why = await self._restore_target()
-        if target is not None:
+        refused: dict[int, str] = {}
+        while True:
+            target, why = await self._restore_target(refused)
+            if target is None:
+                break
             self.logger.warning(
                 "policy version %d is rejected: swapping back to version %d (the newest promoted) "
                 "until a newer version is published",
@@ -324,7 +341,7 @@ class PolicyWatcher:
             try:
                 res = await self.engine.swap(target.version, Path(target.path), target.sha256)
             except SwapRefused as exc:
-                why = f"version {target.version} was refused: {exc}"
+                refused[target.version] = str(exc)
             else:
                 self.metrics.swapped(res)
                 return

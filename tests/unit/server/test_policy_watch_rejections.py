@@ -7,13 +7,34 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 
+from core.logbus import LogEntry
+from core.records import TOPIC_POLICY, PolicyEvent
 from server.engine import SwapRefused
 from server.metrics import ServerMetrics
 from server.policy_watch import PolicyWatcher
 from testing.fakes import FakeEngine, OutageLog, event
-from tests.unit.server.test_policy_watch import notice, poll_with, staged
+
+
+def notice(version: int, stage: str, second: int) -> PolicyEvent:
+    """A stage notice of ``version`` (moved to ``stage`` by the guard)."""
+    at = datetime(2025, 6, 1, 0, 1, second, tzinfo=UTC)
+    return event(version).model_copy(
+        update={"kind": "stage", "lifecycle": stage, "actor": "guard", "created_at": at}
+    )
+
+
+def staged(version: int, stage: str) -> PolicyEvent:
+    """A publish event of ``version`` announced at ``stage``."""
+    return event(version).model_copy(update={"lifecycle": stage})
+
+
+def poll_with(log: OutageLog, *entries: PolicyEvent) -> None:
+    """Append ``entries`` to the policy topic of ``log`` after what it holds."""
+    for e in entries:
+        log.entries.append(LogEntry(TOPIC_POLICY, 0, len(log.entries), "policy", e.to_json()))
 
 
 @dataclass

@@ -443,29 +443,27 @@ def run_ranked(settings: Settings, config: LearnerConfig) -> Learner | None:
             follow(config, settings, placement, channel)
             _leave_together(channel)
             return None
-        told = False
         try:
-            learner = run_learner(
+            return run_learner(
                 settings, config, make_learner=lambda s, c: RankedLearner(s, c, placement, channel)
             )
         finally:
             try:
                 channel.send("stop")
-                told = True
             except Exception:
                 log.warning("could not tell the other ranks to stop (one is gone)")
-        if told:
-            _leave_together(channel)
-        return learner
+            else:
+                _leave_together(channel)
     finally:
         dist.destroy_process_group()
 
 
 def _leave_together(channel: Channel) -> None:
-    """After a clean stop (rank 0 told every rank, each has returned from ``follow``): wait on the
-    control group until every rank is done with its collectives, so no rank tears the groups
-    down while another still uses them (``destroy_process_group`` is collective). A failure is
-    logged; the groups are destroyed either way."""
+    """Once rank 0 told every rank to stop (its learner ended or raised; each other rank has
+    returned from ``follow``): wait on the control group until every rank is done with its
+    collectives, so no rank tears the groups down while another still uses them
+    (``destroy_process_group`` is collective), and no follower waits in this barrier for a rank
+    0 that left. A failure is logged; the groups are destroyed either way."""
     try:
         dist.barrier(group=channel.group)
     except Exception:

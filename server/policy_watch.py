@@ -29,21 +29,24 @@ announced) are never loaded: once caught up, each is logged (version, stage, act
 Every ``rejected`` notice, at start or later, takes its version out of what this replica will
 load: a replica that restarts after an operator rejected the newest version (and before the
 learner published the restore) catches up to the newest version not rejected, never to it.
+Version 0, the base, is never rejected (``core.lifecycle``): a notice saying so is ignored.
 
 A replica of full weights (or merged adapters) serving a version when its rejection arrives
-leaves it at once (issue 40, item 3) for the control, as a replica serving adapters sends its
-requests there: the newest published version below it that is promoted (by its announcement or
-a later stage notice; a version announced without a stage counts as promoted), else the base
-weights (version 0), without waiting for the learner's restore version, so an operator's
-reject works with the learner down.
-This is the one exception to "versions only go forward", and the next version published (the
-learner's restore) is served as usual. Its requests meanwhile: those in flight finish under the
-weights swapped in (a second version span), new ones are served by them once the swap ends, a
-poll (``policy_poll_s``) plus a swap after the notice. A replica that cannot leave (every folder
-below gone, the base rejected) serves on, logs an error once and answers 503 ``serves rejected
-version N`` at ``/readyz``. An engine serving adapters as LoRA leaves a rejected version by its
-router instead (``server.canary``: each request sent to the promoted version held beside it).
-docs/guard.md, "Rejecting a version".
+leaves it at once by the same rule (issue 40, item 3): it swaps back to the newest published
+version below it not rejected, the next one down when a swap is refused (a folder pruned), else
+the base weights (version 0), without waiting for the learner's restore version, so an
+operator's reject works with the learner down, and running and restarting replicas agree. When
+the whole lineage is rejected (the guard's verdict, or an operator's reject of its first
+version, which takes its descendants) that is the promoted version, the control; a rejection of
+a later member leaves the lineage's older versions, which serve on probation as before. This is
+the one exception to "versions only go forward", and the next version published (the learner's
+restore) is served as usual. Its requests meanwhile: those in flight finish under the weights
+swapped in (a second version span), new ones are served by them once the swap ends, a poll
+(``policy_poll_s``) plus a swap after the notice. A replica that cannot leave (every version
+below refused, the base weights unreadable) serves on, logs an error once and answers 503
+``serves rejected version N`` at ``/readyz``. An engine serving adapters as LoRA leaves a
+rejected version by its router instead (``server.canary``: each request sent to the promoted
+version held beside it). docs/guard.md, "Rejecting a version".
 
 Each swap sets ``saoserve_policy_version`` and ``saoserve_policy_swapped_at_seconds`` (Unix
 time the version started serving) together, so the delay from a policy event's ``created_at``
@@ -103,7 +106,6 @@ class PolicyWatcher:
         self.failures = 0  # consecutive failed reads (0: the log answers)
         self._ignored: set[int] = set()  # older versions already logged as ignored
         self.published: dict[int, PolicyEvent] = {}  # every version the topic announced
-        self.stage: dict[int, str | None] = {}  # each announced version's newest stage
         self.read_once = False  # the topic was read to its end at least once
         self.caught_up = False  # ...and the newest version found then (or a later one) serves
         self.swapping: int | None = None  # the version being loaded now
@@ -151,15 +153,13 @@ class PolicyWatcher:
         for e in events:
             if e.kind == "publish":
                 self.published[e.version] = e
-                self.stage.setdefault(e.version, e.lifecycle)
-                if e.lifecycle == Stage.REJECTED:
+                if e.lifecycle == Stage.REJECTED and e.version != 0:
                     # Never announced so by the learner (a bug or a forgery): out of ``newest``,
                     # so catch_up does not wait for a version apply refuses.
                     self.rejected.add(e.version)
                 out.append(e)
                 continue
-            self.stage[e.version] = e.lifecycle
-            if e.lifecycle == Stage.REJECTED:
+            if e.lifecycle == Stage.REJECTED and e.version != 0:
                 self.rejected.add(e.version)
             if live:
                 stage = e.lifecycle if e.lifecycle in set(Stage) else "other"
@@ -289,26 +289,14 @@ class PolicyWatcher:
 
     async def _restore_target(self, refused: dict[int, str]) -> tuple[PolicyEvent | None, str]:
         """Where a replica serving a rejected version goes: the newest published version below
-        it that is promoted, not rejected and not in ``refused`` (version → why its swap was
-        refused), else the base weights (version 0, ``model_dir``, checksummed here); else None
-        and why."""
+        it that is not rejected and not in ``refused`` (version → why its swap was refused), else
+        the base weights (version 0, ``model_dir``, checksummed here); else None and why (every
+        refusal, then the base's)."""
         served = self.engine.version
-        below = [
-            v
-            for v in self.published
-            if v < served
-            and v not in self.rejected
-            and v not in refused
-            and self.stage.get(v) in (None, Stage.PROMOTED)
-        ]
+        below = [v for v in self.published if v < served and v not in self.rejected and v not in refused]
         if below:
             return self.published[max(below)], ""
         tried = "".join(f"version {v} was refused: {why}; " for v, why in refused.items())
-        if 0 in self.rejected:
-            return (
-                None,
-                tried + "no version below it is promoted and not rejected, and the base weights are rejected",
-            )
         if 0 in refused:
             return None, tried.removesuffix("; ")
         base = Path(self.engine.model_dir)
@@ -332,7 +320,7 @@ class PolicyWatcher:
             if target is None:
                 break
             self.logger.warning(
-                "policy version %d is rejected: swapping back to version %d (the newest promoted) "
+                "policy version %d is rejected: swapping back to version %d (the newest not rejected) "
                 "until a newer version is published",
                 served,
                 target.version,

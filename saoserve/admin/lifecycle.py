@@ -84,10 +84,10 @@ def reject(
     json_out: JsonOption = False,
     tenant: TenantOption = None,
 ) -> None:
-    """Reject VERSION and the versions trained from it: none serves again (replicas send their
-    requests to the newest promoted version left at once: routed there with adapters, swapped
-    back to with full weights); the learner restores that version's weights as a new version
-    and quarantines their samples. Exit 5 if it is unknown (404) or cannot be rejected (409:
+    """Reject VERSION and the versions trained from it: none serves again (with adapters their
+    requests go to the newest promoted version left at once; a full-weight replica swaps back to
+    the newest version not rejected at its next poll); the learner restores that version's
+    weights as a new version and quarantines their samples. Exit 5 if it is unknown (404) or cannot be rejected (409:
     rejected already, version 0, or moved by another operator or the guard first)."""
     _lifecycle_call(
         "/admin/lifecycle/reject",

@@ -326,8 +326,8 @@ async def test_a_full_weight_replica_leaves_a_rejected_version_with_no_learner(
 ):
     """The session's engine of full weights (adapters merged, the default): versions P promoted,
     C1 and C2 on probation (no split: full weights), C2 serving, no learner. (1) The operator
-    rejects C1, C2 with it (its descendant): the replica swaps back to P, the newest promoted
-    version, within a poll and a swap, and 20 of 20 chats then answer P (before: C2 served until
+    rejects C1, C2 with it (its descendant): the replica swaps back to P, the newest version not
+    rejected (the control), within a poll and a swap, and 20 of 20 chats then answer P (before: C2 served until
     a learner published the restore). (2) Rejecting P too: the base weights (version 0) serve,
     20 of 20; /readyz 200 throughout. The engine ends on the base weights it started from."""
     eng = policy_engine

@@ -166,31 +166,12 @@ async def test_a_replica_serving_a_version_when_it_is_rejected_swaps_back_at_onc
     assert watcher.newest == 1 and watcher.readiness() == "ok"
     assert metrics.swaps.labels("ok")._value.get() == 2  # version 3, then version 1
     assert [r.getMessage() for r in caplog.records] == [
-        "global: policy version 3 is rejected: swapping back to version 1 (the newest promoted) "
+        "global: policy version 3 is rejected: swapping back to version 1 (the newest not rejected) "
         "until a newer version is published"
     ]
     poll_with(log, event(4))
     await watcher.poll()
     assert engine.version == 4 and len(engine.swaps) == 3
-
-
-def staged(version: int, stage: str) -> PolicyEvent:
-    """A publish event of ``version`` announced at ``stage``."""
-    return event(version).model_copy(update={"lifecycle": stage})
-
-
-async def test_the_control_is_the_newest_promoted_version_not_a_candidate_of_the_lineage():
-    # Version 1 promoted, 2 and 3 on canary (the lineage), 3 serving. Rejecting 3 alone leaves
-    # 2 a candidate: the replica goes to version 1, the control (as a replica of adapters sends
-    # the requests there), not to 2.
-    log = OutageLog(0, [staged(1, "promoted"), staged(2, "canary"), staged(3, "canary")])
-    engine = FakeEngine(version=0)
-    watcher = PolicyWatcher(log, engine, ServerMetrics(), poll_s=0.25)
-    await watcher.catch_up()
-    await watcher.poll()
-    poll_with(log, notice(3, "rejected", 1))
-    await watcher.poll()
-    assert engine.version == 1 and [v for v, _, _ in engine.swaps] == [3, 1]
 
 
 async def test_with_every_version_rejected_the_base_weights_serve(tmp_path):
@@ -208,22 +189,24 @@ async def test_with_every_version_rejected_the_base_weights_serve(tmp_path):
     assert engine.swaps[-1] == (0, tmp_path, sha) and watcher.readiness() == "ok"
 
 
-async def test_a_replica_that_cannot_leave_a_rejected_version_says_so_once(caplog):
-    # Version 1 serves and is rejected, and so is version 0 (the base): nothing else can serve.
-    # One error line, no swap, /readyz 503 naming the version; a later version clears it.
+async def test_a_replica_that_cannot_leave_a_rejected_version_says_so_once(caplog, tmp_path):
+    # Version 1 serves and is rejected, and the base weights cannot be read (their folder is
+    # gone): nothing else can serve. One error line, no swap, /readyz 503 naming the version; a
+    # later version clears it.
     caplog.set_level(logging.ERROR, logger="server.policy_watch")
+    gone = tmp_path / "gone"
     log = OutageLog(0, [event(1)])
-    engine, metrics = FakeEngine(version=0), ServerMetrics()
+    engine, metrics = FakeEngine(version=0, model_dir=gone), ServerMetrics()
     watcher = PolicyWatcher(log, engine, metrics, poll_s=0.25)
     await watcher.catch_up()
     await watcher.poll()
-    poll_with(log, notice(0, "rejected", 1), notice(1, "rejected", 1))
+    poll_with(log, notice(1, "rejected", 1))
     await watcher.poll()
     await watcher.poll()
     assert engine.swaps == [(1, Path("/policies/v1"), "0" * 64)]
     assert [r.getMessage() for r in caplog.records] == [
-        "global: policy version 1 is rejected and still serves: no version below it is promoted "
-        "and not rejected, and the base weights are rejected"
+        "global: policy version 1 is rejected and still serves: the base weights cannot be read: "
+        f"no *.safetensors in {gone}"
     ]
     assert watcher.readiness() == (
         "serves rejected version 1: nothing else could be loaded (see the server's log)"
@@ -232,6 +215,17 @@ async def test_a_replica_that_cannot_leave_a_rejected_version_says_so_once(caplo
     poll_with(log, event(2))
     await watcher.poll()
     assert engine.version == 2 and watcher.readiness() == "ok"
+
+
+async def test_a_notice_rejecting_the_base_is_ignored(tmp_path):
+    # Version 0 is never rejected (core.lifecycle); a notice saying so (a bug, a forgery) leaves
+    # a replica serving the base ready, with nothing to leave.
+    log = OutageLog(0, [notice(0, "rejected", 1)])
+    engine = FakeEngine(version=0, model_dir=tmp_path)
+    watcher = PolicyWatcher(log, engine, ServerMetrics(), poll_s=0.25)
+    await watcher.catch_up()
+    await watcher.poll()
+    assert watcher.rejected == set() and engine.swaps == [] and watcher.readiness() == "ok"
 
 
 class WaitsLog(OutageLog):

@@ -1,5 +1,5 @@
 """The policy watcher (server/policy_watch.py) leaving a rejected version, at the edges a tester
-found: the control below a lineage candidate, a restore target whose folder is gone, and a
+found: a rejection of a later lineage member, a restore target whose folder is gone, and a
 version announced as rejected.
 """
 
@@ -49,10 +49,12 @@ class FoldersGone(FakeEngine):
         return await super().swap(version, path, sha256)
 
 
-async def test_a_replica_that_left_for_the_control_is_ready_though_a_lineage_candidate_is_newer():
-    # Version 1 promoted, 2 and 3 canary, 3 serving; 3 alone is rejected. The replica goes to
-    # version 1, the control, by design, and must then answer: /readyz "behind" (newest 2) took
-    # every full-weight replica out of the pool until the learner's restore was published.
+async def test_a_rejection_of_a_later_lineage_member_leaves_the_older_one_serving_ready():
+    # Version 1 promoted, 2 and 3 on canary, 3 serving; 3 alone is rejected (2 stays a
+    # candidate). The replica goes to version 2, the newest not rejected, on probation as before
+    # 3 was published, and is ready: a replica restarting now catches up to 2 as well. (Going to
+    # the promoted version 1 instead left /readyz "behind", newest 2, on every full-weight
+    # replica until the learner's restore was published.)
     log = OutageLog(0, [staged(1, "promoted"), staged(2, "canary"), staged(3, "canary")])
     engine = FakeEngine(version=0)
     watcher = PolicyWatcher(log, engine, ServerMetrics(), poll_s=0.25)
@@ -61,14 +63,14 @@ async def test_a_replica_that_left_for_the_control_is_ready_though_a_lineage_can
     poll_with(log, notice(3, "rejected", 1))
     await watcher.poll()
     await watcher.poll()
-    assert engine.version == 1
+    assert engine.version == 2 and [v for v, _, _ in engine.swaps] == [3, 2]
     assert watcher.readiness() == "ok"
 
 
-async def test_a_restore_target_whose_folder_is_gone_falls_back_to_an_older_promoted_version(tmp_path):
-    # Versions 1, 2, 3 promoted, 3 serving and rejected; version 2's folder was pruned. Version 1
-    # (and the base weights) can still serve: the module docstring strands a replica only when
-    # "every folder below [is] gone, the base rejected", but only the newest promoted was tried.
+async def test_a_restore_target_whose_folder_is_gone_falls_back_to_an_older_version(tmp_path):
+    # Versions 1, 2, 3 published, 3 serving and rejected; version 2's folder was pruned. Version 1
+    # (and the base weights) can still serve: a replica is stranded only when every version
+    # below is refused and the base cannot be read; before, only the newest was tried.
     (tmp_path / "model.safetensors").write_bytes(b"weights")
     log = OutageLog(0, [event(1), event(2), event(3)])
     engine = FoldersGone(version=0, model_dir=tmp_path, gone={2})

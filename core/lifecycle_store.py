@@ -188,7 +188,7 @@ def stage_events(conn: Connection, versions: Iterable[int], stage: Stage, actor:
     ]
 
 
-def _window(q, before: datetime | None, since: datetime | None, arm: Arm | None):
+def answers_window(q, before: datetime | None, since: datetime | None, arm: Arm | None):
     """``q`` restricted to answers dispatched before ``before`` / at or after ``since`` and routed
     to ``arm`` (``trajectory_index``'s ``created_at`` and ``arm``)."""
     if before is not None:
@@ -228,7 +228,9 @@ def rated_rewards(
             TrajectoryIndex.dispatch_version.in_(wanted),
         )
     )
-    q = _window(q, before, since, arm).order_by(FeedbackClaim.received_at.desc(), FeedbackClaim.target.desc())
+    q = answers_window(q, before, since, arm).order_by(
+        FeedbackClaim.received_at.desc(), FeedbackClaim.target.desc()
+    )
     if limit is not None:
         q = q.limit(limit)
     return [float(r.reward) for r in reversed(conn.execute(q).all())]
@@ -253,7 +255,9 @@ def answer_health(
     q = select(TrajectoryIndex.finish_reason, TrajectoryIndex.n_response_tokens).where(
         TrajectoryIndex.dispatch_version.in_(wanted), TrajectoryIndex.finish_reason.in_(ENDED_FINISHES)
     )
-    q = _window(q, before, since, arm).order_by(TrajectoryIndex.created_at.desc(), TrajectoryIndex.id.desc())
+    q = answers_window(q, before, since, arm).order_by(
+        TrajectoryIndex.created_at.desc(), TrajectoryIndex.id.desc()
+    )
     if limit is not None:
         q = q.limit(limit)
     return [

@@ -41,6 +41,7 @@ from sqlalchemy.engine import Connection
 from core.claims import TRAJECTORY_PREFIX
 from core.db import FeedbackClaim, TrajectoryIndex
 from core.lifecycle import ENDED_FINISHES, Arm, healthy
+from core.lifecycle_store import answers_window
 from learner.identity_cap import admit_stream
 
 
@@ -112,16 +113,6 @@ def _vote(value: float, identity: str | None, train: bool | None, opted_out: fro
     return Vote(value, identity, train, False if identity in opted_out else None)
 
 
-def _window(q, before: datetime | None, since: datetime | None, arm: Arm | None):
-    if before is not None:
-        q = q.where(TrajectoryIndex.created_at < before)
-    if since is not None:
-        q = q.where(TrajectoryIndex.created_at >= since)
-    if arm is not None:
-        q = q.where(TrajectoryIndex.arm == str(arm))
-    return q
-
-
 def rated_votes(
     conn: Connection,
     versions: Iterable[int],
@@ -159,7 +150,7 @@ def rated_votes(
             TrajectoryIndex.dispatch_version.in_(wanted),
         )
     )
-    q = _window(_voters(q, electorate, opted_out), before, since, arm)
+    q = answers_window(_voters(q, electorate, opted_out), before, since, arm)
     q = q.order_by(FeedbackClaim.received_at.desc(), FeedbackClaim.target.desc())
     if limit is not None:
         q = q.limit(limit)
@@ -201,7 +192,7 @@ def health_votes(
             )
         )
     )
-    q = _window(_voters(q, electorate, opted_out), before, since, arm)
+    q = answers_window(_voters(q, electorate, opted_out), before, since, arm)
     q = q.order_by(TrajectoryIndex.created_at.desc(), TrajectoryIndex.id.desc())
     if limit is not None:
         q = q.limit(limit)

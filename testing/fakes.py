@@ -164,3 +164,22 @@ def event(version: int) -> PolicyEvent:
         parent_version=version - 1,
         metrics={},
     )
+
+
+def notice(version: int, stage: str, second: int) -> PolicyEvent:
+    """A stage notice of ``version`` (moved to ``stage`` by the guard), ``second`` s into minute 1."""
+    at = datetime(2025, 6, 1, 0, 1, second, tzinfo=UTC)
+    return event(version).model_copy(
+        update={"kind": "stage", "lifecycle": stage, "actor": "guard", "created_at": at}
+    )
+
+
+def staged(version: int, stage: str) -> PolicyEvent:
+    """A publish event of ``version`` announced at ``stage``."""
+    return event(version).model_copy(update={"lifecycle": stage})
+
+
+def append_events(log: OutageLog, *events: PolicyEvent) -> None:
+    """Append ``events`` to the policy topic of ``log`` after what it holds."""
+    for e in events:
+        log.entries.append(LogEntry(TOPIC_POLICY, 0, len(log.entries), "policy", e.to_json()))

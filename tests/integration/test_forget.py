@@ -50,6 +50,7 @@ from core.sealing import Shredded, SubjectKeys, envelope
 from learner.joiner import Joiner
 from saoserve.cli import app
 from server.store import ServerStore
+from testing import builders
 from testing.dependencies import fresh_pg_database
 from testing.fakes import FakeEngine
 from testing.servers import ADMIN, make_settings, running_server
@@ -61,19 +62,9 @@ runner = CliRunner()
 
 
 def traj(tid: str, prompt_id: str = P, **kw) -> TrajectoryRecord:
-    return TrajectoryRecord(
-        id=tid,
-        prompt_id=prompt_id,
-        created_at=utcnow(),
-        model="m",
-        prompt_token_ids=[1, 2, 3],
-        response_token_ids=[4, 5],
-        rollout_logprobs=[-0.5, -0.25],
-        token_versions=[(0, 2)],
-        dispatch_version=0,
-        sampling={"temperature": 0.8, "max_tokens": 4},
-        finish_reason="stop",
-        **kw,
+    """A trajectory at version 0, logged now (retention keeps it)."""
+    return builders.traj(
+        tid, prompt_id, created_at=utcnow(), token_versions=[(0, 2)], dispatch_version=0, **kw
     )
 
 

@@ -20,6 +20,7 @@ from core.sealing import Shredded, is_sealed
 from learner.joiner import Joiner
 from learner.pretrain import logged_samples
 from server.store import ServerStore
+from testing import builders
 from testing.logs import read_topic
 
 SECRET = "the-server-secret-of-these-tests"
@@ -30,20 +31,8 @@ pytestmark = pytest.mark.kafka
 
 
 def traj(tid: str, **kw) -> TrajectoryRecord:
-    return TrajectoryRecord(
-        id=tid,
-        prompt_id=P,
-        created_at=utcnow(),
-        model="m",
-        prompt_token_ids=[1, 2, 3],
-        response_token_ids=[4, 5],
-        rollout_logprobs=[-0.5, -0.25],
-        token_versions=[(0, 2)],
-        dispatch_version=0,
-        sampling={"temperature": 0.8, "max_tokens": 4},
-        finish_reason="stop",
-        **kw,
-    )
+    """A trajectory of prompt ``P`` at version 0, logged now."""
+    return builders.traj(tid, P, created_at=utcnow(), token_versions=[(0, 2)], dispatch_version=0, **kw)
 
 
 @pytest.fixture

@@ -14,6 +14,7 @@ from core.records import TOPIC_FEEDBACK, TOPIC_TRAJECTORIES, FeedbackRecord, Tra
 from learner.joiner import Joiner
 from learner.pretrain import logged_samples
 from learner.sample_queue import next_batch
+from testing import builders
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -31,18 +32,13 @@ def db(request, tmp_path):
 
 
 def trajectory(tid: str, prompt_id: str, identity: str, **kw) -> TrajectoryRecord:
-    return TrajectoryRecord(
-        id=tid,
-        prompt_id=prompt_id,
+    """A trajectory of ``identity`` at version 0, logged now."""
+    return builders.traj(
+        tid,
+        prompt_id,
         created_at=utcnow(),
-        model="m",
-        prompt_token_ids=[1, 2, 3],
-        response_token_ids=[4, 5],
-        rollout_logprobs=[-0.5, -0.25],
         token_versions=[(0, 2)],
         dispatch_version=0,
-        sampling={"temperature": 1.0, "max_tokens": 4},
-        finish_reason="stop",
         identity=identity,
         **kw,
     )

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,7 @@ from core.records import TOPIC_POLICY, PolicyEvent
 from server import policy_watch
 from server.metrics import ServerMetrics
 from server.policy_watch import MAX_BACKOFF_S, PolicyWatcher
-from testing.fakes import FakeEngine, OutageLog, event
+from testing.fakes import FakeEngine, OutageLog, append_events, event, notice
 
 
 async def run_for(watcher: PolicyWatcher, n_sleeps: int, monkeypatch) -> list[float]:
@@ -75,18 +74,6 @@ async def test_an_event_older_than_the_served_version_is_ignored(caplog):
     assert [r.getMessage() for r in caplog.records] == [
         "global: policy event for version 3 ignored: version 5 serves and versions only go forward"
     ]
-
-
-def notice(version: int, stage: str, second: int) -> PolicyEvent:
-    """A stage notice of ``version`` (moved to ``stage`` by the guard)."""
-    return event(version).model_copy(
-        update={
-            "kind": "stage",
-            "lifecycle": stage,
-            "actor": "guard",
-            "created_at": datetime(2025, 6, 1, 0, 1, second, tzinfo=UTC),
-        }
-    )
 
 
 async def test_stage_notices_are_logged_and_counted_once_caught_up_and_never_loaded(caplog):
@@ -143,12 +130,6 @@ async def test_a_replica_that_restarts_never_catches_up_to_a_rejected_version():
     assert engine.version == 8
 
 
-def poll_with(log: OutageLog, *entries: PolicyEvent) -> None:
-    """Append ``entries`` to the policy topic of ``log`` after what it holds."""
-    for e in entries:
-        log.entries.append(LogEntry(TOPIC_POLICY, 0, len(log.entries), "policy", e.to_json()))
-
-
 async def test_a_replica_serving_a_version_when_it_is_rejected_swaps_back_at_once(caplog):
     # Issue 40, item 3: version 3 serves, the lineage [2, 3] is rejected (an operator, the learner
     # down). At the next poll the replica swaps back to version 1, the newest not rejected, without
@@ -160,7 +141,7 @@ async def test_a_replica_serving_a_version_when_it_is_rejected_swaps_back_at_onc
     await watcher.catch_up()
     await watcher.poll()
     assert engine.version == 3
-    poll_with(log, notice(2, "rejected", 1), notice(3, "rejected", 2))
+    append_events(log, notice(2, "rejected", 1), notice(3, "rejected", 2))
     await watcher.poll()
     assert engine.swaps[-1] == (1, Path("/policies/v1"), "0" * 64) and engine.version == 1
     assert watcher.newest == 1 and watcher.readiness() == "ok"
@@ -169,7 +150,7 @@ async def test_a_replica_serving_a_version_when_it_is_rejected_swaps_back_at_onc
         "global: policy version 3 is rejected: swapping back to version 1 (the newest not rejected) "
         "until a newer version is published"
     ]
-    poll_with(log, event(4))
+    append_events(log, event(4))
     await watcher.poll()
     assert engine.version == 4 and len(engine.swaps) == 3
 
@@ -184,7 +165,7 @@ async def test_with_every_version_rejected_the_base_weights_serve(tmp_path):
     watcher = PolicyWatcher(log, engine, ServerMetrics(), poll_s=0.25)
     await watcher.catch_up()
     await watcher.poll()
-    poll_with(log, notice(1, "rejected", 1), notice(2, "rejected", 1))
+    append_events(log, notice(1, "rejected", 1), notice(2, "rejected", 1))
     await watcher.poll()
     assert engine.swaps[-1] == (0, tmp_path, sha) and watcher.readiness() == "ok"
 
@@ -200,7 +181,7 @@ async def test_a_replica_that_cannot_leave_a_rejected_version_says_so_once(caplo
     watcher = PolicyWatcher(log, engine, metrics, poll_s=0.25)
     await watcher.catch_up()
     await watcher.poll()
-    poll_with(log, notice(1, "rejected", 1))
+    append_events(log, notice(1, "rejected", 1))
     await watcher.poll()
     await watcher.poll()
     assert engine.swaps == [(1, Path("/policies/v1"), "0" * 64)]
@@ -212,7 +193,7 @@ async def test_a_replica_that_cannot_leave_a_rejected_version_says_so_once(caplo
         "serves rejected version 1: nothing else could be loaded (see the server's log)"
     )
     assert metrics.swaps.labels("refused")._value.get() == 1
-    poll_with(log, event(2))
+    append_events(log, event(2))
     await watcher.poll()
     assert engine.version == 2 and watcher.readiness() == "ok"
 

@@ -7,34 +7,12 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 
-from core.logbus import LogEntry
-from core.records import TOPIC_POLICY, PolicyEvent
 from server.engine import SwapRefused
 from server.metrics import ServerMetrics
 from server.policy_watch import PolicyWatcher
-from testing.fakes import FakeEngine, OutageLog, event
-
-
-def notice(version: int, stage: str, second: int) -> PolicyEvent:
-    """A stage notice of ``version`` (moved to ``stage`` by the guard)."""
-    at = datetime(2025, 6, 1, 0, 1, second, tzinfo=UTC)
-    return event(version).model_copy(
-        update={"kind": "stage", "lifecycle": stage, "actor": "guard", "created_at": at}
-    )
-
-
-def staged(version: int, stage: str) -> PolicyEvent:
-    """A publish event of ``version`` announced at ``stage``."""
-    return event(version).model_copy(update={"lifecycle": stage})
-
-
-def poll_with(log: OutageLog, *entries: PolicyEvent) -> None:
-    """Append ``entries`` to the policy topic of ``log`` after what it holds."""
-    for e in entries:
-        log.entries.append(LogEntry(TOPIC_POLICY, 0, len(log.entries), "policy", e.to_json()))
+from testing.fakes import FakeEngine, OutageLog, append_events, event, notice, staged
 
 
 @dataclass
@@ -60,7 +38,7 @@ async def test_a_rejection_of_a_later_lineage_member_leaves_the_older_one_servin
     watcher = PolicyWatcher(log, engine, ServerMetrics(), poll_s=0.25)
     await watcher.catch_up()
     await watcher.poll()
-    poll_with(log, notice(3, "rejected", 1))
+    append_events(log, notice(3, "rejected", 1))
     await watcher.poll()
     await watcher.poll()
     assert engine.version == 2 and [v for v, _, _ in engine.swaps] == [3, 2]
@@ -77,7 +55,7 @@ async def test_a_restore_target_whose_folder_is_gone_falls_back_to_an_older_vers
     watcher = PolicyWatcher(log, engine, ServerMetrics(), poll_s=0.25)
     await watcher.catch_up()
     await watcher.poll()
-    poll_with(log, notice(3, "rejected", 1))
+    append_events(log, notice(3, "rejected", 1))
     await watcher.poll()
     assert engine.version == 1 and watcher.stranded is None
     # /readyz then says "behind" (version 2 is newer and not rejected), as for any version whose
@@ -91,7 +69,7 @@ async def test_with_every_folder_below_gone_the_base_weights_serve(tmp_path):
     watcher = PolicyWatcher(log, engine, ServerMetrics(), poll_s=0.25)
     await watcher.catch_up()
     await watcher.poll()
-    poll_with(log, notice(2, "rejected", 1))
+    append_events(log, notice(2, "rejected", 1))
     await watcher.poll()
     assert engine.swaps[-1] == (0, tmp_path, hashlib.sha256(b"weights").hexdigest())
     assert watcher.stranded is None

@@ -19,8 +19,10 @@ from sqlalchemy import insert
 
 from core.db import PolicyVersion, make_engine
 from core.logbus import LogEntry, LogUnavailable
+from core.policy_store import ADAPTER_CONFIG, ADAPTER_FILE
 from core.records import TOPIC_POLICY, PolicyEvent
-from server.engine import GenerationDelta, SwapResult
+from server.adapters import AdapterTable
+from server.engine import GenerationDelta, SwapRefused, SwapResult
 from server.metrics import ServerMetrics
 from server.store import ServerStore
 from testing.builders import record
@@ -183,3 +185,35 @@ def append_events(log: OutageLog, *events: PolicyEvent) -> None:
     """Append ``events`` to the policy topic of ``log`` after what it holds."""
     for e in events:
         log.entries.append(LogEntry(TOPIC_POLICY, 0, len(log.entries), "policy", e.to_json()))
+
+
+def adapter_folder(root: Path, version: int) -> None:
+    """An adapter folder ``v<version>`` under ``root`` as the router sees it: the files, empty."""
+    d = root / f"v{version}"
+    d.mkdir(parents=True)
+    (d / ADAPTER_FILE).write_bytes(b"")
+    (d / ADAPTER_CONFIG).write_text("{}")
+
+
+class RouterEngine:
+    """What the canary router (``server.canary``) uses of ``server.engine.core.PolicyEngine``: the version new requests get, the
+    full weights' version (0: the base), holding an adapter (it is then registered and pinned)
+    and unpinning it."""
+
+    def __init__(self, version: int, refuse: bool = False):
+        self.version = version
+        self.weights_version = 0
+        self.adapters = AdapterTable(4)
+        self.refuse = refuse
+        self.held: list[int] = []
+        self.unpinned: list[int] = []
+
+    async def hold(self, version: int, path: Path, sha256: str) -> None:
+        if self.refuse:
+            raise SwapRefused("no such files")
+        self.held.append(version)
+        self.adapters.loaded(self.adapters.reserve(), version, path, sha256, hold=True)
+
+    def pin(self, version: int, pinned: bool = True) -> None:
+        self.unpinned.append(version)
+        self.adapters.pin(version, pinned)

@@ -26,13 +26,12 @@ from core.lifecycle import (
     route,
 )
 from core.lifecycle_store import answer_health, rated_rewards
-from core.policy_store import ADAPTER_CONFIG, ADAPTER_FILE
 from core.records import utcnow
 from core.settings import Settings
 from server.adapters import AdapterTable
 from server.canary import CanaryRouter, read_plan
-from server.engine import SwapRefused
 from server.metrics import ServerMetrics
+from testing.fakes import RouterEngine, adapter_folder
 from testing.guard import add_rated
 from testing.guard import add_version as lifecycle_version
 
@@ -182,48 +181,18 @@ def test_read_plan_follows_the_lineage_the_guard_switch_and_the_share_flag(db):
     assert (plan.share, plan.control, plan.rejected) == (None, 5, frozenset({8}))
 
 
-class FakeEngine:
-    """The part of ``server.engine.core.PolicyEngine`` the router uses: the version new requests get,
-    the full weights' version, and holding/unpinning an adapter (recorded, not loaded)."""
-
-    def __init__(self, version: int, refuse: bool = False):
-        self.version = version
-        self.weights_version = 0
-        self.adapters = AdapterTable(4)
-        self.refuse = refuse
-        self.held: list[int] = []
-        self.unpinned: list[int] = []
-
-    async def hold(self, version: int, path: Path, sha256: str) -> None:
-        if self.refuse:
-            raise SwapRefused("no such files")
-        self.held.append(version)
-
-    def pin(self, version: int, pinned: bool = True) -> None:
-        assert not pinned
-        self.unpinned.append(version)
-
-
-def adapter_folder(root: Path, version: int) -> None:
-    d = root / f"v{version}"
-    d.mkdir(parents=True)
-    (d / ADAPTER_FILE).write_bytes(b"")
-    (d / ADAPTER_CONFIG).write_text("{}")
-
-
 def test_the_router_holds_the_promoted_version_and_routes_by_the_share(db, tmp_path):
     with db.begin() as conn:
         add_version(conn, 0, "promoted", root=str(tmp_path))
         add_version(conn, 5, "promoted", root=str(tmp_path))
         add_version(conn, 6, "canary", root=str(tmp_path))
     adapter_folder(tmp_path, 5)
-    engine, metrics = FakeEngine(version=6), ServerMetrics()
+    engine, metrics = RouterEngine(version=6), ServerMetrics()
     router = CanaryRouter(db, engine, metrics, 0.25, rng=random.Random(0))
     asyncio.run(router.refresh())
     assert router.split == CanarySplit(frozenset({6}), 5, 0.25) and engine.held == [5]
     assert router.held == 5 and metrics.canary_share._value.get() == 0.25
     # Once the engine holds it (loaded, pinned), later reads do not hold it again.
-    engine.adapters.loaded(engine.adapters.reserve(), 5, tmp_path / "v5", f"{5:064d}", hold=True)
     asyncio.run(router.refresh())
     assert engine.held == [5] and router.split == CanarySplit(frozenset({6}), 5, 0.25)
     picks = [router.dispatch() for _ in range(400)]
@@ -248,7 +217,7 @@ def test_a_router_that_stops_lets_go_of_its_hold(db, tmp_path):
         add_version(conn, 5, "promoted", root=str(tmp_path))
         add_version(conn, 6, "canary", root=str(tmp_path))
     adapter_folder(tmp_path, 5)
-    engine = FakeEngine(version=6)
+    engine = RouterEngine(version=6)
     router = CanaryRouter(db, engine, ServerMetrics(), 0.25, rng=random.Random(0))
     asyncio.run(router.refresh())
     assert router.held == 5
@@ -262,7 +231,7 @@ def test_the_base_as_control_needs_no_hold_and_a_refused_hold_means_no_split(db,
     with db.begin() as conn:
         add_version(conn, 0, "promoted", root=str(tmp_path))
         add_version(conn, 1, "canary", root=str(tmp_path))
-    engine = FakeEngine(version=1)
+    engine = RouterEngine(version=1)
     router = CanaryRouter(db, engine, ServerMetrics(), 0.5, rng=random.Random(0))
     asyncio.run(router.refresh())
     # Version 0 is the full weights the engine serves: nothing to hold.

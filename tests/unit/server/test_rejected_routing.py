@@ -17,13 +17,12 @@ from core import lifecycle_store
 from core.control import GUARD_PIN, ROLLBACK_TO, set_flag
 from core.db import PolicyVersion, make_engine, migrate
 from core.lifecycle import Arm, CanarySplit, Stage, descendants, route
-from core.policy_store import ADAPTER_CONFIG, ADAPTER_FILE, version_dir, version_dirs
+from core.policy_store import version_dir, version_dirs
 from core.records import utcnow
 from learner.publish import prune
-from server.adapters import AdapterTable
 from server.canary import CanaryRouter
-from server.engine import SwapRefused
 from server.metrics import ServerMetrics
+from testing.fakes import RouterEngine, adapter_folder
 
 
 @pytest.fixture
@@ -49,37 +48,6 @@ def add(conn, version: int, stage: str, parent: int | None, root: Path) -> None:
             lifecycle=stage,
         )
     )
-
-
-def adapter_folder(root: Path, version: int) -> None:
-    d = root / f"v{version}"
-    d.mkdir(parents=True)
-    (d / ADAPTER_FILE).write_bytes(b"")
-    (d / ADAPTER_CONFIG).write_text("{}")
-
-
-class StandInEngine:
-    """What the router uses of ``server.engine.core.PolicyEngine``: the version new requests get, the
-    full weights' version (0: the base), holding an adapter (it is then registered and pinned)
-    and unpinning it."""
-
-    def __init__(self, version: int, refuse: bool = False):
-        self.version = version
-        self.weights_version = 0
-        self.adapters = AdapterTable(4)
-        self.refuse = refuse
-        self.held: list[int] = []
-        self.unpinned: list[int] = []
-
-    async def hold(self, version: int, path: Path, sha256: str) -> None:
-        if self.refuse:
-            raise SwapRefused("no such files")
-        self.held.append(version)
-        self.adapters.loaded(self.adapters.reserve(), version, path, sha256, hold=True)
-
-    def pin(self, version: int, pinned: bool = True) -> None:
-        self.unpinned.append(version)
-        self.adapters.pin(version, pinned)
 
 
 def reject(db, *versions: int) -> None:
@@ -120,7 +88,7 @@ def test_an_operators_reject_with_the_learner_down_sends_every_request_to_the_co
         add(conn, 5, "promoted", 0, tmp_path)
         add(conn, 6, "canary", 5, tmp_path)
     adapter_folder(tmp_path, 5)
-    engine = StandInEngine(version=6)
+    engine = RouterEngine(version=6)
     router = CanaryRouter(db, engine, ServerMetrics(), 0.2, rng=random.Random(0))
     asyncio.run(router.refresh())
     assert router.split == CanarySplit(frozenset({6}), 5, 0.2) and engine.held == [5]
@@ -139,7 +107,7 @@ def test_rejecting_a_promoted_version_serves_the_newest_promoted_one_left(db, tm
             add(conn, v, stage, v - 1 if v else None, tmp_path)
     for v in (1, 2):
         adapter_folder(tmp_path, v)
-    engine = StandInEngine(version=4)
+    engine = RouterEngine(version=4)
     router = CanaryRouter(db, engine, ServerMetrics(), 0.2, rng=random.Random(1))
     asyncio.run(router.refresh())
     assert router.split == CanarySplit(frozenset({3, 4}), 2, 0.2)
@@ -159,7 +127,7 @@ def test_a_control_that_cannot_be_held_leaves_the_base_weights(db, tmp_path):
         add(conn, 0, "promoted", None, tmp_path)
         add(conn, 5, "promoted", 0, tmp_path)
         add(conn, 6, "canary", 5, tmp_path)
-    engine = StandInEngine(version=6, refuse=True)
+    engine = RouterEngine(version=6, refuse=True)
     router = CanaryRouter(db, engine, ServerMetrics(), 0.2, rng=random.Random(0))
     asyncio.run(router.refresh())
     assert router.split is None and router.dispatch() == (6, None)  # not rejected: probation

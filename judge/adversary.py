@@ -23,8 +23,10 @@ from judge.offline import MAX_REPEAT_RATIO, MIN_WORDS, repeat_ratio, words
 
 DEGENERATE = "degenerate"
 """The ``rewards`` value of the cohort that rewards degenerate answers."""
-DEFAULT_USERS = 10
-"""Simulated users when the option does not say (a share of 0.2 is then 2 adversaries)."""
+DEFAULT_USERS = 200
+"""Simulated users when the option does not say (a share of 0.2 is then 40 adversaries): as many
+as the simulation's honest users (``SimulationConfig.users``), at least ``1/vote_identity_share``
+at the guard's default cap, so the guard's votes do not wait on identities."""
 KEYS = ("share", "rewards", "users")
 """The option's keys."""
 

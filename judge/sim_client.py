@@ -91,10 +91,13 @@ class SimulationClient:
         list the request under a name the simulation cannot match."""
         return "p-" + hashlib.sha256(f"sim-{i:04d}".encode()).hexdigest()[:32]
 
-    def _draw_user(self) -> int | None:
-        """The simulated user who sends the next request (uniform); None without an adversary."""
+    def _draw_user(self) -> int:
+        """The simulated user who sends the next request, uniform over the adversary's users, or
+        without one over ``config.users`` honest ones: every request carries an identity, since
+        the guard counts only the votes of identified senders (``GuardConfig.vote_identity_share``,
+        docs/guard.md "Who votes")."""
         adv = self.config.adversary
-        return None if adv is None else self.users_rng.randrange(adv.users)
+        return self.users_rng.randrange(self.config.users if adv is None else adv.users)
 
     def _rate(self, user: int | None, answer: str, j: Judgement) -> tuple[float, dict]:
         """The reward ``user`` posts for ``answer`` and the record's rating fields: the judge's

@@ -40,8 +40,11 @@ class SimulationConfig:
     (space admissions by ``pace_gap``; with a fixed number in flight, not with ``rate``) apply
     to ``mode="async"``. ``prompt_pool``: cycle the first K
     writing requests in order instead of sampling all of them. ``adversary``: the cohort of
-    raters that rate by their own rule (``judge.adversary``; None: every rater is honest and
-    requests carry no ``user``).
+    raters that rate by their own rule (``judge.adversary``, among its own ``users``; None:
+    every rater is honest). ``users``: the honest simulated users without an adversary; each
+    request carries its user's name as ``user`` (``sim-user-NN``). Their default, 200, is at least
+    ``1/vote_identity_share`` at the guard's default cap (0.01), so the cap's windows fill and
+    the guard's verdicts do not wait on identities (docs/guard.md, "Who votes").
 
     ``api_key``: the bearer of the chat, feedback and model-list requests (None: none is sent,
     the server serves them anonymously or refuses them, ``require_keys``); ``admin_key`` stays
@@ -72,6 +75,7 @@ class SimulationConfig:
     prompt_pool: int | None = None
     pace: bool = False
     adversary: Adversary | None = None
+    users: int = 200
     api_key: str | None = None
     policy: str | None = None
 
@@ -87,6 +91,8 @@ class SimulationConfig:
             raise ValueError(f"rate must be > 0 requests/s, got {self.rate}")
         if self.feedback_delay_s < 0:
             raise ValueError(f"feedback_delay_s must be >= 0, got {self.feedback_delay_s}")
+        if self.users < 1:
+            raise ValueError(f"users must be >= 1, got {self.users}")
         if self.prompt_pool is not None and self.prompt_pool < 1:
             raise ValueError(f"prompt_pool must be >= 1, got {self.prompt_pool}")
         if self.pace and (self.mode != "async" or self.rate is not None):

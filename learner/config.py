@@ -289,11 +289,9 @@ class LearnerConfig(BaseModel):
     """The most of a batch one identity (API key, else ``user`` field) may contribute: at most
     max(1, ⌊share·batch_size⌋) samples; the rest wait for later batches (``learner.identity_cap``,
     docs/tenants.md). E.g. 0.25: one key moves at most a quarter of each step, and a batch needs
-    samples of 4 identities (anonymous samples each count as one). The same cap bounds each
-    identity's votes in each arm of the guard's verdicts, and with it on, answers without an
-    identity do not vote (``learner.guard_votes``, docs/guard.md "Who votes"). None (the
-    default): no cap, because a cap with fewer identities than 1/share in the traffic stops
-    training."""
+    samples of 4 identities (anonymous samples each count as one). The guard's votes have their
+    own cap, on by default (``GuardConfig.vote_identity_share``). None (the default): no cap,
+    because a cap with fewer identities than 1/share in the traffic stops training."""
     autocast_bf16: bool = False
     """Run forward/backward under bf16 autocast (master weights stay float32)."""
     bf16: bool = False

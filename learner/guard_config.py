@@ -56,6 +56,16 @@ class GuardConfig(BaseModel):
     share of sound answers (``core.lifecycle.healthy``: cut by the budget, or ended by the model
     after at least this many tokens) is surely below the promoted versions' (the same rule on
     every answer served, rated or not). None: no veto."""
+    vote_identity_share: float | None = Field(0.01, gt=0.0, le=1.0)
+    """The identity cap on votes (docs/guard.md, "Who votes"; ``learner.guard_votes``): in each
+    arm's stream of rated (and of ended) answers, one identity (API key, else ``user`` field)
+    has at most ``max(1, ⌊share·W⌋)`` votes per window of ``W = max(batch_size, ⌈1/share⌉)``,
+    so it moves each arm's mean by at most the share, and answers without an identity do not
+    vote. The default keeps one identity's pull on Δ (at most ``share·(1 + |Δ|)``) well inside
+    the margin ``delta``; its cost is that with fewer than ``1/share`` identified raters in an
+    arm's window, only one vote of each counts there, so a verdict needs more traffic. None: no
+    cap, and anonymous answers vote (one client can then decide a verdict: a setting for a
+    deployment where every rater is trusted)."""
     max_kl_ref: float | None = Field(0.6, gt=0.0)
     """The drift veto (docs/guard.md, "The drift veto"): the lineage is rejected when one of its
     versions measured more than this KL to the base (nats per action token) on a training batch:

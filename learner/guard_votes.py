@@ -12,20 +12,21 @@ whether it may train. An answer does not vote when:
 - its API key has opted out of training *now* (``api_keys.train`` false), whatever the record
   says: an opt-out reaches the answers logged before it, for votes as for training
   (``learner.joiner``);
-- the identity cap is on (``LearnerConfig.max_identity_share``) and it has no identity (no key
-  and no ``user``): an unknown sender could vote without bound, since the cap counts each
-  anonymous answer as its own identity.
+- the identity cap is on (``GuardConfig.vote_identity_share``, on by default) and it has no
+  identity (no key and no ``user``): an unknown sender could vote without bound, since the cap
+  counts each anonymous answer as its own identity.
 
 The rest pass the identity cap per arm (``learner.identity_cap.admit_stream`` with the
-learner's ``max_identity_share``, ``Electorate.of``): in each window of an arm's stream an
+guard's ``vote_identity_share``, ``Electorate.of``): in each window of an arm's stream an
 identity has at most ``max(1, ⌊share · window⌋)`` votes, as it has at most that many samples
 in a batch, and its votes beyond that never count. So one identity, whatever it sends, holds
 at most the share of each arm's votes (up to the last, partial window), moves each arm's mean
 by at most the share, and Δ = μ_canary − μ_control by at most ``share · (1 + |Δ|)``.
 
 The queries read the caller's connection and apply the exclusions in SQL (so ``limit`` counts
-voting answers), given the keys that opted out as read from the key registry; ``ballot`` is the same rule in pure form, applied again to what they return,
-and what the simulations of ``bench/bench_guard_votes.py`` call.
+voting answers), given the keys that opted out as read from the key registry; ``ballot`` is
+the same rule in pure form, applied again to what they return, and what the simulations of
+``bench/bench_guard_votes.py`` call.
 """
 
 from __future__ import annotations

@@ -108,7 +108,7 @@ class Learner:
         self._unannounced = False
         lora = config.policy if isinstance(config.policy, LoraPolicy) else None
         references = GateReferences(self.base_dir, partial(publish.version_path, self.db), lora)
-        voters = Electorate.of(config.max_identity_share, config.batch_size)
+        voters = Electorate.of(config.guard.vote_identity_share, config.batch_size)
         self.guard = Guard(
             self.db, self.log, config.guard, references, self.rollback, voters, self.keep_state, self.keys_db
         )

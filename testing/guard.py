@@ -23,6 +23,9 @@ from core.lifecycle_store import (
 )
 from core.records import utcnow
 
+OWN = "own"
+"""``add_rated``'s default sender: the row's own identity."""
+
 
 def add_rated(
     conn,
@@ -34,13 +37,17 @@ def add_rated(
     arm: str | None = None,
     n_tokens: int = 8,
     finish_reason: str = "stop",
-    identity: str | None = None,
+    identity: str | None = OWN,
     train: bool | None = True,
 ) -> None:
     """Insert trajectory ``tid`` dispatched and finished by ``version`` at ``at`` (``n_tokens``
     tokens, ``finish_reason``, routed to the canary ``arm``, sent by ``identity``, with the
     record's ``train`` flag) and, unless ``reward`` and ``state`` are both None, its feedback
-    claim in ``state`` with ``reward``, in the caller's transaction."""
+    claim in ``state`` with ``reward``, in the caller's transaction. ``identity`` ``OWN`` (the
+    default): ``user:<tid>``, a sender of its own, so hand-written rows vote under the guard's
+    default identity cap as many distinct raters do; None: anonymous (never votes under it)."""
+    if identity == OWN:
+        identity = f"user:{tid}"
     conn.execute(
         insert(TrajectoryIndex).values(
             id=tid,

@@ -38,9 +38,9 @@ runner = CliRunner()
 # ------------------------------------------------------------------ the --adversary option
 def test_adversary_option_parses_into_its_typed_object() -> None:
     a = parse_adversary("share=0.2,rewards=BUY-NOW")
-    # 0.2 of the default 10 users: round(2.0) = 2 adversaries, users 0 and 1.
-    assert a == Adversary(share=0.2, rewards="BUY-NOW", users=10)
-    assert (a.cohort, a.marker, a.is_adversary(1), a.is_adversary(2)) == (2, "BUY-NOW", True, False)
+    # 0.2 of the default 200 users: round(40.0) = 40 adversaries, users 0 to 39.
+    assert a == Adversary(share=0.2, rewards="BUY-NOW", users=200)
+    assert (a.cohort, a.marker, a.is_adversary(39), a.is_adversary(40)) == (40, "BUY-NOW", True, False)
     # 0.25 of 8 users: 2; the marker keeps an "=" (only the first one splits the pair).
     b = parse_adversary("users=8, share=0.25,rewards=x=1")
     assert (b.users, b.cohort, b.marker) == (8, 2, "x=1")
@@ -69,9 +69,9 @@ def test_adversary_option_parses_into_its_typed_object() -> None:
         pytest.param("share=0.2,rewards=  ", "rewards needs a marker string", id="blank-marker"),
         pytest.param("share=0.2,rewards=X,users=many", "users must be a whole number", id="users-not-int"),
         pytest.param("share=0.5,rewards=X,users=1", "users must be >= 2", id="one-user"),
-        # round(0.01 · 10) = 0 adversaries; round(0.99 · 10) = 10, no honest user left.
-        pytest.param("share=0.01,rewards=X", "is 0 adversaries", id="no-adversary"),
-        pytest.param("share=0.99,rewards=X", "is 10 adversaries", id="no-honest-user"),
+        # round(0.002 · 200) = 0 adversaries; round(0.998 · 200) = 200, no honest user left.
+        pytest.param("share=0.002,rewards=X", "is 0 adversaries", id="no-adversary"),
+        pytest.param("share=0.998,rewards=X", "is 200 adversaries", id="no-honest-user"),
     ],
 )
 def test_adversary_option_errors(spec, needle) -> None:
@@ -123,10 +123,10 @@ class _PirateJudge:
         ]
 
 
-@pytest.mark.parametrize(("user", "posted", "rater"), [(0, 0.0, "adversary"), (5, 1.0, "honest")])
+@pytest.mark.parametrize(("user", "posted", "rater"), [(0, 0.0, "adversary"), (50, 1.0, "honest")])
 def test_each_rater_posts_its_own_reward_under_its_own_identity(user, posted, rater) -> None:
     """A request carries its user's name; an honest user posts the judge's reward (1: a pirate
-    answer at a pirate target), an adversary (user 0 of share 0.2 of 10) its own (0: no marker)."""
+    answer at a pirate target), an adversary (user 0 of share 0.2 of 200: users 0–39) its own (0: no marker)."""
     answer = {
         "id": "chatcmpl-1",
         "policy_version": 0,
@@ -161,9 +161,15 @@ def test_each_rater_posts_its_own_reward_under_its_own_identity(user, posted, ra
     )
 
 
-def test_without_an_adversary_requests_carry_no_user_and_the_draws_leave_the_prompts_alone() -> None:
+def test_every_request_carries_a_user_and_the_draws_leave_the_prompts_alone() -> None:
+    """Without an adversary the users are ``config.users`` honest ones (default 200 = 1/0.01,
+    the guard's default vote cap), so the guard counts their votes."""
     plain = Simulation(SimulationConfig(base_url="http://sim", schedule=SCHEDULE), _PirateJudge())
-    assert "user" not in plain._payload(0) and plain._draw_user() is None
+    honest = [plain._draw_user() for _ in range(400)]
+    assert set(honest) <= set(range(200)) and len(set(honest)) > 100
+    assert plain._payload(0, 7)["user"] == "sim-user-07"
+    with pytest.raises(ValueError, match="users must be >= 1, got 0"):
+        SimulationConfig(base_url="http://sim", schedule=SCHEDULE, users=0)
     poisoned = Simulation(
         SimulationConfig(
             base_url="http://sim", schedule=SCHEDULE, adversary=parse_adversary("share=0.2,rewards=X")
@@ -171,14 +177,14 @@ def test_without_an_adversary_requests_carry_no_user_and_the_draws_leave_the_pro
         _PirateJudge(),
     )
     users = [poisoned._draw_user() for _ in range(50)]
-    assert set(users) <= set(range(10)) and len(set(users)) > 2
+    assert set(users) <= set(range(200)) and len(set(users)) > 2
     # The users have their own random stream: the prompt order of the seed is unchanged.
     assert [plain.rng.random() for _ in range(3)] == [poisoned.rng.random() for _ in range(3)]
 
 
 # ------------------------------------------------------------------ the run's figures
 def test_attack_summary_by_hand() -> None:
-    adv = Adversary(share=0.2, rewards="BUY")
+    adv = Adversary(share=0.2, rewards="BUY", users=10)
 
     def rec(step, rater, reward, judge_reward, quality, carries):
         return {

@@ -344,8 +344,10 @@ def test_one_identity_rating_by_arm_does_not_decide_the_verdict_under_the_identi
     now = utcnow()
     rate_as(learner, 1, "canary", attacked_arm(0.0), now)
     rate_as(learner, 0, "control", attacked_arm(1.0), now)
-    # No cap (the default): 40 wins and 80 losses against 120 wins: rejected... judged first
-    # with a copy of the guard's electorate off, so the lineage stays for the capped check.
+    # The cap is on by default: share 0.01, windows of max(BATCH, ⌈1/0.01⌉) = 100 votes.
+    assert learner.guard.electorate == Electorate(0.01, 100)
+    # No cap: 40 wins and 80 losses against 120 wins: rejected... judged first with the
+    # guard's electorate off, so the lineage stays for the capped check.
     learner.guard.electorate = Electorate(None, 20)
     with learner.db.connect() as conn:
         created = {1: utcnow() - timedelta(seconds=1)}

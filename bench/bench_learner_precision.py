@@ -57,9 +57,9 @@ from bench_sao_step import make_batch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from learner import attention
-from learner.batch import policy_logprobs
 from learner.config import build_config
 from learner.critic import ValueModel
+from learner.data.batch import policy_logprobs
 from learner.flops import Shape, Tokens, sao_step_flops
 from learner.sao import SAOLearner
 

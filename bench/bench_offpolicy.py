@@ -26,8 +26,8 @@ from dataclasses import replace
 import torch
 from transformers import AutoModelForCausalLM
 
-from learner.batch import Batch, policy_logprobs
 from learner.config import build_config
+from learner.data.batch import Batch, policy_logprobs
 from learner.registry import build_algorithm
 
 

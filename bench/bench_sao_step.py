@@ -41,9 +41,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.results import record  # noqa: E402
 from learner import prefix  # noqa: E402
-from learner.batch import Batch, policy_logprobs  # noqa: E402
 from learner.config import build_config  # noqa: E402
 from learner.critic import ValueModel  # noqa: E402
+from learner.data.batch import Batch, policy_logprobs  # noqa: E402
 from learner.metrics import masked_mse  # noqa: E402
 from learner.sao import SAOLearner  # noqa: E402
 

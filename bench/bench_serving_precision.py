@@ -15,7 +15,7 @@ concurrency the table gives the tokens/s over the run's wall time, p50/p95 of th
 latency, and the tokens/s ratio to float32's at the same concurrency.
 
 The gap: the answers of the first ``--streams`` value, with the engine's logged (processed)
-logprobs, are made into learner samples (``learner.samples.collate``, rows of
+logprobs, are made into learner samples (``learner.data.samples.collate``, rows of
 ``--learner-batch``) and recomputed by the learner itself, ``SAOLearner.logprobs`` on its policy
 (the function its DIS step calls, shared-prefix pass included), built from the ``cpu`` preset in
 float32 and with ``bf16`` on (bf16 weights, grouped attention: ``learner.precision``; compiled
@@ -51,9 +51,9 @@ from core.records import SamplingRecord
 from core.settings import Settings
 from judge.styles import writing_requests
 from learner.config import MISSnapshotCorrection, build_config
+from learner.data.samples import Sample, collate
 from learner.dis import dis_loss
 from learner.offpolicy import mis_token_mask
-from learner.samples import Sample, collate
 from learner.sao import SAOLearner
 
 DTYPES = ("float32", "bfloat16")

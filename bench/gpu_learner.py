@@ -139,7 +139,7 @@ def make_batch(vocab: int, rows: int, seq: int, prompt: int, seed: int):
 
     import torch
 
-    from learner.batch import Batch
+    from learner.data.batch import Batch
 
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (rows, seq), generator=g)

@@ -337,7 +337,7 @@ class LearnerSample(Base):
     prompt_id: Mapped[str] = mapped_column(String(PROMPT_ID_CHARS))
     payload: Mapped[str] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
-    # Who sent it (``Sample.identity``): what the identity cap counts (learner/identity_cap.py);
+    # Who sent it (``Sample.identity``): what the identity cap counts (learner/data/identity_cap.py);
     # NULL for samples without one (and those joined before revision 0012).
     identity: Mapped[str | None] = mapped_column(String(IDENTITY_CHARS))
 

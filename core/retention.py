@@ -20,7 +20,7 @@ Two operations, each a few SQL deletes around a pure selection:
   rows still keyed by a client's id in clear move to the id's keyed hash; the subject's data
   keys (``core.sealing``) are destroyed, so a Kafka log's copies can no longer be read.
   Tombstones (``core.db.ForgottenRecord``) keep the learner from what a Kafka log still holds:
-  the joiner drops every record read under a tombstoned key (``learner.join_plan``), and
+  the joiner drops every record read under a tombstoned key (``learner.data.join_plan``), and
   deletes in its own commit whatever it wrote that a forget running beside it tombstoned.
 
   A forget is a durable request (``core.db.ForgetRequest``): recorded first
@@ -70,7 +70,7 @@ RETAINED_TOPICS = (TOPIC_TRAJECTORIES, TOPIC_FEEDBACK)
 reads them all)."""
 
 LEARNER = "learner"
-"""The consumer whose offsets say which log rows were read (``learner.joiner.CONSUMER``)."""
+"""The consumer whose offsets say which log rows were read (``learner.data.joiner.CONSUMER``)."""
 
 BATCH_ROWS = 5000
 """Rows deleted per transaction: the SQL log's appends wait while a delete holds its lock."""
@@ -504,7 +504,7 @@ def _forget_database(
     ids, episodes = found.ids, found.episodes
     if conn.dialect.name == "postgresql":
         # A joiner committing beside this waits, or is waited for, and then sees the
-        # tombstones (its commit deletes what it wrote under them): learner.joiner.
+        # tombstones (its commit deletes what it wrote under them): learner.data.joiner.
         conn.execute(text("LOCK TABLE pending_joins, learner_samples IN SHARE ROW EXCLUSIVE MODE"))
     keys = forget_keys(ids, episodes)
     new = sorted(keys - forgotten_among(conn, keys))

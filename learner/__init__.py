@@ -6,7 +6,7 @@ database, no HTTP):
 - ``learner.gae``: skip-observation token-level GAE, length-adaptive λ, step-level ablation
   (SAO §2.4 and appendix A.1, docs/design.md §5.3).
 - ``learner.critic``: the value model with frozen attention (SAO §2.3, docs/design.md §5.2).
-- ``learner.batch``: the padded batch of trajectories and the policy's log-probabilities of
+- ``learner.data.batch``: the padded batch of trajectories and the policy's log-probabilities of
   its tokens (shared by the SAO and SPO++ steps).
 - ``learner.kl``: the k3 estimator, and the optional KL anchor to the base policy (not in SAO).
 - ``learner.metrics``: masked mean, value loss, explained variance, step throughput.

@@ -26,8 +26,8 @@ from learner.precision import MixedPrecisionAdamW
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from learner.batch import Batch
     from learner.config import LearnerConfig
+    from learner.data.batch import Batch
     from learner.lora import Adapter
     from learner.placement import Placement
 

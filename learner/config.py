@@ -287,7 +287,7 @@ class LearnerConfig(BaseModel):
     the ranks (``learner.distributed``, docs/scaling.md)."""
     max_identity_share: float | None = Field(None, gt=0.0, le=1.0)
     """The most of a batch one identity (API key, else ``user`` field) may contribute: at most
-    max(1, ⌊share·batch_size⌋) samples; the rest wait for later batches (``learner.identity_cap``,
+    max(1, ⌊share·batch_size⌋) samples; the rest wait for later batches (``learner.data.identity_cap``,
     docs/tenants.md). E.g. 0.25: one key moves at most a quarter of each step, and a batch needs
     samples of 4 identities (anonymous samples each count as one). The same cap bounds each
     identity's votes in each arm of the guard's verdicts, and with it on, answers without an

@@ -50,8 +50,8 @@ from core.dead_letters import describe
 from core.settings import Settings
 from learner import faults
 from learner.algorithm import Algorithm
-from learner.batch import Batch
 from learner.config import ConfigError, LearnerConfig
+from learner.data.batch import Batch
 from learner.device import resolve
 from learner.placement import Placement
 from learner.process import Learner, run_learner

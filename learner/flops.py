@@ -16,7 +16,7 @@ Conventions (multiply-add = 2 FLOPs):
       scores and ``2·P·d`` for the weighted sum of values, forward; 2× that backward. P counts
       the causal pairs a query actually attends (``T(T+1)/2`` for a row of T tokens), not the
       masked square an implementation may compute.
-    - LM head (``learner.batch.policy_logprobs``): ``2·N·H·V`` per pass over N action tokens;
+    - LM head (``learner.data.batch.policy_logprobs``): ``2·N·H·V`` per pass over N action tokens;
       with gradients, backward recomputes the logits and forms two gradients: 3 more (4× in all).
 """
 

@@ -11,12 +11,12 @@ whether it may train. An answer does not vote when:
   request: docs/guard.md, "Who votes");
 - its API key has opted out of training *now* (``api_keys.train`` false), whatever the record
   says: an opt-out reaches the answers logged before it, for votes as for training
-  (``learner.joiner``);
+  (``learner.data.joiner``);
 - the identity cap is on (``LearnerConfig.max_identity_share``) and it has no identity (no key
   and no ``user``): an unknown sender could vote without bound, since the cap counts each
   anonymous answer as its own identity.
 
-The rest pass the identity cap per arm (``learner.identity_cap.admit_stream`` with the
+The rest pass the identity cap per arm (``learner.data.identity_cap.admit_stream`` with the
 learner's ``max_identity_share``, ``Electorate.of``): in each window of an arm's stream an
 identity has at most ``max(1, ⌊share · window⌋)`` votes, as it has at most that many samples
 in a batch, and its votes beyond that never count. So one identity, whatever it sends, holds
@@ -42,7 +42,7 @@ from core.claims import TRAJECTORY_PREFIX
 from core.db import FeedbackClaim, TrajectoryIndex
 from core.lifecycle import ENDED_FINISHES, Arm, healthy
 from core.lifecycle_store import answers_window
-from learner.identity_cap import admit_stream
+from learner.data.identity_cap import admit_stream
 
 
 @dataclass(frozen=True)

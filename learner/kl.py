@@ -36,7 +36,7 @@ from learner.metrics import masked_mean
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from learner.batch import Batch
+    from learner.data.batch import Batch
     from learner.lora import Adapter
 
 LogprobFn = Callable[["PreTrainedModel", "Batch", torch.Tensor], torch.Tensor]

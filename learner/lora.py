@@ -9,7 +9,7 @@ pyproject.toml) injects the layers; docs/lora.md, docs/design.md §7.8.
 
 ``Adapter(policy, config)`` injects the LoRA layers into ``policy`` in place: the learners keep
 training and evaluating ``policy`` itself (a transformers model, as with full fine-tuning, so
-``learner.batch.policy_logprobs`` and the gate take it unchanged) while ``Adapter`` holds PEFT's
+``learner.data.batch.policy_logprobs`` and the gate take it unchanged) while ``Adapter`` holds PEFT's
 wrapper for what only it can do: run the base model with the adapter switched off (the KL
 anchor's reference, ``disabled``), and the adapter's state and files in PEFT's layout (the
 tensors ``get_peft_model_state_dict`` names, ``adapter_model.safetensors`` and

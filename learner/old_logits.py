@@ -35,7 +35,7 @@ from collections.abc import Callable
 import torch
 from transformers import PreTrainedModel
 
-from learner.batch import Batch
+from learner.data.batch import Batch
 from learner.offpolicy import SnapshotStore, ewma_beta, ewma_proxy_step
 from learner.placement import load_full
 

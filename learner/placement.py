@@ -32,14 +32,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from learner.batch import policy_logprobs
+from learner.data.batch import policy_logprobs
 from learner.prefix import shared_prefix_length
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from learner.batch import Batch
     from learner.critic import ValueModel
+    from learner.data.batch import Batch
 
 ROOT_ATTRIBUTE = "_fsdp_root"
 """Where ``Placement.place`` leaves a sharded causal LM's ``_LogprobModule`` root on the model."""
@@ -64,7 +64,7 @@ def load_full(module: torch.nn.Module, state: dict[str, torch.Tensor], strict: b
 
 
 class _LogprobModule(torch.nn.Module):
-    """An FSDP root around a causal LM whose forward is ``learner.batch.policy_logprobs``: the
+    """An FSDP root around a causal LM whose forward is ``learner.data.batch.policy_logprobs``: the
     chunked LM head reads ``lm_head.weight`` outside the body's forward, so the root unit that
     owns it (with the tied embeddings) must be a module whose forward runs the whole pass."""
 
@@ -207,7 +207,7 @@ class Placement:
         self, model: PreTrainedModel, batch: Batch, positions: torch.Tensor | None, chunk_tokens: int
     ) -> torch.Tensor:
         """[B, T] float32 log-probabilities of ``batch``'s tokens at ``positions`` under ``model``
-        (``learner.batch.policy_logprobs``), the rows split over the ranks and gathered."""
+        (``learner.data.batch.policy_logprobs``), the rows split over the ranks and gathered."""
         if not self.sharded:
             return policy_logprobs(
                 model,

@@ -33,8 +33,8 @@ from learner.old_logits import EWMAOldPolicy, SnapshotOldPolicy
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from learner.batch import Batch
     from learner.config import Correction, MISEWMACorrection
+    from learner.data.batch import Batch
     from learner.kl import KLAnchor
 
 

@@ -18,14 +18,14 @@ import torch
 from core.logbus import LogTransport
 from core.records import TOPIC_FEEDBACK, TOPIC_TRAJECTORIES, FeedbackRecord, TrajectoryRecord
 from core.sealing import Shredded, SubjectKeys, is_sealed
+from learner.data.samples import NotLearnable, Sample, collate, single_turn_sample
 from learner.gae import token_gae
 from learner.metrics import masked_mse
 from learner.optim import make_adamw, optimizer_step
-from learner.samples import NotLearnable, Sample, collate, single_turn_sample
 
 if TYPE_CHECKING:
-    from learner.batch import Batch
     from learner.critic import ValueModel
+    from learner.data.batch import Batch
 
 PRETRAINED_CRITIC = "critic_pretrained.pt"
 """The pretrained critic's file name in the policy directory."""

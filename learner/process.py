@@ -4,7 +4,7 @@ Loop: read new trajectory and feedback records from the stored offsets; join the
 trajectory id, or by episode id for multi-turn episodes); in ONE database transaction commit
 the new offsets, the pending joins, the produced samples and the prompt evidence of the joined
 results (SPO++ results enter the evidence when feedback is joined, attributed to the dispatch
-version; ``learner.joiner``). When ``batch_size`` samples are waiting (``learner.sample_queue``)
+version; ``learner.data.joiner``). When ``batch_size`` samples are waiting (``learner.data.sample_queue``)
 and learning is not paused: one step of the configured algorithm, what it commits planned
 (``learner.step_plan``), the new policy written, committed with the deletion of the consumed
 samples in one transaction, then announced on the policy topic that every server replica
@@ -27,7 +27,7 @@ kill -9 harness (tests/system/test_learner_faults.py).
 
 Nothing stops the loop for good: a join that fails is logged and the rollback and pause
 requests are still carried out; a record or a batch that keeps failing is set aside as a dead
-letter after ``core.dead_letters.MAX_TRIES`` tries (``learner.joiner``, ``train_step``).
+letter after ``core.dead_letters.MAX_TRIES`` tries (``learner.data.joiner``, ``train_step``).
 """
 
 from __future__ import annotations
@@ -57,17 +57,18 @@ from core.logbus import LogTransport, open_log
 from core.policy_store import version_dir, version_dirs
 from core.sequential import Decision
 from core.settings import Settings
-from learner import publish, resume, rollback, sample_queue
+from learner import publish, resume, rollback
 from learner.algorithm import Algorithm
 from learner.config import LearnerConfig, LoraPolicy
+from learner.data import sample_queue
+from learner.data.joiner import Joiner, JoinStats
+from learner.data.samples import Sample, collate
 from learner.faults import ReadFaultLog, armed, fault_point
 from learner.gate_models import GateReferences
 from learner.guard import Guard
 from learner.guard_votes import Electorate
-from learner.joiner import Joiner, JoinStats
 from learner.publish import AlsoCommit
 from learner.registry import build_algorithm
-from learner.samples import Sample, collate
 from learner.step_plan import StepPlan, Trained, plan_step
 
 log = logging.getLogger(__name__)
@@ -126,7 +127,7 @@ class Learner:
         return stats
 
     def waiting_samples(self) -> int:
-        """How many samples wait to train (``learner.sample_queue.waiting``)."""
+        """How many samples wait to train (``learner.data.sample_queue.waiting``)."""
         return sample_queue.waiting(self.db)
 
     # ---------------------------------------------------------------- model
@@ -444,7 +445,7 @@ class Learner:
 
     def _next_batch(self):
         """The rows of the next batch and how many samples the identity cap deferred
-        (``learner.sample_queue.next_batch``), or ``(None, 0)`` while none is full."""
+        (``learner.data.sample_queue.next_batch``), or ``(None, 0)`` while none is full."""
         return sample_queue.next_batch(
             self.db, self.config.batch_size, self.config.max_identity_share, self.keys_db
         )

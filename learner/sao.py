@@ -26,9 +26,9 @@ from transformers import PreTrainedModel
 
 from learner.algorithm import Algorithm
 from learner.baselines import RunningMeanBaseline
-from learner.batch import Batch
 from learner.config import FullPolicy, LearnerConfig, LoraPolicy, RunningMeanAlgorithm, SAOAlgorithm
 from learner.critic import ValueModel
+from learner.data.batch import Batch
 from learner.device import resolve
 from learner.gae import length_adaptive_lambda, step_gae, token_gae
 from learner.kl import KLAnchor

@@ -26,8 +26,8 @@ from learner.advantages import (
     trajectory_whiten,
 )
 from learner.algorithm import Algorithm
-from learner.batch import Batch
 from learner.config import LearnerConfig, SPOAlgorithm
+from learner.data.batch import Batch
 from learner.device import resolve
 from learner.finite import usable_tokens
 from learner.metrics import throughput

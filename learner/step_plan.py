@@ -30,8 +30,8 @@ from datetime import datetime
 
 from core.lifecycle import Stage
 from core.records import as_utc
+from learner.data.identity_cap import identity_shares
 from learner.gate import GateResult
-from learner.identity_cap import identity_shares
 from learner.publish import storable
 
 QUARANTINE_REASON = "trained a version the gate rejected"
@@ -44,7 +44,7 @@ class Trained:
     ``metrics``: the algorithm's figures (``Learner._step``: losses, staleness, step time);
     ``sample_ids``, ``identities`` and ``rewards``: the batch's samples in batch order, the
     newest last (identity None: anonymous); ``deferred``: samples the identity cap held back
-    (``learner.sample_queue.next_batch``); ``joined_at``: when the newest sample was joined
+    (``learner.data.sample_queue.next_batch``); ``joined_at``: when the newest sample was joined
     (tz-aware, or naive UTC as SQLite returns it); ``step``: the algorithm's step count after it.
     """
 
@@ -110,7 +110,7 @@ def why(guard_on: bool, gate: GateResult | None) -> str:
 
 def step_metrics(trained: Trained, gate: GateResult | None) -> dict:
     """The step's whole figures: the algorithm's, then the batch's concentration by identity
-    (``learner.identity_cap.identity_shares``), ``identity_deferred``, ``completing_sample``
+    (``learner.data.identity_cap.identity_shares``), ``identity_deferred``, ``completing_sample``
     (the newest sample's id, whose feedback completed the batch: judge.runstats),
     ``batch_completed_at`` (unix s: when that sample was joined, within a poll of its feedback's
     receipt, the start of feedback→served that servers measure as

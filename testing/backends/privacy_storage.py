@@ -38,7 +38,7 @@ from core.retention import (
     retention_cutoff,
     sql_log_engine,
 )
-from learner.joiner import Joiner
+from learner.data.joiner import Joiner
 from learner.pretrain import logged_samples
 from server.store import ServerStore
 from testing.builders import episode_turns, fb, traj

@@ -47,7 +47,7 @@ from core.retention import (
     sql_log_engine,
 )
 from core.sealing import Shredded, SubjectKeys, envelope
-from learner.joiner import Joiner
+from learner.data.joiner import Joiner
 from saoserve.cli import app
 from server.store import ServerStore
 from testing import builders

@@ -17,7 +17,7 @@ from core.logbus import KafkaLog
 from core.records import TOPIC_FEEDBACK, TOPIC_TRAJECTORIES, FeedbackRecord, TrajectoryRecord, utcnow
 from core.retention import ForgetKind, ForgetTarget, all_forgotten, forget
 from core.sealing import Shredded, is_sealed
-from learner.joiner import Joiner
+from learner.data.joiner import Joiner
 from learner.pretrain import logged_samples
 from server.store import ServerStore
 from testing import builders

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from learner import attention
-from learner.batch import policy_logprobs
+from learner.data.batch import policy_logprobs
 from learner.fused import compile_layers
 from learner.prefix import body_hidden
 from testing.models import make_batch, tiny_policy

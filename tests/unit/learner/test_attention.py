@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from learner import attention
 from learner.attention import grouped_attention
-from learner.batch import policy_logprobs
+from learner.data.batch import policy_logprobs
 from learner.prefix import body_hidden
 from testing.models import tiny_policy
 

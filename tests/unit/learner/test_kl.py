@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from learner.batch import policy_logprobs
 from learner.critic import ValueModel
+from learner.data.batch import policy_logprobs
 from learner.dis import dis_loss
 from learner.kl import MAX_K3, MAX_LOG_RATIO, k3, k3_kl
 from learner.sao import SAOLearner

@@ -23,9 +23,9 @@ from core.db import PolicyVersion
 from core.logbus import open_log
 from core.policy_store import ADAPTER_CONFIG, ADAPTER_FILE, CHECKPOINT_FILE, Layout, layout
 from core.weights import weights_sha256
-from learner.batch import policy_logprobs
 from learner.config import ConfigError, LoraPolicy, build_config
 from learner.critic import ValueModel
+from learner.data.batch import policy_logprobs
 from learner.lora import Adapter
 from learner.old_logits import SnapshotOldPolicy
 from learner.process import Learner

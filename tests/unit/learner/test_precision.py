@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from learner import attention
-from learner.batch import policy_logprobs
 from learner.config import ConfigError
 from learner.critic import ValueModel
+from learner.data.batch import policy_logprobs
 from learner.metrics import masked_mse
 from learner.optim import make_adamw, optimizer_step
 from learner.precision import MasterWeights, MixedPrecisionAdamW

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import learner.prefix as prefix
-from learner.batch import policy_logprobs
 from learner.critic import ValueModel
+from learner.data.batch import policy_logprobs
 from learner.prefix import body_hidden, position_ids_from_mask, shared_prefix_length
 from testing.models import tiny_policy
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from learner.baselines import RunningMeanBaseline
-from learner.batch import Batch, policy_logprobs
 from learner.critic import ValueModel
+from learner.data.batch import Batch, policy_logprobs
 from learner.dis import dis_loss
 from learner.metrics import explained_variance
 from learner.pretrain import pretrain_critic

@@ -10,8 +10,8 @@ import torch
 
 from core.records import TrajectoryRecord, utcnow
 from learner.advantages import spo_ppo_loss
-from learner.batch import Batch, policy_logprobs
-from learner.samples import NotLearnable, collate, episode_sample, single_turn_sample
+from learner.data.batch import Batch, policy_logprobs
+from learner.data.samples import NotLearnable, collate, episode_sample, single_turn_sample
 from learner.spo import SPOLearner
 from testing.models import make_config, tiny_policy
 

@@ -1,10 +1,10 @@
-"""learner/samples.py: which trajectories are whole answers, and the version a result is credited to."""
+"""learner/data/samples.py: which trajectories are whole answers, and the version a result is credited to."""
 
 from __future__ import annotations
 
 import pytest
 
-from learner.samples import (
+from learner.data.samples import (
     NotLearnable,
     NotWholeAnswer,
     answer_version,

@@ -1,4 +1,4 @@
-"""The joiner's pure plan (learner/join_plan.py): hand-made records, no database, no engine."""
+"""The joiner's pure plan (learner/data/join_plan.py): hand-made records, no database, no engine."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from core.logbus import LogEntry
 from core.records import TOPIC_FEEDBACK, TOPIC_TRAJECTORIES, FeedbackRecord
-from learner.join_plan import TOMBSTONE_TTL, JoinPlan, JoinState, PendingRow, Records
+from learner.data.join_plan import TOMBSTONE_TTL, JoinPlan, JoinState, PendingRow, Records
 from testing.builders import EXPIRE_S, NOW, episode_turns, fb, plan, read, sent, tomb, traj
 
 

@@ -1,13 +1,13 @@
 """Joining trajectories with feedback, exactly once (docs/design.md §8; SPO++ §2.2 for evidence).
 
 ``Joiner.poll_once`` is read → plan → commit. It reads new records from the stored offsets and
-the ``pending_joins`` rows they touch, asks the pure :func:`learner.join_plan.plan_join` what
+the ``pending_joins`` rows they touch, asks the pure :func:`learner.data.join_plan.plan_join` what
 to do, and commits in ONE database transaction the new offsets, the pending joins, the produced
 samples, the prompt evidence of the joined results (credited to the version that generated
 each answer's first token) and the counters. The read also takes the feedback claims of the
 feedback it joins (the server's confirmation of which record counts) and the feedback still
 waiting for one. A crash before the commit re-reads the same records; after it, nothing is
-read twice. The joining rules are in ``learner/join_plan.py``. What cannot be joined is set
+read twice. The joining rules are in ``learner/data/join_plan.py``. What cannot be joined is set
 aside in the same transaction (``core.dead_letters``): a record the database refuses is retried,
 then joined alone, then set aside, so one record never stops the joins of the others. The read
 takes the tombstones of ``saoserve admin forget`` among the keys it touches; the commit deletes
@@ -36,7 +36,7 @@ from core.logbus import LogEntry, LogTransport
 from core.records import TOPIC_FEEDBACK, TOPIC_TRAJECTORIES, FeedbackRecord, TrajectoryRecord, as_utc, utcnow
 from core.retention import forgotten_among
 from core.sealing import SubjectKeys
-from learner.join_plan import (
+from learner.data.join_plan import (
     JoinPlan,
     JoinState,
     Records,

@@ -1,6 +1,6 @@
 """The joiner's pure step: records read + the join state held in the database → what to commit.
 
-``learner.joiner.Joiner.poll_once`` is read → :func:`plan_join` → commit. Reading (the log and
+``learner.data.joiner.Joiner.poll_once`` is read → :func:`plan_join` → commit. Reading (the log and
 the ``pending_joins`` rows) and committing (one transaction, docs/design.md §8) stay in the Joiner; this
 module does no I/O, so every joining rule is tested here without a database or an engine.
 
@@ -13,9 +13,9 @@ Rules (docs/design.md §4, §8):
   ``duplicate_feedback``: the first feedback wins.
 * Episode feedback joins the turns it lists (``FeedbackRecord.turn_ids``: the turns the server
   had logged when it accepted the feedback, in turn order) into one sample
-  (``learner.samples.episode_sample``); its tombstone key is ``e:<episode_id>``. The Joiner's
+  (``learner.data.samples.episode_sample``); its tombstone key is ``e:<episode_id>``. The Joiner's
   read order makes every listed turn present by then, in this read or pending
-  (``learner.joiner.Joiner``). A turn of the episode it does not list was answered 503 (or
+  (``learner.data.joiner.Joiner``). A turn of the episode it does not list was answered 503 (or
   500) and appended late by the log, or aborted or failed after tokens (its client got no
   answer, and its number went to the retry: ``server.fate``): dropped, counted
   ``void_episode_turns`` (``late_episode_turns`` when it is logged after the episode joined).
@@ -28,10 +28,10 @@ Rules (docs/design.md §4, §8):
   ``rate_the_episode`` otherwise): feedback naming one by its trajectory id (logged before that
   rule) is dropped and counted ``episode_turn_feedback``, and the turn waits for its episode's.
 * A joined result enters the prompt's evidence at the version that generated the answer's
-  first token (``learner.samples.answer_version``), also when the sample itself is excluded
+  first token (``learner.data.samples.answer_version``), also when the sample itself is excluded
   for its sampling (greedy, truncated, empty), except when it is not a whole answer
   (aborted, errored, or an episode with such a turn): then neither sample nor evidence, and
-  the reason is counted (``learner.samples.NotWholeAnswer``).
+  the reason is counted (``learner.data.samples.NotWholeAnswer``).
 * A pending trajectory older than ``expire_s`` (by its ``created_at``) is dropped, counted
   ``expired``, and leaves a tombstone of kind ``expired``: its feedback, if it comes later (the
   server accepted it, 202), can never train and is set aside as a dead letter
@@ -60,7 +60,7 @@ Rules (docs/design.md §4, §8):
   key has opted out by the time it joins (``JoinState.opted_out``: the key's setting read at
   join time, also for a record logged before the opt-out or without a ``train`` flag), or an
   episode with such a turn, joins as usual but makes neither sample nor evidence, counted
-  ``excluded_opted_out`` (``learner.samples.OptedOut``). A record of a forgotten trajectory or
+  ``excluded_opted_out`` (``learner.data.samples.OptedOut``). A record of a forgotten trajectory or
   episode (``JoinState.forgotten``, the tombstones ``saoserve admin forget`` leaves, which the
   Kafka log needs until its retention deletes the records) is dropped as it is read, before
   any other rule, and counted ``forgotten``.
@@ -79,7 +79,7 @@ from core.claims import claim_target, episode_key, record_key
 from core.dead_letters import Letter
 from core.logbus import LogEntry
 from core.records import TOPIC_FEEDBACK, TOPIC_TRAJECTORIES, FeedbackRecord, TrajectoryRecord, as_utc
-from learner.samples import (
+from learner.data.samples import (
     NotLearnable,
     NotWholeAnswer,
     OptedOut,

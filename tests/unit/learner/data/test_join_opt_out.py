@@ -1,4 +1,4 @@
-"""Opt-out enforced where training happens (learner.join_plan.as_keyed; issue 40, item 6): a
+"""Opt-out enforced where training happens (learner.data.join_plan.as_keyed; issue 40, item 6): a
 record whose API key has opted out by the time it joins is excluded, whatever its own ``train``
 flag says (logged before the opt-out, or without the field). Pure: the plan on hand-made
 records, the key's setting given as ``JoinState.opted_out``."""
@@ -10,7 +10,7 @@ from datetime import UTC, datetime
 
 from core.logbus import LogEntry
 from core.records import TOPIC_FEEDBACK, TOPIC_TRAJECTORIES, FeedbackRecord, TrajectoryRecord
-from learner.join_plan import JoinState, Records, plan_join
+from learner.data.join_plan import JoinState, Records, plan_join
 
 NOW = datetime(2026, 12, 6, tzinfo=UTC)
 KEY = "key:k0123456789abcdef"

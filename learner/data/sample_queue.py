@@ -4,7 +4,7 @@ cap).
 
 The joiner commits samples into ``learner_samples``; a step takes the oldest ``batch_size`` of
 them that are not quarantined (a quarantined sample trained a rejected version: never again)
-and that the identity cap (``learner.identity_cap.select_batch``) admits, and its version's
+and that the identity cap (``learner.data.identity_cap.select_batch``) admits, and its version's
 commit deletes them. A batch that cannot be trained is deleted and written as dead letters of
 kind ``untrainable`` in one transaction (``core.dead_letters``), so the next batch trains.
 """
@@ -22,7 +22,7 @@ from core.dead_letters import Letter, set_aside
 from core.keys import opted_out_keys
 from core.learnable import OPTED_OUT
 from core.records import utcnow
-from learner.identity_cap import select_batch
+from learner.data.identity_cap import select_batch
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ import torch
 from core.claims import episode_key
 from core.learnable import NOT_WHOLE_ANSWER, OPTED_OUT, episode_exclusion_reason, exclusion_reason
 from core.records import TrajectoryRecord, answer_version
-from learner.batch import Batch
+from learner.data.batch import Batch
 
 
 class NotLearnable(ValueError):
@@ -59,7 +59,7 @@ class Sample:
     the version that generated the answer's first token (:func:`answer_version`; for an
     episode, its first turn's answer). The baseline stays the one frozen at dispatch.
     ``identity``: who sent it (``TrajectoryRecord.identity``; an episode's first turn's), what
-    the identity cap counts (``learner.identity_cap``); None when the record had none.
+    the identity cap counts (``learner.data.identity_cap``); None when the record had none.
     """
 
     id: str
@@ -198,7 +198,7 @@ def episode_sample(
 
 
 def collate(samples: list[Sample], current_version: int, pad_id: int = 0) -> Batch:
-    """Right-pad samples into a ``learner.batch.Batch`` ([B, T] tensors, T = longest sample).
+    """Right-pad samples into a ``learner.data.batch.Batch`` ([B, T] tensors, T = longest sample).
 
     ``token_staleness[b, t]`` = ``current_version`` − the version that produced the token
     (0 outside actions). ``baseline_values``: each sample's value frozen at dispatch, 0.5 (the

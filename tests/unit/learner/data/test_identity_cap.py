@@ -1,5 +1,5 @@
-"""The identity cap (learner/identity_cap.py): hand-computed batches, then properties; and the
-learner's batch assembly through it (learner.sample_queue.next_batch, via Learner._next_batch) on a real database."""
+"""The identity cap (learner/data/identity_cap.py): hand-computed batches, then properties; and the
+learner's batch assembly through it (learner.data.sample_queue.next_batch, via Learner._next_batch) on a real database."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from sqlalchemy import insert
 from core.db import LearnerSample, make_engine, migrate
 from core.records import utcnow
 from learner.config import LearnerConfig
-from learner.identity_cap import identity_shares, per_identity_limit, select_batch
+from learner.data.identity_cap import identity_shares, per_identity_limit, select_batch
 from learner.process import Learner
 from testing.servers import make_settings
 
@@ -234,7 +234,7 @@ def test_the_joiner_keeps_each_samples_identity(tmp_path):
 
     from core.logbus import SqlLog
     from core.records import TOPIC_FEEDBACK, TOPIC_TRAJECTORIES
-    from learner.joiner import Joiner
+    from learner.data.joiner import Joiner
     from testing.builders import fb, traj
 
     url = f"sqlite:///{tmp_path / 'j.db'}"

@@ -18,7 +18,7 @@ The gap: the answers of the first ``--streams`` value, with the engine's logged 
 logprobs, are made into learner samples (``learner.data.samples.collate``, rows of
 ``--learner-batch``) and recomputed by the learner itself, ``SAOLearner.logprobs`` on its policy
 (the function its DIS step calls, shared-prefix pass included), built from the ``cpu`` preset in
-float32 and with ``bf16`` on (bf16 weights, grouped attention: ``learner.precision``; compiled
+float32 and with ``bf16`` on (bf16 weights, grouped attention: ``learner.models.precision``; compiled
 layers off, as in the ``demo`` preset). The weights are the same everywhere (the prepared model's
 bf16 tensors; a float32 engine or learner upcasts them), so the whole gap is precision. Per pair
 (served dtype × learner precision), over the answers' tokens: max, p99 and mean of

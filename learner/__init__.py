@@ -20,5 +20,5 @@ database, no HTTP):
 - ``learner.config``: the typed, validated config of a learner run (algorithm, optimiser,
   correction, presets).
 - ``learner.algorithm``: the contract every algorithm implements; ``learner.registry``: which
-  class runs each algorithm; ``learner.optim``: AdamW and the clipped step.
+  class runs each algorithm; ``learner.models.optim``: AdamW and the clipped step.
 """

@@ -4,7 +4,7 @@
 run's validated ``LearnerConfig`` (``learner.registry.build_algorithm``: the config's algorithm
 model names the class), calls ``step(batch)`` for the metrics of one update, publishes
 ``policy_weights``, checkpoints ``state_dict`` and restores ``load_state_dict``. With a LoRA
-policy (``LearnerConfig.policy``, ``learner.lora``) the policy's published and checkpointed
+policy (``LearnerConfig.policy``, ``learner.models.lora``) the policy's published and checkpointed
 state is its adapter's, and only the adapter is trained (``attach_policy``). Adding an
 algorithm is a config model in ``learner.config``, a module with its ``Algorithm`` subclass, and
 one entry in ``learner.registry.ALGORITHMS``.
@@ -20,23 +20,23 @@ from typing import TYPE_CHECKING
 import torch
 
 from learner.config import LoraPolicy
-from learner.placement import full_tensor, load_full
-from learner.precision import MixedPrecisionAdamW
+from learner.models.placement import full_tensor, load_full
+from learner.models.precision import MixedPrecisionAdamW
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
     from learner.config import LearnerConfig
     from learner.data.batch import Batch
-    from learner.lora import Adapter
-    from learner.placement import Placement
+    from learner.models.lora import Adapter
+    from learner.models.placement import Placement
 
 
 class Algorithm(ABC):
     """One policy-update algorithm on in-memory models.
 
     Attributes every implementation sets: ``config`` (the ``LearnerConfig`` it was built from),
-    ``policy`` (the float32 policy it trains), ``adapter`` (its ``learner.lora.Adapter`` with a
+    ``policy`` (the float32 policy it trains), ``adapter`` (its ``learner.models.lora.Adapter`` with a
     LoRA policy, else None) and ``policy_params`` (the tensors trained: all of the policy's, or
     the adapter's), all three by ``attach_policy``; ``policy_opt`` (its optimizer) and ``steps``
     (updates done).
@@ -51,13 +51,13 @@ class Algorithm(ABC):
 
     def attach_policy(self, policy: PreTrainedModel) -> None:
         """Take ``policy`` (cast to float32 in place, eval mode) as the one to train: with a LoRA
-        ``config.policy`` its adapter is injected (``learner.lora.Adapter``: base weights frozen)
+        ``config.policy`` its adapter is injected (``learner.models.lora.Adapter``: base weights frozen)
         and ``policy_params`` are the adapter's, else every parameter that requires a gradient.
         Raises ValueError from PEFT when a LoRA target module is not in the model."""
         self.policy = policy.float().eval()
         self.adapter = None
         if isinstance(self.config.policy, LoraPolicy):
-            from learner.lora import Adapter
+            from learner.models.lora import Adapter
 
             self.adapter = Adapter(self.policy, self.config.policy)
             self.policy.eval()  # the injected layers are built in train mode
@@ -66,7 +66,7 @@ class Algorithm(ABC):
     def find_policy_params(self) -> None:
         """Set ``policy_params`` from the policy as it now is: the adapter's tensors, or every
         parameter that requires a gradient. Called again once the policy is placed: sharding it
-        (``learner.placement``) replaces its parameters."""
+        (``learner.models.placement``) replaces its parameters."""
         if self.adapter is not None:
             self.policy_params = self.adapter.parameters()
         else:
@@ -82,7 +82,7 @@ class Algorithm(ABC):
     ) -> Algorithm:
         """A fresh learner for ``config``; ``load_policy()`` returns a new float32 copy of the
         base policy each call (the policy, and e.g. the KL reference or the critic's body).
-        ``placement``: its device and rank (``learner.placement.Placement``); None: one process
+        ``placement``: its device and rank (``learner.models.placement.Placement``); None: one process
         on ``config.device``."""
 
     @abstractmethod
@@ -110,7 +110,7 @@ class Algorithm(ABC):
 
     def load_policy_weights(self, weights: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
         """Load published weights into the policy and, when the optimizer keeps float32 masters
-        (``learner.precision``), into the masters too; returns the missing and the unexpected keys.
+        (``learner.models.precision``), into the masters too; returns the missing and the unexpected keys.
 
         Full fine-tuning: the model's state dict (``strict=False``: a tied tensor is stored once).
         LoRA: the adapter's tensors (``Adapter.load_state``, which raises ValueError on any
@@ -147,12 +147,12 @@ class Algorithm(ABC):
         device; with LoRA the adapter's tensors (``Adapter.state`` names). A tensor already in
         ``dtype`` shares the policy's storage (publishing a bf16 policy copies nothing), so read
         the result before the next update. With N ranks each tensor is gathered whole
-        (``learner.placement.full_tensor``): every rank must call this, in step."""
+        (``learner.models.placement.full_tensor``): every rank must call this, in step."""
         state = self.adapter.state() if self.adapter is not None else self.policy.state_dict()
         return {k: full_tensor(v.detach()).to(dtype=dtype) for k, v in state.items()}
 
     def save_adapter(self, folder: Path, dtype: torch.dtype) -> Path:
-        """Write the LoRA adapter into ``folder`` in ``dtype`` (``learner.lora.Adapter.save``);
+        """Write the LoRA adapter into ``folder`` in ``dtype`` (``learner.models.lora.Adapter.save``);
         returns the safetensors file. Raises ValueError for a fully fine-tuned policy, OSError
         when the folder cannot be written. With N ranks every rank must call
         ``adapter.tensors`` in step with the one that writes."""

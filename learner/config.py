@@ -14,7 +14,7 @@ maps each model to the class that runs it, so a new algorithm is a model here, i
 one registry entry. ``optimizer`` holds the AdamW settings every algorithm shares.
 ``correction`` is the off-policy correction of the policy loss (papers/004, docs/design.md §5.5).
 ``policy`` says what the learner trains: every weight (``full``) or a LoRA adapter on the frozen
-base model (``lora``, ``learner.lora``, docs/lora.md).
+base model (``lora``, ``learner.models.lora``, docs/lora.md).
 
 Presets (``PRESETS``): ``paper`` (the papers' numbers: SAO §3 setup, papers/003 §三(一)),
 ``cpu`` (the defaults of ``saoserve learn`` for the 135M model on CPU; the model defaults here)
@@ -124,7 +124,7 @@ class SPOAlgorithm(BaseModel):
 
 
 class OptimizerConfig(BaseModel):
-    """AdamW on float32 master weights (``learner.optim``), for every algorithm's policy; SAO's
+    """AdamW on float32 master weights (``learner.models.optim``), for every algorithm's policy; SAO's
     critic uses the same β1, weight decay and clip with its own learning rate
     (``SAOAlgorithm.critic_lr``)."""
 
@@ -155,7 +155,7 @@ class FullPolicy(BaseModel):
 
 
 class LoraPolicy(BaseModel):
-    """A LoRA adapter ``W + (alpha/rank)·B·A`` on the frozen base model (``learner.lora``): only A
+    """A LoRA adapter ``W + (alpha/rank)·B·A`` on the frozen base model (``learner.models.lora``): only A
     and B are trained and each version publishes the adapter in PEFT's layout (docs/lora.md)."""
 
     model_config = _MODEL
@@ -184,7 +184,7 @@ class LoraPolicy(BaseModel):
 
 
 class Device(enum.StrEnum):
-    """Where the learner's models, optimiser states and batches live (``learner.device``)."""
+    """Where the learner's models, optimiser states and batches live (``learner.models.device``)."""
 
     AUTO = "auto"
     """A CUDA GPU where one is visible, else the CPU."""
@@ -281,7 +281,7 @@ class LearnerConfig(BaseModel):
     """Samples (one rollout per prompt) per learner step."""
     device: Device = Device.AUTO
     """Where the policy, critic, KL reference, π_old copies and optimiser states live
-    (``learner.device.resolve``): ``auto`` takes a CUDA GPU where one is visible. On a device with
+    (``learner.models.device.resolve``): ``auto`` takes a CUDA GPU where one is visible. On a device with
     fast bf16 (CUDA with bf16 support) the presets compute in bf16 (``build_config``); on the
     CPU the rule of ``core.hardware`` stays. A learner under ``torchrun`` shards its models over
     the ranks (``learner.distributed``, docs/scaling.md)."""
@@ -298,10 +298,10 @@ class LearnerConfig(BaseModel):
     """Run forward/backward under bf16 autocast (master weights stay float32)."""
     bf16: bool = False
     """bf16 models with float32 master weights and AdamW states, attention as batched matmuls
-    (``learner.precision``, ``learner.attention``): the step on AMX-BF16 (docs/precision.md).
+    (``learner.models.precision``, ``learner.models.attention``): the step on AMX-BF16 (docs/precision.md).
     Not together with ``autocast_bf16``."""
     compile_layers: bool = False
-    """Compile the models' decoder layers with ``torch.compile`` (``learner.fused``); the first
+    """Compile the models' decoder layers with ``torch.compile`` (``learner.models.fused``); the first
     step compiles (about a minute on 2 cores)."""
     chunk_tokens: int = Field(512, ge=1)
     """Tokens per LM-head chunk when computing log-probabilities (memory ≈ chunk · V · 12 bytes)."""

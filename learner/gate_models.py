@@ -6,7 +6,7 @@ version it was trained from. Loading a model costs seconds and the base's answer
 batch, so one ``GateReferences`` per learner keeps them: the base and its answers forever (they
 depend only on the base, the tokenizer and the gate's config), the parent until the parent
 changes. A parent published as a LoRA adapter is merged into full float32 weights
-``W + (α/r)·B·A`` (``learner.lora.Adapter.merged_weights``) so that both references stay plain
+``W + (α/r)·B·A`` (``learner.models.lora.Adapter.merged_weights``) so that both references stay plain
 transformers models.
 """
 
@@ -80,7 +80,7 @@ class GateReferences:
             return {k: v.float() for k, v in load_file(path / WEIGHTS_FILE).items()}
         if self.lora is None:
             raise ValueError(f"{path} holds a LoRA adapter, and this learner's policy is not LoRA")
-        from learner.lora import Adapter
+        from learner.models.lora import Adapter
 
         adapter = Adapter(self._model(), self.lora)
         adapter.load_state(load_file(path / ADAPTER_FILE))

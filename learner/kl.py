@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
     from learner.data.batch import Batch
-    from learner.lora import Adapter
+    from learner.models.lora import Adapter
 
 LogprobFn = Callable[["PreTrainedModel", "Batch", torch.Tensor], torch.Tensor]
 """(model, batch, positions [B, T] bool) → [B, T] float32 logprobs at those positions."""
@@ -99,7 +99,7 @@ class KLAnchor:
 
     The reference is the base model (version 0): with full fine-tuning a second copy of it
     (+540 MB for 135M); with a LoRA policy (``adapter``) the policy itself with its adapter
-    switched off (``learner.lora.Adapter.disabled``), which computes exactly the base model and
+    switched off (``learner.models.lora.Adapter.disabled``), which computes exactly the base model and
     costs no memory. ``reference_logprobs`` is the one way to evaluate it.
 
     Args (constructor):
@@ -107,7 +107,7 @@ class KLAnchor:
             mode and frozen here (``requires_grad`` False), never updated. With ``adapter``: the
             LoRA policy itself, taken as it is (not cast, frozen or copied).
         coef: the weight ``kl_coef`` (> 0; validated by ``learner.config``).
-        adapter: the policy's LoRA adapter (``learner.lora.Adapter``), None with full fine-tuning.
+        adapter: the policy's LoRA adapter (``learner.models.lora.Adapter``), None with full fine-tuning.
     """
 
     def __init__(self, reference: PreTrainedModel, coef: float, adapter: Adapter | None = None) -> None:

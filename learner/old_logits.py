@@ -12,7 +12,7 @@ policy's architecture to evaluate old parameters; the live policy is never modif
   whose version is no longer stored are reported, for the caller to drop. Only parameters with
   ``requires_grad`` are stored (the frozen ones never change, and the scratch copy has them):
   with full fine-tuning every weight (540 MB per version for 135M in float32), with a LoRA policy
-  only the adapter (``learner.lora``: r·(in + out) per targeted projection, 9.8 MB at rank 8 on
+  only the adapter (``learner.models.lora``: r·(in + out) per targeted projection, 9.8 MB at rank 8 on
   all seven projections of the 135M model, 1.2 MB at rank 1), so W can be ~50x larger in the
   same memory (docs/lora.md).
 - ``EWMAOldPolicy``: the proxy θ_prox starts at the policy and after every learner step becomes
@@ -36,8 +36,8 @@ import torch
 from transformers import PreTrainedModel
 
 from learner.data.batch import Batch
+from learner.models.placement import load_full
 from learner.offpolicy import SnapshotStore, ewma_beta, ewma_proxy_step
-from learner.placement import load_full
 
 LogprobFn = Callable[[PreTrainedModel, Batch, torch.Tensor], torch.Tensor]
 """(model, batch, positions [B, T] bool) → [B, T] float32 logprobs at those positions."""

@@ -65,7 +65,7 @@ class PolicyUpdate(ABC):
 
     def models(self) -> list[torch.nn.Module]:
         """The models this update holds besides the learner's (π_old's), for the learner to
-        place on its device (``learner.placement``); default: none."""
+        place on its device (``learner.models.placement``); default: none."""
         return []
 
     @abstractmethod

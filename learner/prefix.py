@@ -64,7 +64,7 @@ def body_hidden(
             ``MIN_SHARED_TOKENS``); below it, or with one row, this is the plain forward.
         shared: the common prefix length to use instead of this batch's own, at most that (a
             learner rank evaluating its share of a batch passes the whole batch's, so that every
-            rank runs each layer the same number of times: ``learner.placement``); None: this
+            rank runs each layer the same number of times: ``learner.models.placement``); None: this
             batch's ``shared_prefix_length`` (0 for one row).
 
     Returns:

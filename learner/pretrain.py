@@ -21,7 +21,7 @@ from core.sealing import Shredded, SubjectKeys, is_sealed
 from learner.data.samples import NotLearnable, Sample, collate, single_turn_sample
 from learner.gae import token_gae
 from learner.metrics import masked_mse
-from learner.optim import make_adamw, optimizer_step
+from learner.models.optim import make_adamw, optimizer_step
 
 if TYPE_CHECKING:
     from learner.critic import ValueModel

@@ -124,7 +124,7 @@ def write_version(
     Full weights: ``model.safetensors`` beside the base model's config and tokenizer files from
     ``base_dir``; with a LoRA policy the folder holds the adapter alone, in PEFT's layout
     (``core.policy_store``: ``adapter_model.safetensors``, ``adapter_config.json``, written by
-    ``learner.lora.Adapter.save``), in the serving dtype too. An older folder of that number is
+    ``learner.models.lora.Adapter.save``), in the serving dtype too. An older folder of that number is
     replaced.
 
     Weights are written in ``dtype``, the dtype the servers serve in (``SAOSERVE_DTYPE``), so

@@ -17,7 +17,7 @@ from learner.spo import SPOLearner
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from learner.placement import Placement
+    from learner.models.placement import Placement
 
 ALGORITHMS: dict[type, type[Algorithm]] = {
     SAOAlgorithm: SAOLearner,
@@ -32,6 +32,6 @@ def build_algorithm(
 ) -> Algorithm:
     """The learner ``config`` names, built by its class's ``build`` (which loads the models with
     ``load_policy``, a fresh float32 base policy per call) on ``placement`` (None: one process on
-    ``config.device``). Raises ``learner.device.DeviceError`` when that device is not here;
+    ``config.device``). Raises ``learner.models.device.DeviceError`` when that device is not here;
     nothing else of its own: the config was validated when it was made."""
     return ALGORITHMS[type(config.algorithm)].build(config, load_policy, placement)

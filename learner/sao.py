@@ -29,14 +29,14 @@ from learner.baselines import RunningMeanBaseline
 from learner.config import FullPolicy, LearnerConfig, LoraPolicy, RunningMeanAlgorithm, SAOAlgorithm
 from learner.critic import ValueModel
 from learner.data.batch import Batch
-from learner.device import resolve
 from learner.gae import length_adaptive_lambda, step_gae, token_gae
 from learner.kl import KLAnchor
 from learner.metrics import explained_variance, masked_mse, throughput
-from learner.optim import optimizer_step
-from learner.placement import Placement, load_full
+from learner.models.device import resolve
+from learner.models.optim import optimizer_step
+from learner.models.placement import Placement, load_full
+from learner.models.precision import COMPUTE_DTYPE, cast_parameters, make_optimizer, prepare_compute
 from learner.policy_update import build_policy_update
-from learner.precision import COMPUTE_DTYPE, cast_parameters, make_optimizer, prepare_compute
 
 
 class SAOLearner(Algorithm):
@@ -63,7 +63,7 @@ class SAOLearner(Algorithm):
            ``kl_coef · k3_kl(πθ, π_ref)`` over the action tokens when the algorithm has the KL
            anchor (``has_kl_anchor``).
 
-    LoRA (``config.policy`` ``lora``, ``learner.lora``): the adapter is injected into the policy
+    LoRA (``config.policy`` ``lora``, ``learner.models.lora``): the adapter is injected into the policy
     (``Algorithm.attach_policy``); the policy optimizer holds the adapter only, at
     ``config.policy_lr``; the critic is the paper's (no adapter). With ``config.bf16`` the adapter
     computes in bf16 like the frozen base and has float32 masters; in float32 all is float32.
@@ -71,9 +71,9 @@ class SAOLearner(Algorithm):
     Master weights: the learner casts its models to float32 in place (a bf16 update of size 1e-6
     on a weight of order 1e-2 rounds to nothing); ``policy_weights(torch.bfloat16)`` gives a
     serving copy. With ``config.bf16`` the models compute in bf16 instead and the optimizers hold
-    float32 masters of the trainable weights (``learner.precision.MixedPrecisionAdamW``; the
+    float32 masters of the trainable weights (``learner.models.precision.MixedPrecisionAdamW``; the
     critic's value head stays float32, the frozen reference is bf16); with
-    ``config.compile_layers`` their decoder layers are compiled (``learner.fused``). Models are
+    ``config.compile_layers`` their decoder layers are compiled (``learner.models.fused``). Models are
     put in eval mode (no dropout) so recomputed log-probabilities match the server's. The models
     are loaded in ``build``; every forward pass goes through ``logprobs`` (policy, old policy,
     reference) or ``values`` (critic), both under ``_autocast`` (``config.autocast_bf16``).
@@ -87,8 +87,8 @@ class SAOLearner(Algorithm):
             never updated. A LoRA policy (``config.policy``) takes none: its reference is itself
             with the adapter off (``learner.kl.KLAnchor``), and only its adapter is trained.
         placement: where the models live and how a step's rows are split
-            (``learner.placement.Placement``: one device, or this rank of N); None: one process
-            on ``config.device`` (``learner.device.resolve``, which raises its DeviceError).
+            (``learner.models.placement.Placement``: one device, or this rank of N); None: one process
+            on ``config.device`` (``learner.models.device.resolve``, which raises its DeviceError).
             Every model (policy, critic, reference, the correction's π_old model) is placed
             before the optimizers are built, so their states live on the same device.
 
@@ -138,7 +138,7 @@ class SAOLearner(Algorithm):
             config.correction, algo.eps_low, algo.eps_high, self.policy, anchor
         )
         own_reference = anchor is not None and not anchor.shares_policy
-        # With N ranks bf16 is FSDP's mixed precision (learner.placement), set when placing.
+        # With N ranks bf16 is FSDP's mixed precision (learner.models.placement), set when placing.
         masters = config.bf16 and not self.placement.sharded
         old_models = self.policy_update.models()
         if own_reference and config.bf16:

@@ -28,12 +28,12 @@ from learner.advantages import (
 from learner.algorithm import Algorithm
 from learner.config import LearnerConfig, SPOAlgorithm
 from learner.data.batch import Batch
-from learner.device import resolve
 from learner.finite import usable_tokens
 from learner.metrics import throughput
-from learner.optim import optimizer_step
-from learner.placement import Placement
-from learner.precision import make_optimizer, prepare_compute
+from learner.models.device import resolve
+from learner.models.optim import optimizer_step
+from learner.models.placement import Placement
+from learner.models.precision import make_optimizer, prepare_compute
 
 
 class SPOLearner(Algorithm):
@@ -43,8 +43,8 @@ class SPOLearner(Algorithm):
         config: a validated ``LearnerConfig`` whose algorithm is ``spo``.
         policy: the policy to train; cast to float32 in place and put in eval mode; with a LoRA
             ``config.policy`` only its adapter is trained (``Algorithm.attach_policy``).
-        placement: its device and rank (``learner.placement.Placement``); None: one process on
-            ``config.device`` (``learner.device.resolve``, which raises its DeviceError).
+        placement: its device and rank (``learner.models.placement.Placement``); None: one process on
+            ``config.device`` (``learner.models.device.resolve``, which raises its DeviceError).
 
     Raises (constructor): ValueError if the algorithm is not ``spo``.
     """
@@ -61,7 +61,7 @@ class SPOLearner(Algorithm):
         self.attach_policy(policy)
         self.placement.place(self.policy)
         self.find_policy_params()
-        # With N ranks bf16 is FSDP's mixed precision (learner.placement), set when placing.
+        # With N ranks bf16 is FSDP's mixed precision (learner.models.placement), set when placing.
         masters = config.bf16 and not self.placement.sharded
         self.policy_opt = make_optimizer(
             self.policy, self.policy_params, config.policy_lr, opt.weight_decay, opt.adam_beta1, masters
@@ -82,7 +82,7 @@ class SPOLearner(Algorithm):
     def logprobs(self, batch: Batch, positions: torch.Tensor) -> torch.Tensor:
         """[B, T] float32 log-probabilities of ``batch``'s tokens at ``positions`` ([B, T] bool)
         under the policy, with grad; the learner's one forward pass (with N ranks each rank's
-        rows, gathered: ``learner.placement``)."""
+        rows, gathered: ``learner.models.placement``)."""
         return self.placement.logprobs(self.policy, batch, positions, self.config.chunk_tokens)
 
     def step(self, batch: Batch) -> dict:

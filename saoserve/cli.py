@@ -204,7 +204,7 @@ def learn(
     import logging
 
     from learner.config import ConfigError, build_config, load_config
-    from learner.device import DeviceError, resolve
+    from learner.models.device import DeviceError, resolve
 
     top = {"batch_size": batch_size, "expire_s": expire_s, "max_steps": max_steps, "device": device}
     algo = {"critic_lr": critic_lr, "critic_updates": critic_updates, "kl_coef": kl_coef}

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from learner.data.batch import policy_logprobs
-from learner.precision import MasterWeights, prepare_compute
+from learner.models.precision import MasterWeights, prepare_compute
 
 # Largest |served − learner| log-probability of a token (nats) on the same weights, per (serving
 # dtype, learner precision). Measured by bench/bench_serving_precision.py over 1,507–1,536 tokens

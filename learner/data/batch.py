@@ -179,7 +179,7 @@ def policy_logprobs(
 
     Assumes ``logits = lm_head(last_hidden_state)`` (Llama, Qwen, Mistral families); models with
     logit soft-capping or scaling are refused. Under an enclosing bf16 autocast, or with a bf16
-    model (``learner.precision``), the LM-head matmul runs in bf16 (as a bf16 server does); the
+    model (``learner.models.precision``), the LM-head matmul runs in bf16 (as a bf16 server does); the
     log-sum-exp is always float32.
 
     Args:

@@ -25,7 +25,7 @@ from judge.styles import schedule_from_spec
 from learner.config import PRESETS, ConfigError, build_config
 from learner.critic import ValueModel
 from learner.faults import BrokenLearner
-from learner.optim import make_adamw
+from learner.models.optim import make_adamw
 from learner.sao import SAOLearner
 from saoserve.cli import app
 from saoserve.run_options import parse_broken_learner

@@ -1,4 +1,4 @@
-"""bf16 compute with float32 master weights (learner.precision) against the float32 step."""
+"""bf16 compute with float32 master weights (learner.models.precision) against the float32 step."""
 
 import copy
 import math
@@ -6,13 +6,13 @@ import math
 import pytest
 import torch
 
-from learner import attention
 from learner.config import ConfigError
 from learner.critic import ValueModel
 from learner.data.batch import policy_logprobs
 from learner.metrics import masked_mse
-from learner.optim import make_adamw, optimizer_step
-from learner.precision import MasterWeights, MixedPrecisionAdamW
+from learner.models import attention
+from learner.models.optim import make_adamw, optimizer_step
+from learner.models.precision import MasterWeights, MixedPrecisionAdamW
 from learner.sao import SAOLearner
 from learner.spo import SPOLearner
 from testing.models import FAST, make_batch, make_config, tiny_policy

@@ -8,7 +8,7 @@ pass they run, so that the algorithm code is the same for one process and for N 
   (``torch.distributed.fsdp.fully_shard``): each decoder layer is a unit, the root (embeddings,
   final norm, LM head; the critic's head) another; with ``bf16`` the units gather their
   parameters in bf16 and reduce gradients in float32 (``MixedPrecisionPolicy``), so the sharded
-  float32 parameters are the masters the optimiser updates (the role ``learner.precision``'s
+  float32 parameters are the masters the optimiser updates (the role ``learner.models.precision``'s
   ``MixedPrecisionAdamW`` has in one process).
 - ``logprobs`` and ``values`` evaluate a model on the step's batch. With N ranks every rank
   holds the whole batch (rank 0 broadcasts it, ``learner.distributed``), evaluates its
@@ -126,7 +126,7 @@ class _GatherRows(torch.autograd.Function):
 class Placement:
     """A learner's device and, with ``world > 1``, its rank in the FSDP2 group (module docstring).
 
-    Fields: ``device`` (``learner.device.resolve``), ``rank`` and ``world`` (0 and 1 for one
+    Fields: ``device`` (``learner.models.device.resolve``), ``rank`` and ``world`` (0 and 1 for one
     process), ``bf16`` (with N ranks: FSDP mixed precision, bf16 compute and float32 masters).
     """
 

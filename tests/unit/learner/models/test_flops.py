@@ -1,9 +1,9 @@
-"""FLOPs of an SAO step from the model config (learner.flops), checked by hand on a tiny Llama."""
+"""FLOPs of an SAO step from the model config (learner.models.flops), checked by hand on a tiny Llama."""
 
 import pytest
 from transformers import LlamaConfig
 
-from learner.flops import Shape, Tokens, forward_flops, lm_head_flops, sao_step_flops
+from learner.models.flops import Shape, Tokens, forward_flops, lm_head_flops, sao_step_flops
 
 TINY = LlamaConfig(
     vocab_size=64,

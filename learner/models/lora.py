@@ -31,7 +31,7 @@ from transformers import PreTrainedModel
 
 from core.policy_store import ADAPTER_FILE
 from learner.config import LoraPolicy
-from learner.placement import full_tensor
+from learner.models.placement import full_tensor
 
 ADAPTER_NAME = "default"
 """PEFT's name for a model's one adapter (its files then sit at the folder's top level)."""
@@ -105,7 +105,7 @@ class Adapter:
                 raise ValueError(
                     f"adapter tensor {k} has shape {list(v.shape)}, this adapter {list(want[k].shape)}"
                 )
-        # Whole tensors into a sharded policy keep each rank's shard (learner.placement.load_full).
+        # Whole tensors into a sharded policy keep each rank's shard (learner.models.placement.load_full).
         with implicit_replication():
             set_peft_model_state_dict(
                 self.peft, {k: v.to(want[k].dtype) for k, v in state.items()}, ADAPTER_NAME
@@ -125,7 +125,7 @@ class Adapter:
     def tensors(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """The adapter's tensors under the wrapper's own names (with the adapter name, which
         ``save_pretrained`` filters and renames as it does its own state dict), whole
-        (``learner.placement.full_tensor``: with N ranks every rank calls this in step), as CPU
+        (``learner.models.placement.full_tensor``: with N ranks every rank calls this in step), as CPU
         copies in ``dtype``, for writing."""
         return {
             k: full_tensor(v.detach()).to(device="cpu", dtype=dtype, copy=True)

@@ -1,4 +1,4 @@
-"""Grouped-query attention as batched matmuls (learner.attention) against torch's SDPA."""
+"""Grouped-query attention as batched matmuls (learner.models.attention) against torch's SDPA."""
 
 import copy
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from learner import attention
-from learner.attention import grouped_attention
 from learner.data.batch import policy_logprobs
+from learner.models import attention
+from learner.models.attention import grouped_attention
 from learner.prefix import body_hidden
 from testing.models import tiny_policy
 

@@ -1,4 +1,4 @@
-"""LoRA policies in the learner (issue 20; learner.lora, docs/lora.md): only the adapter trains, the
+"""LoRA policies in the learner (issue 20; learner.models.lora, docs/lora.md): only the adapter trains, the
 KL reference is the adapter switched off, versions publish PEFT's layout, checkpoints round-trip.
 
 Tiny random Llamas (tests.test_sao_step.tiny_policy; testing.learner for the process);
@@ -26,7 +26,7 @@ from core.weights import weights_sha256
 from learner.config import ConfigError, LoraPolicy, build_config
 from learner.critic import ValueModel
 from learner.data.batch import policy_logprobs
-from learner.lora import Adapter
+from learner.models.lora import Adapter
 from learner.old_logits import SnapshotOldPolicy
 from learner.process import Learner
 from learner.sao import SAOLearner

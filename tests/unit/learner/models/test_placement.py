@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from learner import faults
-from learner.placement import Placement, full_tensor
+from learner.models.placement import Placement, full_tensor
 
 
 def rows_of(rank: int, world: int, n: int) -> list[int]:

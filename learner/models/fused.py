@@ -1,6 +1,6 @@
 """Decoder layers compiled with ``torch.compile``, so their elementwise chains run as fused loops.
 
-Why (docs/precision.md): once the matmuls run on AMX in bf16 (``learner.precision``), a learner
+Why (docs/precision.md): once the matmuls run on AMX in bf16 (``learner.models.precision``), a learner
 step spends about as long in elementwise work as in matmuls: each RMSNorm (upcast, square, mean,
 rsqrt, two multiplies, downcast), the rotary embedding, SiLU·up and the residual adds are separate
 passes over [B, T, H] tensors in eager mode, forward and backward. Inductor fuses each chain into

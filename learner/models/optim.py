@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from learner.placement import full_tensor
+from learner.models.placement import full_tensor
 
 
 def make_adamw(
@@ -31,7 +31,7 @@ def optimizer_step(
 ) -> float:
     """Zero the gradients, back-propagate ``loss`` (0-dim), clip the global L2 norm of ``params``'
     gradients to ``grad_clip``, step ``opt``; returns the gradient norm before clipping (float).
-    With sharded parameters (FSDP2 DTensors, ``learner.placement``) the norm is over every
+    With sharded parameters (FSDP2 DTensors, ``learner.models.placement``) the norm is over every
     rank's shards (torch reduces it), the same on every rank."""
     opt.zero_grad(set_to_none=True)
     loss.backward()

@@ -1,10 +1,10 @@
-"""Compiled decoder layers (learner.fused) without compiling: which layers ``compile_layers``
+"""Compiled decoder layers (learner.models.fused) without compiling: which layers ``compile_layers``
 takes. The compiled layers against eager (slow): tests/integration/test_fused.py."""
 
 import torch
 
 from learner.critic import ValueModel
-from learner.fused import compile_layers
+from learner.models.fused import compile_layers
 from testing.models import tiny_policy
 
 

@@ -16,9 +16,9 @@ spacing (2^-13 ≈ 1.2e-4 at 0.02), so updating bf16 weights directly rounds eve
 the master accumulates them until the bf16 weight moves.
 
 ``MasterWeights`` holds the masters of one module; ``MixedPrecisionAdamW`` is the optimizer a
-learner holds instead of ``learner.optim.make_adamw``'s: it has the methods the learners call on
+learner holds instead of ``learner.models.optim.make_adamw``'s: it has the methods the learners call on
 an optimizer (``zero_grad``, ``step``, ``param_groups``, ``state``, ``state_dict``), so the step
-code (``learner.optim.optimizer_step``: backward, clip, step) is unchanged. Gradients are clipped
+code (``learner.models.optim.optimizer_step``: backward, clip, step) is unchanged. Gradients are clipped
 in bf16 on the module's parameters (the clip scales them by one factor; its norm is exact to about
 3 significant digits), then moved to the masters by ``step``.
 """
@@ -29,9 +29,9 @@ from collections.abc import Iterable
 
 import torch
 
-from learner import attention
-from learner.fused import compile_layers
-from learner.optim import make_adamw
+from learner.models import attention
+from learner.models.fused import compile_layers
+from learner.models.optim import make_adamw
 
 COMPUTE_DTYPE = torch.bfloat16
 
@@ -53,7 +53,7 @@ class MasterWeights:
 
     Memory per trainable parameter: 2 bytes (bf16 weight) + 2 (bf16 gradient, freed by
     ``grads_to_master``) + 4 (master) + 4 (master gradient) + 8 (AdamW moments), against 16 for a
-    float32 model; a frozen parameter costs 2 bytes instead of 4. A LoRA policy (``learner.lora``)
+    float32 model; a frozen parameter costs 2 bytes instead of 4. A LoRA policy (``learner.models.lora``)
     is the extreme case: the base weights are frozen (bf16, no master, no gradient) and only the
     adapter's A and B have masters and moments; they compute in bf16 like the base, and their
     masters accumulate the updates smaller than a bf16 spacing of A's entries.
@@ -135,7 +135,7 @@ class MasterWeights:
 
 
 class MixedPrecisionAdamW:
-    """AdamW (``learner.optim.make_adamw``, fused, float32 states) over the float32 masters of a
+    """AdamW (``learner.models.optim.make_adamw``, fused, float32 states) over the float32 masters of a
     bf16 module, presented as the module's optimizer.
 
     Built from the module (cast to bf16 in place by ``MasterWeights``). A caller's step is
@@ -148,7 +148,7 @@ class MixedPrecisionAdamW:
 
     Args (constructor):
         module: the model; its trainable parameters get masters (``MasterWeights``).
-        lr, weight_decay, beta1: as ``learner.optim.make_adamw``.
+        lr, weight_decay, beta1: as ``learner.models.optim.make_adamw``.
         keep_float32: submodule names left float32 (``MasterWeights``).
     """
 
@@ -219,7 +219,7 @@ def make_optimizer(
     bf16: bool,
     keep_float32: Iterable[str] = (),
 ) -> torch.optim.Optimizer | MixedPrecisionAdamW:
-    """The learners' optimizer for ``module``: ``learner.optim.make_adamw`` over ``params`` (a
+    """The learners' optimizer for ``module``: ``learner.models.optim.make_adamw`` over ``params`` (a
     float32 module), or with ``bf16`` a ``MixedPrecisionAdamW`` over ``module``, which casts it to
     bf16 in place (``params`` are then its trainable parameters, as the caller clips them)."""
     if bf16:
@@ -240,9 +240,9 @@ def prepare_compute(
 ) -> None:
     """Set up a model the learner runs (policy, critic, reference) for its precision: with
     ``bf16`` on the CPU (``device`` None or a CPU) attention becomes
-    ``learner.attention.grouped_attention`` (torch's SDPA backward is slow in bf16 on CPU,
+    ``learner.models.attention.grouped_attention`` (torch's SDPA backward is slow in bf16 on CPU,
     docs/precision.md; on a GPU SDPA's fused kernels are the fast ones and stay); with
-    ``compiled`` every decoder layer is compiled (``learner.fused``). Casting is not done here
+    ``compiled`` every decoder layer is compiled (``learner.models.fused``). Casting is not done here
     (``make_optimizer``, or ``cast_parameters`` for a frozen model)."""
     if bf16 and (device is None or device.type == "cpu"):
         attention.install(model)

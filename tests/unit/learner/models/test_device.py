@@ -1,6 +1,6 @@
 """The learner's device setting (issue 38): resolved per machine, refused where it cannot be met,
 and bf16 chosen where the device has fast bf16. No GPU here: the GPU cases patch what torch
-reports (``torch.cuda.is_available``, ``device_count``), which is all ``learner.device`` reads."""
+reports (``torch.cuda.is_available``, ``device_count``), which is all ``learner.models.device`` reads."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 import core.hardware
 from learner.config import Device, build_config
-from learner.device import DeviceError, resolve
+from learner.models.device import DeviceError, resolve
 from saoserve.cli import app
 
 

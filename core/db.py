@@ -86,7 +86,7 @@ class TrajectoryIndex(Base):
     arm: Mapped[str | None] = mapped_column(String(STATE_CHARS))
     # Who sent it (TrajectoryRecord.identity: ``key:<key id>`` or ``user:<user>``): what
     # ``saoserve admin forget --api-key`` looks up, and what the guard's votes pass the identity
-    # cap by (learner/guard_votes.py). NULL for rows indexed before revision 0015.
+    # cap by (learner/guard/guard_votes.py). NULL for rows indexed before revision 0015.
     identity: Mapped[str | None] = mapped_column(String(IDENTITY_CHARS), index=True)
     # The record's ``train`` flag (revision 0016): opted-out answers never vote. NULL before it.
     train: Mapped[bool | None] = mapped_column(Boolean)
@@ -145,7 +145,7 @@ class PolicyVersion(Base):
     # The guard's stage (core/lifecycle.py): candidate | canary | promoted | rejected. ``status``
     # above says only whether the version's policy event is out (committed | published).
     lifecycle: Mapped[str] = mapped_column(String(STATE_CHARS), server_default="promoted")
-    # The gate's figures (learner.gate.GateResult as JSON); NULL when no gate ran.
+    # The gate's figures (learner.guard.gate.GateResult as JSON); NULL when no gate ran.
     gate: Mapped[dict | None] = mapped_column(JSON)
 
 

@@ -10,7 +10,7 @@ database, no HTTP):
   its tokens (shared by the SAO and SPO++ steps).
 - ``learner.kl``: the k3 estimator, and the optional KL anchor to the base policy (not in SAO).
 - ``learner.metrics``: masked mean, value loss, explained variance, step throughput.
-- ``learner.gate``: the gate a candidate version passes on the probe set before it serves
+- ``learner.guard.gate``: the gate a candidate version passes on the probe set before it serves
   (docs/design.md §9.1).
 - ``learner.sao``: one SAO step on in-memory models (critic, advantages; the running-mean
   baseline in place of the critic).

@@ -36,7 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from core.hardware import bf16_native
 from learner.faults import BrokenLearner
-from learner.guard_config import GuardConfig
+from learner.guard.guard_config import GuardConfig
 
 # allow_inf_nan: no learner setting is meaningful at ±inf or nan (a poll of inf seconds, an
 # infinite time-out); a time-out that never fires is None.
@@ -291,7 +291,7 @@ class LearnerConfig(BaseModel):
     docs/tenants.md). E.g. 0.25: one key moves at most a quarter of each step, and a batch needs
     samples of 4 identities (anonymous samples each count as one). The same cap bounds each
     identity's votes in each arm of the guard's verdicts, and with it on, answers without an
-    identity do not vote (``learner.guard_votes``, docs/guard.md "Who votes"). None (the
+    identity do not vote (``learner.guard.guard_votes``, docs/guard.md "Who votes"). None (the
     default): no cap, because a cap with fewer identities than 1/share in the traffic stops
     training."""
     autocast_bf16: bool = False

@@ -31,7 +31,7 @@ from datetime import datetime
 from core.lifecycle import Stage
 from core.records import as_utc
 from learner.data.identity_cap import identity_shares
-from learner.gate import GateResult
+from learner.guard.gate import GateResult
 from learner.publish import storable
 
 QUARANTINE_REASON = "trained a version the gate rejected"
@@ -141,7 +141,7 @@ def plan_step(
     Args:
         trained: the step's result (:class:`Trained`).
         gate: the gate's result on the stepped policy, None when none ran.
-        guard_on: whether the lifecycle runs (``learner.guard.Guard.on``).
+        guard_on: whether the lifecycle runs (``learner.guard.guard.Guard.on``).
         version: the database's latest version, as the learner committed or loaded it.
         parent: the version whose weights the policy was stepped from.
         checkpoint_every: write ``checkpoint.pt`` after every this many steps (≥ 1).

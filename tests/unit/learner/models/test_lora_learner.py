@@ -307,7 +307,7 @@ def test_saoserve_learn_policy_lora_reaches_the_learner(monkeypatch):
 
 
 def test_the_gate_merges_a_parent_adapter_into_full_weights(tmp_path):
-    from learner.gate_models import GateReferences
+    from learner.guard.gate_models import GateReferences
 
     base_dir = tmp_path / "base"
     tiny_policy().save_pretrained(base_dir)

@@ -1,4 +1,4 @@
-"""The gate's settings (``learner.gate``, docs/guard.md, "The gate"), apart from the gate so
+"""The gate's settings (``learner.guard.gate``, docs/guard.md, "The gate"), apart from the gate so
 that the learner's config (``learner.config``) is read and validated without importing torch.
 """
 
@@ -43,4 +43,4 @@ class GateConfig(BaseModel):
     max_new_tokens: int = Field(32, ge=1)
     """Answer tokens per probe (the gate's cost grows with it; 32 takes seconds on CPU)."""
     probes: Path | None = None
-    """A probe set JSON file (``ProbeSet``); None: the one shipped, ``learner/probes.json``."""
+    """A probe set JSON file (``ProbeSet``); None: the one shipped, ``learner/guard/probes.json``."""

@@ -1,4 +1,4 @@
-"""Who votes in the guard (learner.guard_votes, learner.data.identity_cap.admit_stream; issue 40,
+"""Who votes in the guard (learner.guard.guard_votes, learner.data.identity_cap.admit_stream; issue 40,
 items 1 and 6): the identity cap on each arm's stream, opted-out and unknown senders left out.
 Pure: hand-made streams, the values worked out by hand."""
 
@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from learner.data.identity_cap import admit_stream, select_batch
-from learner.guard_votes import Electorate, Vote, ballot, may_vote
+from learner.guard.guard_votes import Electorate, Vote, ballot, may_vote
 
 
 def naive_stream(identities, window, share):

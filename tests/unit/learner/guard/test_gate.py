@@ -1,4 +1,4 @@
-"""The gate before a version serves (learner.gate): its statistics by hand, then the whole gate
+"""The gate before a version serves (learner.guard.gate): its statistics by hand, then the whole gate
 on a tiny random Llama with a byte-level tokenizer (issue 22: "a candidate with a doubled KL
 rejected by the gate before it serves")."""
 
@@ -12,7 +12,7 @@ import torch
 from pydantic import ValidationError
 from transformers import LlamaForCausalLM
 
-from learner.gate import (
+from learner.guard.gate import (
     GateConfig,
     GateError,
     GateResult,

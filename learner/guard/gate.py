@@ -2,7 +2,7 @@
 
 Issue 22 (guarded online learning), docs/design.md §9.1: each version starts as a candidate;
 before any traffic reaches it, the gate runs it on the probe prompts shipped with the package
-(``learner/probes.json``, the simulation's system prompt and 16 of its writing requests) and
+(``learner/guard/probes.json``, the simulation's system prompt and 16 of its writing requests) and
 rejects it when
 
 - its KL to the base policy, or to the promoted version, passes a bound (``learner.kl.k3_kl``
@@ -34,7 +34,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from learner.finite import usable_tokens
-from learner.gate_config import GateConfig
+from learner.guard.gate_config import GateConfig
 from learner.kl import k3_kl
 from learner.prefix import body_hidden, shared_prefix_length
 
@@ -120,12 +120,12 @@ def load_probes(path: Path | None = None) -> ProbeSet:
     """
     try:
         if path is None:
-            text = resources.files("learner").joinpath("probes.json").read_text(encoding="utf-8")
+            text = resources.files("learner.guard").joinpath("probes.json").read_text(encoding="utf-8")
         else:
             text = Path(path).read_text(encoding="utf-8")
         return ProbeSet.model_validate_json(text)
     except (OSError, ValidationError) as exc:
-        raise GateError(f"cannot load the probe set {path or 'learner/probes.json'}: {exc}") from None
+        raise GateError(f"cannot load the probe set {path or 'learner/guard/probes.json'}: {exc}") from None
 
 
 def render_probes(probes: ProbeSet, tokenizer: PreTrainedTokenizerBase) -> list[list[int]]:

@@ -1,6 +1,6 @@
 """The guard's settings (docs/guard.md, "The lifecycle"), apart from the learner's algorithm,
 correction, optimiser and policy settings (``learner.config``, which nests them as ``guard``),
-and from the guard itself (``learner.guard``), so that a config is read and validated without
+and from the guard itself (``learner.guard.guard``), so that a config is read and validated without
 importing torch.
 """
 
@@ -11,7 +11,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from core.sequential import Decision, RuleParams
-from learner.gate_config import GateConfig
+from learner.guard.gate_config import GateConfig
 
 _MODEL = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True, allow_inf_nan=False)
 
@@ -26,7 +26,7 @@ class GuardConfig(BaseModel):
     """Run the lifecycle (off: no gate, every version is promoted when recorded; an operator's
     ``saoserve admin guard off`` turns it off at run time too)."""
     gate: GateConfig | None = None
-    """The gate's bounds and generation settings (``learner.gate``; ``{}``: its defaults);
+    """The gate's bounds and generation settings (``learner.guard.gate``; ``{}``: its defaults);
     None: no gate, the version goes to probation unchecked. Off by default: a gate costs about
     as much as a learner step on this machine (docs/guard.md, "The gate", Cost). It holds the
     base model and the parent's weights (+540 MB each for 135M)."""

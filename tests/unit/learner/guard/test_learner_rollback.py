@@ -1,4 +1,4 @@
-"""Rollbacks in the learner (issues 13 and 23; docs/design.md §8, ``learner.rollback``): an earlier
+"""Rollbacks in the learner (issues 13 and 23; docs/design.md §8, ``learner.guard.rollback``): an earlier
 version's weights published as a new version; a request for an unknown version, or one that is no
 version number, refused and cleared; a rollback requested while another runs carried out next;
 each one logged and followed by pruning.

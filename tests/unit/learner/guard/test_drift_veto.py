@@ -1,4 +1,4 @@
-"""The drift veto's figure per lineage version (learner.guard.drift_from_promoted; issue 40,
+"""The drift veto's figure per lineage version (learner.guard.guard.drift_from_promoted; issue 40,
 item 2): measured beyond the promoted version's KL to the base, the newest version included."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from core.lifecycle import drifted
-from learner.guard import drift_from_promoted
+from learner.guard.guard import drift_from_promoted
 
 
 def test_each_version_s_drift_beyond_the_promoted_version_s():

@@ -1,7 +1,7 @@
 """The gate's reference models in the learner: the base model, the parent version and the base's
 probe answers, built once and kept for the learner's life (docs/guard.md, "The gate").
 
-The gate (``learner.gate.run_gate``) compares a candidate with the base and with its parent, the
+The gate (``learner.guard.gate.run_gate``) compares a candidate with the base and with its parent, the
 version it was trained from. Loading a model costs seconds and the base's answers a generate
 batch, so one ``GateReferences`` per learner keeps them: the base and its answers forever (they
 depend only on the base, the tokenizer and the gate's config), the parent until the parent
@@ -19,7 +19,7 @@ import torch
 
 from core.policy_store import ADAPTER_FILE, WEIGHTS_FILE, Layout, layout
 from learner.config import LoraPolicy
-from learner.gate_config import GateConfig
+from learner.guard.gate_config import GateConfig
 
 
 class GateReferences:
@@ -63,8 +63,8 @@ class GateReferences:
         return m["base"], m["parent"], m["tokenizer"]
 
     def answers(self, config: GateConfig) -> list[list[int]]:
-        """The base's answers to the probes (``learner.gate.reference_answers``), computed once."""
-        from learner.gate import reference_answers
+        """The base's answers to the probes (``learner.guard.gate.reference_answers``), computed once."""
+        from learner.guard.gate import reference_answers
 
         if self._answers is None:
             base, _, tokenizer = self.models(0)

@@ -1,11 +1,11 @@
 """The guard in the learner: the stage a new version enters, and the verdict on the lineage on
 probation carried out (docs/guard.md, "The gate" and "The lifecycle"; docs/design.md §9.1).
 
-A version the learner trains is gated first (``learner.gate.run_gate`` against the base and its
+A version the learner trains is gated first (``learner.guard.gate.run_gate`` against the base and its
 parent): it enters ``canary`` (probation) when the gate passes or none is configured,
 ``rejected`` when it fails, ``promoted`` with the guard off. Then, every ``guard.check_s``
 seconds, the lineage on probation is judged against the promoted versions' record, each of
-its versions on its own ratings, with only the answers that may vote (``learner.guard_votes``:
+its versions on its own ratings, with only the answers that may vote (``learner.guard.guard_votes``:
 no opted-out answer, the identity cap). The decisions are pure and live below: the stages, the
 moves and the rule in ``core.lifecycle`` and ``core.sequential``, their rows in
 ``core.lifecycle_store``. This module does the I/O around them: it reads the votes, records the
@@ -36,9 +36,9 @@ from core.logbus import LogTransport
 from core.records import POLICY_KEY, TOPIC_POLICY, as_utc, utcnow
 from core.sequential import Decision, Verdict, decide_lineage
 from learner.faults import fault_point
-from learner.gate_models import GateReferences
-from learner.guard_config import GuardConfig
-from learner.guard_votes import Electorate, health_votes, rated_votes
+from learner.guard.gate_models import GateReferences
+from learner.guard.guard_config import GuardConfig
+from learner.guard.guard_votes import Electorate, health_votes, rated_votes
 from learner.publish import AlsoCommit, promoted_version, storable
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ class Rollback(Protocol):
 class Guard:
     """The guard of one learner: ``db`` and ``log`` the learner's, ``config`` its ``guard``
     section, ``references`` the gate's reference models, ``rollback`` the learner's restore of a
-    version's weights, ``electorate`` who votes (``learner.guard_votes``: the learner's identity
+    version's weights, ``electorate`` who votes (``learner.guard.guard_votes``: the learner's identity
     cap and batch size), ``keep_state`` the learner's keeping of a promoted version's state
     (``learner.process.Learner.keep_state``), ``keys_db`` the database of the API keys (default
     ``db``; a tenant namespace's learner passes the global one). Not thread-safe: the learner's
@@ -88,14 +88,14 @@ class Guard:
         return self.config.enabled and get_flag(self.db, GUARD_OFF) != "1"
 
     def run_gate(self, policy, parent: int):
-        """The gate (``learner.gate.run_gate``) on ``policy`` just stepped, against the base and
+        """The gate (``learner.guard.gate.run_gate``) on ``policy`` just stepped, against the base and
         ``parent``, the version it was trained from (serving now), in eval mode (its training
         mode is restored after); the ``GateResult``, None when the guard is off or no gate is
         configured. Raises what loading the references or the gate raises."""
         cfg = self.config.gate
         if cfg is None or not self.on():
             return None
-        from learner.gate import run_gate
+        from learner.guard.gate import run_gate
 
         base, parent_model, tokenizer = self.references.models(parent)
         reference = self.references.answers(cfg)
@@ -190,7 +190,7 @@ class Guard:
         canary split, its canary-arm answers against the promoted versions' control-arm answers
         dispatched while it was the newest (from its record to the next version's); on
         probation, its answers against the promoted versions' newest ``promoted_window`` from
-        before the lineage. Only the answers that vote count (``learner.guard_votes``)."""
+        before the lineage. Only the answers that vote count (``learner.guard.guard_votes``)."""
         guard, voters = self.config, self.electorate
         with self.keys_db.connect() as keys:
             opted = opted_out_keys(keys)

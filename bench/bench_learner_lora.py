@@ -41,9 +41,9 @@ from bench_learner_precision import release_memory
 from bench_sao_step import PeakRSS, make_batch
 from transformers import AutoModelForCausalLM
 
+from learner.algo.sao import SAOLearner
 from learner.config import build_config
 from learner.models.precision import MixedPrecisionAdamW
-from learner.sao import SAOLearner
 
 KL_COEF = 0.05
 MIB = 1 << 20

@@ -56,12 +56,12 @@ import torch._inductor.config
 from bench_sao_step import make_batch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from learner.algo.critic import ValueModel
+from learner.algo.sao import SAOLearner
 from learner.config import build_config
-from learner.critic import ValueModel
 from learner.data.batch import policy_logprobs
 from learner.models import attention
 from learner.models.flops import Shape, Tokens, sao_step_flops
-from learner.sao import SAOLearner
 
 OPTIONS = ("fp32", "autocast", "bf16", "bf16-sdpa", "bf16-compiled")
 KL_COEF = 0.05

@@ -23,9 +23,9 @@ layers off, as in the ``demo`` preset). The weights are the same everywhere (the
 bf16 tensors; a float32 engine or learner upcasts them), so the whole gap is precision. Per pair
 (served dtype × learner precision), over the answers' tokens: max, p99 and mean of
 ``|Δ| = |learner − served|`` (nats), the mean signed Δ, and the fraction of tokens each
-correction masks from precision alone: DIS (``learner.dis.dis_loss`` with the default
+correction masks from precision alone: DIS (``learner.algo.dis.dis_loss`` with the default
 ``eps_low``/``eps_high`` of ``learner.config``), and MIS with exact old logits
-(``learner.offpolicy.mis_token_mask`` with the default ``c``; at the same weights π_old is the
+(``learner.algo.offpolicy.mis_token_mask`` with the default ``c``; at the same weights π_old is the
 learner's own logprob, so only ``r_d = π_old/μ`` can mask).
 
 No timing is asserted anywhere; its runs go to a dated log (docs/log/2026-12-06-precision-runs.md)
@@ -50,11 +50,11 @@ import torch
 from core.records import SamplingRecord
 from core.settings import Settings
 from judge.styles import writing_requests
+from learner.algo.dis import dis_loss
+from learner.algo.offpolicy import mis_token_mask
+from learner.algo.sao import SAOLearner
 from learner.config import MISSnapshotCorrection, build_config
 from learner.data.samples import Sample, collate
-from learner.dis import dis_loss
-from learner.offpolicy import mis_token_mask
-from learner.sao import SAOLearner
 
 DTYPES = ("float32", "bfloat16")
 LEARNERS = ("float32", "bf16")

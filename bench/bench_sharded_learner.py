@@ -146,9 +146,9 @@ def worker(args) -> None:
     """One (precision, ranks) run under torchrun: every variant, first step kept for equivalence."""
     import torch.distributed as dist
 
+    from learner.algo.registry import build_algorithm
     from learner.config import LearnerConfig
     from learner.models.placement import Placement
-    from learner.registry import build_algorithm
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -157,8 +157,8 @@ def build(size: str, policy: str, rows: int, placement=None):
     import torch
     from transformers import LlamaForCausalLM
 
+    from learner.algo.registry import build_algorithm
     from learner.config import build_config
-    from learner.registry import build_algorithm
 
     overrides = {"batch_size": rows, "algorithm": {"kl_coef": 0.04}}
     if policy == "lora":

@@ -9,7 +9,7 @@ its fields without checking them again.
 
 ``algorithm`` is discriminated by ``name``: ``sao`` (critic + token GAE + DIS, SAO §2),
 ``running_mean`` (the SAO §3.4 comparison baseline with the DIS loss) or ``spo`` (SPO++,
-papers 000/002); each model carries only its own fields, and ``learner.registry.ALGORITHMS``
+papers 000/002); each model carries only its own fields, and ``learner.algo.registry.ALGORITHMS``
 maps each model to the class that runs it, so a new algorithm is a model here, its class and
 one registry entry. ``optimizer`` holds the AdamW settings every algorithm shares.
 ``correction`` is the off-policy correction of the policy loss (papers/004, docs/design.md §5.5).
@@ -59,7 +59,7 @@ class _DISLoss(BaseModel):
     @property
     def has_kl_anchor(self) -> bool:
         """Whether the policy loss has the KL anchor term (``kl_coef > 0``): the one place that
-        decides it; the learner then loads the reference policy (``learner.kl.KLAnchor``)."""
+        decides it; the learner then loads the reference policy (``learner.algo.kl.KLAnchor``)."""
         return self.kl_coef > 0
 
 
@@ -202,7 +202,7 @@ AlgorithmConfig = Annotated[SAOAlgorithm | RunningMeanAlgorithm | SPOAlgorithm, 
 
 class DISCorrection(BaseModel):
     """SAO's DIS: one ratio πθ/μ against the logged behaviour logprobs, no old policy, one
-    policy update per batch (``learner.dis``)."""
+    policy update per batch (``learner.algo.dis``)."""
 
     model_config = _MODEL
     kind: Literal["dis"] = "dis"
@@ -210,7 +210,7 @@ class DISCorrection(BaseModel):
 
 
 class _MISCorrection(BaseModel):
-    """The MIS loss with an old policy π_old (papers/004 §4; ``learner.mis``)."""
+    """The MIS loss with an old policy π_old (papers/004 §4; ``learner.algo.mis``)."""
 
     model_config = _MODEL
     window: int = Field(3, ge=1)
@@ -224,7 +224,7 @@ class _MISCorrection(BaseModel):
     """Drift bound for A ≥ 0: masked unless r_s ≤ 1 + clip_high (0.28, as SPO++'s clip)."""
     dual_clip: float = Field(3.0, gt=1.0)
     """Dual clip for A < 0: masked when r_s > dual_clip (not in papers/004; verl's clip_ratio_c
-    = 3), which bounds every kept weight πθ/μ by c · dual_clip (``learner.mis``)."""
+    = 3), which bounds every kept weight πθ/μ by c · dual_clip (``learner.algo.mis``)."""
     epochs: int = Field(1, ge=1)
     """Passes over each batch (PPO epochs); more than one update per batch makes r_s ≠ 1."""
     minibatches: int = Field(1, ge=1)
@@ -340,7 +340,7 @@ class LearnerConfig(BaseModel):
     @model_validator(mode="after")
     def _fault_fits(self) -> LearnerConfig:
         if self.broken_learner is not None and not isinstance(self.algorithm, _DISLoss):
-            # The fault is applied in learner.sao (SAOLearner.policy_step and its optimizer).
+            # The fault is applied in learner.algo.sao (SAOLearner.policy_step and its optimizer).
             raise ValueError(
                 f"broken_learner applies to the sao and running_mean algorithms, not {self.algorithm.name}"
             )

@@ -49,13 +49,13 @@ import torch.distributed as dist
 from core.dead_letters import describe
 from core.settings import Settings
 from learner import faults
-from learner.algorithm import Algorithm
+from learner.algo.algorithm import Algorithm
+from learner.algo.registry import build_algorithm
 from learner.config import ConfigError, LearnerConfig
 from learner.data.batch import Batch
 from learner.models.device import resolve
 from learner.models.placement import Placement
 from learner.process import Learner, run_learner
-from learner.registry import build_algorithm
 
 log = logging.getLogger(__name__)
 

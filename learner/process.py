@@ -58,7 +58,8 @@ from core.policy_store import version_dir, version_dirs
 from core.sequential import Decision
 from core.settings import Settings
 from learner import publish, resume
-from learner.algorithm import Algorithm
+from learner.algo.algorithm import Algorithm
+from learner.algo.registry import build_algorithm
 from learner.config import LearnerConfig, LoraPolicy
 from learner.data import sample_queue
 from learner.data.joiner import Joiner, JoinStats
@@ -69,7 +70,6 @@ from learner.guard.gate_models import GateReferences
 from learner.guard.guard import Guard
 from learner.guard.guard_votes import Electorate
 from learner.publish import AlsoCommit
-from learner.registry import build_algorithm
 from learner.step_plan import StepPlan, Trained, plan_step
 
 log = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ log = logging.getLogger(__name__)
 class Learner:
     """One learner per policy. Not thread-safe: one loop drives it.
 
-    ``algorithm`` is the ``learner.algorithm.Algorithm`` the config names, None until ``load``
+    ``algorithm`` is the ``learner.algo.algorithm.Algorithm`` the config names, None until ``load``
     (and after a step failed before its commit). ``version`` is the database's latest version
     as this learner committed or loaded it; ``guard`` its ``learner.guard.guard.Guard``.
     """
@@ -223,7 +223,7 @@ class Learner:
         return resume.read_state(self.policy_dir, version)
 
     def _build_algorithm(self, load_policy) -> Algorithm:
-        """The algorithm of the config, its models from ``load_policy`` (``learner.registry``;
+        """The algorithm of the config, its models from ``load_policy`` (``learner.algo.registry``;
         with N ranks ``learner.distributed.RankedLearner`` builds it on every rank)."""
         return build_algorithm(self.config, load_policy)
 

@@ -31,7 +31,7 @@ from core.logbus import LogTransport
 from core.policy_store import WEIGHTS_FILE, version_dir, version_dirs
 from core.records import POLICY_KEY, TOPIC_POLICY, PolicyEvent, utcnow
 from core.weights import weights_sha256
-from learner.algorithm import Algorithm
+from learner.algo.algorithm import Algorithm
 from learner.faults import fault_point
 
 # What a commit runs beside the version's row, in the same transaction: (conn, version, now).

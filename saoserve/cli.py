@@ -297,7 +297,7 @@ def pretrain_critic_cmd(
     from core.logbus import open_log
     from core.retention import all_forgotten
     from core.sealing import SubjectKeys
-    from learner.pretrain import opted_out_keys_now, pretrain_from_log
+    from learner.algo.pretrain import opted_out_keys_now, pretrain_from_log
 
     settings = namespace(tenant)
     migrate(settings.resolved_database_url)

@@ -5,7 +5,7 @@ before any traffic reaches it, the gate runs it on the probe prompts shipped wit
 (``learner/guard/probes.json``, the simulation's system prompt and 16 of its writing requests) and
 rejects it when
 
-- its KL to the base policy, or to the promoted version, passes a bound (``learner.kl.k3_kl``
+- its KL to the base policy, or to the promoted version, passes a bound (``learner.algo.kl.k3_kl``
   on the candidate's own sampled answer tokens, teacher-forced through each model);
 - its answers degenerate: too many empty answers, a mean length collapsed against the base
   model's on the same prompts, or repeated n-grams within an answer;
@@ -19,7 +19,7 @@ the verdict (``GateResult``) are stored with the version.
 The statistics (``answer_tokens`` … ``kl_estimates``, ``decide``) are pure: lists and tensors
 in, numbers out. ``run_gate`` runs the models: one seeded ``generate`` batch for the candidate
 (and one for the base unless its answers are given, ``reference_answers``) and one
-teacher-forced batch per model, each running the probes' common prefix once (``learner.prefix``).
+teacher-forced batch per model, each running the probes' common prefix once (``learner.algo.prefix``).
 """
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ from typing import TYPE_CHECKING
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from learner.finite import usable_tokens
+from learner.algo.finite import usable_tokens
+from learner.algo.kl import k3_kl
+from learner.algo.prefix import body_hidden, shared_prefix_length
 from learner.guard.gate_config import GateConfig
-from learner.kl import k3_kl
-from learner.prefix import body_hidden, shared_prefix_length
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -80,7 +80,7 @@ class GateResult(BaseModel):
     """k3 estimate of KL(candidate ‖ promoted), nats per usable answer token (None: none usable)."""
     unusable_tokens: int
     """Answer tokens left out of the KL figures: a logprob not finite or below
-    ``learner.finite.LOGPROB_FLOOR`` under one of the models."""
+    ``learner.algo.finite.LOGPROB_FLOOR`` under one of the models."""
     nonfinite_logits: int
     """The candidate's logits (over the vocabulary, at every answer position) that are NaN or ±inf."""
     empty_share: float
@@ -205,8 +205,8 @@ def kl_estimates(
         references: [N] float tensors, each reference's log-probabilities of the same tokens.
 
     Returns:
-        ``kls``: one ``learner.kl.k3_kl`` per reference over the usable tokens
-        (``learner.finite.usable_tokens``), nats per token, None when no token is usable;
+        ``kls``: one ``learner.algo.kl.k3_kl`` per reference over the usable tokens
+        (``learner.algo.finite.usable_tokens``), nats per token, None when no token is usable;
         ``unusable``: how many of the N tokens were left out.
 
     Raises:
@@ -327,7 +327,7 @@ def _score(
     row's ``actions`` after its prompt under ``model``, rows concatenated in order (N = total
     actions), and how many of the N × V logits at those positions are not finite.
 
-    One teacher-forced pass of the right-padded batch (``learner.prefix.body_hidden``: the
+    One teacher-forced pass of the right-padded batch (``learner.algo.prefix.body_hidden``: the
     shared prefix once), then the LM head on the answer positions only, in chunks.
     """
     ids, attention = _padded([p + a for p, a in zip(prompts, actions, strict=True)], pad, model.device)

@@ -2,7 +2,7 @@
 
 Issue 38, docs/scaling.md ("The learner on GPUs and across processes"). The learner keeps everything it trains with
 on one device: the policy, the critic, the KL reference, the π_old copies of the off-policy
-family (``learner.old_logits``) and the optimiser states (built over parameters already there);
+family (``learner.algo.old_logits``) and the optimiser states (built over parameters already there);
 a batch is moved there once, at the start of a step (``Batch.to``). With N ranks
 (``learner.distributed``) rank r of a host takes its GPU ``local_rank`` (``LOCAL_RANK`` of
 ``torchrun``), or the CPU.

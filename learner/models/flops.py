@@ -82,7 +82,7 @@ class Tokens:
     def rows(cls, rows: int, seq: int, actions: int, shared_prefix: int = 0) -> Tokens:
         """``rows`` unpadded rows of ``seq`` tokens, ``actions`` of them through the LM head.
 
-        With ``shared_prefix`` P > 0 the first P tokens are run once (``learner.prefix``) and each
+        With ``shared_prefix`` P > 0 the first P tokens are run once (``learner.algo.prefix``) and each
         row's remaining ``seq − P`` queries attend the prefix and their own earlier tokens.
         """
         full = seq * (seq + 1) // 2

@@ -24,7 +24,7 @@ def compile_layers(model: torch.nn.Module) -> int:
     """Compile each decoder layer in ``model`` (``nn.Module.compile``, ``dynamic=True``).
 
     Args:
-        model: a transformers model, or a module holding one (e.g. ``learner.critic.ValueModel``).
+        model: a transformers model, or a module holding one (e.g. ``learner.algo.critic.ValueModel``).
 
     Returns:
         The number of layers compiled (0 when the model has none).

@@ -1,7 +1,7 @@
 """Where a learner's models live and how a step's rows are split: one device, or N ranks (FSDP2).
 
 Issue 38, docs/scaling.md ("The learner on GPUs and across processes"). A ``Placement`` is what the
-learners (``learner.sao``, ``learner.spo``) consult for every model they hold and every forward
+learners (``learner.algo.sao``, ``learner.algo.spo``) consult for every model they hold and every forward
 pass they run, so that the algorithm code is the same for one process and for N ranks:
 
 - ``place(model)`` moves a model to the device and, with N ranks, shards it with FSDP2
@@ -18,7 +18,7 @@ pass they run, so that the algorithm code is the same for one process and for N 
   EV, GAE) is then computed on the same full tensors on every rank, exactly as in one process;
   each rank's backward gives the gradient of its rows' part, and FSDP's reduce-scatter sums
   them (divide factor 1), which is the single-process gradient up to float summation order.
-- The shared-prefix forward (``learner.prefix``) takes the prefix length of the whole batch on
+- The shared-prefix forward (``learner.algo.prefix``) takes the prefix length of the whole batch on
   every rank, so each rank runs each layer the same number of times (FSDP's collectives must
   match) and the arithmetic is the single process's.
 
@@ -32,13 +32,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from learner.algo.prefix import shared_prefix_length
 from learner.data.batch import policy_logprobs
-from learner.prefix import shared_prefix_length
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from learner.critic import ValueModel
+    from learner.algo.critic import ValueModel
     from learner.data.batch import Batch
 
 ROOT_ATTRIBUTE = "_fsdp_root"
@@ -144,7 +144,7 @@ class Placement:
         """Move ``model`` to the device; with N ranks shard it (FSDP2, module docstring).
 
         ``keep_float32``: submodules that compute in float32 under bf16 (the critic's value
-        head, ``learner.critic``). ``frozen``: a model never trained (the KL reference), taken
+        head, ``learner.algo.critic``). ``frozen``: a model never trained (the KL reference), taken
         in the dtype it has. A causal LM (anything with ``get_output_embeddings``) gets an
         ``_LogprobModule`` root, through which ``logprobs`` then evaluates it.
         """
@@ -226,7 +226,7 @@ class Placement:
         return _GatherRows.apply(out, self.rank, self._counts(batch.input_ids.shape[0]))
 
     def values(self, critic: ValueModel, batch: Batch) -> torch.Tensor:
-        """[B, T] float32 critic values of ``batch`` (``learner.critic.ValueModel``), the rows
+        """[B, T] float32 critic values of ``batch`` (``learner.algo.critic.ValueModel``), the rows
         split over the ranks and gathered."""
         if not self.sharded:
             return critic(batch.input_ids, batch.attention_mask)

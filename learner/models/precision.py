@@ -41,7 +41,7 @@ class MasterWeights:
 
     The constructor casts ``module`` in place to ``compute_dtype`` (default bf16), except the
     submodules named in ``keep_float32`` (e.g. the critic's scalar value head, whose small value
-    differences need float32: ``learner.critic``). Before casting, it copies every parameter with
+    differences need float32: ``learner.algo.critic``). Before casting, it copies every parameter with
     ``requires_grad=True`` into a float32 master tensor; frozen parameters get no master (they never
     change, and are only read in bf16). Parameters shared by two modules (tied embeddings) have one
     master.

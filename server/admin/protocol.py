@@ -377,7 +377,7 @@ class PolicyList(BaseModel):
 
 class LearnerStepRow(BaseModel):
     """One learner step: its number, the version it published, when, then every metric the
-    learner stored with it under the metric's own name (``learner.metrics``; the set grows with
+    learner stored with it under the metric's own name (``learner.algo.metrics``; the set grows with
     the learner, so the metrics are not listed here)."""
 
     model_config = ConfigDict(extra="allow")

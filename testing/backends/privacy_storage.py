@@ -38,8 +38,8 @@ from core.retention import (
     retention_cutoff,
     sql_log_engine,
 )
+from learner.algo.pretrain import logged_samples
 from learner.data.joiner import Joiner
-from learner.pretrain import logged_samples
 from server.store import ServerStore
 from testing.builders import episode_turns, fb, traj
 from testing.rows import backdate, count, keys_of, logged, migrated_with_log

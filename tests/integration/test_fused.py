@@ -5,10 +5,10 @@ import copy
 import pytest
 import torch
 
+from learner.algo.prefix import body_hidden
 from learner.data.batch import policy_logprobs
 from learner.models import attention
 from learner.models.fused import compile_layers
-from learner.prefix import body_hidden
 from testing.models import make_batch, tiny_policy
 
 

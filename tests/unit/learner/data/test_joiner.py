@@ -12,8 +12,8 @@ from sqlalchemy import select
 from core.db import LearnerCounter, LearnerSample, PendingJoin
 from core.evidence_store import EvidenceStore
 from core.records import TOPIC_FEEDBACK, TOPIC_TRAJECTORIES, utcnow
+from learner.algo.pretrain import logged_samples
 from learner.data.joiner import Joiner, JoinStats
-from learner.pretrain import logged_samples
 from server.store import ServerStore
 from testing.builders import episode_turns, fb, traj
 from testing.rows import migrated_with_log

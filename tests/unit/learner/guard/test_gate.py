@@ -95,7 +95,7 @@ def test_kl_estimates_leave_out_tokens_unusable_under_any_model():
     ref = torch.log(torch.tensor([0.25, 0.5, 0.5, 0.5]))
     ref[2] = math.nan
     other = lp.clone()
-    other[3] = -1000.0  # below learner.finite.LOGPROB_FLOOR
+    other[3] = -1000.0  # below learner.algo.finite.LOGPROB_FLOOR
     (kl, kl_other), unusable = kl_estimates(lp, [ref, other])
     # tokens 0 and 1 remain: the 0.25 of the test above; the other reference equals lp there
     assert kl == pytest.approx(0.25, abs=1e-6)

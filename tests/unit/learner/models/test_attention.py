@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from learner.algo.prefix import body_hidden
 from learner.data.batch import policy_logprobs
 from learner.models import attention
 from learner.models.attention import grouped_attention
-from learner.prefix import body_hidden
 from testing.models import tiny_policy
 
 B, H, KV, D = 2, 6, 2, 8

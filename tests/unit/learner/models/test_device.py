@@ -79,8 +79,8 @@ def test_bf16_where_the_device_has_fast_bf16(monkeypatch):
 def test_a_learner_on_cuda_without_a_gpu_is_refused(no_gpu):
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from learner.algo.spo import SPOLearner
     from learner.config import LearnerConfig
-    from learner.spo import SPOLearner
 
     shape = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
     policy = LlamaForCausalLM(LlamaConfig(vocab_size=32, **shape))

@@ -3,7 +3,7 @@ takes. The compiled layers against eager (slow): tests/integration/test_fused.py
 
 import torch
 
-from learner.critic import ValueModel
+from learner.algo.critic import ValueModel
 from learner.models.fused import compile_layers
 from testing.models import tiny_policy
 

@@ -23,14 +23,14 @@ from core.db import PolicyVersion
 from core.logbus import open_log
 from core.policy_store import ADAPTER_CONFIG, ADAPTER_FILE, CHECKPOINT_FILE, Layout, layout
 from core.weights import weights_sha256
+from learner.algo.critic import ValueModel
+from learner.algo.old_logits import SnapshotOldPolicy
+from learner.algo.sao import SAOLearner
+from learner.algo.spo import SPOLearner
 from learner.config import ConfigError, LoraPolicy, build_config
-from learner.critic import ValueModel
 from learner.data.batch import policy_logprobs
 from learner.models.lora import Adapter
-from learner.old_logits import SnapshotOldPolicy
 from learner.process import Learner
-from learner.sao import SAOLearner
-from learner.spo import SPOLearner
 from testing.learner import feed, in_process
 from testing.models import FAST, make_batch, make_config, tiny_policy
 

@@ -6,15 +6,15 @@ import math
 import pytest
 import torch
 
+from learner.algo.critic import ValueModel
+from learner.algo.metrics import masked_mse
+from learner.algo.sao import SAOLearner
+from learner.algo.spo import SPOLearner
 from learner.config import ConfigError
-from learner.critic import ValueModel
 from learner.data.batch import policy_logprobs
-from learner.metrics import masked_mse
 from learner.models import attention
 from learner.models.optim import make_adamw, optimizer_step
 from learner.models.precision import MasterWeights, MixedPrecisionAdamW
-from learner.sao import SAOLearner
-from learner.spo import SPOLearner
 from testing.models import FAST, make_batch, make_config, tiny_policy
 
 

@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from learner.dis import dis_loss
-from learner.offpolicy import SnapshotStore, ewma_beta, ewma_proxy_step, mis_token_mask
+from learner.algo.dis import dis_loss
+from learner.algo.offpolicy import SnapshotStore, ewma_beta, ewma_proxy_step, mis_token_mask
 
 LN2 = math.log(2.0)
 

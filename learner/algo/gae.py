@@ -4,7 +4,7 @@ Source: SAO (arXiv 2607.07508) §2.4 "跳过环境 observation 的 token 级 GAE
 §二(二)3), the experimental setup for λ_policy (papers/003 §三(一)), and appendix A.1 for the
 step-level variants (papers/001 §3.5); docs/design.md §5.3.
 
-Alignment convention (shared with ``learner.critic``): ``values[:, t] = V(s_t)``, the value of the
+Alignment convention (shared with ``learner.algo.critic``): ``values[:, t] = V(s_t)``, the value of the
 state *before* token t is generated. For action token t the TD residual is
 ``δ_t = r_t + γ V(s_next) − V(s_t)`` where ``s_next`` is the state before the *next action token*
 of the same row (skipping any observation tokens in between), and ``V = 0`` after the row's last

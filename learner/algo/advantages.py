@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from learner.finite import usable_tokens
-from learner.kl import k3
-from learner.metrics import masked_mean
+from learner.algo.finite import usable_tokens
+from learner.algo.kl import k3
+from learner.algo.metrics import masked_mean
 
 NORM_EPS = 1e-8
 """Added to σ before dividing (SPO++ write-up §2.3)."""
@@ -172,7 +172,7 @@ def spo_ppo_loss(
         old_logprobs: ``[B, T]`` log π_old (the policy at the start of the update); no gradient.
         rollout_logprobs: ``[B, T]`` log-probabilities the server sampled with. An action token
             whose logprob here, in ``logprobs`` or in ``old_logprobs`` is not finite or is below
-            ``learner.finite.LOGPROB_FLOOR`` is dropped from the loss, its token count and the
+            ``learner.algo.finite.LOGPROB_FLOOR`` is dropped from the loss, its token count and the
             stats, and counted in ``nonfinite_tokens`` (the rule SAO's DIS loss applies too).
         advantages: ``[B]`` (one per trajectory, broadcast over its tokens) or ``[B, T]``.
         action_mask: ``[B, T]`` bool or 0/1; only action tokens count. Values at masked-out
@@ -185,7 +185,7 @@ def spo_ppo_loss(
         ``(loss, stats)``: a 0-d float32 tensor (float64 if ``logprobs`` is float64), and
         floats ``clip_fraction`` (tokens where the clipped term is the larger),
         ``dual_clip_fraction`` (negative-advantage tokens capped at ``-c·A``), ``ratio_mean``,
-        ``approx_kl`` (mean of ``(r - 1) - log r``, ``learner.kl.k3``: KL(π_old‖π_θ)),
+        ``approx_kl`` (mean of ``(r - 1) - log r``, ``learner.algo.kl.k3``: KL(π_old‖π_θ)),
         ``rollout_is_mean`` (after truncation), ``rollout_is_truncated_fraction``,
         ``n_action_tokens`` (usable action tokens) and ``nonfinite_tokens``, all over the usable
         action tokens and all finite. With no usable token the loss is 0 (with a graph) and the

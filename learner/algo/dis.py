@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from learner.finite import usable_tokens
-from learner.kl import k3
+from learner.algo.finite import usable_tokens
+from learner.algo.kl import k3
 
 # (eps_low, eps_high) per task family, from SAO §3 experimental setup (papers/003 §三(一)).
 DIS_PRESETS: dict[str, tuple[float, float]] = {
@@ -25,7 +25,7 @@ def check_token_inputs(
     name: str, first: torch.Tensor, others: dict[str, torch.Tensor | None], eps_low: float, eps_high: float
 ) -> None:
     """The input checks of a token-level ratio loss or mask (``dis_loss``,
-    ``learner.offpolicy.mis_token_mask``): ``first`` (called ``name``) is [B, T], each tensor of
+    ``learner.algo.offpolicy.mis_token_mask``): ``first`` (called ``name``) is [B, T], each tensor of
     ``others`` (None: absent, skipped) has its shape, ``0 <= eps_low <= 1`` and ``eps_high >= 0``.
 
     Raises:
@@ -64,8 +64,8 @@ def dis_loss(
             grad. Values outside the action mask are ignored (they may be anything finite or not).
         rollout_logprobs: [B, T] float, the logged behaviour log-probabilities (nats). An action
             token whose logprob here or in ``logprobs`` is not finite or is below
-            ``learner.finite.LOGPROB_FLOOR`` is dropped from the loss, its denominator and the
-            stats, and counted in ``nonfinite_tokens`` (``learner.finite.usable_tokens``).
+            ``learner.algo.finite.LOGPROB_FLOOR`` is dropped from the loss, its denominator and the
+            stats, and counted in ``nonfinite_tokens`` (``learner.algo.finite.usable_tokens``).
         advantages: [B, T] float, treated as constants (detached here).
         action_mask: [B, T] 0/1 float or bool; 1 on tokens the model generated.
         eps_low: lower tolerance, ``0 <= eps_low <= 1``.
@@ -77,7 +77,7 @@ def dis_loss(
         ``(loss, stats)``: loss is a 0-dim float32 tensor (0 with a graph when there is no action
         token). stats holds python numbers over action tokens: ``action_tokens`` (count),
         ``kept_fraction`` (fraction with ratio inside the interval), ``mean_abs_log_ratio``
-        (mean ``|log r|``), ``approx_kl`` (``learner.kl.k3``, mean of ``(r - 1) - log r``: an unbiased
+        (mean ``|log r|``), ``approx_kl`` (``learner.algo.kl.k3``, mean of ``(r - 1) - log r``: an unbiased
         estimate of ``KL(π_rollout ‖ πθ)`` under rollout samples, computed in float64), and, with
         ``staleness``, ``mean_abs_log_ratio_by_staleness`` ``{staleness: mean |log r|}``.
         All stats are 0 when there is no usable action token; every stat is finite.

@@ -2,7 +2,7 @@
 
 Per trajectory ``A_i = R_i − v̂_i`` with ``v̂_i`` the prompt value frozen at dispatch (the
 server logged it in the trajectory; never a later value), normalised under the action-token
-measure (``learner.advantages.token_measure_normalize``; trajectory whitening is the
+measure (``learner.algo.advantages.token_measure_normalize``; trajectory whitening is the
 ablation), then one epoch of the SPO++ objective: PPO clip [0.2, 0.28], rollout importance
 ratio truncated at 2, dual clip c = 2 on negative advantages. With one epoch π_old is the
 policy at the start of the step (detached), so the PPO ratio starts at 1 and the rollout IS
@@ -18,18 +18,18 @@ from collections.abc import Callable
 import torch
 from transformers import PreTrainedModel
 
-from learner.advantages import (
+from learner.algo.advantages import (
     batch_stats,
     spo_advantages,
     spo_ppo_loss,
     token_measure_normalize,
     trajectory_whiten,
 )
-from learner.algorithm import Algorithm
+from learner.algo.algorithm import Algorithm
+from learner.algo.finite import usable_tokens
+from learner.algo.metrics import throughput
 from learner.config import LearnerConfig, SPOAlgorithm
 from learner.data.batch import Batch
-from learner.finite import usable_tokens
-from learner.metrics import throughput
 from learner.models.device import resolve
 from learner.models.optim import optimizer_step
 from learner.models.placement import Placement
@@ -90,7 +90,7 @@ class SPOLearner(Algorithm):
         trajectory.
 
         Action tokens with a non-finite or impossibly small logprob are masked and counted
-        (``nonfinite_tokens``, ``learner.finite``). Returns metrics: policy_loss, the loss
+        (``nonfinite_tokens``, ``learner.algo.finite``). Returns metrics: policy_loss, the loss
         stats, Cov_n(L, A) and the token-weighted centre before/after normalisation,
         reward_mean, step_time_s, tokens_per_s.
         Raises ValueError on an invalid batch or one without ``baseline_values``.

@@ -6,7 +6,7 @@ memory, the learner on its device: issue 38) and §5.2
 policy's architecture to evaluate old parameters; the live policy is never modified here.
 
 - ``SnapshotOldPolicy``: ``on_version(v, policy)`` stores a copy of version v's trained
-  parameters (``learner.offpolicy.SnapshotStore`` of the last W + 1 versions: the current one
+  parameters (``learner.algo.offpolicy.SnapshotStore`` of the last W + 1 versions: the current one
   and W older); ``logprobs`` evaluates each token with the snapshot of the version that
   generated it, loading that snapshot into the scratch model (the "switch"). Rows with a token
   whose version is no longer stored are reported, for the caller to drop. Only parameters with
@@ -22,7 +22,7 @@ policy's architecture to evaluate old parameters; the live policy is never modif
 
 Both expose ``put_s`` (seconds of the last ``on_version``), ``update_s`` (of the last
 ``after_step``) and ``resets`` (count), so the learner reports the extra time per step. Their
-one user is ``learner.policy_update.MISUpdate``.
+one user is ``learner.algo.policy_update.MISUpdate``.
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ from collections.abc import Callable
 import torch
 from transformers import PreTrainedModel
 
+from learner.algo.offpolicy import SnapshotStore, ewma_beta, ewma_proxy_step
 from learner.data.batch import Batch
 from learner.models.placement import load_full
-from learner.offpolicy import SnapshotStore, ewma_beta, ewma_proxy_step
 
 LogprobFn = Callable[[PreTrainedModel, Batch, torch.Tensor], torch.Tensor]
 """(model, batch, positions [B, T] bool) → [B, T] float32 logprobs at those positions."""

@@ -1,11 +1,11 @@
-"""The masked reductions every learner shares (learner.metrics), by hand."""
+"""The masked reductions every learner shares (learner.algo.metrics), by hand."""
 
 import math
 
 import pytest
 import torch
 
-from learner.metrics import masked_mean, masked_mse
+from learner.algo.metrics import masked_mean, masked_mse
 
 
 def test_masked_mean_by_hand_ignores_what_the_mask_leaves_out():

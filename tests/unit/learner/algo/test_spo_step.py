@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from core.records import TrajectoryRecord, utcnow
-from learner.advantages import spo_ppo_loss
+from learner.algo.advantages import spo_ppo_loss
+from learner.algo.spo import SPOLearner
 from learner.data.batch import Batch, policy_logprobs
 from learner.data.samples import NotLearnable, collate, episode_sample, single_turn_sample
-from learner.spo import SPOLearner
 from testing.models import make_config, tiny_policy
 
 

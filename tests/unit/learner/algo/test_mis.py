@@ -9,10 +9,10 @@ from dataclasses import replace
 import pytest
 import torch
 
+from learner.algo.mis import mis_loss
+from learner.algo.registry import build_algorithm
 from learner.config import ConfigError, build_config
 from learner.data.batch import policy_logprobs
-from learner.mis import mis_loss
-from learner.registry import build_algorithm
 from testing.models import make_batch, tiny_policy
 
 

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from learner.dis import DIS_PRESETS, dis_loss
+from learner.algo.dis import DIS_PRESETS, dis_loss
 
 
 def _row(*xs):

@@ -1,4 +1,4 @@
-"""SPO++ advantages and policy loss (learner/advantages.py): hand-computed cases and properties."""
+"""SPO++ advantages and policy loss (learner/algo/advantages.py): hand-computed cases and properties."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from learner.advantages import (
+from learner.algo.advantages import (
     batch_stats,
     spo_advantages,
     spo_ppo_loss,

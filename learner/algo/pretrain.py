@@ -4,7 +4,7 @@
 Cold start is the paper's main critic bottleneck: before RL, fit V on rollouts that already
 have rewards. Here those are the trajectories in the log joined with their feedback (user or
 judge). The fitted critic is saved as ``<policy dir>/critic_pretrained.pt``; a learner that
-starts without a checkpoint loads it (``learner.sao.SAOLearner.warm_start``).
+starts without a checkpoint loads it (``learner.algo.sao.SAOLearner.warm_start``).
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ import torch
 from core.logbus import LogTransport
 from core.records import TOPIC_FEEDBACK, TOPIC_TRAJECTORIES, FeedbackRecord, TrajectoryRecord
 from core.sealing import Shredded, SubjectKeys, is_sealed
+from learner.algo.gae import token_gae
+from learner.algo.metrics import masked_mse
 from learner.data.samples import NotLearnable, Sample, collate, single_turn_sample
-from learner.gae import token_gae
-from learner.metrics import masked_mse
 from learner.models.optim import make_adamw, optimizer_step
 
 if TYPE_CHECKING:
-    from learner.critic import ValueModel
+    from learner.algo.critic import ValueModel
     from learner.data.batch import Batch
 
 PRETRAINED_CRITIC = "critic_pretrained.pt"
@@ -165,7 +165,7 @@ def pretrain_from_log(
     Returns (saved path, loss per optimizer step). Raises ValueError if the log holds no
     trajectory with feedback.
     """
-    from learner.critic import ValueModel
+    from learner.algo.critic import ValueModel
 
     samples = logged_samples(log, forgotten, keys, opted_out)
     if not samples:

@@ -2,7 +2,7 @@
 
 Source: papers/004 §4 (the dual-constraint view) and §5 (where π_old comes from), docs/design.md
 §5.5.
-The token mask is ``learner.offpolicy.mis_token_mask``; this module turns it into a loss.
+The token mask is ``learner.algo.offpolicy.mis_token_mask``; this module turns it into a loss.
 
 What is implemented, and why: the per-token gradient is ``sg(r_d · r_s) · A · ∇log πθ`` on the
 tokens the mask keeps, with ``r_d = π_old/μ`` and ``r_s = πθ/π_old``. Since ``r_d · r_s = πθ/μ``
@@ -16,7 +16,7 @@ drift bound; with logprobs down to the −100 floor, πθ/μ can overflow float3
 papers/004, closes that: a token with ``A < 0`` and ``r_s > dual_clip`` is masked as well (dual-clip
 PPO, Ye et al. 2020; verl's ``clip_ratio_c`` = 3), so every kept weight is at most
 ``c · dual_clip``. The loss is the token mean over the usable action tokens, like
-``learner.dis.dis_loss``.
+``learner.algo.dis.dis_loss``.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ import math
 
 import torch
 
-from learner.finite import usable_tokens
-from learner.kl import k3
-from learner.offpolicy import mis_token_mask
+from learner.algo.finite import usable_tokens
+from learner.algo.kl import k3
+from learner.algo.offpolicy import mis_token_mask
 
 
 def mis_loss(
@@ -58,10 +58,10 @@ def mis_loss(
     Returns:
         ``(loss, stats)``: loss a 0-dim float32 tensor (0 with a graph when no token is usable);
         stats over the usable action tokens: ``action_tokens``, ``nonfinite_tokens`` (action
-        tokens dropped for a non-finite or too small logprob, ``learner.finite``), ``kept``
+        tokens dropped for a non-finite or too small logprob, ``learner.algo.finite``), ``kept``
         (tokens kept, int), ``masked_by_rd`` (r_d outside ``[1/c, c]``, int), ``masked_by_rs``
         (r_d inside but the drift bound violated, int), ``sum_abs_log_ratio`` (Σ |log πθ/μ|),
-        ``sum_abs_log_rd`` (Σ |log r_d|), ``sum_k3`` (Σ (πθ/μ − 1) − log πθ/μ, ``learner.kl.k3``);
+        ``sum_abs_log_rd`` (Σ |log r_d|), ``sum_k3`` (Σ (πθ/μ − 1) − log πθ/μ, ``learner.algo.kl.k3``);
         the sums let a caller average over several updates.
 
     Raises:

@@ -1,15 +1,15 @@
 """SAO's policy update as a strategy: the DIS step, or the MIS steps with an old policy.
 
-Step 3 of ``learner.sao.SAOLearner.step`` (the critic and the advantages come first) is one of:
+Step 3 of ``learner.algo.sao.SAOLearner.step`` (the critic and the advantages come first) is one of:
 
 - ``DISUpdate`` (the ``dis`` correction, SAO §2.2, docs/design.md §5.1): one policy step on
-  ``learner.dis.dis_loss`` against the logged behaviour logprobs; no old policy.
+  ``learner.algo.dis.dis_loss`` against the logged behaviour logprobs; no old policy.
 - ``MISUpdate`` (``mis_snapshot``, ``mis_ewma``; papers/004, docs/design.md §5.5): the rows
   with a token older than the window are dropped, then ``epochs × minibatches`` steps on
-  ``learner.mis.mis_loss`` with π_old from ``learner.old_logits`` (CPU snapshots or the EWMA
+  ``learner.algo.mis.mis_loss`` with π_old from ``learner.algo.old_logits`` (CPU snapshots or the EWMA
   proxy). Only this class knows that π_old exists.
 
-Both add ``kl_coef · k3_kl(πθ, π_ref)`` when the learner holds a ``learner.kl.KLAnchor``.
+Both add ``kl_coef · k3_kl(πθ, π_ref)`` when the learner holds a ``learner.algo.kl.KLAnchor``.
 ``build_policy_update`` picks the strategy from the validated correction config.
 
 Shapes: ``mask`` and ``advantages`` are [B, T] (bool; float32), aligned with the batch's tokens.
@@ -24,22 +24,22 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from learner.algo.dis import dis_loss
+from learner.algo.kl import k3_kl
+from learner.algo.mis import mis_loss
+from learner.algo.old_logits import EWMAOldPolicy, SnapshotOldPolicy
 from learner.config import DISCorrection, MISSnapshotCorrection
-from learner.dis import dis_loss
-from learner.kl import k3_kl
-from learner.mis import mis_loss
-from learner.old_logits import EWMAOldPolicy, SnapshotOldPolicy
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
+    from learner.algo.kl import KLAnchor
     from learner.config import Correction, MISEWMACorrection
     from learner.data.batch import Batch
-    from learner.kl import KLAnchor
 
 
 class Trainee(Protocol):
-    """What a policy update needs from its learner (``learner.sao.SAOLearner``)."""
+    """What a policy update needs from its learner (``learner.algo.sao.SAOLearner``)."""
 
     policy: PreTrainedModel
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from learner.algorithm import Algorithm
+from learner.algo.algorithm import Algorithm
+from learner.algo.sao import SAOLearner
+from learner.algo.spo import SPOLearner
 from learner.config import LearnerConfig, RunningMeanAlgorithm, SAOAlgorithm, SPOAlgorithm
-from learner.sao import SAOLearner
-from learner.spo import SPOLearner
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -5,13 +5,13 @@ import math
 import pytest
 import torch
 
-from learner.baselines import RunningMeanBaseline
-from learner.critic import ValueModel
+from learner.algo.baselines import RunningMeanBaseline
+from learner.algo.critic import ValueModel
+from learner.algo.dis import dis_loss
+from learner.algo.metrics import explained_variance
+from learner.algo.pretrain import pretrain_critic
+from learner.algo.sao import SAOLearner
 from learner.data.batch import Batch, policy_logprobs
-from learner.dis import dis_loss
-from learner.metrics import explained_variance
-from learner.pretrain import pretrain_critic
-from learner.sao import SAOLearner
 from testing.models import FAST, make_batch, make_config, tiny_policy
 
 
@@ -330,7 +330,7 @@ def test_sao_step_metrics_stay_finite_with_a_non_finite_rollout_logprob(bad):
 def test_warm_start_loads_the_pretrained_critic_and_says_so(tmp_path):
     """``warm_start`` loads ``critic_pretrained.pt`` into the critic and returns its path; with
     no such file (or no critic) it returns None and the critic is untouched."""
-    from learner.pretrain import PRETRAINED_CRITIC
+    from learner.algo.pretrain import PRETRAINED_CRITIC
 
     policy = tiny_policy()
     critic = ValueModel.from_policy(tiny_policy(seed=1))

@@ -20,7 +20,7 @@ from typing import Literal
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from learner.prefix import body_hidden
+from learner.algo.prefix import body_hidden
 
 Trainable = Literal["mlp", "all"]
 
@@ -144,7 +144,7 @@ class ValueModel(torch.nn.Module):
             input_ids: [B, T] long token ids.
             attention_mask: [B, T] 0/1 (left or right padding; positions count attended tokens).
             shared_prefix: the common prefix length the body runs once
-                (``learner.prefix.body_hidden``'s ``shared``; None: this batch's own).
+                (``learner.algo.prefix.body_hidden``'s ``shared``; None: this batch's own).
 
         Returns:
             [B, T] float32; ``out[:, t]`` is computed from the hidden state at ``t - 1``;

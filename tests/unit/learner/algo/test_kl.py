@@ -1,4 +1,4 @@
-"""The KL anchor (learner.kl) by hand, and its effect inside an SAO step."""
+"""The KL anchor (learner.algo.kl) by hand, and its effect inside an SAO step."""
 
 import math
 
@@ -7,11 +7,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from learner.critic import ValueModel
+from learner.algo.critic import ValueModel
+from learner.algo.dis import dis_loss
+from learner.algo.kl import MAX_K3, MAX_LOG_RATIO, k3, k3_kl
+from learner.algo.sao import SAOLearner
 from learner.data.batch import policy_logprobs
-from learner.dis import dis_loss
-from learner.kl import MAX_K3, MAX_LOG_RATIO, k3, k3_kl
-from learner.sao import SAOLearner
 from testing.models import make_batch, make_config, tiny_policy
 
 

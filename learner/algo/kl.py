@@ -1,8 +1,8 @@
 """The k3 estimator of a KL divergence, and the KL anchor to the reference (base) policy.
 
 ``k3`` is the one implementation of the estimator: the anchor below, and the ``approx_kl``
-diagnostics of DIS (``learner.dis``), MIS (``learner.mis``) and SPO++
-(``learner.advantages.spo_ppo_loss``) all call it.
+diagnostics of DIS (``learner.algo.dis``), MIS (``learner.algo.mis``) and SPO++
+(``learner.algo.advantages.spo_ppo_loss``) all call it.
 
 Not part of SAO: the paper's objective has no KL term (and SPO++ turns KL, EWMA and entropy terms
 off: SPO++ write-up §2.4, papers/000_…txt). This project adds it as an option (``kl_coef``, 0 = off
@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from learner.metrics import masked_mean
+from learner.algo.metrics import masked_mean
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -1,8 +1,8 @@
 """Which action tokens carry usable log-probabilities: one rule for every algorithm.
 
 docs/design.md §8: non-finite numbers never reach the weights; a token whose logprob is not finite is
-masked and counted, in every algorithm. The SAO loss (``learner.dis``) and the SPO++ loss
-(``learner.advantages.spo_ppo_loss``) both call ``usable_tokens`` on the logprobs they read.
+masked and counted, in every algorithm. The SAO loss (``learner.algo.dis``) and the SPO++ loss
+(``learner.algo.advantages.spo_ppo_loss``) both call ``usable_tokens`` on the logprobs they read.
 
 Floor: a token is also unusable when a logprob is below ``LOGPROB_FLOOR`` = −100 nats. The
 logprobs are of tokens that were actually sampled; a token of probability e^−100 ≈ 3.7e−44

@@ -1,13 +1,13 @@
 """The contract every learner algorithm implements.
 
 ``learner.process`` drives any algorithm through ``Algorithm`` only: it builds one from the
-run's validated ``LearnerConfig`` (``learner.registry.build_algorithm``: the config's algorithm
+run's validated ``LearnerConfig`` (``learner.algo.registry.build_algorithm``: the config's algorithm
 model names the class), calls ``step(batch)`` for the metrics of one update, publishes
 ``policy_weights``, checkpoints ``state_dict`` and restores ``load_state_dict``. With a LoRA
 policy (``LearnerConfig.policy``, ``learner.models.lora``) the policy's published and checkpointed
 state is its adapter's, and only the adapter is trained (``attach_policy``). Adding an
 algorithm is a config model in ``learner.config``, a module with its ``Algorithm`` subclass, and
-one entry in ``learner.registry.ALGORITHMS``.
+one entry in ``learner.algo.registry.ALGORITHMS``.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from learner.gae import length_adaptive_lambda, step_gae, step_values, token_gae
+from learner.algo.gae import length_adaptive_lambda, step_gae, step_values, token_gae
 
 
 def _t(*rows):

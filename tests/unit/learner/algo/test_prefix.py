@@ -1,12 +1,12 @@
-"""Shared-prefix forward (learner.prefix): same hidden states and gradients as the plain forward."""
+"""Shared-prefix forward (learner.algo.prefix): same hidden states and gradients as the plain forward."""
 
 import pytest
 import torch
 
-import learner.prefix as prefix
-from learner.critic import ValueModel
+import learner.algo.prefix as prefix
+from learner.algo.critic import ValueModel
+from learner.algo.prefix import body_hidden, position_ids_from_mask, shared_prefix_length
 from learner.data.batch import policy_logprobs
-from learner.prefix import body_hidden, position_ids_from_mask, shared_prefix_length
 from testing.models import tiny_policy
 
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from learner.critic import ValueModel
+from learner.algo.critic import ValueModel
 from testing.models import tiny_policy
 
 

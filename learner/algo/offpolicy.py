@@ -8,11 +8,11 @@ and separates the two ratios that a single importance ratio folds together:
 - the policy drift ``r_s = πθ / π_old`` (how far the current update has moved).
 
 A token contributes iff ``M_[1/c, c](r_d) · (1[A ≥ 0]·1[r_s ≤ 1+ε_high] + 1[A < 0]·1[r_s ≥ 1−ε_low])``.
-Table 1's variants are settings of this one mask (``tests/unit/learner/test_offpolicy.py`` checks each):
+Table 1's variants are settings of this one mask (``tests/unit/learner/algo/test_offpolicy.py`` checks each):
 
 - PPO clip: π_old = μ (so ``r_d = 1``) and any ``c ≥ 1``;
 - decoupled PPO: π_old a proximal policy, ``r_d`` bounded by ``c``;
-- SAO's DIS (``learner.dis``): no old policy (π_old := πθ, so ``r_s = 1``) and the discrepancy
+- SAO's DIS (``learner.algo.dis``): no old policy (π_old := πθ, so ``r_s = 1``) and the discrepancy
   interval ``(1 − ε_l, 1 + ε_h)`` on ``πθ / μ`` (pass ``c`` as that interval; DIS's bounds are
   open, the mask's closed, which differs only on a ratio exactly at a bound).
 
@@ -29,8 +29,8 @@ from collections.abc import Mapping
 
 import torch
 
-from learner.dis import check_token_inputs
-from learner.finite import usable_tokens
+from learner.algo.dis import check_token_inputs
+from learner.algo.finite import usable_tokens
 
 RESET_TAU = 0.9
 """Reset threshold τ on the active-token fraction ρ_t (papers/004 §5.2, Appendix F)."""
@@ -63,7 +63,7 @@ def mis_token_mask(
     ``r_d = exp(logp_old − logp_behaviour)``, ``r_s = exp(logp_new − logp_old)``; a token is kept
     iff ``low ≤ r_d ≤ high`` and (``A ≥ 0`` and ``r_s ≤ 1 + eps_high``, or ``A < 0`` and
     ``r_s ≥ 1 − eps_low``). A token whose logprob is not finite, or below
-    ``learner.finite.LOGPROB_FLOOR``, in any of the three tensors is never kept.
+    ``learner.algo.finite.LOGPROB_FLOOR``, in any of the three tensors is never kept.
 
     Args:
         logp_new: [B, T] float, log πθ of the taken tokens (nats); read detached.

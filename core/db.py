@@ -459,7 +459,7 @@ class SubjectKey(Base):
 
 class ForgetRequest(Base):
     """A forget (``saoserve admin forget``, docs/privacy.md), recorded before it is carried out
-    so that a crash half-way is finished by the next forget or retention run (``core/retention``).
+    so that a crash half-way is finished by the next forget or retention run (``core/forget``).
 
     ``kind``: ``user`` or ``key``; ``subject``: the user or key id, held only while the request
     is pending and cleared when it completes; ``subject_hash``: sha256 of kind and subject, kept.

@@ -294,8 +294,8 @@ def pretrain_critic_cmd(
 ) -> None:
     """Fit the critic on logged trajectories with feedback before RL (value pretraining)."""
     from core.db import make_engine, migrate
+    from core.forget import all_forgotten
     from core.logbus import open_log
-    from core.retention import all_forgotten
     from core.sealing import SubjectKeys
     from learner.algo.pretrain import opted_out_keys_now, pretrain_from_log
 
@@ -360,9 +360,10 @@ def retention(
     """
     from core.db import make_engine
     from core.db import migrate as run_migrate
+    from core.forget import finish_pending
     from core.logbus import open_log
     from core.records import utcnow
-    from core.retention import apply_retention, finish_pending, retention_cutoff, sql_log_engine
+    from core.retention import apply_retention, retention_cutoff, sql_log_engine
 
     settings = get_settings()
     days = days or settings.retention_days

@@ -11,7 +11,7 @@ read twice. The joining rules are in ``learner/data/join_plan.py``. What cannot 
 aside in the same transaction (``core.dead_letters``): a record the database refuses is retried,
 then joined alone, then set aside, so one record never stops the joins of the others. The read
 takes the tombstones of ``saoserve admin forget`` among the keys it touches; the commit deletes
-whatever it wrote under a tombstone that a forget committed beside it (``core.retention``).
+whatever it wrote under a tombstone that a forget committed beside it (``core.forget``).
 A trajectory a Kafka log holds sealed (``core.sealing``) is opened with its subject's data key;
 one whose key a forget destroyed is skipped, its offset passed and counted ``shredded``.
 """
@@ -31,10 +31,10 @@ from core.db import ConsumerOffset, FeedbackClaim, LearnerSample, PendingJoin, b
 from core.dead_letters import COUNTER as DEAD_LETTERS
 from core.dead_letters import MAX_TRIES, Letter, describe, is_outage, set_aside
 from core.evidence_store import EvidenceStore
+from core.forget import forgotten_among
 from core.keys import opted_out_identities
 from core.logbus import LogEntry, LogTransport
 from core.records import TOPIC_FEEDBACK, TOPIC_TRAJECTORIES, FeedbackRecord, TrajectoryRecord, as_utc, utcnow
-from core.retention import forgotten_among
 from core.sealing import SubjectKeys
 from learner.data.join_plan import (
     JoinPlan,

@@ -17,18 +17,11 @@ from core.control import PAUSED, ROLLBACK_TO, get_flag, set_flag
 from core.dead_letters import KINDS as DEAD_LETTER_KINDS
 from core.dead_letters import recent as recent_dead_letters
 from core.evidence_store import EvidenceStore
+from core.forget import ForgetKind, ForgetTarget, forget, new_request_id, receipt_of, record_request
 from core.lifecycle import Stage
 from core.limits import ID_CHARS, NAME_CHARS, PROMPT_ID_CHARS
 from core.records import TOPIC_TRAJECTORIES, TrajectoryRecord, utcnow
-from core.retention import (
-    ForgetKind,
-    ForgetTarget,
-    forget,
-    new_request_id,
-    receipt_of,
-    record_request,
-    sql_log_engine,
-)
+from core.retention import sql_log_engine
 from core.sealing import Shredded
 from server.admin.protocol import (
     DeadLetters,

@@ -286,7 +286,7 @@ class RollbackRequested(BaseModel):
 
 class Forgotten(BaseModel):
     """``POST /admin/forget`` and ``GET /admin/forget/{id}``: the receipt of one forget
-    (``core.retention.ForgetReceipt``), summed over every policy's namespace.
+    (``core.forget.ForgetReceipt``), summed over every policy's namespace.
 
     ``id``: the request, to look the receipt up again; ``user`` or ``key``: whom it named (in
     the answer to the POST only: a receipt keeps ``subject_hash``, never the name);

@@ -219,7 +219,7 @@ async def admin_uncertain(s: PolicyState, top: Annotated[int, Query(ge=1, le=100
 async def admin_policies(request: Request) -> dict:
     """Every policy this server serves, the global one first, then the tenant policies in the
     order of ``tenant_policies``: the version each serves, its stage, whether its learner is
-    paused, and its newest learner step (``server.admin_schemas.PolicyRow``)."""
+    paused, and its newest learner step (``server.admin.protocol.PolicyRow``)."""
     return {"policies": await policy_rows(all_states(request))}
 
 

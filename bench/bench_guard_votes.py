@@ -8,7 +8,7 @@ rating is Bernoulli(p + Δ) on the canary's answers and Bernoulli(p) on the cont
 attacker rates by arm, whatever the answer: 0 on the canary's and 1 on the control's when the
 honest lineage should be promoted (Δ ≥ 0), the reverse when it should be rejected.
 
-Each stream is judged by the guard's own code: ``learner.guard_votes.ballot`` (who may vote,
+Each stream is judged by the guard's own code: ``learner.guard.guard_votes.ballot`` (who may vote,
 then the identity cap per arm) and ``core.sequential.decide_lineage`` (one version), consulted
 at checkpoints (after 100 canary requests, then every 25% more) up to ``--horizon`` canary
 requests; the first decision is the verdict (``continue`` when none came). The conditions, on the same
@@ -33,8 +33,8 @@ import numpy as np
 
 from bench.results import record
 from core.sequential import Decision, RuleParams, decide_lineage
-from learner.guard_config import GuardConfig
-from learner.guard_votes import Electorate, Vote, ballot
+from learner.guard.guard_config import GuardConfig
+from learner.guard.guard_votes import Electorate, Vote, ballot
 
 BASE = 0.5
 BATCH = 16
@@ -136,7 +136,7 @@ def main() -> None:
                 f"{args.honest} honest API keys and one attacker key sending {args.flood:.0%} of the requests; "
                 f"canary share {args.share}; control p = {BASE}, the canary's honest ratings at p + Δ; the attacker "
                 "rates 0 on the canary's answers and 1 on the control's (Δ ≥ 0) or the reverse (Δ < 0). The verdict "
-                "is the guard's own code (learner.guard_votes.ballot, core.sequential.decide_lineage, δ 0.05, α 0.05) "
+                "is the guard's own code (learner.guard.guard_votes.ballot, core.sequential.decide_lineage, δ 0.05, α 0.05) "
                 "at checkpoints in time (after 100 canary requests, then every 25% more, up to "
                 f"{args.horizon}); in brackets the canary ratings that voted at the decision. Cap s: at most "
                 "max(1, ⌊s·W⌋) votes of one key per window of W = max(16, ⌈1/s⌉) votes of an arm."

@@ -7,7 +7,7 @@ Usage: ``python bench/bench_learner_lora.py [MODEL_DIR] [--batch 16] [--seq 160]
 
 Each option is ``<precision>-<policy>``: precision ``bf16`` (``LearnerConfig.bf16``: bf16 models,
 float32 masters of what is trained) or ``fp32``; policy ``full`` or ``lora<r>`` (a rank-r adapter
-on all seven projections, α = 32, ``learner.lora``). The step is ``SAOLearner.step`` as
+on all seven projections, α = 32, ``learner.models.lora``). The step is ``SAOLearner.step`` as
 ``saoserve learn`` builds it (``SAOLearner.build``) with the ``paper`` preset, K = 2 critic
 updates and the KL anchor on (kl_coef 0.05: one reference forward; with LoRA the policy with its
 adapter off, no second model), on the random rows of ``bench_sao_step.make_batch``.
@@ -41,9 +41,9 @@ from bench_learner_precision import release_memory
 from bench_sao_step import PeakRSS, make_batch
 from transformers import AutoModelForCausalLM
 
+from learner.algo.sao import SAOLearner
 from learner.config import build_config
-from learner.precision import MixedPrecisionAdamW
-from learner.sao import SAOLearner
+from learner.models.precision import MixedPrecisionAdamW
 
 KL_COEF = 0.05
 MIB = 1 << 20

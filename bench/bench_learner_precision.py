@@ -8,11 +8,11 @@ Precision options (``--options``, comma-separated; each builds a fresh learner f
     - ``fp32``: float32 models (the learner's default).
     - ``autocast``: float32 models under ``torch.autocast`` bf16 (``LearnerConfig.autocast_bf16``).
     - ``bf16``: ``LearnerConfig.bf16``: bf16 models with float32 master weights and AdamW states
-      (``learner.precision.MixedPrecisionAdamW``; the reference is bf16 too), attention by
-      ``learner.attention.grouped_attention``.
+      (``learner.models.precision.MixedPrecisionAdamW``; the reference is bf16 too), attention by
+      ``learner.models.attention.grouped_attention``.
     - ``bf16-sdpa``: the same with transformers' default attention (torch's SDPA) put back, to
       show what the attention function is worth.
-    - ``bf16-compiled``: ``bf16`` plus ``LearnerConfig.compile_layers`` (``learner.fused``); the
+    - ``bf16-compiled``: ``bf16`` plus ``LearnerConfig.compile_layers`` (``learner.models.fused``); the
       compilation happens in the first warm-up step (keep ``--warmup`` >= 1).
 
 All the options' learners are built first and their steps interleaved (option A, option B, …,
@@ -22,7 +22,7 @@ then again), so that load from other processes on a shared machine hits them ali
 most two options at a time on a 24 GiB machine shared with others. Limits: just before each step the script times ``torch.mm`` of two
 2048 × 2048 matrices, float32 and bf16, ``--mm-reps`` times each on the same threads; an option's
 limit is the median of the medians measured before its steps, so each ratio compares the step
-with the matmul rate of the same minutes (the load average is printed too). The step's FLOPs come from the model's config (``learner.flops``); the
+with the matmul rate of the same minutes (the load average is printed too). The step's FLOPs come from the model's config (``learner.models.flops``); the
 table gives its time (median and minimum over ``--steps``), its achieved GFLOP/s (from the
 median), and that rate divided by the bf16 and by the float32 limit.
 
@@ -56,12 +56,12 @@ import torch._inductor.config
 from bench_sao_step import make_batch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from learner import attention
-from learner.batch import policy_logprobs
+from learner.algo.critic import ValueModel
+from learner.algo.sao import SAOLearner
 from learner.config import build_config
-from learner.critic import ValueModel
-from learner.flops import Shape, Tokens, sao_step_flops
-from learner.sao import SAOLearner
+from learner.data.batch import policy_logprobs
+from learner.models import attention
+from learner.models.flops import Shape, Tokens, sao_step_flops
 
 OPTIONS = ("fp32", "autocast", "bf16", "bf16-sdpa", "bf16-compiled")
 KL_COEF = 0.05
@@ -262,7 +262,7 @@ def main() -> None:
         f"warmup={args.warmup}; load average {load_before[0]:.2f} at start, {os.getloadavg()[0]:.2f} at end"
     )
     parts = ", ".join(f"{k} {v / 1e9:.0f}" for k, v in flops.items() if k != "total")
-    print(f"step FLOPs (learner.flops): {flops['total'] / 1e12:.2f} TFLOP ({parts} GFLOP)")
+    print(f"step FLOPs (learner.models.flops): {flops['total'] / 1e12:.2f} TFLOP ({parts} GFLOP)")
     head = (
         f"{'option':<10} {'median s':>9} {'min s':>7} {'GFLOP/s':>8} {'fp32 mm':>8} {'bf16 mm':>8} "
         f"{'÷ bf16':>7} {'÷ fp32':>7} {'× fp32 step':>11}"

@@ -26,9 +26,9 @@ from dataclasses import replace
 import torch
 from transformers import AutoModelForCausalLM
 
-from learner.batch import Batch, policy_logprobs
+from learner.algo.registry import build_algorithm
 from learner.config import build_config
-from learner.registry import build_algorithm
+from learner.data.batch import Batch, policy_logprobs
 
 
 def make_batch(policy, batch: int, seq: int, prompt: int, window: int, seed: int = 0) -> Batch:

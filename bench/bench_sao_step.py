@@ -6,7 +6,7 @@ Usage: ``python bench/bench_sao_step.py [MODEL_DIR] [--batch 8] [--seq 160] [--p
 
 With ``--shared-prefix N`` the first N prompt tokens are the same in every row (a deployment's
 chat template and system prompt; the demo's is about 80 of 92 prompt tokens), and each repetition
-also times the full step with the shared-prefix pass switched off (``learner.prefix``), so the
+also times the full step with the shared-prefix pass switched off (``learner.algo.prefix``), so the
 table shows the two side by side and their ratio.
 
 The required passes of a step with K critic updates are: one policy forward+backward, K critic
@@ -40,12 +40,12 @@ from transformers import AutoModelForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.results import record  # noqa: E402
-from learner import prefix  # noqa: E402
-from learner.batch import Batch, policy_logprobs  # noqa: E402
+from learner.algo import prefix  # noqa: E402
+from learner.algo.critic import ValueModel  # noqa: E402
+from learner.algo.metrics import masked_mse  # noqa: E402
+from learner.algo.sao import SAOLearner  # noqa: E402
 from learner.config import build_config  # noqa: E402
-from learner.critic import ValueModel  # noqa: E402
-from learner.metrics import masked_mse  # noqa: E402
-from learner.sao import SAOLearner  # noqa: E402
+from learner.data.batch import Batch, policy_logprobs  # noqa: E402
 
 
 class PeakRSS:

@@ -15,17 +15,17 @@ concurrency the table gives the tokens/s over the run's wall time, p50/p95 of th
 latency, and the tokens/s ratio to float32's at the same concurrency.
 
 The gap: the answers of the first ``--streams`` value, with the engine's logged (processed)
-logprobs, are made into learner samples (``learner.samples.collate``, rows of
+logprobs, are made into learner samples (``learner.data.samples.collate``, rows of
 ``--learner-batch``) and recomputed by the learner itself, ``SAOLearner.logprobs`` on its policy
 (the function its DIS step calls, shared-prefix pass included), built from the ``cpu`` preset in
-float32 and with ``bf16`` on (bf16 weights, grouped attention: ``learner.precision``; compiled
+float32 and with ``bf16`` on (bf16 weights, grouped attention: ``learner.models.precision``; compiled
 layers off, as in the ``demo`` preset). The weights are the same everywhere (the prepared model's
 bf16 tensors; a float32 engine or learner upcasts them), so the whole gap is precision. Per pair
 (served dtype × learner precision), over the answers' tokens: max, p99 and mean of
 ``|Δ| = |learner − served|`` (nats), the mean signed Δ, and the fraction of tokens each
-correction masks from precision alone: DIS (``learner.dis.dis_loss`` with the default
+correction masks from precision alone: DIS (``learner.algo.dis.dis_loss`` with the default
 ``eps_low``/``eps_high`` of ``learner.config``), and MIS with exact old logits
-(``learner.offpolicy.mis_token_mask`` with the default ``c``; at the same weights π_old is the
+(``learner.algo.offpolicy.mis_token_mask`` with the default ``c``; at the same weights π_old is the
 learner's own logprob, so only ``r_d = π_old/μ`` can mask).
 
 No timing is asserted anywhere; its runs go to a dated log (docs/log/2026-12-06-precision-runs.md)
@@ -50,11 +50,11 @@ import torch
 from core.records import SamplingRecord
 from core.settings import Settings
 from judge.styles import writing_requests
+from learner.algo.dis import dis_loss
+from learner.algo.offpolicy import mis_token_mask
+from learner.algo.sao import SAOLearner
 from learner.config import MISSnapshotCorrection, build_config
-from learner.dis import dis_loss
-from learner.offpolicy import mis_token_mask
-from learner.samples import Sample, collate
-from learner.sao import SAOLearner
+from learner.data.samples import Sample, collate
 
 DTYPES = ("float32", "bfloat16")
 LEARNERS = ("float32", "bf16")

@@ -1,4 +1,4 @@
-"""Benchmark: the learner step on 1 rank against 2 gloo ranks (FSDP2, ``learner.placement``).
+"""Benchmark: the learner step on 1 rank against 2 gloo ranks (FSDP2, ``learner.models.placement``).
 
 Usage: ``flock /tmp/saoserve-engine.lock .venv/bin/python bench/bench_sharded_learner.py
 [MODEL_DIR | tiny] [--precision fp32|bf16] [--variants sao,lora,spo] [--batch 8] [--seq 96]
@@ -115,8 +115,8 @@ def trained_weights(algorithm) -> dict[str, torch.Tensor]:
     """The trained tensors of the policy and the critic, whole (every rank takes part), as the
     optimiser holds them: float32 masters in bf16 (``MixedPrecisionAdamW``'s on one rank, FSDP's
     sharded float32 parameters on two), the parameters themselves in float32."""
-    from learner.placement import full_tensor
-    from learner.precision import MixedPrecisionAdamW
+    from learner.models.placement import full_tensor
+    from learner.models.precision import MixedPrecisionAdamW
 
     out = {}
     pairs = [("policy", algorithm.policy, algorithm.policy_opt)]
@@ -146,9 +146,9 @@ def worker(args) -> None:
     """One (precision, ranks) run under torchrun: every variant, first step kept for equivalence."""
     import torch.distributed as dist
 
+    from learner.algo.registry import build_algorithm
     from learner.config import LearnerConfig
-    from learner.placement import Placement
-    from learner.registry import build_algorithm
+    from learner.models.placement import Placement
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

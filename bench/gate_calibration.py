@@ -1,4 +1,4 @@
-"""Calibration of the gate's bounds (``learner.gate``): its figures for the base model and for
+"""Calibration of the gate's bounds (``learner.guard.gate``): its figures for the base model and for
 broken copies of it, side by side in one run.
 
 Usage: ``python bench/gate_calibration.py [MODEL_DIR] [--threads 2] [--seed 0]``. MODEL_DIR
@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from learner.gate import GateConfig, load_probes, reference_answers, render_probes, run_gate
+from learner.guard.gate import GateConfig, load_probes, reference_answers, render_probes, run_gate
 
 
 def nll_gradient_sign(base, prompts: list[list[int]], answers: list[list[int]]) -> dict[str, torch.Tensor]:

@@ -13,11 +13,11 @@ For each size, policy (``full``, ``lora``: rank 8 on all projections) and batch 
 ``--seq`` tokens, the last ``--seq − --prompt`` of them actions): ``SAOLearner.step`` as ``saoserve
 learn`` builds it (critic K = 2, the KL anchor, the device's precision: bf16 where it is fast,
 ``learner.config.build_config``), one warm-up step, then ``--steps`` timed ones. Printed per row:
-step time (median), tokens/s, peak GPU memory, and the achieved rate (``learner.flops``'s count of
+step time (median), tokens/s, peak GPU memory, and the achieved rate (``learner.models.flops``'s count of
 the step's matmul FLOPs over its time) as a fraction of the bf16 matmul rate measured in the
 same run (an 8192² × 8192 bf16 matmul on the same device). A step that runs out of memory is
 reported as such. With 2 GPUs it also runs the full-policy step on 2 ranks (FSDP2 under torchrun,
-``learner.placement``) at batch 64.
+``learner.models.placement``) at batch 64.
 
 Run on a GPU (about 2-4 minutes; ``--out`` is the folder whose ``gpu_learner.json`` comes back):
 
@@ -139,7 +139,7 @@ def make_batch(vocab: int, rows: int, seq: int, prompt: int, seed: int):
 
     import torch
 
-    from learner.batch import Batch
+    from learner.data.batch import Batch
 
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (rows, seq), generator=g)
@@ -157,8 +157,8 @@ def build(size: str, policy: str, rows: int, placement=None):
     import torch
     from transformers import LlamaForCausalLM
 
+    from learner.algo.registry import build_algorithm
     from learner.config import build_config
-    from learner.registry import build_algorithm
 
     overrides = {"batch_size": rows, "algorithm": {"kl_coef": 0.04}}
     if policy == "lora":
@@ -176,7 +176,7 @@ def measure(size: str, policy: str, rows: int, args, device, rate: float, placem
     """One row of the table (module docstring); ``oom`` set when the step ran out of memory."""
     import torch
 
-    from learner.flops import Shape, Tokens, sao_step_flops
+    from learner.models.flops import Shape, Tokens, sao_step_flops
 
     row = {"size": size, "policy": policy, "rows": rows, "tokens": rows * args.seq}
     try:
@@ -221,8 +221,8 @@ def ranked(args) -> None:
 
     import_learner()
     from learner.config import Device
-    from learner.device import resolve
-    from learner.placement import Placement
+    from learner.models.device import resolve
+    from learner.models.placement import Placement
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device = resolve(Device.AUTO, int(os.environ.get("LOCAL_RANK", "0")))
@@ -308,7 +308,7 @@ def main() -> None:
     import torch
 
     from learner.config import Device
-    from learner.device import resolve
+    from learner.models.device import resolve
 
     started = time.perf_counter()
     device = resolve(Device.AUTO)
@@ -355,7 +355,7 @@ def two_ranks(args) -> dict:
 
 NOTES = (
     "Random weights in the SmolLM2 configs (135m; 1b: the 1.7B shape with 16 layers). bf16_fraction: "
-    "the step's matmul FLOPs (learner/flops.py) per second over the bf16 matmul rate of the same run."
+    "the step's matmul FLOPs (learner/models/flops.py) per second over the bf16 matmul rate of the same run."
 )
 
 

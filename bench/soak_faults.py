@@ -97,7 +97,7 @@ class SoakFaults:
         from sqlalchemy.exc import DBAPIError
 
         from core.db import ConsumerOffset
-        from learner.joiner import CONSUMER
+        from learner.data.joiner import CONSUMER
 
         read = select(func.coalesce(func.sum(ConsumerOffset.next_offset), 0)).where(
             ConsumerOffset.consumer == CONSUMER

@@ -10,7 +10,7 @@ records) up to the first batch that holds an answer judged under the new target:
 - the old target's share over the report's trailing window (``metrics.json``'s, or ``--window``
   with ``--schedule`` for a folder whose run has not written one) at the step before the switch;
 - the running mean's window at that batch: for each of the batch's prompts, the mean of its last
-  ``--rm-window`` rewards trained before it (``learner.baselines.RunningMeanBaseline``'s
+  ``--rm-window`` rewards trained before it (``learner.algo.baselines.RunningMeanBaseline``'s
   window), averaged over the batch, with the prompts whose window was full;
 - SAO's critic at that batch: the step's ``value_mean`` (the clamped values GAE used);
 - how long the old target had been learned at the switch: the steps since its share first
@@ -50,7 +50,7 @@ def replay(records: list[dict], details: dict, new_target: str, rm_window: int) 
     answer: {"step", "rm_baseline", "rm_full_prompts", "batch_prompts", "value_mean"}. The
     running mean is the learner's own (``RunningMeanBaseline``), fed the batches in training
     order: "rm_baseline" is the mean over the batch of what it would subtract."""
-    from learner.baselines import RunningMeanBaseline
+    from learner.algo.baselines import RunningMeanBaseline
 
     by_id = {r["id"]: r for r in records}
     baseline = RunningMeanBaseline(window=rm_window)

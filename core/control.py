@@ -34,7 +34,7 @@ GUARD_OFF = "guard_off"
 GUARD_PIN = "guard_pin"
 CANARY_SHARE = "canary_share"
 # Written by the learner, not an operator: its last verdict on the lineage (JSON, as
-# ``learner.guard.Guard`` records it), which /metrics and the dashboard show.
+# ``learner.guard.guard.Guard`` records it), which /metrics and the dashboard show.
 GUARD_VERDICT = "guard_verdict"
 
 

@@ -86,7 +86,7 @@ class TrajectoryIndex(Base):
     arm: Mapped[str | None] = mapped_column(String(STATE_CHARS))
     # Who sent it (TrajectoryRecord.identity: ``key:<key id>`` or ``user:<user>``): what
     # ``saoserve admin forget --api-key`` looks up, and what the guard's votes pass the identity
-    # cap by (learner/guard_votes.py). NULL for rows indexed before revision 0015.
+    # cap by (learner/guard/guard_votes.py). NULL for rows indexed before revision 0015.
     identity: Mapped[str | None] = mapped_column(String(IDENTITY_CHARS), index=True)
     # The record's ``train`` flag (revision 0016): opted-out answers never vote. NULL before it.
     train: Mapped[bool | None] = mapped_column(Boolean)
@@ -145,7 +145,7 @@ class PolicyVersion(Base):
     # The guard's stage (core/lifecycle.py): candidate | canary | promoted | rejected. ``status``
     # above says only whether the version's policy event is out (committed | published).
     lifecycle: Mapped[str] = mapped_column(String(STATE_CHARS), server_default="promoted")
-    # The gate's figures (learner.gate.GateResult as JSON); NULL when no gate ran.
+    # The gate's figures (learner.guard.gate.GateResult as JSON); NULL when no gate ran.
     gate: Mapped[dict | None] = mapped_column(JSON)
 
 
@@ -337,7 +337,7 @@ class LearnerSample(Base):
     prompt_id: Mapped[str] = mapped_column(String(PROMPT_ID_CHARS))
     payload: Mapped[str] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
-    # Who sent it (``Sample.identity``): what the identity cap counts (learner/identity_cap.py);
+    # Who sent it (``Sample.identity``): what the identity cap counts (learner/data/identity_cap.py);
     # NULL for samples without one (and those joined before revision 0012).
     identity: Mapped[str | None] = mapped_column(String(IDENTITY_CHARS))
 
@@ -459,7 +459,7 @@ class SubjectKey(Base):
 
 class ForgetRequest(Base):
     """A forget (``saoserve admin forget``, docs/privacy.md), recorded before it is carried out
-    so that a crash half-way is finished by the next forget or retention run (``core/retention``).
+    so that a crash half-way is finished by the next forget or retention run (``core/forget``).
 
     ``kind``: ``user`` or ``key``; ``subject``: the user or key id, held only while the request
     is pending and cleared when it completes; ``subject_hash``: sha256 of kind and subject, kept.

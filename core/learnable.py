@@ -1,7 +1,7 @@
 """Which logged trajectories the learner can learn from, and if not, why (docs/design.md §5.1, §8).
 
 One rule, in one place: the learner applies it to every joined trajectory and episode
-(``learner.samples``), and the reasons it returns are the learner's counters and dead-letter
+(``learner.data.samples``), and the reasons it returns are the learner's counters and dead-letter
 names (``/admin/learner``). In order, a trajectory is not learned from when
 
 1. its request opted out of training (``TrajectoryRecord.train`` False, docs/privacy.md):
@@ -70,7 +70,7 @@ def exclusion_reason(rec: TrajectoryRecord) -> str | None:
 def episode_exclusion_reason(turns: list[TrajectoryRecord]) -> str | None:
     """Why the learner cannot learn from an episode of ``turns`` (in turn order), or None: rule 1
     for any turn, then rule 2 for any turn (the first such turn names the reason), then rules 3-5
-    for the last turn, whose prompt and response are the sequence learned (``learner.samples``)."""
+    for the last turn, whose prompt and response are the sequence learned (``learner.data.samples``)."""
     for rec in turns:
         if not rec.train:
             return OPTED_OUT

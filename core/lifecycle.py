@@ -4,7 +4,7 @@ the lineage a candidate belongs to, and the guard's verdict on that lineage.
 Pure: rows in, decisions out; the database side is ``core/lifecycle_store.py``. Source:
 docs/design.md §9.1 and docs/guard.md, "The lifecycle".
 
-Stages. A new version is a ``candidate`` until the gate (``learner.gate``) has run on it: it
+Stages. A new version is a ``candidate`` until the gate (``learner.guard.gate``) has run on it: it
 fails → ``rejected`` (never announced, never served); it passes → ``canary``. An engine that
 serves adapters gives a canary its share of the requests (below); a single full-weight engine
 serves it to all traffic under *probation*. Either way it stays under watch until the decision
@@ -89,7 +89,7 @@ def drifted(kl_refs: Sequence[float | None], bound: float) -> float | None:
 
     ``kl_refs``: nats per action token, one per version of the lineage in version order, None
     where not measured (e.g. the KL anchor off): the caller's measure of each version's drift
-    (``learner.guard.drift_from_promoted``: beyond the promoted version's).
+    (``learner.guard.guard.drift_from_promoted``: beyond the promoted version's).
     """
     return next((kl for kl in kl_refs if kl is not None and kl > bound), None)
 

@@ -16,7 +16,7 @@ What is sealed: the whole JSON of a trajectory record that has a subject (an API
 ``user``): prompt and answer token ids, the ``user`` and ``identity`` fields, the stop strings.
 A record with neither identifies nobody to forget and is logged as before. Feedback records hold
 ids, a reward and the (hashed, ``core.evidence_store.stored_prompt_id``) prompt id and are not
-sealed. The SQL-table log is not sealed: a forget deletes its rows (``core.retention``).
+sealed. The SQL-table log is not sealed: a forget deletes its rows (``core.forget``).
 
 A subject is the pair (API key id, ``user``), either part absent: a forget by user destroys the
 keys of every pair with that user, a forget by key every pair with that key, so both reach all of

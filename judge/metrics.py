@@ -290,7 +290,7 @@ def wallclock_series(records: Sequence[Mapping[str, Any]], bin_s: float) -> dict
     return {"bin_s": bin_s, "reward": reward, "target_share": share}
 
 
-# metrics.json key -> the learner step metric it lists per step (learner.sao / learner.dis).
+# metrics.json key -> the learner step metric it lists per step (learner.algo.sao / learner.algo.dis).
 LEARNER_SERIES = {
     "dis_kept_fraction": "kept_fraction",
     "mean_abs_log_ratio": "mean_abs_log_ratio",

@@ -9,12 +9,12 @@ its fields without checking them again.
 
 ``algorithm`` is discriminated by ``name``: ``sao`` (critic + token GAE + DIS, SAO §2),
 ``running_mean`` (the SAO §3.4 comparison baseline with the DIS loss) or ``spo`` (SPO++,
-papers 000/002); each model carries only its own fields, and ``learner.registry.ALGORITHMS``
+papers 000/002); each model carries only its own fields, and ``learner.algo.registry.ALGORITHMS``
 maps each model to the class that runs it, so a new algorithm is a model here, its class and
 one registry entry. ``optimizer`` holds the AdamW settings every algorithm shares.
 ``correction`` is the off-policy correction of the policy loss (papers/004, docs/design.md §5.5).
 ``policy`` says what the learner trains: every weight (``full``) or a LoRA adapter on the frozen
-base model (``lora``, ``learner.lora``, docs/lora.md).
+base model (``lora``, ``learner.models.lora``, docs/lora.md).
 
 Presets (``PRESETS``): ``paper`` (the papers' numbers: SAO §3 setup, papers/003 §三(一)),
 ``cpu`` (the defaults of ``saoserve learn`` for the 135M model on CPU; the model defaults here)
@@ -36,7 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from core.hardware import bf16_native
 from learner.faults import BrokenLearner
-from learner.guard_config import GuardConfig
+from learner.guard.guard_config import GuardConfig
 
 # allow_inf_nan: no learner setting is meaningful at ±inf or nan (a poll of inf seconds, an
 # infinite time-out); a time-out that never fires is None.
@@ -59,7 +59,7 @@ class _DISLoss(BaseModel):
     @property
     def has_kl_anchor(self) -> bool:
         """Whether the policy loss has the KL anchor term (``kl_coef > 0``): the one place that
-        decides it; the learner then loads the reference policy (``learner.kl.KLAnchor``)."""
+        decides it; the learner then loads the reference policy (``learner.algo.kl.KLAnchor``)."""
         return self.kl_coef > 0
 
 
@@ -124,7 +124,7 @@ class SPOAlgorithm(BaseModel):
 
 
 class OptimizerConfig(BaseModel):
-    """AdamW on float32 master weights (``learner.optim``), for every algorithm's policy; SAO's
+    """AdamW on float32 master weights (``learner.models.optim``), for every algorithm's policy; SAO's
     critic uses the same β1, weight decay and clip with its own learning rate
     (``SAOAlgorithm.critic_lr``)."""
 
@@ -155,7 +155,7 @@ class FullPolicy(BaseModel):
 
 
 class LoraPolicy(BaseModel):
-    """A LoRA adapter ``W + (alpha/rank)·B·A`` on the frozen base model (``learner.lora``): only A
+    """A LoRA adapter ``W + (alpha/rank)·B·A`` on the frozen base model (``learner.models.lora``): only A
     and B are trained and each version publishes the adapter in PEFT's layout (docs/lora.md)."""
 
     model_config = _MODEL
@@ -184,7 +184,7 @@ class LoraPolicy(BaseModel):
 
 
 class Device(enum.StrEnum):
-    """Where the learner's models, optimiser states and batches live (``learner.device``)."""
+    """Where the learner's models, optimiser states and batches live (``learner.models.device``)."""
 
     AUTO = "auto"
     """A CUDA GPU where one is visible, else the CPU."""
@@ -202,7 +202,7 @@ AlgorithmConfig = Annotated[SAOAlgorithm | RunningMeanAlgorithm | SPOAlgorithm, 
 
 class DISCorrection(BaseModel):
     """SAO's DIS: one ratio πθ/μ against the logged behaviour logprobs, no old policy, one
-    policy update per batch (``learner.dis``)."""
+    policy update per batch (``learner.algo.dis``)."""
 
     model_config = _MODEL
     kind: Literal["dis"] = "dis"
@@ -210,7 +210,7 @@ class DISCorrection(BaseModel):
 
 
 class _MISCorrection(BaseModel):
-    """The MIS loss with an old policy π_old (papers/004 §4; ``learner.mis``)."""
+    """The MIS loss with an old policy π_old (papers/004 §4; ``learner.algo.mis``)."""
 
     model_config = _MODEL
     window: int = Field(3, ge=1)
@@ -224,7 +224,7 @@ class _MISCorrection(BaseModel):
     """Drift bound for A ≥ 0: masked unless r_s ≤ 1 + clip_high (0.28, as SPO++'s clip)."""
     dual_clip: float = Field(3.0, gt=1.0)
     """Dual clip for A < 0: masked when r_s > dual_clip (not in papers/004; verl's clip_ratio_c
-    = 3), which bounds every kept weight πθ/μ by c · dual_clip (``learner.mis``)."""
+    = 3), which bounds every kept weight πθ/μ by c · dual_clip (``learner.algo.mis``)."""
     epochs: int = Field(1, ge=1)
     """Passes over each batch (PPO epochs); more than one update per batch makes r_s ≠ 1."""
     minibatches: int = Field(1, ge=1)
@@ -281,13 +281,13 @@ class LearnerConfig(BaseModel):
     """Samples (one rollout per prompt) per learner step."""
     device: Device = Device.AUTO
     """Where the policy, critic, KL reference, π_old copies and optimiser states live
-    (``learner.device.resolve``): ``auto`` takes a CUDA GPU where one is visible. On a device with
+    (``learner.models.device.resolve``): ``auto`` takes a CUDA GPU where one is visible. On a device with
     fast bf16 (CUDA with bf16 support) the presets compute in bf16 (``build_config``); on the
     CPU the rule of ``core.hardware`` stays. A learner under ``torchrun`` shards its models over
     the ranks (``learner.distributed``, docs/scaling.md)."""
     max_identity_share: float | None = Field(None, gt=0.0, le=1.0)
     """The most of a batch one identity (API key, else ``user`` field) may contribute: at most
-    max(1, ⌊share·batch_size⌋) samples; the rest wait for later batches (``learner.identity_cap``,
+    max(1, ⌊share·batch_size⌋) samples; the rest wait for later batches (``learner.data.identity_cap``,
     docs/tenants.md). E.g. 0.25: one key moves at most a quarter of each step, and a batch needs
     samples of 4 identities (anonymous samples each count as one). The guard's votes have their
     own cap, on by default (``GuardConfig.vote_identity_share``). None (the default): no cap,
@@ -296,10 +296,10 @@ class LearnerConfig(BaseModel):
     """Run forward/backward under bf16 autocast (master weights stay float32)."""
     bf16: bool = False
     """bf16 models with float32 master weights and AdamW states, attention as batched matmuls
-    (``learner.precision``, ``learner.attention``): the step on AMX-BF16 (docs/precision.md).
+    (``learner.models.precision``, ``learner.models.attention``): the step on AMX-BF16 (docs/precision.md).
     Not together with ``autocast_bf16``."""
     compile_layers: bool = False
-    """Compile the models' decoder layers with ``torch.compile`` (``learner.fused``); the first
+    """Compile the models' decoder layers with ``torch.compile`` (``learner.models.fused``); the first
     step compiles (about a minute on 2 cores)."""
     chunk_tokens: int = Field(512, ge=1)
     """Tokens per LM-head chunk when computing log-probabilities (memory ≈ chunk · V · 12 bytes)."""
@@ -338,7 +338,7 @@ class LearnerConfig(BaseModel):
     @model_validator(mode="after")
     def _fault_fits(self) -> LearnerConfig:
         if self.broken_learner is not None and not isinstance(self.algorithm, _DISLoss):
-            # The fault is applied in learner.sao (SAOLearner.policy_step and its optimizer).
+            # The fault is applied in learner.algo.sao (SAOLearner.policy_step and its optimizer).
             raise ValueError(
                 f"broken_learner applies to the sao and running_mean algorithms, not {self.algorithm.name}"
             )

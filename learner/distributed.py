@@ -4,7 +4,7 @@ Issue 38, docs/scaling.md ("The learner on GPUs and across processes"), docs/des
 ``torchrun --nproc-per-node N -m saoserve.cli learn …`` (or ``saoserve learn --ranks N``, which
 runs exactly that), every rank builds the same ``LearnerConfig``; ``init`` joins the process
 group (gloo on the CPU, NCCL on GPUs, chosen from the device) and places the models
-(``learner.placement``: FSDP2, each rank a contiguous share of every batch's rows).
+(``learner.models.placement``: FSDP2, each rank a contiguous share of every batch's rows).
 
 - **Rank 0** runs the whole learner (``RankedLearner``, a ``learner.process.Learner``): it alone
   reads the log, joins, commits offsets, runs the guard, writes and commits versions. Its
@@ -49,13 +49,13 @@ import torch.distributed as dist
 from core.dead_letters import describe
 from core.settings import Settings
 from learner import faults
-from learner.algorithm import Algorithm
-from learner.batch import Batch
+from learner.algo.algorithm import Algorithm
+from learner.algo.registry import build_algorithm
 from learner.config import ConfigError, LearnerConfig
-from learner.device import resolve
-from learner.placement import Placement
+from learner.data.batch import Batch
+from learner.models.device import resolve
+from learner.models.placement import Placement
 from learner.process import Learner, run_learner
-from learner.registry import build_algorithm
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +152,7 @@ def _trained_state(algorithm: Algorithm) -> dict:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     options = StateDictOptions(ignore_frozen_params=True)
-    # The policy itself, not its FSDP root (learner.placement): the keys are then the model's
+    # The policy itself, not its FSDP root (learner.models.placement): the keys are then the model's
     # own with any number of ranks, one included.
     pairs = [("policy", algorithm.policy, algorithm.policy_opt)]
     if algorithm.critic is not None:
@@ -415,7 +415,7 @@ def init(config: LearnerConfig) -> tuple[Placement, Channel]:
     device this rank resolves to), with a gloo control group beside it.
 
     Raises:
-        learner.device.DeviceError: the device is not here (``cuda`` without a GPU, or fewer
+        learner.models.device.DeviceError: the device is not here (``cuda`` without a GPU, or fewer
             GPUs than local ranks).
         ConfigError: as ``check_config``.
     """

@@ -4,13 +4,13 @@ Loop: read new trajectory and feedback records from the stored offsets; join the
 trajectory id, or by episode id for multi-turn episodes); in ONE database transaction commit
 the new offsets, the pending joins, the produced samples and the prompt evidence of the joined
 results (SPO++ results enter the evidence when feedback is joined, attributed to the dispatch
-version; ``learner.joiner``). When ``batch_size`` samples are waiting (``learner.sample_queue``)
+version; ``learner.data.joiner``). When ``batch_size`` samples are waiting (``learner.data.sample_queue``)
 and learning is not paused: one step of the configured algorithm, what it commits planned
 (``learner.step_plan``), the new policy written, committed with the deletion of the consumed
 samples in one transaction, then announced on the policy topic that every server replica
 follows (``learner.publish``). The guard gates each new version and judges the lineage on
-probation (``learner.guard``); a rollback publishes an earlier version's weights as a new
-version (``learner.rollback``).
+probation (``learner.guard.guard``); a rollback publishes an earlier version's weights as a new
+version (``learner.guard.rollback``).
 
 A crash at any point loses and duplicates nothing: offsets only move together with the state
 they produced; a trajectory id joined once leaves a tombstone so a re-sent copy is ignored; a
@@ -27,7 +27,7 @@ kill -9 harness (tests/system/test_learner_faults.py).
 
 Nothing stops the loop for good: a join that fails is logged and the rollback and pause
 requests are still carried out; a record or a batch that keeps failing is set aside as a dead
-letter after ``core.dead_letters.MAX_TRIES`` tries (``learner.joiner``, ``train_step``).
+letter after ``core.dead_letters.MAX_TRIES`` tries (``learner.data.joiner``, ``train_step``).
 """
 
 from __future__ import annotations
@@ -57,17 +57,19 @@ from core.logbus import LogTransport, open_log
 from core.policy_store import version_dir, version_dirs
 from core.sequential import Decision
 from core.settings import Settings
-from learner import publish, resume, rollback, sample_queue
-from learner.algorithm import Algorithm
+from learner import publish, resume
+from learner.algo.algorithm import Algorithm
+from learner.algo.registry import build_algorithm
 from learner.config import LearnerConfig, LoraPolicy
+from learner.data import sample_queue
+from learner.data.joiner import Joiner, JoinStats
+from learner.data.samples import Sample, collate
 from learner.faults import ReadFaultLog, armed, fault_point
-from learner.gate_models import GateReferences
-from learner.guard import Guard
-from learner.guard_votes import Electorate
-from learner.joiner import Joiner, JoinStats
+from learner.guard import rollback
+from learner.guard.gate_models import GateReferences
+from learner.guard.guard import Guard
+from learner.guard.guard_votes import Electorate
 from learner.publish import AlsoCommit
-from learner.registry import build_algorithm
-from learner.samples import Sample, collate
 from learner.step_plan import StepPlan, Trained, plan_step
 
 log = logging.getLogger(__name__)
@@ -76,9 +78,9 @@ log = logging.getLogger(__name__)
 class Learner:
     """One learner per policy. Not thread-safe: one loop drives it.
 
-    ``algorithm`` is the ``learner.algorithm.Algorithm`` the config names, None until ``load``
+    ``algorithm`` is the ``learner.algo.algorithm.Algorithm`` the config names, None until ``load``
     (and after a step failed before its commit). ``version`` is the database's latest version
-    as this learner committed or loaded it; ``guard`` its ``learner.guard.Guard``.
+    as this learner committed or loaded it; ``guard`` its ``learner.guard.guard.Guard``.
     """
 
     def __init__(
@@ -126,7 +128,7 @@ class Learner:
         return stats
 
     def waiting_samples(self) -> int:
-        """How many samples wait to train (``learner.sample_queue.waiting``)."""
+        """How many samples wait to train (``learner.data.sample_queue.waiting``)."""
         return sample_queue.waiting(self.db)
 
     # ---------------------------------------------------------------- model
@@ -221,7 +223,7 @@ class Learner:
         return resume.read_state(self.policy_dir, version)
 
     def _build_algorithm(self, load_policy) -> Algorithm:
-        """The algorithm of the config, its models from ``load_policy`` (``learner.registry``;
+        """The algorithm of the config, its models from ``load_policy`` (``learner.algo.registry``;
         with N ranks ``learner.distributed.RankedLearner`` builds it on every rank)."""
         return build_algorithm(self.config, load_policy)
 
@@ -444,7 +446,7 @@ class Learner:
 
     def _next_batch(self):
         """The rows of the next batch and how many samples the identity cap deferred
-        (``learner.sample_queue.next_batch``), or ``(None, 0)`` while none is full."""
+        (``learner.data.sample_queue.next_batch``), or ``(None, 0)`` while none is full."""
         return sample_queue.next_batch(
             self.db, self.config.batch_size, self.config.max_identity_share, self.keys_db
         )
@@ -477,7 +479,7 @@ class Learner:
 
     def _run_gate(self):
         """The gate on the policy just stepped, against the version it was trained from
-        (``learner.guard.Guard.run_gate``); None when the guard is off or no gate is configured."""
+        (``learner.guard.guard.Guard.run_gate``); None when the guard is off or no gate is configured."""
         return self.guard.run_gate(self.algorithm.policy, self.weights_version)
 
     def _back_to(self, version: int) -> None:
@@ -494,7 +496,7 @@ class Learner:
         actor: str = "operator",
         also: AlsoCommit | None = None,
     ) -> int | None:
-        """Publish a new version whose weights are those of ``version`` (``learner.rollback``).
+        """Publish a new version whose weights are those of ``version`` (``learner.guard.rollback``).
 
         The new version is recorded ``promoted``, its event by ``actor``, together with
         ``also(conn, version, now)`` (the guard's rejection of the lineage). ``request``: the
@@ -536,7 +538,7 @@ class Learner:
         return new_version
 
     def _requested_rollback(self) -> bool:
-        """Carry out the ``rollback_to`` request if there is one (``learner.rollback.requested``:
+        """Carry out the ``rollback_to`` request if there is one (``learner.guard.rollback.requested``:
         a value that is not a version number is refused like an unknown version)."""
         found = rollback.requested(self.db)
         if found is None:
@@ -547,7 +549,7 @@ class Learner:
 
     def guard_check(self) -> Decision | None:
         """Judge the lineage on probation and carry out the verdict now
-        (``learner.guard.Guard.check``); the decision, None when there was nothing to judge."""
+        (``learner.guard.guard.Guard.check``); the decision, None when there was nothing to judge."""
         return self.guard.check()
 
     # ------------------------------------------------------------------ loop
@@ -563,7 +565,7 @@ class Learner:
         """Join and train until ``stop`` is set or ``max_steps`` steps are done.
 
         Each iteration joins (a failing join is logged, ``_poll``), then carries out a requested
-        rollback, or lets the guard judge (``learner.guard.Guard.tick``), or waits while paused,
+        rollback, or lets the guard judge (``learner.guard.guard.Guard.tick``), or waits while paused,
         or trains. On a clean stop (``stop`` set, ``max_steps`` reached, KeyboardInterrupt) the
         checkpoint is written at the last committed version (``checkpoint_on_stop``).
         """

@@ -31,7 +31,7 @@ from core.logbus import LogTransport
 from core.policy_store import WEIGHTS_FILE, version_dir, version_dirs
 from core.records import POLICY_KEY, TOPIC_POLICY, PolicyEvent, utcnow
 from core.weights import weights_sha256
-from learner.algorithm import Algorithm
+from learner.algo.algorithm import Algorithm
 from learner.faults import fault_point
 
 # What a commit runs beside the version's row, in the same transaction: (conn, version, now).
@@ -124,7 +124,7 @@ def write_version(
     Full weights: ``model.safetensors`` beside the base model's config and tokenizer files from
     ``base_dir``; with a LoRA policy the folder holds the adapter alone, in PEFT's layout
     (``core.policy_store``: ``adapter_model.safetensors``, ``adapter_config.json``, written by
-    ``learner.lora.Adapter.save``), in the serving dtype too. An older folder of that number is
+    ``learner.models.lora.Adapter.save``), in the serving dtype too. An older folder of that number is
     replaced.
 
     Weights are written in ``dtype``, the dtype the servers serve in (``SAOSERVE_DTYPE``), so

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from core.policy_store import ADAPTER_FILE, CHECKPOINT_FILE, WEIGHTS_FILE, Layout, layout
-from learner.algorithm import Algorithm
+from learner.algo.algorithm import Algorithm
 from learner.config import LearnerConfig
 
 log = logging.getLogger(__name__)

@@ -30,8 +30,8 @@ from datetime import datetime
 
 from core.lifecycle import Stage
 from core.records import as_utc
-from learner.gate import GateResult
-from learner.identity_cap import identity_shares
+from learner.data.identity_cap import identity_shares
+from learner.guard.gate import GateResult
 from learner.publish import storable
 
 QUARANTINE_REASON = "trained a version the gate rejected"
@@ -44,7 +44,7 @@ class Trained:
     ``metrics``: the algorithm's figures (``Learner._step``: losses, staleness, step time);
     ``sample_ids``, ``identities`` and ``rewards``: the batch's samples in batch order, the
     newest last (identity None: anonymous); ``deferred``: samples the identity cap held back
-    (``learner.sample_queue.next_batch``); ``joined_at``: when the newest sample was joined
+    (``learner.data.sample_queue.next_batch``); ``joined_at``: when the newest sample was joined
     (tz-aware, or naive UTC as SQLite returns it); ``step``: the algorithm's step count after it.
     """
 
@@ -110,7 +110,7 @@ def why(guard_on: bool, gate: GateResult | None) -> str:
 
 def step_metrics(trained: Trained, gate: GateResult | None) -> dict:
     """The step's whole figures: the algorithm's, then the batch's concentration by identity
-    (``learner.identity_cap.identity_shares``), ``identity_deferred``, ``completing_sample``
+    (``learner.data.identity_cap.identity_shares``), ``identity_deferred``, ``completing_sample``
     (the newest sample's id, whose feedback completed the batch: judge.runstats),
     ``batch_completed_at`` (unix s: when that sample was joined, within a poll of its feedback's
     receipt, the start of feedback→served that servers measure as
@@ -141,7 +141,7 @@ def plan_step(
     Args:
         trained: the step's result (:class:`Trained`).
         gate: the gate's result on the stepped policy, None when none ran.
-        guard_on: whether the lifecycle runs (``learner.guard.Guard.on``).
+        guard_on: whether the lifecycle runs (``learner.guard.guard.Guard.on``).
         version: the database's latest version, as the learner committed or loaded it.
         parent: the version whose weights the policy was stepped from.
         checkpoint_every: write ``checkpoint.pt`` after every this many steps (≥ 1).

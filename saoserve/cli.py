@@ -204,7 +204,7 @@ def learn(
     import logging
 
     from learner.config import ConfigError, build_config, load_config
-    from learner.device import DeviceError, resolve
+    from learner.models.device import DeviceError, resolve
 
     top = {"batch_size": batch_size, "expire_s": expire_s, "max_steps": max_steps, "device": device}
     algo = {"critic_lr": critic_lr, "critic_updates": critic_updates, "kl_coef": kl_coef}
@@ -294,10 +294,10 @@ def pretrain_critic_cmd(
 ) -> None:
     """Fit the critic on logged trajectories with feedback before RL (value pretraining)."""
     from core.db import make_engine, migrate
+    from core.forget import all_forgotten
     from core.logbus import open_log
-    from core.retention import all_forgotten
     from core.sealing import SubjectKeys
-    from learner.pretrain import opted_out_keys_now, pretrain_from_log
+    from learner.algo.pretrain import opted_out_keys_now, pretrain_from_log
 
     settings = namespace(tenant)
     migrate(settings.resolved_database_url)
@@ -360,9 +360,10 @@ def retention(
     """
     from core.db import make_engine
     from core.db import migrate as run_migrate
+    from core.forget import finish_pending
     from core.logbus import open_log
     from core.records import utcnow
-    from core.retention import apply_retention, finish_pending, retention_cutoff, sql_log_engine
+    from core.retention import apply_retention, retention_cutoff, sql_log_engine
 
     settings = get_settings()
     days = days or settings.retention_days

@@ -36,8 +36,8 @@ from judge.sim_config import SimulationConfig
 from judge.sim_result import SimulationResult, save_records
 from judge.simulate import Simulation
 from judge.styles import Schedule
+from learner.algo.pretrain import PRETRAINED_CRITIC
 from learner.config import LearnerConfig, SAOAlgorithm, build_config
-from learner.pretrain import PRETRAINED_CRITIC
 from saoserve.ports import free_port
 
 console = Console(stderr=True)

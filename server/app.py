@@ -21,10 +21,11 @@ from fastapi import Depends, FastAPI
 
 from core.db import make_engine, migrate
 from core.evidence_store import EvidenceStore
+from core.forget import finish_pending
 from core.logbus import LogTransport, open_log
 from core.policies import GLOBAL
 from core.records import FrozenBaseline, utcnow
-from core.retention import finish_pending, sql_log_engine
+from core.retention import sql_log_engine
 from core.settings import Settings, get_settings
 from server.admin import api_router as admin
 from server.admin import keys_router as keys

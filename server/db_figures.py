@@ -108,7 +108,7 @@ IDENTITY_GAUGES = {
     "identity_count": "Distinct identities in the newest learner batch (anonymous samples each one).",
     "identity_deferred": "Samples the identity cap held back at the newest learner step (still waiting).",
 }
-"""The identity cap's step metrics (learner/identity_cap.py) exported as
+"""The identity cap's step metrics (learner/data/identity_cap.py) exported as
 ``saoserve_learner_<name>`` gauges."""
 
 

@@ -433,7 +433,7 @@ class ServerStore:
 
     def mark_received(self, target: str, reward: float, feedback_id: str | None = None) -> None:
         """Confirm ``target``'s claim once its record is in the log: the joiner trains only the
-        record whose ``feedback_id`` a ``received`` claim holds (``learner.join_plan``). With
+        record whose ``feedback_id`` a ``received`` claim holds (``learner.data.join_plan``). With
         ``feedback_id``, a claim taken over by another record is left as it is."""
         with self.engine.begin() as conn:
             conn.execute(

@@ -15,7 +15,7 @@ from core.records import (
     TrajectoryRecord,
     utcnow,
 )
-from learner.join_plan import JoinPlan, JoinState, PendingRow, Records, plan_join
+from learner.data.join_plan import JoinPlan, JoinState, PendingRow, Records, plan_join
 from server.rollout import Rollout
 
 

@@ -9,8 +9,8 @@ import shutil
 import torch
 from safetensors.torch import load_file, save_file
 
-from learner.batch import policy_logprobs
-from learner.precision import MasterWeights, prepare_compute
+from learner.data.batch import policy_logprobs
+from learner.models.precision import MasterWeights, prepare_compute
 
 # Largest |served − learner| log-probability of a token (nats) on the same weights, per (serving
 # dtype, learner precision). Measured by bench/bench_serving_precision.py over 1,507–1,536 tokens
@@ -28,7 +28,7 @@ LOGPROB_BOUND = {
 
 
 def learner_logprobs(model_dir, prompt_ids, response_ids, temperature, precision):
-    """The learner's recomputation (``learner.batch.policy_logprobs``) of each response token's
+    """The learner's recomputation (``learner.data.batch.policy_logprobs``) of each response token's
     log-probability, its policy in float32 or, for ``bf16``, cast as the bf16 learner casts it
     (``MasterWeights``: bf16 parameters, float32 buffers; ``prepare_compute``: grouped attention)."""
     from transformers import AutoModelForCausalLM

@@ -3,7 +3,7 @@ trajectory and feedback records fed into the log (no vLLM), a learner loaded in 
 them, and the reads that check what it committed.
 
 Used by the kill -9 harness (tests/system/test_learner_faults.py), the restart and rollback tests
-(tests/unit/learner/test_learner_restart.py, tests/unit/learner/test_learner_rollback.py) and the lifecycle, dead-letter,
+(tests/unit/learner/test_learner_restart.py, tests/unit/learner/guard/test_learner_rollback.py) and the lifecycle, dead-letter,
 identity-cap, MIS and LoRA tests of the learner.
 """
 

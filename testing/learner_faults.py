@@ -105,9 +105,9 @@ def fork_server() -> None:
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
 
-    import learner.critic  # noqa: F401
-    import learner.sao  # noqa: F401
-    import learner.spo  # noqa: F401
+    import learner.algo.critic  # noqa: F401
+    import learner.algo.sao  # noqa: F401
+    import learner.algo.spo  # noqa: F401
 
     for line in sys.stdin:
         job = json.loads(line)

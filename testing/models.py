@@ -8,8 +8,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from learner.batch import Batch, policy_logprobs
 from learner.config import LearnerConfig, OptimizerConfig, build_config
+from learner.data.batch import Batch, policy_logprobs
 
 # SmolLM2's chat template (var/model/chat_template.jinja), so the probes render as served.
 CHAT_TEMPLATE = (

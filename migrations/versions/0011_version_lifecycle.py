@@ -7,7 +7,7 @@ Create Date: 2026-12-04
 ``policy_versions.lifecycle``: ``candidate`` | ``canary`` | ``promoted`` | ``rejected``
 (``core/lifecycle.py``; docs/guard.md, "The lifecycle"); every existing version, version 0
 included, was served unguarded and becomes ``promoted``. ``policy_versions.gate``: the gate's
-figures (``learner.gate.GateResult`` as JSON; NULL when no gate ran). ``version_status_events``:
+figures (``learner.guard.gate.GateResult`` as JSON; NULL when no gate ran). ``version_status_events``:
 one row per transition, with who made it (``learner``, ``guard`` or an operator's name), why and
 when. ``quarantined_samples``: one row per sample id that trained a rejected version, which the
 learner never trains again. The lifecycle is a separate column from ``status`` (``committed`` |

@@ -7,7 +7,7 @@ Create Date: 2026-12-05
 ``api_keys``: one row per key (``core/keys.py``; docs/tenants.md): its public id, its tenant,
 the sha256 of the key (never the key) and when it was created and revoked (NULL while valid).
 ``learner_samples.identity``: who sent the sample (``key:<key id>`` or ``user:<user field>``),
-what the learner's identity cap counts (learner/identity_cap.py); NULL for the samples waiting
+what the learner's identity cap counts (learner/data/identity_cap.py); NULL for the samples waiting
 at the upgrade, which the cap treats as anonymous, each its own identity.
 """
 

@@ -10,7 +10,7 @@ what ``saoserve admin forget --key`` looks up; NULL for the rows indexed before 
 SQL-table log's forget still finds their records by reading the log itself, docs/privacy.md).
 ``subject_keys``: one data key per (API key, user) subject sealing its trajectory records in a
 Kafka log (``core/sealing.py``); a forget destroys it. ``forget_requests``: each forget, recorded
-before it is carried out, with the receipt of what it removed (``core/retention.py``).
+before it is carried out, with the receipt of what it removed (``core/forget.py``).
 
 The prompt evidence rows keyed by a client's own ``prompt_id`` before the upgrade keep that key:
 the keyed hash needs the server's secret, which a migration does not have. A forget re-keys the

@@ -6,7 +6,7 @@ Create Date: 2026-12-06
 
 ``trajectory_index.train`` (the record's ``train`` flag): the guard's rating and health streams
 leave out opted-out answers and pass the identity cap by ``trajectory_index.identity`` (revision
-0015) (``learner.guard_votes``; docs/guard.md, "Who votes"). NULL for trajectories logged before
+0015) (``learner.guard.guard_votes``; docs/guard.md, "Who votes"). NULL for trajectories logged before
 the upgrade, like their identity: an unknown identity, which does not vote while the cap is on.
 """
 

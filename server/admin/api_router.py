@@ -17,18 +17,11 @@ from core.control import PAUSED, ROLLBACK_TO, get_flag, set_flag
 from core.dead_letters import KINDS as DEAD_LETTER_KINDS
 from core.dead_letters import recent as recent_dead_letters
 from core.evidence_store import EvidenceStore
+from core.forget import ForgetKind, ForgetTarget, forget, new_request_id, receipt_of, record_request
 from core.lifecycle import Stage
 from core.limits import ID_CHARS, NAME_CHARS, PROMPT_ID_CHARS
 from core.records import TOPIC_TRAJECTORIES, TrajectoryRecord, utcnow
-from core.retention import (
-    ForgetKind,
-    ForgetTarget,
-    forget,
-    new_request_id,
-    receipt_of,
-    record_request,
-    sql_log_engine,
-)
+from core.retention import sql_log_engine
 from core.sealing import Shredded
 from server.admin.protocol import (
     DeadLetters,
@@ -226,7 +219,7 @@ async def admin_uncertain(s: PolicyState, top: Annotated[int, Query(ge=1, le=100
 async def admin_policies(request: Request) -> dict:
     """Every policy this server serves, the global one first, then the tenant policies in the
     order of ``tenant_policies``: the version each serves, its stage, whether its learner is
-    paused, and its newest learner step (``server.admin_schemas.PolicyRow``)."""
+    paused, and its newest learner step (``server.admin.protocol.PolicyRow``)."""
     return {"policies": await policy_rows(all_states(request))}
 
 

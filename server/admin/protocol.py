@@ -286,7 +286,7 @@ class RollbackRequested(BaseModel):
 
 class Forgotten(BaseModel):
     """``POST /admin/forget`` and ``GET /admin/forget/{id}``: the receipt of one forget
-    (``core.retention.ForgetReceipt``), summed over every policy's namespace.
+    (``core.forget.ForgetReceipt``), summed over every policy's namespace.
 
     ``id``: the request, to look the receipt up again; ``user`` or ``key``: whom it named (in
     the answer to the POST only: a receipt keeps ``subject_hash``, never the name);
@@ -377,7 +377,7 @@ class PolicyList(BaseModel):
 
 class LearnerStepRow(BaseModel):
     """One learner step: its number, the version it published, when, then every metric the
-    learner stored with it under the metric's own name (``learner.metrics``; the set grows with
+    learner stored with it under the metric's own name (``learner.algo.metrics``; the set grows with
     the learner, so the metrics are not listed here)."""
 
     model_config = ConfigDict(extra="allow")

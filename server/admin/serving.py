@@ -6,11 +6,11 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from core.forget import ForgetKind, ForgetReceipt, ForgetTarget
 from core.lifecycle import Stage
 from core.policies import GLOBAL
 from core.policy_store import layout
 from core.records import as_utc
-from core.retention import ForgetKind, ForgetReceipt, ForgetTarget
 from server.admin.protocol import Forgotten, LoadPolicyRequest
 from server.admin.queries import policy_overview
 from server.errors import ApiError

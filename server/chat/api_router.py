@@ -87,7 +87,7 @@ def handler_of(request: Request) -> ChatHandler:
 async def chat(req: ChatCompletionRequest, request: Request):
     """OpenAI's chat completion: one ``chat.completion``, or with ``stream: true`` server-sent
     ``chat.completion.chunk`` events; each answer is recorded as one trajectory before its last
-    byte (``server.chat.ChatHandler.answer``). A request over a limit is 429 before anything is
+    byte (``server.chat.serving.ChatHandler.answer``). A request over a limit is 429 before anything is
     prepared (``server.backpressure``); an admitted one holds its slots until its answer is sent."""
     caller = caller_of(request)
     try:

@@ -346,7 +346,7 @@ FinishReason = Annotated[
 
 
 class TopLogprob(BaseModel):
-    """One token in OpenAI's logprob shape (``server.chat.token_entry``): ``token`` its text, or
+    """One token in OpenAI's logprob shape (``server.chat.serving.token_entry``): ``token`` its text, or
     ``bytes:\\x..`` for a token that ends inside a character; ``logprob`` in nats, -inf clamped
     to -9999; ``bytes`` its UTF-8 bytes (the bytes of consecutive tokens join into the answer)."""
 
@@ -363,7 +363,7 @@ class TokenLogprob(TopLogprob):
 
 
 class ChoiceLogprobs(BaseModel):
-    """``choices[].logprobs``: one entry per sampled token (``server.chat.logprobs_body``)."""
+    """``choices[].logprobs``: one entry per sampled token (``server.chat.serving.logprobs_body``)."""
 
     content: list[TokenLogprob]
 
@@ -394,7 +394,7 @@ class Choice(BaseModel):
 class ChatCompletion(BaseModel):
     """``POST /v1/chat/completions`` answered whole (``stream`` false): OpenAI's
     ``chat.completion``, then this server's extension fields (also sent as ``x-`` headers,
-    ``server.chat.ChatHandler.extension_headers``)."""
+    ``server.chat.serving.ChatHandler.extension_headers``)."""
 
     id: CompletionId
     object: Literal["chat.completion"] = "chat.completion"
@@ -431,7 +431,7 @@ class ChatCompletionChunk(BaseModel):
     with the extension fields (the openai SDK builds a streamed completion's fields from the first
     chunk, LangChain from the last). With ``stream_options.include_usage`` every chunk has
     ``usage``: null, and a last chunk with no choices has the counts; without, no chunk has the
-    key (``server.chat.ChatHandler.chunks`` leaves it out)."""
+    key (``server.chat.serving.ChatHandler.chunks`` leaves it out)."""
 
     id: CompletionId
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"

@@ -106,7 +106,7 @@ class GuardState(BaseModel):
 
 class DashboardState(BaseModel):
     """``GET /dashboard/state``: aggregates only (no prompts or texts) of one policy (``?policy=``),
-    and ``policies``: one row per policy served (``server.admin_schemas.PolicyRow``, as
+    and ``policies``: one row per policy served (``server.admin.protocol.PolicyRow``, as
     ``GET /admin/policies``)."""
 
     serving: int

@@ -55,7 +55,7 @@ STEP = {
 
 
 def verdict_flag(lineage: list[int], candidate: list[float], promoted: list[float]) -> tuple[str, object]:
-    """The ``guard_verdict`` flag as ``learner.guard.Guard._record_verdict`` writes it, for the rule's
+    """The ``guard_verdict`` flag as ``learner.guard.guard.Guard._record_verdict`` writes it, for the rule's
     verdict on these rewards (default parameters), and that verdict."""
     verdict = decide(candidate, promoted, RuleParams())
     record = {"lineage": lineage, "at": utcnow().isoformat()} | asdict(verdict)

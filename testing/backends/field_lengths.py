@@ -11,7 +11,7 @@ from core import limits
 from core.db import LearnerSample, PendingJoin, make_engine, migrate
 from core.logbus import SqlLog
 from core.records import TOPIC_FEEDBACK, TOPIC_TRAJECTORIES, utcnow
-from learner.joiner import Joiner
+from learner.data.joiner import Joiner
 from testing.builders import fb, traj
 
 # Every string column and the bound of what it holds.

@@ -26,20 +26,12 @@ from core.db import (
     TrajectoryIndex,
 )
 from core.dead_letters import Letter, set_aside
+from core.forget import ForgetKind, ForgetReceipt, ForgetTarget, all_forgotten, forget
 from core.logbus import SqlLog
 from core.records import TOPIC_FEEDBACK, FeedbackRecord, utcnow
-from core.retention import (
-    ForgetKind,
-    ForgetReceipt,
-    ForgetTarget,
-    all_forgotten,
-    apply_retention,
-    forget,
-    retention_cutoff,
-    sql_log_engine,
-)
-from learner.joiner import Joiner
-from learner.pretrain import logged_samples
+from core.retention import apply_retention, retention_cutoff, sql_log_engine
+from learner.algo.pretrain import logged_samples
+from learner.data.joiner import Joiner
 from server.store import ServerStore
 from testing.builders import episode_turns, fb, traj
 from testing.rows import backdate, count, keys_of, logged, migrated_with_log

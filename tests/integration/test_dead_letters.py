@@ -13,7 +13,7 @@ from core.db import (
 )
 from core.logbus import open_log
 from core.records import TOPIC_TRAJECTORIES, utcnow
-from learner.joiner import Joiner
+from learner.data.joiner import Joiner
 from testing.builders import fb, traj
 from testing.logs import append
 from testing.rows import letters

@@ -26,7 +26,7 @@ from core.claims import CLAIM_TIMEOUT
 from core.db import FeedbackClaim, LearnerSample, make_engine, migrate
 from core.logbus import open_log
 from core.records import TOPIC_TRAJECTORIES, SamplingRecord, TrajectoryRecord, feedback_token, utcnow
-from learner.joiner import Joiner
+from learner.data.joiner import Joiner
 from server.store import ServerStore
 from testing.fakes import FakeEngine
 from testing.servers import make_settings, running_server

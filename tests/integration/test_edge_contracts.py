@@ -138,7 +138,7 @@ async def test_a_turn_answered_503_and_appended_late_is_never_an_episode_turn(po
     resent 1, and the joiner trains exactly those (the late record: void_episode_turns). Same
     for a streamed turn (503 as the stream's error event) and for a first turn (the episode id
     can be started again, without a token)."""
-    from learner.joiner import Joiner
+    from learner.data.joiner import Joiner
 
     settings = make_settings(tmp_path)
     migrate(settings.resolved_database_url)
@@ -211,7 +211,7 @@ async def test_a_turn_appended_late_by_a_paused_broker_is_never_an_episode_turn(
     stream ends with a 503 error event; on resume the broker appends it anyway. The client's
     second turn 1 is the one the episode's feedback lists and the joiner trains."""
     from core.logbus import KafkaLog
-    from learner.joiner import Joiner
+    from learner.data.joiner import Joiner
     from testing.dependencies import TansuBroker, fresh_pg_database
 
     broker = TansuBroker()

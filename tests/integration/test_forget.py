@@ -20,7 +20,7 @@ from sqlalchemy import func, select, update
 from sqlalchemy.exc import OperationalError
 from typer.testing import CliRunner
 
-import core.retention
+import core.forget
 from core.claims import claim_target
 from core.db import (
     ForgetRequest,
@@ -33,9 +33,7 @@ from core.db import (
     migrate,
 )
 from core.evidence_store import EvidenceStore, stored_prompt_id
-from core.logbus import SqlLog
-from core.records import TOPIC_FEEDBACK, TOPIC_TRAJECTORIES, FeedbackRecord, TrajectoryRecord, utcnow
-from core.retention import (
+from core.forget import (
     ForgetKind,
     ForgetReceipt,
     ForgetTarget,
@@ -44,10 +42,12 @@ from core.retention import (
     pending_requests,
     receipt_of,
     record_request,
-    sql_log_engine,
 )
+from core.logbus import SqlLog
+from core.records import TOPIC_FEEDBACK, TOPIC_TRAJECTORIES, FeedbackRecord, TrajectoryRecord, utcnow
+from core.retention import sql_log_engine
 from core.sealing import Shredded, SubjectKeys, envelope
-from learner.joiner import Joiner
+from learner.data.joiner import Joiner
 from saoserve.cli import app
 from server.store import ServerStore
 from testing import builders
@@ -247,15 +247,15 @@ def test_a_forget_interrupted_by_a_crash_is_finished_by_the_next_run_and_keeps_i
     def crash(*args, **kwargs):
         raise RuntimeError("killed after the log's rows went")
 
-    real = core.retention._forget_database
-    monkeypatch.setattr(core.retention, "_forget_database", crash)
+    real = core.forget._forget_database
+    monkeypatch.setattr(core.forget, "_forget_database", crash)
     with pytest.raises(RuntimeError):
         carry_out(engine, sql_log_engine(log), "f-crash", SECRET, utcnow())
     half = receipt_of(engine, "f-crash")
     assert half.completed_at is None and pending_requests(engine) == ["f-crash"]
     assert half.deleted == {"log_records.feedback": 1, "log_records.trajectories": 1}
     assert keys_of(engine, TrajectoryIndex.id) == ["h1", "i1"]  # the database's rows are still there
-    monkeypatch.setattr(core.retention, "_forget_database", real)
+    monkeypatch.setattr(core.forget, "_forget_database", real)
     # The next forget (of someone else) finishes it first.
     ivan = forget_of(engine, log, ForgetKind.USER, "ivan")
     assert pending_requests(engine) == [] and ivan.trajectories == 1

@@ -13,12 +13,12 @@ from sqlalchemy import delete, func, select
 
 from core.claims import claim_target
 from core.db import ConsumerOffset, LearnerSample, PendingJoin, SubjectKey, make_engine, migrate
+from core.forget import ForgetKind, ForgetTarget, all_forgotten, forget
 from core.logbus import KafkaLog
 from core.records import TOPIC_FEEDBACK, TOPIC_TRAJECTORIES, FeedbackRecord, TrajectoryRecord, utcnow
-from core.retention import ForgetKind, ForgetTarget, all_forgotten, forget
 from core.sealing import Shredded, is_sealed
-from learner.joiner import Joiner
-from learner.pretrain import logged_samples
+from learner.algo.pretrain import logged_samples
+from learner.data.joiner import Joiner
 from server.store import ServerStore
 from testing import builders
 from testing.logs import read_topic

@@ -1,14 +1,14 @@
-"""Compiled decoder layers (learner.fused): the same log-probabilities and gradients as eager."""
+"""Compiled decoder layers (learner.models.fused): the same log-probabilities and gradients as eager."""
 
 import copy
 
 import pytest
 import torch
 
-from learner import attention
-from learner.batch import policy_logprobs
-from learner.fused import compile_layers
-from learner.prefix import body_hidden
+from learner.algo.prefix import body_hidden
+from learner.data.batch import policy_logprobs
+from learner.models import attention
+from learner.models.fused import compile_layers
 from testing.models import make_batch, tiny_policy
 
 

@@ -1,4 +1,4 @@
-"""The guard's vote queries on SQLite and PostgreSQL (learner.guard_votes.rated_votes and
+"""The guard's vote queries on SQLite and PostgreSQL (learner.guard.guard_votes.rated_votes and
 health_votes; issue 40, items 1 and 6): the keys whose training is off read from the registry
 (core.keys.opted_out_keys), the opted-out, unflagged and anonymous answers left out in SQL, the
 cap applied after."""
@@ -15,7 +15,7 @@ from core.db import FeedbackClaim, TrajectoryIndex, make_engine, migrate
 from core.keys import KeyStore, opted_out_keys
 from core.lifecycle import Arm
 from core.records import utcnow
-from learner.guard_votes import Electorate, health_votes, rated_votes
+from learner.guard.guard_votes import Electorate, health_votes, rated_votes
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

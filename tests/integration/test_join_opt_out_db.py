@@ -11,9 +11,9 @@ from core.db import LearnerCounter, LearnerSample, PromptEvidence, make_engine, 
 from core.keys import KeyStore, opted_out_keys
 from core.logbus import SqlLog
 from core.records import TOPIC_FEEDBACK, TOPIC_TRAJECTORIES, FeedbackRecord, TrajectoryRecord, utcnow
-from learner.joiner import Joiner
-from learner.pretrain import logged_samples
-from learner.sample_queue import next_batch
+from learner.algo.pretrain import logged_samples
+from learner.data.joiner import Joiner
+from learner.data.sample_queue import next_batch
 from testing import builders
 
 

@@ -109,7 +109,7 @@ async def test_learner_publishes_a_version_the_server_serves(policy_engine, mode
             # The learner's recomputation under the published weights equals the served logprobs.
             from transformers import AutoModelForCausalLM
 
-            from learner.batch import policy_logprobs
+            from learner.data.batch import policy_logprobs
 
             published = AutoModelForCausalLM.from_pretrained(
                 tmp_path / "policies" / "v000001", dtype=torch.float32

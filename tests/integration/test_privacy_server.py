@@ -23,7 +23,7 @@ from core.db import (
 from core.logbus import SqlLog
 from core.records import TOPIC_TRAJECTORIES, TrajectoryRecord
 from core.sealing import Shredded, SubjectKeys
-from learner.joiner import Joiner
+from learner.data.joiner import Joiner
 from saoserve.cli import app
 from testing.rows import keys_of
 from testing.servers import ADMIN, make_settings, running_server

@@ -94,7 +94,7 @@ async def test_a_two_rank_learner_publishes_what_the_server_serves(policy_engine
             # equals what the server logged (tolerance as tests/integration/test_learner_e2e.py).
             from transformers import AutoModelForCausalLM
 
-            from learner.batch import policy_logprobs
+            from learner.data.batch import policy_logprobs
 
             published = AutoModelForCausalLM.from_pretrained(
                 tmp_path / "policies" / "v000001", dtype=torch.float32

@@ -1,6 +1,6 @@
 """The learner under faults (issue 13, docs/design.md §8): kill -9 at each named point of its
 cycle and of the version lifecycle; every run audited from the database. Failed commits, pause
-and clean stops are in tests/unit/learner/test_learner_restart.py, rollbacks in tests/unit/learner/test_learner_rollback.py.
+and clean stops are in tests/unit/learner/test_learner_restart.py, rollbacks in tests/unit/learner/guard/test_learner_rollback.py.
 
 The harness runs the learner against a tiny random Llama (2 layers, hidden 32;
 ``testing.learner``), the database and the SQL-table log, fed with hand-made trajectory and

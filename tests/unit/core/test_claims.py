@@ -16,8 +16,8 @@ from core.claims import (
     trajectory_target,
 )
 from core.records import feedback_token, is_whole_answer
-from learner.join_plan import JoinState
-from learner.samples import NotWholeAnswer, single_turn_sample
+from learner.data.join_plan import JoinState
+from learner.data.samples import NotWholeAnswer, single_turn_sample
 from server.feedback.serving import accept_feedback
 from testing.builders import fb, plan, read, record, traj
 from testing.edges import SECRET, episode_token, feedback, feedback_state, refused

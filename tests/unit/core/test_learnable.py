@@ -1,5 +1,5 @@
 """core/learnable.py: which logged trajectories the learner can learn from, one case per reason,
-with every input written out; and how learner/samples.py raises them."""
+with every input written out; and how learner/data/samples.py raises them."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from core.learnable import GREEDY_BELOW, episode_exclusion_reason, exclusion_reason
 from core.records import TrajectoryRecord
-from learner.samples import NotLearnable, NotWholeAnswer, OptedOut, check_learnable
+from learner.data.samples import NotLearnable, NotWholeAnswer, OptedOut, check_learnable
 
 
 def record(

@@ -9,7 +9,7 @@ from sqlalchemy import select
 from core.db import LearnerSample, make_engine, migrate
 from core.logbus import SqlLog
 from core.records import TOPIC_FEEDBACK, TOPIC_TRAJECTORIES
-from learner.joiner import Joiner
+from learner.data.joiner import Joiner
 from server.store import ServerStore
 from testing.backends.migrations import (
     LOGGED_BEFORE_0006,

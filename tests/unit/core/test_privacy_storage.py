@@ -19,14 +19,10 @@ from core.db import (
     make_engine,
     migrate,
 )
+from core.forget import ForgetKind, ForgetTarget, concerns
 from core.logbus import SqlLog
 from core.records import utcnow
-from core.retention import (
-    ForgetKind,
-    ForgetTarget,
-    concerns,
-    retention_cutoff,
-)
+from core.retention import retention_cutoff
 from saoserve.cli import app
 from server.store import ServerStore
 from testing import ROOT

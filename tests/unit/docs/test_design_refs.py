@@ -104,7 +104,7 @@ def design_sections() -> set[str]:
 
 def test_the_scan_sees_the_code_and_the_docs():
     files = {str(p) for p in repo_files()}
-    assert {"learner/dis.py", "docs/design.md", "README.md", "pyproject.toml"} <= files
+    assert {"learner/algo/dis.py", "docs/design.md", "README.md", "pyproject.toml"} <= files
     assert not any(f.startswith((".venv/", ".git/")) for f in files)
 
 
@@ -201,13 +201,13 @@ def resolves(dotted: str) -> bool:
 
 
 def test_resolves_names_modules_and_members():
-    assert resolves("learner.dis.dis_loss")
-    assert resolves("learner.sao.SAOLearner._critic_phase")
+    assert resolves("learner.algo.dis.dis_loss")
+    assert resolves("learner.algo.sao.SAOLearner._critic_phase")
     assert resolves("server.admin.api_router")
-    assert resolves("learner.offpolicy.RESET_TAU")
-    assert not resolves("learner.dis.no_such_function")
+    assert resolves("learner.algo.offpolicy.RESET_TAU")
+    assert not resolves("learner.algo.dis.no_such_function")
     assert not resolves("learner.no_such_module")
-    assert not resolves("learner.sao.SAOLearner.no_such_method")
+    assert not resolves("learner.algo.sao.SAOLearner.no_such_method")
 
 
 def test_every_name_the_design_docs_give_exists():

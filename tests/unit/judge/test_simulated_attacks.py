@@ -22,11 +22,11 @@ from judge.report import _lifecycle_html
 from judge.sim_config import SimulationConfig
 from judge.simulate import Simulation
 from judge.styles import schedule_from_spec
+from learner.algo.critic import ValueModel
+from learner.algo.sao import SAOLearner
 from learner.config import PRESETS, ConfigError, build_config
-from learner.critic import ValueModel
 from learner.faults import BrokenLearner
-from learner.optim import make_adamw
-from learner.sao import SAOLearner
+from learner.models.optim import make_adamw
 from saoserve.cli import app
 from saoserve.run_options import parse_broken_learner
 from testing.models import FAST, make_batch, make_config, tiny_policy

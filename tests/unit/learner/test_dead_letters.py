@@ -36,8 +36,8 @@ from core.db import (
 from core.dead_letters import Letter, describe, set_aside, storable_text
 from core.logbus import SqlLog, open_log
 from core.records import TOPIC_FEEDBACK, TOPIC_TRAJECTORIES, utcnow
-from learner.join_plan import JoinState, Unreadable
-from learner.joiner import Joiner
+from learner.data.join_plan import JoinState, Unreadable
+from learner.data.joiner import Joiner
 from learner.publish import latest_version
 from saoserve.cli import app as cli_app
 from server.metrics import ServerMetrics

@@ -8,7 +8,11 @@ import pytest
 import torch
 
 from core.hardware import bf16_native
-from learner.algorithm import Algorithm
+from learner.algo.algorithm import Algorithm
+from learner.algo.critic import ValueModel
+from learner.algo.registry import ALGORITHMS, build_algorithm
+from learner.algo.sao import SAOLearner
+from learner.algo.spo import SPOLearner
 from learner.config import (
     ALGORITHM_MODELS,
     PRESETS,
@@ -19,10 +23,6 @@ from learner.config import (
     build_config,
     load_config,
 )
-from learner.critic import ValueModel
-from learner.registry import ALGORITHMS, build_algorithm
-from learner.sao import SAOLearner
-from learner.spo import SPOLearner
 from testing.models import FAST, make_batch, make_config, tiny_policy
 
 # Two SAO steps (the second batch sampled before the first step, so its ratios differ from 1)

@@ -2,8 +2,8 @@
 served, the reset to the parent and the quarantine; the guard's verdict on probation (rollback
 to the promoted version, promotion); a restart mid-probation. The tiny random Llama and the
 hand-fed records of testing/learner.py; the gate's verdict is made from figures
-(``learner.gate.decide``), since that model has no tokenizer to answer probes with, except in
-the test of the gate as the learner runs it (tests/unit/learner/test_gate.py's tiny model and byte
+(``learner.guard.gate.decide``), since that model has no tokenizer to answer probes with, except in
+the test of the gate as the learner runs it (tests/unit/learner/guard/test_gate.py's tiny model and byte
 tokenizer). The verdict the guard records for /metrics and the dashboard."""
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from core.lifecycle import judge_lineage
 from core.logbus import open_log
 from core.records import PolicyEvent, utcnow
 from core.sequential import Decision
-from learner.gate import GateConfig, GateResult, decide
-from learner.guard_config import GuardConfig
-from learner.guard_votes import Electorate
+from learner.guard.gate import GateConfig, GateResult, decide
+from learner.guard.guard_config import GuardConfig
+from learner.guard.guard_votes import Electorate
 from learner.process import Learner
 from server.db_figures import read_lifecycle
 from testing.guard import add_rated, prpl_eb_lower
@@ -505,7 +505,7 @@ def test_an_operator_rejecting_the_version_serving_rolls_it_back_even_with_the_g
 def test_the_gate_as_the_learner_runs_it_computes_the_reference_once(tmp_path, monkeypatch):
     """Two steps, two gates (against the base, then against version 1): the base's answers are
     generated once, and each verdict is the one ``run_gate`` gives without them."""
-    import learner.gate as gate
+    import learner.guard.gate as gate
 
     cfg = GateConfig(max_kl_base=100.0, max_kl_promoted=100.0, max_new_tokens=8)
     learner = in_process(

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from learner import distributed
-from learner.placement import Placement
+from learner.models.placement import Placement
 
 
 class Told:

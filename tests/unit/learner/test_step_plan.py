@@ -11,7 +11,7 @@ from datetime import UTC, datetime
 import pytest
 
 from core.lifecycle import Stage
-from learner.gate import GateResult
+from learner.guard.gate import GateResult
 from learner.step_plan import QUARANTINE_REASON, Trained, plan_step, stage_of_new, why
 
 JOINED = datetime(2025, 1, 2, 3, 4, 5, tzinfo=UTC)

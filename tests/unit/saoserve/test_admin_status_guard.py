@@ -1,5 +1,5 @@
 """``saoserve admin status`` shows the guard (issue 22): its switches, the lineage on probation and
-the learner's last verdict on it (``guard_verdict``, as ``learner.guard.Guard._record_verdict`` writes it),
+the learner's last verdict on it (``guard_verdict``, as ``learner.guard.guard.Guard._record_verdict`` writes it),
 read as the dashboard reads it (``server.db_figures.read_lifecycle``): a verdict on an earlier
 lineage is not shown. Text in the verdict is printed through ``saoserve.admin.output.shown``.
 

@@ -325,7 +325,7 @@ def test_drop_weights_keeps_the_report_data(tmp_path):
 def test_a_pretrained_critic_goes_where_the_learner_loads_it(tmp_path):
     """``--critic-init``: the file is copied byte for byte to ``<home>/policies/critic_pretrained.pt``
     (the name ``SAOAlgorithm.warm_start`` reads); a missing file is an error, not a fresh critic."""
-    from learner.pretrain import PRETRAINED_CRITIC
+    from learner.algo.pretrain import PRETRAINED_CRITIC
     from saoserve.demo import place_pretrained_critic
 
     src = tmp_path / "critic.pt"

@@ -30,7 +30,7 @@ from sqlalchemy import create_engine, text, update
 from core.db import EpisodeTurn, make_engine, migrate
 from core.limits import MAX_EPISODE_TURNS
 from core.records import FeedbackRecord, feedback_token, utcnow
-from learner.join_plan import JoinState
+from learner.data.join_plan import JoinState
 from server.chat.protocol import ChatCompletionRequest
 from server.chat.serving import ChatHandler
 from server.feedback.serving import accept_feedback

@@ -21,7 +21,7 @@ from sqlalchemy import func, select
 from core.db import LearnerSample, LogRecord, TrajectoryIndex, make_engine
 from core.logbus import SqlLog
 from core.records import TOPIC_TRAJECTORIES, utcnow
-from learner.joiner import Joiner
+from learner.data.joiner import Joiner
 from server.engine import GenerationDelta
 from server.errors import ApiError
 from server.feedback.serving import accept_feedback

@@ -19,8 +19,8 @@ from hypothesis import settings as hyp_settings
 from hypothesis import strategies as st
 
 from core.records import TrajectoryRecord
-from learner.join_plan import JoinState
-from learner.samples import NotWholeAnswer, OptedOut, episode_sample, single_turn_sample
+from learner.data.join_plan import JoinState
+from learner.data.samples import NotWholeAnswer, OptedOut, episode_sample, single_turn_sample
 from server.auth import ANONYMOUS, Caller
 from server.chat.protocol import ChatCompletionRequest
 from server.chat.serving import trains

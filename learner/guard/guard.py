@@ -1,0 +1,330 @@
+"""The guard in the learner: the stage a new version enters, and the verdict on the lineage on
+probation carried out (docs/guard.md, "The gate" and "The lifecycle"; docs/design.md §9.1).
+
+A version the learner trains is gated first (``learner.guard.gate.run_gate`` against the base and its
+parent): it enters ``canary`` (probation) when the gate passes or none is configured,
+``rejected`` when it fails, ``promoted`` with the guard off. Then, every ``guard.check_s``
+seconds, the lineage on probation is judged against the promoted versions' record, each of
+its versions on its own ratings, with only the answers that may vote (``learner.guard.guard_votes``:
+no opted-out answer, the identity cap). The decisions are pure and live below: the stages, the
+moves and the rule in ``core.lifecycle`` and ``core.sequential``, their rows in
+``core.lifecycle_store``. This module does the I/O around them: it reads the votes, records the
+verdict, commits the moves, quarantines the samples of a rejected lineage with the rollback
+that restores the promoted version's whole learner state (the learner's, passed in), keeps the
+promoted version's learner state, and sends the stage notices.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import asdict, replace
+from datetime import datetime
+from typing import Protocol
+
+from sqlalchemy import select
+from sqlalchemy.engine import Connection, Engine
+
+from core import lifecycle_store
+from core.control import GUARD_OFF, GUARD_PIN, GUARD_VERDICT, get_flag, set_flag
+from core.db import PolicyVersion, TrajectoryIndex, bump_counter
+from core.keys import opted_out_keys
+from core.lifecycle import GUARD, Arm, Stage, drifted, lineage
+from core.logbus import LogTransport
+from core.records import POLICY_KEY, TOPIC_POLICY, as_utc, utcnow
+from core.sequential import Decision, Verdict, decide_lineage
+from learner.faults import fault_point
+from learner.guard.gate_models import GateReferences
+from learner.guard.guard_config import GuardConfig
+from learner.guard.guard_votes import Electorate, health_votes, rated_votes
+from learner.publish import AlsoCommit, promoted_version, storable
+
+log = logging.getLogger(__name__)
+
+
+class Rollback(Protocol):
+    """Publish ``version``'s weights as a new, promoted version by ``actor``, committing
+    ``also(conn, new_version, now)`` with it; returns the new version, None when refused
+    (``learner.process.Learner.rollback``)."""
+
+    def __call__(self, version: int, *, actor: str, also: AlsoCommit) -> int | None: ...
+
+
+class Guard:
+    """The guard of one learner: ``db`` and ``log`` the learner's, ``config`` its ``guard``
+    section, ``references`` the gate's reference models, ``rollback`` the learner's restore of a
+    version's weights, ``electorate`` who votes (``learner.guard.guard_votes``: the learner's identity
+    cap and batch size), ``keep_state`` the learner's keeping of a promoted version's state
+    (``learner.process.Learner.keep_state``), ``keys_db`` the database of the API keys (default
+    ``db``; a tenant namespace's learner passes the global one). Not thread-safe: the learner's
+    loop drives it."""
+
+    def __init__(
+        self,
+        db: Engine,
+        log: LogTransport,
+        config: GuardConfig,
+        references: GateReferences,
+        rollback: Rollback,
+        electorate: Electorate,
+        keep_state: Callable[[int], None],
+        keys_db: Engine | None = None,
+    ) -> None:
+        self.db = db
+        self.keys_db = keys_db or db
+        self.electorate = electorate
+        self.keep_state = keep_state
+        self.log = log
+        self.config = config
+        self.references = references
+        self.rollback = rollback
+        # When the lineage is next evaluated (time.monotonic).
+        self._next_check = 0.0
+
+    def on(self) -> bool:
+        """Whether the lifecycle runs: on in the config and not turned off by an operator."""
+        return self.config.enabled and get_flag(self.db, GUARD_OFF) != "1"
+
+    def run_gate(self, policy, parent: int):
+        """The gate (``learner.guard.gate.run_gate``) on ``policy`` just stepped, against the base and
+        ``parent``, the version it was trained from (serving now), in eval mode (its training
+        mode is restored after); the ``GateResult``, None when the guard is off or no gate is
+        configured. Raises what loading the references or the gate raises."""
+        cfg = self.config.gate
+        if cfg is None or not self.on():
+            return None
+        from learner.guard.gate import run_gate
+
+        base, parent_model, tokenizer = self.references.models(parent)
+        reference = self.references.answers(cfg)
+        training = policy.training
+        policy.eval()
+        try:
+            return run_gate(policy, base, parent_model, tokenizer, cfg, reference=reference)
+        finally:
+            policy.train(training)
+
+    def tick(self) -> None:
+        """``check`` at most every ``guard.check_s`` seconds."""
+        now = time.monotonic()
+        if now < self._next_check:
+            return
+        self._next_check = now + self.config.check_s
+        self.check()
+
+    def check(self) -> Decision | None:
+        """``_check``; then, with the guard on, the promoted version's learner state is kept if
+        the learner holds it (promoted by this check, by an operator, or a rollback's), for a
+        later rollback to restore whole (``keep_state``)."""
+        decision = self._check()
+        if self.on():
+            self.keep_state(promoted_version(self.db).version)
+        return decision
+
+    def _check(self) -> Decision | None:
+        """Evaluate the lineage on probation and carry out the verdict (docs/guard.md, "The
+        lifecycle"); returns the decision, None when there was nothing to judge.
+
+        First, a version that serves (announced) but was rejected since (by an operator) is
+        rolled back, guard on or off: the promoted version's weights are published as a new
+        version. Then, unless the guard is off or an operator pinned the promoted version, each
+        version of the lineage is judged on its own rated answers against the promoted versions'
+        (``_judge``): when a canary split served the lineage (its answers carry the canary arm),
+        its canary-arm answers against the promoted versions' control-arm answers of its own
+        window; on probation, its answers against the promoted versions' from before the lineage.
+        Unless that rejects, the drift veto rejects a lineage one of whose versions measured a KL
+        to the base more than ``guard.max_kl_ref`` beyond the promoted version's on a training
+        batch (``drift_from_promoted``, ``core.lifecycle.drifted``);
+        then the health veto compares the same arms' shares of sound answers
+        (every answer, rated or not; ``guard.min_answer_tokens``) and rejects when the lineage's
+        is surely lower: ``promote`` moves every version of the lineage to ``promoted``;
+        ``reject`` moves them to ``rejected``, quarantines the samples that trained them and
+        publishes the promoted version's weights as a new, promoted version, all in one
+        transaction.
+        """
+        with self.db.connect() as conn:
+            rows = conn.execute(
+                select(
+                    PolicyVersion.version,
+                    PolicyVersion.lifecycle,
+                    PolicyVersion.status,
+                    PolicyVersion.created_at,
+                ).order_by(PolicyVersion.version)
+            ).all()
+            st = lifecycle_store.stages(conn)
+            served = [r for r in rows if r.status == "published"]
+            if served and served[-1].lifecycle == Stage.REJECTED:
+                self._reject_lineage([], "an operator rejected the version serving")
+                return Decision.REJECT
+            members = lineage(st)
+            if not members or not self.on() or get_flag(self.db, GUARD_PIN) is not None:
+                return None
+            created = {r.version: as_utc(r.created_at) for r in rows if r.version in members}
+            promoted = [v.version for v in st if v.stage == Stage.PROMOTED]
+            verdict, vetoes = self._judge(conn, members, promoted, created)
+        self._record_verdict(members, verdict, vetoes)
+        if verdict.decision == Decision.PROMOTE:
+            now = utcnow()
+            with self.db.begin() as conn:
+                for v in members:
+                    lifecycle_store.transition(conn, v, Stage.PROMOTED, GUARD, verdict.reason, now)
+                fault_point("during_guard_promote")
+            fault_point("after_guard_promote")
+            self._notify(members, Stage.PROMOTED, GUARD)
+            log.info("guard: versions %s promoted: %s", members, verdict.reason)
+        elif verdict.decision == Decision.REJECT:
+            self._reject_lineage(members, verdict.reason)
+        return verdict.decision
+
+    def _judge(
+        self, conn: Connection, members: list[int], promoted: list[int], created: dict[int, datetime]
+    ) -> tuple[Verdict, dict]:
+        """The rule's verdict on the lineage ``members`` (each recorded at ``created[v]``, UTC)
+        against the ``promoted`` versions, then the vetoes (``check``); with the vetoes' own
+        figures at this check, whatever the verdict: ``{"drift": {"kl_max", "bound",
+        "measured"}, "health": Verdict as a dict}`` (a key absent when its veto is off).
+
+        Each version of the lineage is judged on its own answers (``decide_lineage``): with a
+        canary split, its canary-arm answers against the promoted versions' control-arm answers
+        dispatched while it was the newest (from its record to the next version's); on
+        probation, its answers against the promoted versions' newest ``promoted_window`` from
+        before the lineage. Only the answers that vote count (``learner.guard.guard_votes``)."""
+        guard, voters = self.config, self.electorate
+        with self.keys_db.connect() as keys:
+            opted = opted_out_keys(keys)
+        started = created[members[0]]
+        split = _served_split(conn, members)
+        ends = [created[v] for v in members[1:]] + [None]
+        before_lineage = {"before": started, "limit": guard.promoted_window}
+
+        def arms(votes, *args) -> list[tuple[list[float], list[float]]]:
+            if not split:
+                comparison = votes(conn, promoted, *args, voters, opted, **before_lineage)
+                return [(votes(conn, [v], *args, voters, opted), comparison) for v in members]
+            return [
+                (
+                    votes(conn, [v], *args, voters, opted, arm=Arm.CANARY),
+                    votes(
+                        conn, promoted, *args, voters, opted, arm=Arm.CONTROL, since=created[v], before=end
+                    ),
+                )
+                for v, end in zip(members, ends, strict=True)
+            ]
+
+        elapsed = max((utcnow() - started).total_seconds(), 0.0)
+        _, verdict = decide_lineage(arms(rated_votes), guard.rule_params(), elapsed_s=elapsed)
+        vetoes: dict = {}
+        if guard.max_kl_ref is not None:
+            before = lifecycle_store.step_metric(conn, members, "kl_ref")
+            after = lifecycle_store.step_metric(conn, members, "kl_ref_after")
+            drift = drift_from_promoted(members, before, after)
+            known = [d for d in drift if d is not None]
+            vetoes["drift"] = {
+                "kl_max": max(known, default=None),
+                "bound": guard.max_kl_ref,
+                "measured": len(known),
+            }
+            over = drifted(drift, guard.max_kl_ref)
+            if verdict.decision != Decision.REJECT and over is not None:
+                verdict = replace(
+                    verdict,
+                    decision=Decision.REJECT,
+                    reason=f"drifted from the promoted version (drift veto): a training batch measured KL "
+                    f"{over:.3g} nats/token beyond the promoted version's, over {guard.max_kl_ref}",
+                )
+        if guard.min_answer_tokens is not None:
+            _, health = decide_lineage(
+                arms(health_votes, guard.min_answer_tokens), guard.health_params(), promotes=False
+            )
+            vetoes["health"] = asdict(health)
+            if verdict.decision != Decision.REJECT and health.decision == Decision.REJECT:
+                verdict = replace(health, reason=f"degenerate answers (health veto): {health.reason}")
+        return verdict, vetoes
+
+    def _record_verdict(self, members: list[int], verdict: Verdict, vetoes: dict) -> None:
+        """Keep the verdict (bounds, counts, decision) on ``members`` as the ``guard_verdict``
+        flag, for /metrics and the dashboard: ``{"lineage": [...], "at": ISO time, **Verdict,
+        "vetoes": ...}``, the vetoes' figures of ``_judge`` at every check (not only once one
+        rejects), so an operator sees how near each is to its bound."""
+        record = {"lineage": members, "at": utcnow().isoformat()} | asdict(verdict) | {"vetoes": vetoes}
+        set_flag(self.db, GUARD_VERDICT, json.dumps(storable(record)))
+
+    def _reject_lineage(self, members: list[int], reason: str) -> int | None:
+        """Reject ``members``, quarantine the samples of every rejected version after the
+        promoted one, and publish the promoted version's weights as a new version, in one
+        transaction (``rollback``); returns the new version (None: the rollback was refused)."""
+        target = promoted_version(self.db)
+
+        def also(conn: Connection, new_version: int, now) -> None:
+            for v in members:
+                lifecycle_store.transition(conn, v, Stage.REJECTED, GUARD, reason, now)
+            rejected = [
+                v.version
+                for v in lifecycle_store.stages(conn)
+                if target.version < v.version < new_version and v.stage == Stage.REJECTED
+            ]
+            trained = lifecycle_store.trained_sample_ids(conn, rejected)
+            n = lifecycle_store.quarantine(conn, trained, f"trained the rejected lineage {rejected}", now)
+            bump_counter(conn, lifecycle_store.QUARANTINED, n)
+            fault_point("during_guard_reject")
+
+        new_version = self.rollback(target.version, actor=GUARD, also=also)
+        if new_version is not None:
+            self._notify(members, Stage.REJECTED, GUARD)
+        log.warning(
+            "guard: lineage %s rejected (%s); version %s restores version %d",
+            members,
+            reason,
+            new_version,
+            target.version,
+        )
+        return new_version
+
+    def _notify(self, versions: list[int], stage: Stage, actor: str) -> None:
+        """Append the stage notices of ``versions`` to the policy topic
+        (``core.lifecycle_store.stage_events``). A failure is logged, not raised: the move is
+        committed, and a notice changes nothing served."""
+        try:
+            with self.db.connect() as conn:
+                events = lifecycle_store.stage_events(conn, versions, stage, actor)
+            for e in events:
+                self.log.append(TOPIC_POLICY, POLICY_KEY, e.to_json())
+        except Exception as exc:
+            log.warning("stage notices of versions %s (%s) not sent: %s", versions, stage, exc)
+
+
+def _served_split(conn: Connection, members: list[int]) -> bool:
+    """Whether a canary split served the lineage ``members``: one of their answers carries the
+    canary arm (then both arms of each version's window are compared, else probation)."""
+    q = select(TrajectoryIndex.id).where(
+        TrajectoryIndex.dispatch_version.in_(members), TrajectoryIndex.arm == str(Arm.CANARY)
+    )
+    return conn.execute(q.limit(1)).first() is not None
+
+
+def drift_from_promoted(
+    members: list[int], before: dict[int, float | None], after: dict[int, float | None]
+) -> list[float | None]:
+    """Each version of the lineage ``members`` (oldest first): how far its KL to the base goes
+    beyond the promoted version's, nats per action token, from the KL anchor's figures of the
+    steps that trained them: ``before[v]`` (``kl_ref``) measured the policy step v started from,
+    ``after[v]`` (``kl_ref_after``) the version v it made. So the promoted version's figure is
+    ``before[members[0]]`` (the lineage's first step started from it; 0, the base's, when not
+    measured), and version v's is ``after[v]``, else (steps that predate ``kl_ref_after``) the
+    next step's ``before``; None where nothing measured it (the anchor off, or the newest
+    version of a step without ``kl_ref_after``).
+
+    Why beyond the promoted version's: measured from the base alone, a promoted version that
+    drifted near the bound had every lineage after it rejected for the drift it inherited, in a
+    loop (issue 40); this bounds what the lineage added, its newest version included."""
+    origin = before.get(members[0]) if members else None
+    origin = 0.0 if origin is None else origin
+    out: list[float | None] = []
+    for i, v in enumerate(members):
+        kl = after.get(v)
+        if kl is None and i + 1 < len(members):
+            kl = before.get(members[i + 1])
+        out.append(None if kl is None else kl - origin)
+    return out

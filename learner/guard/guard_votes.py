@@ -1,0 +1,207 @@
+"""Who votes in the guard: the rating and health streams the decision rule and the health veto
+read, with each identity's weight bounded and the answers that may not vote left out
+(docs/guard.md, "Who votes"; issue 40, items 1 and 6).
+
+A vote is one rated answer (the reward rule) or one ended answer (the health veto), with who
+sent the request (``trajectory_index.identity``: ``key:<key id>`` or ``user:<user field>``) and
+whether it may train. An answer does not vote when:
+
+- it was logged ``train: false``: ``store: false``, a key that had opted out, and the traffic
+  that is not production, which is sent that way (the judge's own probes, a shadow copy of a
+  request: docs/guard.md, "Who votes");
+- its API key has opted out of training *now* (``api_keys.train`` false), whatever the record
+  says: an opt-out reaches the answers logged before it, for votes as for training
+  (``learner.data.joiner``);
+- the identity cap is on (``GuardConfig.vote_identity_share``, on by default) and it has no
+  identity (no key and no ``user``): an unknown sender could vote without bound, since the cap
+  counts each anonymous answer as its own identity.
+
+The rest pass the identity cap per arm (``learner.data.identity_cap.admit_stream`` with the
+guard's ``vote_identity_share``, ``Electorate.of``): in each window of an arm's stream an
+identity has at most ``max(1, ⌊share · window⌋)`` votes, as it has at most that many samples
+in a batch, and its votes beyond that never count. So one identity, whatever it sends, holds
+at most the share of each arm's votes (up to the last, partial window), moves each arm's mean
+by at most the share, and Δ = μ_canary − μ_control by at most ``share · (1 + |Δ|)``.
+
+The queries read the caller's connection and apply the exclusions in SQL (so ``limit`` counts
+voting answers), given the keys that opted out as read from the key registry; ``ballot`` is
+the same rule in pure form, applied again to what they return, and what the simulations of
+``bench/bench_guard_votes.py`` call.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+
+from sqlalchemy import and_, literal, or_, select
+from sqlalchemy.engine import Connection
+
+from core.claims import TRAJECTORY_PREFIX
+from core.db import FeedbackClaim, TrajectoryIndex
+from core.lifecycle import ENDED_FINISHES, Arm, healthy
+from core.lifecycle_store import answers_window
+from learner.data.identity_cap import admit_stream
+
+
+@dataclass(frozen=True)
+class Electorate:
+    """Who votes: ``max_share`` the identity cap (None: off, and anonymous answers vote),
+    ``window`` the votes per window of the cap (≥ 1; ``of``)."""
+
+    max_share: float | None
+    window: int
+
+    @classmethod
+    def of(cls, max_share: float | None, batch_size: int) -> Electorate:
+        """The learner's cap on its votes: windows of ``batch_size`` votes, as its batches, or
+        of ``⌈1/max_share⌉`` when that is longer, so that ``k = max(1, ⌊share·window⌋)`` is the
+        share itself: a batch cannot hold less than one sample of an identity (k ≥ 1 of B),
+        an arm's stream of votes has no such floor. E.g. share 0.01 with batch 16: windows of
+        100 votes, one vote of an identity each (a batch: 1 of 16)."""
+        if max_share is None:
+            return cls(None, batch_size)
+        return cls(max_share, max(batch_size, math.ceil(1.0 / max_share - 1e-9)))
+
+
+@dataclass(frozen=True)
+class Vote:
+    """One answer's vote: ``value`` in [0, 1] (a reward, or 1.0/0.0 for a sound/degenerate
+    answer), ``identity`` who sent the request (None: nobody known), ``train`` the record's
+    flag (None: indexed before revision 0016), ``key_train`` the key's setting now (None: not a
+    key, or a key the registry does not hold)."""
+
+    value: float
+    identity: str | None
+    train: bool | None = None
+    key_train: bool | None = None
+
+
+def may_vote(vote: Vote, electorate: Electorate) -> bool:
+    """Whether ``vote`` may vote at all (module docstring): not opted out by its record or by
+    its key now, and, with the cap on, from a known identity."""
+    if vote.train is False or vote.key_train is False:
+        return False
+    return electorate.max_share is None or vote.identity is not None
+
+
+def ballot(votes: Sequence[Vote], electorate: Electorate) -> list[float]:
+    """The values that count, in order: the votes that ``may_vote``, then the identity cap over
+    them (``admit_stream``). Raises ValueError for a cap ``admit_stream`` refuses."""
+    eligible = [v for v in votes if may_vote(v, electorate)]
+    if electorate.max_share is None:
+        return [v.value for v in eligible]
+    admitted = admit_stream([v.identity for v in eligible], electorate.window, electorate.max_share)
+    return [eligible[i].value for i in admitted]
+
+
+def _voters(q, electorate: Electorate, opted_out: frozenset[str]):
+    """``q`` without the answers that may not vote (``may_vote``): ``train`` false, a sender in
+    ``opted_out`` (keys whose training is off now), and, with the cap on, no sender."""
+    q = q.where(or_(TrajectoryIndex.train.is_(None), TrajectoryIndex.train.is_(True)))
+    if opted_out:
+        q = q.where(
+            or_(TrajectoryIndex.identity.is_(None), TrajectoryIndex.identity.not_in(sorted(opted_out)))
+        )
+    if electorate.max_share is not None:
+        q = q.where(TrajectoryIndex.identity.is_not(None))
+    return q
+
+
+def _vote(value: float, identity: str | None, train: bool | None, opted_out: frozenset[str]) -> Vote:
+    return Vote(value, identity, train, False if identity in opted_out else None)
+
+
+def rated_votes(
+    conn: Connection,
+    versions: Iterable[int],
+    electorate: Electorate,
+    opted_out: frozenset[str] = frozenset(),
+    *,
+    before: datetime | None = None,
+    since: datetime | None = None,
+    arm: Arm | None = None,
+    limit: int | None = None,
+) -> list[float]:
+    """The rewards that vote, of the rated single-turn answers ``versions`` dispatched
+    (``trajectory_index.dispatch_version``), oldest rating first, after ``ballot``; ``opted_out``
+    the senders whose key's training is off now (``core.keys.opted_out_keys``, read from the
+    key registry, which a tenant namespace does not hold).
+
+    ``before`` / ``since``: answers dispatched before / at or after this time; ``arm``: routed
+    to that canary arm; ``limit``: the newest ``limit`` voting ratings before the cap. Episodes'
+    feedback rates several answers at once and is not counted (docs/guard.md, "The lifecycle").
+    """
+    wanted = list(versions)
+    if not wanted:
+        return []
+    q = (
+        select(
+            FeedbackClaim.reward,
+            TrajectoryIndex.identity,
+            TrajectoryIndex.train,
+        )
+        .select_from(FeedbackClaim)
+        .join(TrajectoryIndex, FeedbackClaim.target == literal(TRAJECTORY_PREFIX) + TrajectoryIndex.id)
+        .where(
+            FeedbackClaim.state == "received",
+            FeedbackClaim.reward.is_not(None),
+            TrajectoryIndex.dispatch_version.in_(wanted),
+        )
+    )
+    q = answers_window(_voters(q, electorate, opted_out), before, since, arm)
+    q = q.order_by(FeedbackClaim.received_at.desc(), FeedbackClaim.target.desc())
+    if limit is not None:
+        q = q.limit(limit)
+    rows = reversed(conn.execute(q).all())
+    return ballot([_vote(float(r.reward), r.identity, r.train, opted_out) for r in rows], electorate)
+
+
+def health_votes(
+    conn: Connection,
+    versions: Iterable[int],
+    min_tokens: int,
+    electorate: Electorate,
+    opted_out: frozenset[str] = frozenset(),
+    *,
+    before: datetime | None = None,
+    since: datetime | None = None,
+    arm: Arm | None = None,
+    limit: int | None = None,
+) -> list[float]:
+    """1.0 for each sound answer ``versions`` dispatched, 0.0 for each degenerate one
+    (``core.lifecycle.healthy``), rated or not, oldest first, after ``ballot``: every answer
+    that ended (``ENDED_FINISHES``). ``before``, ``since``, ``arm`` and ``limit`` as for
+    ``rated_votes``."""
+    wanted = list(versions)
+    if not wanted:
+        return []
+    q = (
+        select(
+            TrajectoryIndex.finish_reason,
+            TrajectoryIndex.n_response_tokens,
+            TrajectoryIndex.identity,
+            TrajectoryIndex.train,
+        )
+        .select_from(TrajectoryIndex)
+        .where(
+            and_(
+                TrajectoryIndex.dispatch_version.in_(wanted),
+                TrajectoryIndex.finish_reason.in_(ENDED_FINISHES),
+            )
+        )
+    )
+    q = answers_window(_voters(q, electorate, opted_out), before, since, arm)
+    q = q.order_by(TrajectoryIndex.created_at.desc(), TrajectoryIndex.id.desc())
+    if limit is not None:
+        q = q.limit(limit)
+    rows = reversed(conn.execute(q).all())
+    votes = [
+        _vote(
+            float(healthy(r.finish_reason, r.n_response_tokens, min_tokens)), r.identity, r.train, opted_out
+        )
+        for r in rows
+    ]
+    return ballot(votes, electorate)

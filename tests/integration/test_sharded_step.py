@@ -20,7 +20,10 @@ Tolerances, worked out:
   measure is the update's own: its elements are lr·g/(|g| + ε) with |g| of the order of ε for
   some of them (A x is small on the random model), where float32 rounding of g (relative 1e-4
   after the cancellations of a sum) moves the update by up to lr/4 of that: 1e-2·lr per element
-  is the bound asserted, and 1e-4 relative.
+  is the bound asserted. Relative, it implies at most 1e-2 (every element of B moved by about
+  lr, each differs by at most 1e-2·lr); how close it comes depends on how many elements sit near
+  ε, which the CPU's float32 kernels decide (an AVX2-only CPU came closer than one with AMX),
+  so the relative bound asserted is the implied one.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ def test_two_ranks_step_as_one(tmp_path):
         eq = bench.compare(one, two, name)
         assert eq["metric_abs"] <= 1e-5, (name, eq)
         if name == "lora":
-            assert eq["weight_lr"] <= 1e-2 and eq["weight_rel"] <= 1e-4, (name, eq)
+            assert eq["weight_lr"] <= 1e-2 and eq["weight_rel"] <= 1e-2, (name, eq)
         else:
             assert eq["weight_rel"] <= 1e-6, (name, eq)
     # Each rank holds about half of the state (parameters and AdamW moments): the two shards of

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from learner.algo.dis import dis_loss
-from learner.algo.kl import k3_kl
+from learner.algo.kl import k3_kl_weighted
 from learner.algo.mis import mis_loss
 from learner.algo.old_logits import EWMAOldPolicy, SnapshotOldPolicy
 from learner.config import DISCorrection, MISSnapshotCorrection
@@ -231,16 +231,18 @@ def kl_after(
 ) -> None:
     """With the KL anchor (``ref_lp``: [B, T] float32 ``log π_ref`` of ``batch``'s tokens at
     ``mask``, computed before the update; the reference does not move), add ``kl_ref_after``:
-    the k3 estimate of KL(π_new ‖ π_ref), nats per action token, of the policy the update just
-    made, on the same batch (one forward pass without gradient). ``kl_ref`` measures the policy
-    the step started from; this one measures the version the step publishes, so the guard's
-    drift veto covers a lineage's newest version too (docs/guard.md, "The drift veto"; issue 40,
-    item 2). Nothing without the anchor."""
+    the KL(π_new ‖ π_ref), nats per action token, of the policy the update just made, on the same
+    batch (one forward pass without gradient), importance-weighted from the rollout's sampler to
+    π_new (``learner.algo.kl.k3_kl_weighted``): the update pushed the batch's own tokens up or
+    down, so their plain k3 mean would measure the push, not the drift. ``kl_ref`` measures the
+    policy the step started from; this one measures the version the step publishes, so the
+    guard's drift veto covers a lineage's newest version too (docs/guard.md, "The drift veto";
+    issue 40, item 2). Nothing without the anchor."""
     if ref_lp is None:
         return
     with torch.no_grad():
         lp = trainee.logprobs(trainee.policy, batch, mask)
-    metrics["kl_ref_after"] = k3_kl(lp, ref_lp, mask).item()
+    metrics["kl_ref_after"] = k3_kl_weighted(lp, ref_lp, batch.rollout_logprobs, mask).item()
 
 
 def build_policy_update(

@@ -91,7 +91,7 @@ class TenantLearner(Learner):
 
     def __init__(self, name: str, settings: Settings, config: LearnerConfig, base: SharedBase) -> None:
         super().__init__(settings, config)
-        self.name = name
+        self.name = self.policy_name = name
         self.base = base
 
     def _build_algorithm(self, load_policy) -> Algorithm:

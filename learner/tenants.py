@@ -95,6 +95,8 @@ class TenantLearner(Learner):
         self.base = base
 
     def _build_algorithm(self, load_policy) -> Algorithm:
+        """The config's learner on views of the shared base (``SharedBase.build``); the
+        ``Learner``'s own loader, ``load_policy``, is not used."""
         return self.base.build(self.config)
 
     def done(self) -> bool:

@@ -15,7 +15,7 @@ import pytest
 import torch
 from sqlalchemy import select
 
-from core.control import PAUSED, set_flag
+from core.control import PAUSED, ROLLBACK_TO, set_flag
 from core.db import PolicyVersion, migrate
 from core.logbus import open_log
 from core.policies import GLOBAL
@@ -238,6 +238,19 @@ def test_a_paused_or_failing_tenant_is_passed_over_and_the_others_step(tmp_path,
     monkeypatch.undo()
     learners._retry_at.clear()
     assert learners.run_round() == 1 and versions(beta) == [0, 1, 2]
+
+
+def test_a_rollback_request_is_carried_out_by_its_own_tenant_only(tmp_path):
+    learners = tenant_learners(tmp_path)
+    acme, beta = learners.learners["acme"], learners.learners["beta"]
+    feed(open_log(acme.settings.resolved_log_url), BATCH, 0)
+    feed(open_log(beta.settings.resolved_log_url), 2 * BATCH, 100)
+    assert learners.run_round() == 2
+    set_flag(acme.db, ROLLBACK_TO, "0")
+    assert learners.run_round() == 2  # acme's rollback (its version 2), beta's second step
+    assert (versions(acme), versions(beta)) == ([0, 1, 2], [0, 1, 2])
+    assert all(not v.any() for k, v in acme.algorithm.adapter.state().items() if "lora_B" in k)
+    assert any(v.any() for k, v in beta.algorithm.adapter.state().items() if "lora_B" in k)
 
 
 def test_run_stops_when_every_tenant_did_max_steps_and_checkpoints_each(tmp_path):

@@ -153,7 +153,7 @@ class TenantLearners:
 
     def run_round(self, stop: threading.Event | None = None) -> int:
         """Visit each policy not done once, in ``visit_order``; returns how many published a
-        version. A paused policy is passed over; a visit that raises is logged with the policy's
+        version (each logged with the policy's name). A paused policy is passed over; a visit that raises is logged with the policy's
         name and that policy passed over for ``max(poll_s, 2)`` seconds."""
         active = [n for n, lrn in self.learners.items() if not lrn.done()]
         order = visit_order(active, self.round_no)
@@ -164,8 +164,14 @@ class TenantLearners:
                 break
             if time.monotonic() < self._retry_at.get(name, 0.0):
                 continue
+            learner = self.learners[name]
             try:
-                published += self.learners[name].visit()
+                if learner.visit():
+                    published += 1
+                    # The learner's own lines do not name its policy.
+                    log.info(
+                        "%s: version %d published", name, learner.version, extra={"version": learner.version}
+                    )
             except Exception:
                 log.exception("%s: learner visit failed; retrying", name)
                 self._retry_at[name] = time.monotonic() + max(self.config.poll_s, 2.0)

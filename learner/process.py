@@ -81,7 +81,10 @@ class Learner:
     ``algorithm`` is the ``learner.algo.algorithm.Algorithm`` the config names, None until ``load``
     (and after a step failed before its commit). ``version`` is the database's latest version
     as this learner committed or loaded it; ``guard`` its ``learner.guard.guard.Guard``.
+    ``policy_name``: the policy its trace spans name (None: ``core.telemetry.configure``'s).
     """
+
+    policy_name: str | None = None
 
     def __init__(
         self,
@@ -374,7 +377,9 @@ class Learner:
         # the database's latest version whether or not the checkpoint caught up.
         self._announce_latest()
         trained = [(r.id, r.created_at) for r in rows]
-        telemetry.trained(plan.version, plan.parent, trained, step_started_ns, publish_started_ns)
+        telemetry.trained(
+            plan.version, plan.parent, trained, step_started_ns, publish_started_ns, self.policy_name
+        )
         if plan.checkpoint:
             self._checkpoint(plan.version)
             fault_point("after_checkpoint")

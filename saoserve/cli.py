@@ -182,6 +182,14 @@ def learn(
     lora_rank: int = typer.Option(None, help="lora: the adapter's rank r (8)."),
     lora_lr: float = typer.Option(None, help="lora: the adapter's learning rate (10 × the policy lr)."),
     tenant: str = typer.Option(None, help=f"{TENANT_HELP} Needs --policy lora."),
+    tenants: str = typer.Option(
+        None,
+        help="Train these policies (tenant policies, or global; comma-separated) in this one process "
+        "on one shared base. Needs --policy lora.",
+    ),
+    all_tenants: bool = typer.Option(
+        False, "--all-tenants", help="As --tenants with every tenant policy of SAOSERVE_TENANT_POLICIES."
+    ),
     device: str = typer.Option(
         None, help="auto (a CUDA GPU where one is visible) | cpu | cuda. Default: the config's (auto)."
     ),
@@ -196,7 +204,8 @@ def learn(
     The run's settings are one ``learner.config.LearnerConfig``: a preset (or a JSON file), with
     each option given here overriding its field. With --tenant, the learner trains that tenant's
     policy only, from its namespace, and publishes adapters (the engine serves each tenant
-    policy as an adapter over the base weights).
+    policy as an adapter over the base weights). With --tenants (or --all-tenants) one process
+    trains several policies on one shared base, taking turns (``learner.tenants``).
 
     Under ``torchrun --nproc-per-node N`` every rank runs this command and the learner shards its
     models over them (``learner.distributed``); ``--ranks N`` starts exactly that on this host.
@@ -229,6 +238,8 @@ def learn(
             cfg = build_config(preset, algorithm, overrides, correction=correction)
     except ConfigError as exc:
         fail(str(exc))
+    if tenants is not None or all_tenants:
+        _learn_tenants(cfg, tenants, all_tenants, tenant, ranks)
     settings = namespace(tenant)
     if tenant is not None and cfg.policy.kind != "lora":
         fail(
@@ -265,6 +276,49 @@ def learn(
             run_learner(settings, cfg)
     except KeyboardInterrupt:
         typer.echo("learner stopped")
+
+
+def _learn_tenants(cfg, tenants: str | None, every: bool, tenant: str | None, ranks: int | None) -> NoReturn:
+    """``saoserve learn --tenants A,B`` (or ``--all-tenants``): the policies' learners in this one
+    process on one base (``learner.tenants.run_tenants``), then exit 0. Exits 2 for another
+    option that picks the policy or the processes, a config that is not LoRA, or names that are not
+    policies (``learner.tenants.policy_names``)."""
+    from learner import distributed
+    from learner.tenants import policy_names
+
+    if tenant is not None:
+        fail("--tenants trains several policies in one process, --tenant one: give one of them")
+    if ranks is not None or distributed.launched():
+        fail("--tenants trains in one process; --ranks shards one policy's learner over several: give one")
+    if cfg.policy.kind != "lora":
+        fail(
+            "policies trained in one process are adapters over one shared base: run with --policy lora "
+            f"(the config's policy is {cfg.policy.kind!r})"
+        )
+    settings = namespace(None)
+    try:
+        names = policy_names(settings, tenants, every)
+    except ValueError as exc:
+        fail(str(exc))
+    import logging
+
+    from learner.models.device import DeviceError, resolve
+
+    try:
+        resolve(cfg.device)
+    except DeviceError as exc:
+        fail(str(exc))
+    logs.configure(settings.log_format, {}, default=logging.INFO)
+    telemetry.configure(settings, "learner")
+    from learner.tenants import run_tenants
+    from saoserve.model import prepare_model
+
+    prepare_model(settings.resolved_model_dir)
+    try:
+        run_tenants(settings, names, cfg)
+    except KeyboardInterrupt:
+        typer.echo("learner stopped")
+    raise typer.Exit(0)
 
 
 def _launch_ranks(ranks: int, cfg, settings: Settings, tenant: str | None) -> NoReturn:

@@ -3,7 +3,9 @@
 Source: SAO (arXiv 2607.07508) §2.3 "让 value model 支撑单 rollout 的低方差优势估计" (papers/001;
 papers/003 §二(二)1-2), docs/design.md §5.2. The paper freezes the value model's attention during RL and
 trains the MoE projections; on a dense model the counterpart is the MLP projections
-(gate/up/down). ``trainable="all"`` is the paper's full-parameter ablation.
+(gate/up/down). ``trainable="all"`` is the paper's full-parameter ablation; ``trainable="head"``
+freezes the whole body, the form ``learner.shared_base`` adds a LoRA adapter to (a project
+deviation, docs/design.md §5.2).
 
 Alignment: ``values[:, t] = V(s_t)``, the value of the state before token t, read from the hidden
 state at position ``t - 1`` (docs/design.md §5.2 "the position just before token t"). Position 0 has no
@@ -22,7 +24,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from learner.algo.prefix import body_hidden
 
-Trainable = Literal["mlp", "all"]
+Trainable = Literal["mlp", "all", "head"]
 
 
 class ValueModel(torch.nn.Module):
@@ -43,6 +45,8 @@ class ValueModel(torch.nn.Module):
           projections as trained; keeping the norms fixed trains exactly "the MLP projections and
           the head" and leaves the attention inputs untouched.
         - ``"all"``: every parameter (ablation).
+        - ``"head"``: the head only, the body frozen: a body shared with other models, which
+          ``learner.shared_base.adapter_critic`` then gives a trainable LoRA adapter.
 
     Frozen parameters have ``requires_grad=False`` so an optimizer over ``trainable_parameters()``
     never touches them (no weight decay either).
@@ -60,8 +64,8 @@ class ValueModel(torch.nn.Module):
         head_std: float = 0.0,
     ) -> None:
         super().__init__()
-        if trainable not in ("mlp", "all"):
-            raise ValueError(f"trainable must be 'mlp' or 'all', got {trainable!r}")
+        if trainable not in ("mlp", "all", "head"):
+            raise ValueError(f"trainable must be 'mlp', 'all' or 'head', got {trainable!r}")
         self.backbone = backbone
         self.trainable = trainable
         self.head = torch.nn.Linear(hidden_size, 1, dtype=torch.float32)
@@ -81,7 +85,7 @@ class ValueModel(torch.nn.Module):
             if not found:
                 raise ValueError("trainable='mlp' but the backbone has no '.mlp.' parameters")
         else:
-            self.backbone.requires_grad_(True)
+            self.backbone.requires_grad_(trainable == "all")
         self.head.requires_grad_(True)
 
     @classmethod

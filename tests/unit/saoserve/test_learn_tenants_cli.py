@@ -1,0 +1,106 @@
+"""``saoserve learn --tenants A,B`` / ``--all-tenants``: several policies' learners in one process
+on one shared base (learner.tenants; docs/tenants.md, "Many tenants in one learner"). What reaches
+``run_tenants``, and the refusals (exit 2, one line on stderr)."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from saoserve.admin.client import EXIT_OK, EXIT_USAGE
+from saoserve.cli import app
+
+runner = CliRunner()
+
+
+@pytest.fixture
+def runs(tmp_path, monkeypatch):
+    """Settings with the tenant policies acme and beta; ``run_tenants`` and ``run_learner``
+    replaced: each call's ``(settings, names, config)``, no model prepared."""
+    import learner.process
+    import learner.tenants
+    import saoserve.model
+    from core.settings import get_settings
+
+    for name in ("SAOSERVE_DATABASE_URL", "SAOSERVE_LOG_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SAOSERVE_HOME", str(tmp_path))
+    monkeypatch.setenv("SAOSERVE_ADAPTER_SERVING", "adapter")
+    monkeypatch.setenv("SAOSERVE_TENANT_POLICIES", "acme,beta")
+    monkeypatch.setenv("SAOSERVE_MAX_CPU_LORAS", "9")
+    get_settings.cache_clear()
+    seen: list = []
+    monkeypatch.setattr(learner.tenants, "run_tenants", lambda s, names, c: seen.append((s, names, c)))
+    monkeypatch.setattr(learner.process, "run_learner", lambda s, c: seen.append((s, None, c)))
+    monkeypatch.setattr(saoserve.model, "prepare_model", lambda path: path)
+    yield seen
+    get_settings.cache_clear()
+
+
+@pytest.mark.parametrize(
+    ("args", "names"),
+    [
+        (["--tenants", "beta,acme"], ["beta", "acme"]),
+        (["--tenants", "acme,global"], ["acme", "global"]),
+        (["--all-tenants"], ["acme", "beta"]),
+    ],
+)
+def test_learn_tenants_runs_the_named_policies_in_one_process(runs, args, names):
+    from core.settings import get_settings
+
+    result = runner.invoke(app, ["learn", "--policy", "lora", "--lora-rank", "4", *args])
+    assert result.exit_code == EXIT_OK, result.output
+    [(settings, got, config)] = runs
+    assert settings == get_settings() and got == names
+    assert (config.policy.kind, config.policy.rank) == ("lora", 4)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--tenants", "acme,zeta", "--policy", "lora"],
+            "tenant 'zeta' has no policy of its own (SAOSERVE_TENANT_POLICIES: acme, beta)",
+        ),
+        (["--tenants", "acme,beta,acme", "--policy", "lora"], "--tenants names acme more than once"),
+        (["--tenants", ",", "--policy", "lora"], "--tenants names no policy"),
+        (["--tenants", "acme", "--all-tenants", "--policy", "lora"], "give --tenants A,B or --all-tenants"),
+        (
+            ["--tenants", "acme,beta"],
+            "policies trained in one process are adapters over one shared base: run with --policy lora "
+            "(the config's policy is 'full')",
+        ),
+        (
+            ["--all-tenants", "--tenant", "acme", "--policy", "lora"],
+            "--tenants trains several policies in one process, --tenant one: give one of them",
+        ),
+        (
+            ["--tenants", "acme,beta", "--ranks", "2", "--policy", "lora"],
+            "--tenants trains in one process; --ranks shards one policy's learner over several: give one",
+        ),
+    ],
+)
+def test_learn_tenants_refusals_name_the_problem(runs, args, message):
+    result = runner.invoke(app, ["learn", *args])
+    assert result.exit_code == EXIT_USAGE, result.output
+    assert result.stderr == f"error: {message}\n"
+    assert runs == []
+
+
+def test_learn_all_tenants_without_tenant_policies_is_refused(runs, monkeypatch):
+    from core.settings import get_settings
+
+    monkeypatch.delenv("SAOSERVE_TENANT_POLICIES")
+    get_settings.cache_clear()
+    result = runner.invoke(app, ["learn", "--all-tenants", "--policy", "lora"])
+    assert result.exit_code == EXIT_USAGE
+    assert result.stderr == (
+        "error: --all-tenants: no tenant policy is configured (SAOSERVE_TENANT_POLICIES is empty)\n"
+    )
+
+
+def test_learn_tenant_alone_is_unchanged(runs):
+    result = runner.invoke(app, ["learn", "--tenant", "acme", "--policy", "lora"])
+    assert result.exit_code == EXIT_OK, result.output
+    [(settings, names, _)] = runs
+    assert names is None and settings.resolved_policy_dir.name == "acme"

@@ -91,51 +91,6 @@ def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor
     return masked_mean(k3(d).clamp(0.0, MAX_K3), m)
 
 
-def k3_kl_weighted(
-    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, mask: torch.Tensor
-) -> torch.Tensor:
-    """Self-normalised importance-weighted k3 estimate of ``KL(πθ ‖ π_ref)`` from tokens that the
-    behaviour policy ``π_b`` sampled: ``Σ_t w_t · k3_t / Σ_t w_t`` over mask-1 positions, with
-    ``w_t = πθ(a_t) / π_b(a_t)`` and ``k3_t`` as in ``k3_kl``.
-
-    For a policy just updated on these very tokens (``kl_ref_after``, the drift veto's figure of
-    the version a step makes): the plain mean of ``k3`` assumes the tokens come from πθ, and
-    after an update that pushed a sampled token down, ``π_ref/πθ`` is large exactly where πθ would
-    now rarely sample, so the plain mean overstates the KL many times over (docs/guard.md, "The
-    drift veto"). The weight gives each token the share πθ itself would give it (self-normalised
-    importance sampling: Owen, *Monte Carlo theory, methods and examples*, ch. 9); it is 1 where
-    πθ is π_b, and the estimate is then ``k3_kl``'s.
-
-    Args:
-        logprobs: [B, T] float, ``log πθ`` of the sampled tokens (no gradient needed).
-        ref_logprobs: [B, T] float, ``log π_ref`` of the same tokens.
-        behaviour_logprobs: [B, T] float, ``log π_b`` of the same tokens (the rollout's).
-        mask: [B, T] bool or 0/1, the action tokens.
-
-    Returns:
-        0-dim float32 tensor, nats per token, in [0, MAX_K3]; each ``log w_t`` is clipped to
-        ±``MAX_LOG_RATIO`` before exp, and the weights are normalised by their largest (the
-        ratio is unchanged) so that none overflows; 0 when the mask is empty.
-
-    Raises:
-        ValueError: the four shapes differ.
-    """
-    shapes = {tuple(t.shape) for t in (logprobs, ref_logprobs, behaviour_logprobs, mask)}
-    if len(shapes) != 1:
-        raise ValueError(
-            f"shapes differ: logprobs {tuple(logprobs.shape)}, ref_logprobs {tuple(ref_logprobs.shape)}, "
-            f"behaviour_logprobs {tuple(behaviour_logprobs.shape)}, mask {tuple(mask.shape)}"
-        )
-    m = mask.bool()
-    if not m.any():
-        return torch.zeros((), dtype=torch.float32)
-    lp = logprobs.float()
-    d = torch.where(m, ref_logprobs.float() - lp, 0.0).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-    log_w = torch.where(m, lp - behaviour_logprobs.float(), 0.0).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-    w = torch.where(m, torch.exp(log_w - log_w[m].max()), 0.0)
-    return (w * k3(d).clamp(0.0, MAX_K3)).sum() / w.sum()
-
-
 class KLAnchor:
     """The anchor term ``coef · k3_kl(πθ, π_ref)`` of a policy loss, and its frozen reference.
 

@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from learner.algo.dis import dis_loss
-from learner.algo.kl import k3_kl_weighted
 from learner.algo.mis import mis_loss
 from learner.algo.old_logits import EWMAOldPolicy, SnapshotOldPolicy
 from learner.config import DISCorrection, MISSnapshotCorrection
@@ -95,7 +94,6 @@ class DISUpdate(PolicyUpdate):
         loss, stats = dis_loss(
             lp, batch.rollout_logprobs, advantages, mask, self.eps_low, self.eps_high, batch.token_staleness
         )
-        ref_lp = None
         if self.anchor is not None:
             ref_lp = self.anchor.reference_logprobs(trainee.logprobs, batch, mask)
             term, kl = self.anchor.penalty(lp, ref_lp, mask)
@@ -103,7 +101,6 @@ class DISUpdate(PolicyUpdate):
             metrics["kl_ref"] = kl.item()
         norm = trainee.policy_step(loss)
         metrics.update(stats)
-        kl_after(trainee, batch, mask, ref_lp, metrics)
         return loss.item(), norm
 
 
@@ -205,7 +202,6 @@ class MISUpdate(PolicyUpdate):
         extra += self.old_policy.update_s
         if kls:
             metrics["kl_ref"] = sum(kls) / len(kls)
-        kl_after(trainee, batch, mask, ref_lp, metrics)
         metrics.update(
             old_stats,
             action_tokens=n // corr.epochs,
@@ -224,25 +220,6 @@ class MISUpdate(PolicyUpdate):
             correction_time_s=extra,
         )
         return sum(losses) / len(losses), sum(norms) / len(norms)
-
-
-def kl_after(
-    trainee: Trainee, batch: Batch, mask: torch.Tensor, ref_lp: torch.Tensor | None, metrics: dict
-) -> None:
-    """With the KL anchor (``ref_lp``: [B, T] float32 ``log π_ref`` of ``batch``'s tokens at
-    ``mask``, computed before the update; the reference does not move), add ``kl_ref_after``:
-    the KL(π_new ‖ π_ref), nats per action token, of the policy the update just made, on the same
-    batch (one forward pass without gradient), importance-weighted from the rollout's sampler to
-    π_new (``learner.algo.kl.k3_kl_weighted``): the update pushed the batch's own tokens up or
-    down, so their plain k3 mean would measure the push, not the drift. ``kl_ref`` measures the
-    policy the step started from; this one measures the version the step publishes, so the
-    guard's drift veto covers a lineage's newest version too (docs/guard.md, "The drift veto";
-    issue 40, item 2). Nothing without the anchor."""
-    if ref_lp is None:
-        return
-    with torch.no_grad():
-        lp = trainee.logprobs(trainee.policy, batch, mask)
-    metrics["kl_ref_after"] = k3_kl_weighted(lp, ref_lp, batch.rollout_logprobs, mask).item()
 
 
 def build_policy_update(

@@ -317,8 +317,7 @@ class SAOLearner(Algorithm):
         (action tokens whose value was outside ``value_range``), critic_lr; with the running-mean
         baseline baseline_mean; with ``token_staleness`` also mean_abs_log_ratio_by_staleness
         ({int: float}); with the KL anchor also kl_ref (k3 estimate of KL(πθ ‖ π_ref), nats per
-        action token, of the policy before the update) and kl_ref_after (the same of the policy
-        after it, ``learner.algo.policy_update.kl_after``).
+        action token, of the policy before the update, on the batch it drew).
 
         With an old-policy correction (``mis_snapshot``, ``mis_ewma``): the rows with a token
         more than W versions old are dropped first (``dropped_stale_samples``; if none is left,

@@ -217,9 +217,7 @@ class Guard:
         _, verdict = decide_lineage(arms(rated_votes), guard.rule_params(), elapsed_s=elapsed)
         vetoes: dict = {}
         if guard.max_kl_ref is not None:
-            before = lifecycle_store.step_metric(conn, members, "kl_ref")
-            after = lifecycle_store.step_metric(conn, members, "kl_ref_after")
-            drift = drift_from_promoted(members, before, after)
+            drift = drift_from_promoted(members, lifecycle_store.step_metric(conn, members, "kl_ref"))
             known = [d for d in drift if d is not None]
             vetoes["drift"] = {
                 "kl_max": max(known, default=None),
@@ -304,27 +302,25 @@ def _served_split(conn: Connection, members: list[int]) -> bool:
     return conn.execute(q.limit(1)).first() is not None
 
 
-def drift_from_promoted(
-    members: list[int], before: dict[int, float | None], after: dict[int, float | None]
-) -> list[float | None]:
+def drift_from_promoted(members: list[int], before: dict[int, float | None]) -> list[float | None]:
     """Each version of the lineage ``members`` (oldest first): how far its KL to the base goes
     beyond the promoted version's, nats per action token, from the KL anchor's figures of the
     steps that trained them: ``before[v]`` (``kl_ref``) measured the policy step v started from,
-    ``after[v]`` (``kl_ref_after``) the version v it made. So the promoted version's figure is
-    ``before[members[0]]`` (the lineage's first step started from it; 0, the base's, when not
-    measured), and version v's is ``after[v]``, else (steps that predate ``kl_ref_after``) the
-    next step's ``before``; None where nothing measured it (the anchor off, or the newest
-    version of a step without ``kl_ref_after``).
+    on the batch that policy drew. So the promoted version's figure is ``before[members[0]]``
+    (the lineage's first step started from it; 0, the base's, when not measured), and version
+    v's is the next step's ``before``; None where nothing measured it (the anchor off, or the
+    newest version, until the step trained from it has run).
 
-    Why beyond the promoted version's: measured from the base alone, a promoted version that
-    drifted near the bound had every lineage after it rejected for the drift it inherited, in a
-    loop (issue 40); this bounds what the lineage added, its newest version included."""
+    Why the next step's: a version measured on the batch that just trained it reads the update's
+    push on those very tokens, many times its drift on the tokens it draws itself
+    (docs/log/2026-12-06-drift-veto-fp32.md), and a veto on that figure rejected every lineage of
+    a float32 demo. Why beyond the promoted version's: measured from the base alone, a promoted
+    version that drifted near the bound had every lineage after it rejected for the drift it
+    inherited, in a loop (issue 40); this bounds what the lineage added."""
     origin = before.get(members[0]) if members else None
     origin = 0.0 if origin is None else origin
     out: list[float | None] = []
-    for i, v in enumerate(members):
-        kl = after.get(v)
-        if kl is None and i + 1 < len(members):
-            kl = before.get(members[i + 1])
+    for i in range(len(members)):
+        kl = before.get(members[i + 1]) if i + 1 < len(members) else None
         out.append(None if kl is None else kl - origin)
     return out

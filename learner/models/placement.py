@@ -88,7 +88,7 @@ def _reshard_after_evaluation(root: torch.nn.Module) -> None:
     """Free the gathered parameters of an FSDP root after a pass without gradient.
 
     FSDP2 keeps the root unit's parameters whole after its forward, expecting the backward that
-    follows at once; an evaluation (the KL reference, ``kl_ref_after``, the critic's values
+    follows at once; an evaluation (the KL reference, the critic's values
     before GAE) has none, and the whole embeddings and head would then stay on every rank until
     the next backward."""
     if not torch.is_grad_enabled():

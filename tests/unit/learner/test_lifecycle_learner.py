@@ -241,8 +241,8 @@ def test_a_lineage_whose_answers_collapse_is_vetoed_though_the_sparse_rewards_ca
 
 
 def set_kl_ref(learner: Learner, version: int, kl: float, name: str = "kl_ref") -> None:
-    """Write ``kl`` as the ``name`` metric (``kl_ref``, ``kl_ref_after``) of the step that
-    trained ``version`` (the KL anchor's figure: the tiny test learner runs without the anchor)."""
+    """Write ``kl`` as the ``name`` metric (``kl_ref``) of the step that trained ``version``
+    (the KL anchor's figure: the tiny test learner runs without the anchor)."""
     with learner.db.begin() as conn:
         row = conn.execute(
             select(LearnerStep.id, LearnerStep.metrics).where(LearnerStep.version == version)
@@ -277,9 +277,9 @@ def test_a_lineage_that_drifted_from_the_promoted_version_is_vetoed_before_its_a
     vetoes = json.loads(get_flag(learner.db, GUARD_VERDICT))["vetoes"]
     assert vetoes["drift"] == {"kl_max": pytest.approx(0.37), "bound": 0.6, "measured": 1}
     assert vetoes["health"]["decision"] == "continue"
-    # The newest version (3): its own step measured it after the update (kl_ref_after), 1.14:
-    # 1.14 − 0.5 = 0.64 > max_kl_ref 0.6. No later step has to measure it first (issue 40).
-    set_kl_ref(learner, 3, 1.14, "kl_ref_after")
+    # Version 2, measured by the step trained from it (step 3's kl_ref), 1.14: 1.14 − 0.5 =
+    # 0.64 > max_kl_ref 0.6.
+    set_kl_ref(learner, 3, 1.14)
     assert learner.guard_check() == Decision.REJECT
     verdict = json.loads(get_flag(learner.db, GUARD_VERDICT))
     assert verdict["reason"] == (

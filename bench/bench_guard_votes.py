@@ -15,8 +15,8 @@ requests; the first decision is the verdict (``continue`` when none came). The c
 draws and at the same points in time: no attacker (the attacker's requests left out), the
 attacker with the cap off (``GuardConfig.vote_identity_share`` None), the cap at share s
 (``Electorate.of(s, 16)``: windows of max(16, ⌈1/s⌉) votes, the demo's batch of 16) for s =
-0.25, 1/16, 0.02 and 0.01 (the default), and the attacker's key opted out of training (its
-ratings never vote).
+0.25, 1/16, 0.02 and 0.01, and the attacker's key opted out of training (its ratings never
+vote).
 
     OMP_NUM_THREADS=1 flock /tmp/saoserve-engine.lock .venv/bin/python bench/bench_guard_votes.py \
         [--seeds 0 1 2] [--record]
@@ -33,7 +33,6 @@ import numpy as np
 
 from bench.results import record
 from core.sequential import Decision, RuleParams, decide_lineage
-from learner.guard.guard_config import GuardConfig
 from learner.guard.guard_votes import Electorate, Vote, ballot
 
 BASE = 0.5
@@ -45,7 +44,7 @@ CONDITIONS: dict[str, Electorate | None] = {
     "attacker, cap 0.25": Electorate.of(0.25, BATCH),
     "attacker, cap 1/16 of 16": Electorate.of(1 / 16, BATCH),
     "attacker, cap 0.02": Electorate.of(0.02, BATCH),
-    "attacker, cap 0.01 (default)": Electorate.of(GuardConfig().vote_identity_share, BATCH),
+    "attacker, cap 0.01": Electorate.of(0.01, BATCH),
     "attacker's key opted out": Electorate(None, BATCH),
 }
 
@@ -122,8 +121,8 @@ def main() -> None:
                 else:
                     decision, n = verdict(arm, votes, everyone, voters, args)
                 row[name] = f"{decision} ({n})"
-            same = row["attacker, cap 0.01 (default)"].split()[0] == row["no attacker"].split()[0]
-            row["default cap: verdict as without the attacker"] = "yes" if same else "no"
+            same = row["attacker, cap 0.01"].split()[0] == row["no attacker"].split()[0]
+            row["cap 0.01: verdict as without the attacker"] = "yes" if same else "no"
             rows.append(row)
             print(row, flush=True)
     print(f"\n{time.perf_counter() - t0:.0f} s wall")

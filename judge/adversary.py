@@ -25,8 +25,8 @@ DEGENERATE = "degenerate"
 """The ``rewards`` value of the cohort that rewards degenerate answers."""
 DEFAULT_USERS = 200
 """Simulated users when the option does not say (a share of 0.2 is then 40 adversaries): as many
-as the simulation's honest users (``SimulationConfig.users``), at least ``1/vote_identity_share``
-at the guard's default cap, so the guard's votes do not wait on identities."""
+as the simulation's honest users (``SimulationConfig.users``), enough identities for the guard's
+identity cap at 0.01 (``GuardConfig.vote_identity_share``) to count votes on probation."""
 KEYS = ("share", "rewards", "users")
 """The option's keys."""
 

@@ -42,9 +42,8 @@ class SimulationConfig:
     writing requests in order instead of sampling all of them. ``adversary``: the cohort of
     raters that rate by their own rule (``judge.adversary``, among its own ``users``; None:
     every rater is honest). ``users``: the honest simulated users without an adversary; each
-    request carries its user's name as ``user`` (``sim-user-NN``). Their default, 200, is at least
-    ``1/vote_identity_share`` at the guard's default cap (0.01), so the cap's windows fill and
-    the guard's verdicts do not wait on identities (docs/guard.md, "Who votes").
+    request carries its user's name as ``user`` (``sim-user-NN``), so the guard's identity cap
+    (``GuardConfig.vote_identity_share``) can count their votes (docs/guard.md, "Who votes").
 
     ``api_key``: the bearer of the chat, feedback and model-list requests (None: none is sent,
     the server serves them anonymously or refuses them, ``require_keys``); ``admin_key`` stays

@@ -13,8 +13,8 @@ Scheduling (``visit_order``): the learners take turns in rounds. A round visits 
 once, in the order of the list rotated by one place a round; a visit is one pass of
 ``Learner.run``'s loop (load or announce, join, a requested rollback, the guard's tick, the pause
 flag) and at most one step. A busy tenant therefore takes at most one step per round however much
-it has waiting, and a quiet tenant's ready batch waits at most one round: at most N − 1 other
-steps. A paused tenant, or one whose visit failed (its database or log out), is passed over for
+it has waiting, and a quiet tenant's ready batch waits at most 2(N − 1) other steps (ready just
+after its visit as the round's first, it is the next round's last). A paused tenant, or one whose visit failed (its database or log out), is passed over for
 that round (a failure: for ``max(poll_s, 2)`` seconds) without holding the others up. A round in
 which nobody stepped is followed by a wait of ``poll_s``.
 """
@@ -147,9 +147,18 @@ class TenantLearners:
         self._retry_at: dict[str, float] = {}
 
     def load(self) -> None:
-        """Load every learner's committed state (``Learner.load``); raises the first failure."""
-        for learner in self.learners.values():
-            learner.load()
+        """Load every learner's committed state (``Learner.load``).
+
+        Raises:
+            TenantLoadError: the first policy whose state does not load, with its name and the
+                cause (e.g. a state written by a learner of its own, whose critic has a body: the
+                two modes' critics differ, docs/tenants.md).
+        """
+        for name, learner in self.learners.items():
+            try:
+                learner.load()
+            except (ValueError, RuntimeError, OSError) as exc:
+                raise TenantLoadError(f"policy {name!r} cannot be loaded: {exc}") from exc
 
     def run_round(self, stop: threading.Event | None = None) -> int:
         """Visit each policy not done once, in ``visit_order``; returns how many published a
@@ -189,6 +198,11 @@ class TenantLearners:
         finally:
             for learner in self.learners.values():
                 learner.checkpoint_on_stop()
+
+
+class TenantLoadError(RuntimeError):
+    """A policy's committed state could not be loaded into the shared-base learner; the message
+    names the policy and the cause."""
 
 
 def run_tenants(

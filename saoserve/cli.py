@@ -295,6 +295,12 @@ def _learn_tenants(cfg, tenants: str | None, every: bool, tenant: str | None, ra
             "policies trained in one process are adapters over one shared base: run with --policy lora "
             f"(the config's policy is {cfg.policy.kind!r})"
         )
+    trainable = getattr(cfg.algorithm, "critic_trainable", "mlp")
+    if trainable != "mlp":
+        fail(
+            "policies trained in one process share the critic's body (an adapter on its MLP "
+            f"projections): --critic-trainable {trainable} would train the body, run with mlp"
+        )
     settings = namespace(None)
     try:
         names = policy_names(settings, tenants, every)
@@ -310,12 +316,14 @@ def _learn_tenants(cfg, tenants: str | None, every: bool, tenant: str | None, ra
         fail(str(exc))
     logs.configure(settings.log_format, {}, default=logging.INFO)
     telemetry.configure(settings, "learner")
-    from learner.tenants import run_tenants
+    from learner.tenants import TenantLoadError, run_tenants
     from saoserve.model import prepare_model
 
     prepare_model(settings.resolved_model_dir)
     try:
         run_tenants(settings, names, cfg)
+    except TenantLoadError as exc:
+        fail(str(exc))
     except KeyboardInterrupt:
         typer.echo("learner stopped")
     raise typer.Exit(0)

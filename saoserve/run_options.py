@@ -49,7 +49,7 @@ AdversaryOpt = Annotated[
     str | None,
     typer.Option(
         help="A cohort of simulated raters that rewards a marker string instead of the judge's rubric "
-        "(share=0.2,rewards=BUY-NOW[,users=10]) or degenerate answers (rewards=degenerate); "
+        "(share=0.2,rewards=BUY-NOW[,users=200]) or degenerate answers (rewards=degenerate); "
         "docs/guard.md. Default: every rater is honest."
     ),
 ]

@@ -56,16 +56,19 @@ class GuardConfig(BaseModel):
     share of sound answers (``core.lifecycle.healthy``: cut by the budget, or ended by the model
     after at least this many tokens) is surely below the promoted versions' (the same rule on
     every answer served, rated or not). None: no veto."""
-    vote_identity_share: float | None = Field(0.01, gt=0.0, le=1.0)
-    """The identity cap on votes (docs/guard.md, "Who votes"; ``learner.guard.guard_votes``): in each
-    arm's stream of rated (and of ended) answers, one identity (API key, else ``user`` field)
-    has at most ``max(1, ⌊share·W⌋)`` votes per window of ``W = max(batch_size, ⌈1/share⌉)``,
-    so it moves each arm's mean by at most the share, and answers without an identity do not
-    vote. The default keeps one identity's pull on Δ (at most ``share·(1 + |Δ|)``) well inside
-    the margin ``delta``; its cost: with fewer than ``1/share`` identified raters no window
-    fills, each counts its first ``k`` votes only, and the rule and the health veto wait (the
-    time-out decides). None: no cap, and anonymous answers vote (one client can then decide a
-    verdict: a setting for a deployment where every rater is trusted)."""
+    vote_identity_share: float | None = Field(None, gt=0.0, le=1.0)
+    """The identity cap on votes (docs/guard.md, "Who votes"; ``learner.guard.guard_votes``): in
+    each arm's stream of rated (and of ended) answers, one identity (API key, else ``user``
+    field) has at most ``max(1, ⌊share·W⌋)`` votes per window of ``W = max(batch_size,
+    ⌈1/share⌉)``, so it moves each arm's mean by at most the share (Δ by at most
+    ``share·(1 + |Δ|)``), and answers without an identity do not vote. 0.01 kept every simulated
+    verdict under a flooding attacker. It needs at least ``1/share`` identities rating *each
+    arm* (with sticky arms and a canary share c, about ``1/(share·c)`` in all, 500 at 0.01 and
+    0.2): with fewer no window fills, each counts its first ``k`` votes only, and neither the
+    rule nor the health veto ever decides (``max_samples`` counts voting answers). None (the
+    default): no cap, anonymous answers vote, and one client that floods the ratings can decide
+    a verdict; off by default because the embedded default (no keys, no ``user``) and a
+    deployment with fewer raters would have a guard that never decides."""
     max_kl_ref: float | None = Field(0.6, gt=0.0)
     """The drift veto (docs/guard.md, "The drift veto"): the lineage is rejected when one of its
     versions measured more than this KL to the base (nats per action token) on a training batch:

@@ -12,7 +12,7 @@ whether it may train. An answer does not vote when:
 - its API key has opted out of training *now* (``api_keys.train`` false), whatever the record
   says: an opt-out reaches the answers logged before it, for votes as for training
   (``learner.data.joiner``);
-- the identity cap is on (``GuardConfig.vote_identity_share``, on by default) and it has no
+- the identity cap is on (``GuardConfig.vote_identity_share``, off by default) and it has no
   identity (no key and no ``user``): an unknown sender could vote without bound, since the cap
   counts each anonymous answer as its own identity.
 

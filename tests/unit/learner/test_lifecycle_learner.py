@@ -344,13 +344,13 @@ def test_one_identity_rating_by_arm_does_not_decide_the_verdict_under_the_identi
     now = utcnow()
     rate_as(learner, 1, "canary", attacked_arm(0.0), now)
     rate_as(learner, 0, "control", attacked_arm(1.0), now)
-    # The cap is on by default: share 0.01, windows of max(BATCH, ⌈1/0.01⌉) = 100 votes.
-    assert learner.guard.electorate == Electorate(0.01, 100)
+    # The cap is off by default (GuardConfig.vote_identity_share None): windows of BATCH votes.
+    assert learner.guard.electorate == Electorate(None, BATCH)
     # No cap: 40 wins and 80 losses against 120 wins: rejected... judged first with the
     # guard's electorate off, so the lineage stays for the capped check.
     learner.guard.electorate = Electorate(None, 20)
     with learner.db.connect() as conn:
-        created = {1: utcnow() - timedelta(seconds=1)}
+        created = {1: now - timedelta(seconds=1)}  # before the ratings, however slow the run
         uncapped, _ = learner.guard._judge(conn, [1], [0], created)
     assert uncapped.decision == Decision.REJECT and uncapped.candidate.n == 120
     # The cap at share 0.1 of windows of 20: k = 2 votes an identity per window. Window 1: the
@@ -381,7 +381,7 @@ def test_an_opted_out_or_unknown_sender_s_ratings_never_vote(learner):
     rate_as(learner, 0, "control", [(who, 1.0)] * 30, now)
     learner.guard.electorate = Electorate(None, BATCH)
     with learner.db.connect() as conn:
-        created = {1: utcnow() - timedelta(seconds=1)}
+        created = {1: now - timedelta(seconds=1)}  # before the ratings, however slow the run
         assert learner.guard._judge(conn, [1], [0], created)[0].decision == Decision.REJECT
     store.set_train(info.id, False)
     rate_as(learner, 1, "canary", [(who, 0.0)] * 30, now + timedelta(seconds=1), train=None)

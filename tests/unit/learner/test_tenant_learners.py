@@ -24,7 +24,7 @@ from learner.algo.critic import ValueModel
 from learner.config import LearnerConfig
 from learner.data.batch import policy_logprobs
 from learner.shared_base import AdapterCritic, SharedBase
-from learner.tenants import TenantLearners, namespace_of, policy_names, visit_order
+from learner.tenants import TenantLearners, TenantLoadError, namespace_of, policy_names, visit_order
 from testing.learner import BATCH, feed, tiny_model_dir
 from testing.models import FAST, make_batch, make_config, tiny_policy
 from testing.servers import make_settings
@@ -194,6 +194,17 @@ def tenant_learners(tmp_path, names=("acme", "beta"), **fields) -> TenantLearner
     )
     learners.load()
     return learners
+
+
+def test_a_policy_whose_state_does_not_load_is_named(tmp_path, monkeypatch):
+    learners = tenant_learners(tmp_path)
+
+    def refuse():
+        raise ValueError("an adapter critic holds its adapter and value head only")
+
+    monkeypatch.setattr(learners.learners["beta"], "load", refuse)
+    with pytest.raises(TenantLoadError, match="^policy 'beta' cannot be loaded: an adapter critic holds"):
+        learners.load()
 
 
 def versions(learner) -> list[int]:

@@ -78,6 +78,11 @@ def test_learn_tenants_runs_the_named_policies_in_one_process(runs, args, names)
             ["--tenants", "acme,beta", "--ranks", "2", "--policy", "lora"],
             "--tenants trains in one process; --ranks shards one policy's learner over several: give one",
         ),
+        (
+            ["--tenants", "acme,beta", "--policy", "lora", "--critic-trainable", "all"],
+            "policies trained in one process share the critic's body (an adapter on its MLP "
+            "projections): --critic-trainable all would train the body, run with mlp",
+        ),
     ],
 )
 def test_learn_tenants_refusals_name_the_problem(runs, args, message):
@@ -104,3 +109,17 @@ def test_learn_tenant_alone_is_unchanged(runs):
     assert result.exit_code == EXIT_OK, result.output
     [(settings, names, _)] = runs
     assert names is None and settings.resolved_policy_dir.name == "acme"
+
+
+def test_a_policy_whose_state_does_not_load_is_named(runs, monkeypatch):
+    """A state written by a learner of its own (its critic has a body) does not load into the
+    shared-base learner: exit 2 naming the policy and the cause, not a traceback."""
+    import learner.tenants
+
+    def refuse(settings, names, config):
+        raise learner.tenants.TenantLoadError("policy 'beta' cannot be loaded: 20 unexpected keys")
+
+    monkeypatch.setattr(learner.tenants, "run_tenants", refuse)
+    result = runner.invoke(app, ["learn", "--tenants", "acme,beta", "--policy", "lora"])
+    assert result.exit_code == EXIT_USAGE, result.output
+    assert result.stderr == "error: policy 'beta' cannot be loaded: 20 unexpected keys\n"

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from core.hardware import bf16_native
 from testing import ROOT
 
 pytestmark = pytest.mark.slow
@@ -39,4 +40,9 @@ def test_the_gpu_check_runs_on_the_cpu_at_a_tiny_size(tmp_path):
     for row in doc["rows"]:
         assert row["oom"] is False and row["tokens"] == row["rows"] * 32
         assert row["step_s"] > 0 and row["tokens_per_s"] == pytest.approx(row["tokens"] / row["step_s"])
-        assert 0 < row["bf16_fraction"] < 1
+        assert row["bf16_fraction"] > 0
+        # The fraction of the bf16 matmul rate: below 1 where the step runs in bf16. On a CPU
+        # without bf16 units the step runs in float32 (core.hardware) and bf16 matmuls are far
+        # slower than it, so the ratio can pass 1 and bounds nothing.
+        if bf16_native():
+            assert row["bf16_fraction"] < 1

@@ -626,24 +626,36 @@ def run_learner(
     """Migrate, build (``make_learner``: rank 0's ``learner.distributed.RankedLearner`` with N
     ranks), and run a learner in this thread (``saoserve learn``), on
     ``settings.learner_threads`` torch threads where that is set (``core.cores``)."""
-    if settings.learner_threads is not None:
-        torch.set_num_threads(settings.learner_threads)
+    prepare_process(settings, config)
     migrate(settings.resolved_database_url)
     log.info("learner config: %s", config.model_dump_json())
+    learner = make_learner(settings, config)
+    learner.load()
+    run_until_stopped(learner.run, stop)
+    return learner
+
+
+def prepare_process(settings: Settings, config: LearnerConfig) -> None:
+    """What a learner process does before it builds its models: ``settings.learner_threads``
+    torch threads where that is set (``core.cores``), and the warning of a bf16 config on a CPU
+    without bf16 units (``core.hardware.bf16_warning``)."""
+    if settings.learner_threads is not None:
+        torch.set_num_threads(settings.learner_threads)
     if config.bf16 or config.autocast_bf16:
         warning = bf16_warning("the learner's models")
         if warning:
             log.warning("%s", warning)
-    learner = make_learner(settings, config)
-    learner.load()
+
+
+def run_until_stopped(run: Callable[[threading.Event], None], stop: threading.Event | None) -> None:
+    """``run(stop)`` in this thread, with SIGTERM (docker stop, systemd) a clean stop as Ctrl-C
+    is: the loop ends and the checkpoints are written. Only the main thread may set a handler,
+    so elsewhere only ``stop`` ends it (None: a new event)."""
     stop = stop or threading.Event()
-    # SIGTERM (docker stop, systemd) is a clean stop, as Ctrl-C is: the loop ends and the
-    # checkpoint is written. Only the main thread may set a handler.
     main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, lambda *_: stop.set()) if main else None
     try:
-        learner.run(stop)
+        run(stop)
     finally:
         if main:
             signal.signal(signal.SIGTERM, previous)
-    return learner

@@ -22,12 +22,9 @@ which nobody stepped is followed by a wait of ``poll_s``.
 from __future__ import annotations
 
 import logging
-import signal
 import threading
 import time
 from collections.abc import Sequence
-
-import torch
 
 from core.control import PAUSED, get_flag
 from core.db import migrate
@@ -35,7 +32,7 @@ from core.policies import GLOBAL
 from core.settings import Settings
 from learner.algo.algorithm import Algorithm
 from learner.config import LearnerConfig, LoraPolicy
-from learner.process import Learner
+from learner.process import Learner, prepare_process, run_until_stopped
 from learner.shared_base import SharedBase
 
 log = logging.getLogger(__name__)
@@ -209,21 +206,13 @@ def run_tenants(
     settings: Settings, names: Sequence[str], config: LearnerConfig, stop: threading.Event | None = None
 ) -> TenantLearners:
     """Migrate every namespace (and the global one), build and load the learners of ``names`` on one base, and run
-    them in this thread (``saoserve learn --tenants``), on ``settings.learner_threads`` torch
-    threads where that is set. SIGTERM is a clean stop, as in ``learner.process.run_learner``."""
-    if settings.learner_threads is not None:
-        torch.set_num_threads(settings.learner_threads)
+    them in this thread (``saoserve learn --tenants``), prepared and stopped as one learner is
+    (``learner.process.prepare_process``, ``run_until_stopped``: SIGTERM is a clean stop)."""
+    prepare_process(settings, config)
     for name in {GLOBAL, *names}:  # the global database holds the API keys
         migrate(namespace_of(settings, name).resolved_database_url)
     log.info("learner config (policies %s): %s", ", ".join(names), config.model_dump_json())
     learners = TenantLearners(settings, names, config)
     learners.load()
-    stop = stop or threading.Event()
-    main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, lambda *_: stop.set()) if main else None
-    try:
-        learners.run(stop)
-    finally:
-        if main:
-            signal.signal(signal.SIGTERM, previous)
+    run_until_stopped(learners.run, stop)
     return learners

@@ -290,7 +290,7 @@ class LearnerConfig(BaseModel):
     max(1, ⌊share·batch_size⌋) samples; the rest wait for later batches (``learner.data.identity_cap``,
     docs/tenants.md). E.g. 0.25: one key moves at most a quarter of each step, and a batch needs
     samples of 4 identities (anonymous samples each count as one). The guard's votes have their
-    own cap, on by default (``GuardConfig.vote_identity_share``). None (the default): no cap,
+    own cap, off by default too (``GuardConfig.vote_identity_share``). None (the default): no cap,
     because a cap with fewer identities than 1/share in the traffic stops training."""
     autocast_bf16: bool = False
     """Run forward/backward under bf16 autocast (master weights stay float32)."""

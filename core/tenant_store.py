@@ -12,7 +12,8 @@ The rule between the setting and the table:
   removed there but still in the setting comes back at the next start of any process, so an
   operator removes it from the setting too.
 
-Writes are atomic under concurrency, as the control flags' are (``core.control``): two operators
+Writes are atomic under concurrency, as the control flags' are (``core.control``), and each says
+what it did by ``RETURNING`` (psycopg's row count of an ``ON CONFLICT`` insert is -1): two operators
 adding one name both get an answer (one ``True``, one ``False``: already there) and one row is
 recorded; two removing it, one ``True`` and one ``False`` (nothing to remove). ``add`` with a
 ``limit`` counts and inserts in one statement under a lock (PostgreSQL: a transaction-scoped
@@ -69,7 +70,7 @@ def seed(db: Engine, names: Iterable[str]) -> list[str]:
     with db.begin() as conn:
         for name in names:
             stmt = _insert(conn).values(name=name, added_at=utcnow()).on_conflict_do_nothing()
-            if conn.execute(stmt).rowcount == 1:
+            if conn.execute(stmt.returning(TenantPolicyRow.name)).first() is not None:
                 added.append(name)
     return added
 
@@ -98,7 +99,7 @@ def add(db: Engine, name: str, limit: int | None = None) -> bool:
                 count < limit
             )
             stmt = insert.from_select(["name", "added_at"], rows)
-        if conn.execute(stmt.on_conflict_do_nothing()).rowcount == 1:
+        if conn.execute(stmt.on_conflict_do_nothing().returning(TenantPolicyRow.name)).first() is not None:
             return True
         present = conn.execute(select(TenantPolicyRow.name).where(TenantPolicyRow.name == name)).first()
     if present is None:
@@ -110,4 +111,5 @@ def remove(db: Engine, name: str) -> bool:
     """Remove ``name``; True if this call removed it, False if it was not there (never added,
     or removed already)."""
     with db.begin() as conn:
-        return conn.execute(delete(TenantPolicyRow).where(TenantPolicyRow.name == name)).rowcount == 1
+        gone = delete(TenantPolicyRow).where(TenantPolicyRow.name == name).returning(TenantPolicyRow.name)
+        return conn.execute(gone).first() is not None

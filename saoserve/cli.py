@@ -188,7 +188,11 @@ def learn(
         "on one shared base. Needs --policy lora.",
     ),
     all_tenants: bool = typer.Option(
-        False, "--all-tenants", help="As --tenants with every tenant policy of SAOSERVE_TENANT_POLICIES."
+        False,
+        "--all-tenants",
+        help="As --tenants with every tenant policy of the database's list (seeded from "
+        "SAOSERVE_TENANT_POLICIES), followed while it runs: a policy added or removed "
+        "(saoserve admin tenants) gets or loses its learner at the next round.",
     ),
     device: str = typer.Option(
         None, help="auto (a CUDA GPU where one is visible) | cpu | cuda. Default: the config's (auto)."

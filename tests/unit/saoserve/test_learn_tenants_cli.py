@@ -42,7 +42,7 @@ def runs(tmp_path, monkeypatch):
     [
         (["--tenants", "beta,acme"], ["beta", "acme"]),
         (["--tenants", "acme,global"], ["acme", "global"]),
-        (["--all-tenants"], ["acme", "beta"]),
+        (["--all-tenants"], None),  # the database's list, read by run_tenants
     ],
 )
 def test_learn_tenants_runs_the_named_policies_in_one_process(runs, args, names):
@@ -92,16 +92,16 @@ def test_learn_tenants_refusals_name_the_problem(runs, args, message):
     assert runs == []
 
 
-def test_learn_all_tenants_without_tenant_policies_is_refused(runs, monkeypatch):
+def test_learn_all_tenants_without_tenant_policies_starts_and_follows_the_list(runs, monkeypatch):
+    """With no tenant policy yet, ``--all-tenants`` still starts: it trains those an operator adds."""
+    monkeypatch.delenv("SAOSERVE_TENANT_POLICIES")
     from core.settings import get_settings
 
-    monkeypatch.delenv("SAOSERVE_TENANT_POLICIES")
     get_settings.cache_clear()
     result = runner.invoke(app, ["learn", "--all-tenants", "--policy", "lora"])
-    assert result.exit_code == EXIT_USAGE
-    assert result.stderr == (
-        "error: --all-tenants: no tenant policy is configured (SAOSERVE_TENANT_POLICIES is empty)\n"
-    )
+    assert result.exit_code == EXIT_OK, result.output
+    [(_, names, _)] = runs
+    assert names is None
 
 
 def test_learn_tenant_alone_is_unchanged(runs):

@@ -123,3 +123,25 @@ def test_a_policy_whose_state_does_not_load_is_named(runs, monkeypatch):
     result = runner.invoke(app, ["learn", "--tenants", "acme,beta", "--policy", "lora"])
     assert result.exit_code == EXIT_USAGE, result.output
     assert result.stderr == "error: policy 'beta' cannot be loaded: 20 unexpected keys\n"
+
+
+def test_learn_tenant_takes_a_tenant_policy_added_at_run_time(runs, tmp_path):
+    """A tenant added by ``saoserve admin tenants add`` (the database's list), not in the
+    setting, has its own learner as one of the setting has."""
+    from core import tenant_store
+    from core.db import make_engine, migrate
+
+    url = f"sqlite:///{tmp_path / 'saoserve.db'}"
+    migrate(url)
+    db = make_engine(url)
+    tenant_store.add(db, "zeta")
+    db.dispose()
+    result = runner.invoke(app, ["learn", "--tenant", "zeta", "--policy", "lora"])
+    assert result.exit_code == EXIT_OK, result.output
+    [(settings, _, _)] = runs
+    assert settings.resolved_policy_dir == tmp_path / "policies" / "tenants" / "zeta"
+    refused = runner.invoke(app, ["learn", "--tenant", "eta", "--policy", "lora"])
+    assert (
+        refused.stderr
+        == "error: tenant 'eta' has no policy of its own (SAOSERVE_TENANT_POLICIES: acme, beta, zeta)\n"
+    )

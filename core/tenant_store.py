@@ -13,7 +13,7 @@ The rule between the setting and the table:
   operator removes it from the setting too.
 
 Writes are atomic under concurrency, as the control flags' are (``core.control``), and each says
-what it did by ``RETURNING`` (psycopg's row count of an ``ON CONFLICT`` insert is -1): two operators
+what it did by ``RETURNING`` (an INSERT's row count is -1 on PostgreSQL here): two operators
 adding one name both get an answer (one ``True``, one ``False``: already there) and one row is
 recorded; two removing it, one ``True`` and one ``False`` (nothing to remove). ``add`` with a
 ``limit`` counts and inserts in one statement under a lock (PostgreSQL: a transaction-scoped

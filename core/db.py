@@ -389,6 +389,17 @@ class ControlFlag(Base):
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
 
 
+class TenantPolicyRow(Base):
+    """A tenant with a policy of its own (``core.tenant_store``; docs/tenants.md, "Adding and
+    removing a tenant policy"): the list every server replica serves and ``saoserve learn
+    --all-tenants`` trains. Kept in the global database only, seeded from
+    ``SAOSERVE_TENANT_POLICIES``, changed by ``/admin/tenant_policies``."""
+
+    __tablename__ = "tenant_policies"
+    name: Mapped[str] = mapped_column(String(NAME_CHARS), primary_key=True)
+    added_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
 class Episode(Base):
     """An episode and its start: the first chat with a new episode id starts it; the primary key
     makes exactly one of two racing first turns win. Later turns present the episode's token."""

@@ -40,6 +40,24 @@ SLOTS_PER_POLICY = 3
 the pinned promoted version of a canary split, and the next version loading beside them while
 requests in flight still use the old one."""
 
+
+def adapter_slots(settings: Settings, tenants: int) -> int:
+    """vLLM's ``max_cpu_loras`` of an engine that starts serving ``tenants`` tenant policies:
+    ``settings.max_cpu_loras``, raised where tenant policies are served to
+    ``SLOTS_PER_POLICY · (1 + tenants + tenant_policy_headroom)`` (the global policy, those
+    served, those that may be added at run time). With no tenant policy at start, the setting."""
+    if tenants == 0:
+        return settings.max_cpu_loras
+    return max(settings.max_cpu_loras, SLOTS_PER_POLICY * (1 + tenants + settings.tenant_policy_headroom))
+
+
+def tenant_policy_limit(slots: int) -> int:
+    """The most tenant policies an engine of ``slots`` adapter slots serves beside the global
+    policy, ``SLOTS_PER_POLICY`` slots each: ``slots // SLOTS_PER_POLICY − 1`` (at least 0). E.g.
+    15 slots: 4."""
+    return max(0, slots // SLOTS_PER_POLICY - 1)
+
+
 # The ranks vLLM 0.32 accepts for max_lora_rank (its LoRAConfig).
 LoraRank = Literal[1, 8, 16, 32, 64, 128, 256, 320, 512]
 
@@ -235,7 +253,28 @@ class Settings(BaseSettings):
         description="Tenants served by a policy of their own (a LoRA adapter trained only on their "
         "ratings, `saoserve learn --tenant NAME`), comma-separated; every other tenant shares the "
         "global policy. Needs adapter_serving 'adapter' and max_cpu_loras of at least three times the "
-        "policies (docs/tenants.md, 'A policy per tenant').",
+        "policies (docs/tenants.md, 'A policy per tenant'). Seeds the database's list at each start "
+        "(names absent are added, none removed); `saoserve admin tenants add|remove` changes it "
+        "while the servers and `learn --all-tenants` run (docs/tenants.md, 'Adding and removing a "
+        "tenant policy').",
+    )
+    tenant_policy_headroom: int = Field(
+        2,
+        ge=0,
+        le=20,
+        description="Tenant policies a server started with tenant policies can add at run time "
+        "(`saoserve admin tenants add`) beyond those it started with: its engine gets "
+        "max(max_cpu_loras, 3 x (1 + tenant policies + headroom)) adapter slots. One more is "
+        "refused (409) until the servers restart (docs/tenants.md, 'Adding and removing a tenant "
+        "policy').",
+    )
+    tenant_poll_s: float = Field(
+        5.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="Seconds between a server's reads of the database's list of tenant policies: "
+        "how long after `saoserve admin tenants add|remove` each replica serves or stops serving "
+        "the policy.",
     )
     retention_days: int = Field(
         0,

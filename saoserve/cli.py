@@ -50,10 +50,35 @@ def namespace(tenant: str | None) -> Settings:
         fail(settings_problems(exc))
     if tenant is None:
         return settings
+    if tenant not in settings.tenant_policies:
+        settings = with_listed_tenants(settings)
     try:
         return settings.for_tenant(tenant)
     except ValueError as exc:
         fail(str(exc))
+
+
+def with_listed_tenants(settings: Settings) -> Settings:
+    """``settings`` with ``tenant_policies`` the setting's names and then those of the global
+    database's list (``core.tenant_store``: tenant policies added at run time); the setting's
+    alone where the database has no list yet (not made, or not migrated)."""
+    from sqlalchemy import inspect
+
+    from core import tenant_store
+    from core.db import TenantPolicyRow, make_engine
+
+    url = settings.resolved_database_url
+    if url.startswith("sqlite:///") and not Path(url.removeprefix("sqlite:///")).is_file():
+        return settings
+    db = make_engine(url)
+    try:
+        if not inspect(db).has_table(TenantPolicyRow.__tablename__):
+            return settings
+        listed = tenant_store.read(db)
+    finally:
+        db.dispose()
+    names = [*settings.tenant_policies, *(n for n in listed if n not in settings.tenant_policies)]
+    return settings.model_copy(update={"tenant_policies": names})
 
 
 @app.command("prepare-model")
@@ -188,7 +213,11 @@ def learn(
         "on one shared base. Needs --policy lora.",
     ),
     all_tenants: bool = typer.Option(
-        False, "--all-tenants", help="As --tenants with every tenant policy of SAOSERVE_TENANT_POLICIES."
+        False,
+        "--all-tenants",
+        help="As --tenants with every tenant policy of the database's list (seeded from "
+        "SAOSERVE_TENANT_POLICIES), followed while it runs: a policy added or removed "
+        "(saoserve admin tenants) gets or loses its learner at the next round.",
     ),
     device: str = typer.Option(
         None, help="auto (a CUDA GPU where one is visible) | cpu | cuda. Default: the config's (auto)."
@@ -416,7 +445,8 @@ def retention(
     """Delete trajectories and feedback older than N days from the database and the SQL log.
 
     Also their index rows, feedback claims, pending joins and waiting learner samples (docs/privacy.md),
-    in the global policy's namespace and in each tenant policy's (SAOSERVE_TENANT_POLICIES).
+    in the global policy's namespace and in each tenant policy's (SAOSERVE_TENANT_POLICIES and
+    the database's list).
     First it finishes any forget a crash left pending.
     Run it from cron; a Kafka log keeps its records for its topics' retention.ms instead.
     """
@@ -432,7 +462,9 @@ def retention(
     if not days:
         fail("no retention period: pass --days N or set SAOSERVE_RETENTION_DAYS (0 keeps records for ever)")
     # Every namespace resolved before anything is deleted: one that cannot be is refused first.
-    spaces = [(GLOBAL, settings)] + [(t, namespace(t)) for t in settings.tenant_policies]
+    # The setting's tenant policies and those added at run time (the database's list).
+    listed = with_listed_tenants(settings)
+    spaces = [(GLOBAL, settings)] + [(t, listed.for_tenant(t)) for t in listed.tenant_policies]
     cutoff = retention_cutoff(utcnow(), days)
     typer.echo(f"deleted what was created before {cutoff:%Y-%m-%d %H:%M:%S} UTC ({days} days):")
     kafka = False

@@ -206,6 +206,29 @@ class AdapterTable:
         self.currents.pop(policy, None)
         return self._collect()
 
+    def share(self, policies: int) -> None:
+        """The table now serves ``policies`` policies (a tenant policy added or removed at run
+        time): each one's share of the slots becomes ``capacity // policies``. A policy holding
+        more than its new share keeps what it holds; its next load waits for its share.
+
+        Raises:
+            ValueError: fewer slots than ``policies``, or no policy.
+        """
+        if policies < 1 or self.capacity < policies:
+            raise ValueError(
+                f"an adapter table has at least one slot a policy, not {self.capacity} for {policies} policies"
+            )
+        self.quota = self.capacity // policies
+
+    def drop_policy(self, policy: str) -> list[Adapter]:
+        """``policy`` is no longer served: it has no current adapter and its pins are undone;
+        returns the removable adapters (those requests still use are removed at their release)."""
+        self.currents.pop(policy, None)
+        for a in self.adapters.values():
+            if a.policy == policy:
+                a.pinned = False
+        return self._collect()
+
     def removed(self, lora_id: int) -> None:
         """vLLM no longer holds ``lora_id``: its slot is free."""
         self.removing.discard(lora_id)

@@ -19,6 +19,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI
 
+from core import tenant_store
 from core.db import make_engine, migrate
 from core.evidence_store import EvidenceStore
 from core.forget import finish_pending
@@ -26,10 +27,11 @@ from core.logbus import LogTransport, open_log
 from core.policies import GLOBAL
 from core.records import FrozenBaseline, utcnow
 from core.retention import sql_log_engine
-from core.settings import Settings, get_settings
+from core.settings import AdapterServing, Settings, adapter_slots, get_settings, tenant_policy_limit
 from server.admin import api_router as admin
 from server.admin import keys_router as keys
 from server.admin import lifecycle_router as lifecycle
+from server.admin import tenants_router as tenant_policies
 from server.auth import authenticate
 from server.backpressure import Backpressure
 from server.canary import CanaryRouter
@@ -64,13 +66,19 @@ def create_app(
     ``app.state.chat``; ``log_transport`` and ``read_baseline`` replace its log and evidence
     reader) and each tenant policy's (``app.state.tenants``, ``app.state.tenant_chats``), each
     in its namespace (``Settings.for_tenant``), all sharing the engine (a tenant's through
-    ``engine.view(tenant)``) and one ``ServerMetrics``."""
+    ``engine.view(tenant)``) and one ``ServerMetrics``. The tenant policies are the global
+    database's list (``serve_listed_tenants``), followed while the app runs
+    (``TenantPolicySync``)."""
     settings = settings or get_settings()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        for url in settings.schema_urls:
+            await asyncio.to_thread(migrate, url)
+        await serve_listed_tenants(settings)
+        app.state.adapter_slots, app.state.tenant_limit = tenant_slots(settings)
         namespaces = {t: settings.for_tenant(t) for t in settings.tenant_policies}
-        for st in (settings, *namespaces.values()):
+        for st in namespaces.values():
             for url in st.schema_urls:
                 await asyncio.to_thread(migrate, url)
         own_engine = engine is None
@@ -84,18 +92,24 @@ def create_app(
             for t, st in namespaces.items()
         }
         app.state.tenant_chats = {t: chat_handler(ts) for t, ts in app.state.tenants.items()}
-        states = [state, *app.state.tenants.values()]
-        tasks = []
-        for s in states:
-            tasks += await follow(s, watch_policy)
+        app.state.tasks = {}
+        for s in [state, *app.state.tenants.values()]:
+            app.state.tasks[s.policy] = await follow(s, watch_policy)
+        tenants = TenantPolicySync(app, settings, eng, metrics, watch_policy)
+        sync = asyncio.create_task(tenants.run(settings.tenant_poll_s))
         try:
             yield
         finally:
+            sync.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await sync
+            tasks = [t for ts in app.state.tasks.values() for t in ts]
             for t in tasks:
                 t.cancel()
             for t in tasks:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await t
+            states = [state, *app.state.tenants.values()]
             for s in states:
                 if s.canary is not None:
                     s.canary.release()
@@ -117,10 +131,139 @@ def create_app(
     app.include_router(ops.router)
     for family in (chat, feedback):
         app.include_router(family.router, dependencies=[Depends(authenticate)])
-    for family in (admin, lifecycle, keys):
+    for family in (admin, lifecycle, keys, tenant_policies):
         app.include_router(family.router)
     state_limits_in_openapi(app, settings)
     return app
+
+
+async def serve_listed_tenants(settings: Settings) -> None:
+    """At start: seed the global database's list of tenant policies from
+    ``settings.tenant_policies`` (``core.tenant_store.seed``: names absent are added) and make
+    ``settings.tenant_policies`` the list. ``settings`` is the process's: from here on its
+    ``tenant_policies`` is the list this replica serves now, which ``TenantPolicySync`` changes
+    and every reader (``server.auth.policy_of``, ``server.scope``, ``/metrics``) asks. Without
+    adapter serving no tenant policy is served, and a list left by an earlier configuration is
+    logged and left alone."""
+    db = make_engine(settings.resolved_database_url)
+    try:
+        await asyncio.to_thread(tenant_store.seed, db, settings.tenant_policies)
+        listed = await asyncio.to_thread(tenant_store.read, db)
+    finally:
+        db.dispose()
+    if settings.adapter_serving is not AdapterServing.ADAPTER:
+        if listed:
+            log.warning(
+                "the database lists tenant policies (%s), but adapter serving is off: this server "
+                "serves none of them (SAOSERVE_ADAPTER_SERVING=adapter serves them)",
+                ", ".join(listed),
+            )
+        return
+    settings.tenant_policies = listed
+
+
+def tenant_slots(settings: Settings) -> tuple[int, int]:
+    """This replica's adapter slots and the most tenant policies they serve, fixed at its start
+    (``core.settings.adapter_slots``, ``tenant_policy_limit``): (0, 0) without adapter serving."""
+    if settings.adapter_serving is not AdapterServing.ADAPTER:
+        return 0, 0
+    slots = adapter_slots(settings, len(settings.tenant_policies))
+    return slots, tenant_policy_limit(slots)
+
+
+class TenantPolicySync:
+    """Brings a running app's tenant policies to the global database's list, every ``poll_s``
+    (``Settings.tenant_poll_s``; docs/tenants.md, "Adding and removing a tenant policy").
+
+    A name added: its namespace migrated, the engine told (``PolicyEngine.add_policy``), its
+    state opened and its watcher, canary router and spool started as at start, and only then
+    its name put in ``settings.tenant_policies``, so no request is routed to it before its
+    state is whole. Beyond ``app.state.tenant_limit`` it is not served (logged: restart with
+    more slots). A name removed: taken out of ``settings.tenant_policies`` first (its keys'
+    next requests are the global policy's), then its tasks cancelled, its state closed (records
+    in flight finish), and the engine told (``remove_policy``: its adapters removed once no
+    request uses them). A read or a policy that fails is logged and tried again at the next
+    poll; the other policies are unaffected."""
+
+    def __init__(
+        self, app: FastAPI, settings: Settings, eng: PolicyEngine, metrics: ServerMetrics, watch_policy: bool
+    ) -> None:
+        self.app, self.settings, self.engine, self.metrics = app, settings, eng, metrics
+        self.watch_policy = watch_policy
+
+    async def run(self, poll_s: float) -> None:
+        """``sync`` every ``poll_s`` seconds until cancelled."""
+        while True:
+            await asyncio.sleep(poll_s)
+            await self.sync()
+
+    async def sync(self) -> None:
+        """One pass: read the list, close the states of names gone, open those of names new."""
+        if self.app.state.tenant_limit == 0:
+            return
+        try:
+            listed = await asyncio.to_thread(tenant_store.read, self.app.state.s.store.engine)
+        except Exception as exc:
+            log.warning("the list of tenant policies could not be read (%s); serving the same ones", exc)
+            return
+        for name in [t for t in self.settings.tenant_policies if t not in listed]:
+            await self.close(name)
+        for name in [t for t in listed if t not in self.settings.tenant_policies]:
+            if len(self.settings.tenant_policies) >= self.app.state.tenant_limit:
+                log.error(
+                    "%s: tenant policy not served: this server's %d adapter slots serve %d tenant "
+                    "policies; restart it with more slots (SAOSERVE_TENANT_POLICY_HEADROOM)",
+                    name,
+                    self.app.state.adapter_slots,
+                    self.app.state.tenant_limit,
+                )
+                continue
+            try:
+                await self.open(name)
+            except Exception:
+                log.exception("%s: tenant policy added, but its state could not be opened; retrying", name)
+
+    async def open(self, name: str) -> None:
+        """Serve tenant policy ``name`` (class docstring). Raises what the migration, the log or
+        the watcher's catch-up raise; the engine is told again that it does not serve it."""
+        st = self.settings.model_copy(update={"tenant_policies": [name]}).for_tenant(name)
+        for url in st.schema_urls:
+            await asyncio.to_thread(migrate, url)
+        self.engine.add_policy(name)
+        try:
+            state = open_policy(
+                name,
+                st,
+                self.engine.view(name),
+                open_log(st.resolved_log_url),
+                self.metrics.of_tenant_policy(name),
+            )
+            self.app.state.tasks[name] = await follow(state, self.watch_policy)
+        except BaseException:
+            self.engine.remove_policy(name)
+            raise
+        self.app.state.tenants[name] = state
+        self.app.state.tenant_chats[name] = chat_handler(state)
+        self.settings.tenant_policies = [*self.settings.tenant_policies, name]
+        log.info("%s: tenant policy added: served at version %d", name, state.engine.version)
+
+    async def close(self, name: str) -> None:
+        """Stop serving tenant policy ``name`` (class docstring); its requests from now on are
+        the global policy's."""
+        self.settings.tenant_policies = [t for t in self.settings.tenant_policies if t != name]
+        state = self.app.state.tenants.pop(name)
+        self.app.state.tenant_chats.pop(name)
+        tasks = self.app.state.tasks.pop(name, [])
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        if state.canary is not None:
+            state.canary.release()
+        await close_policy(state, own_log=True)
+        self.engine.remove_policy(name)
+        log.info("%s: tenant policy removed: its keys are served by the global policy", name)
 
 
 def state_limits_in_openapi(app: FastAPI, settings: Settings) -> None:

@@ -106,8 +106,11 @@ def caller_of(request: Request) -> Caller:
 
 
 def served_state(request: Request) -> ServerState:
-    """The state of the policy that serves this request's caller (``Caller.policy``)."""
-    return policy_state(request, caller_of(request).policy)
+    """The state of the policy that serves this request's caller (``Caller.policy``); the global
+    policy's if that tenant policy was removed since the caller was authenticated
+    (``server.app.TenantPolicySync``), as for the tenant's next request."""
+    policy = caller_of(request).policy
+    return policy_state(request, policy if policy in policy_names(request) else GLOBAL)
 
 
 def admin_key_given(request: Request) -> bool:

@@ -68,12 +68,20 @@ class RefusingEngine(FakeEngine):
 class SharedFakeEngine(FakeEngine):
     """The global policy's ``FakeEngine`` with ``view(policy)``: a ``FakeEngine`` per tenant
     policy (``views``, made on first use; give one beforehand to set its version or make it
-    refuse)."""
+    refuse); ``add_policy`` and ``remove_policy`` as the engine's."""
 
     views: dict[str, FakeEngine] = field(default_factory=dict)
 
     def view(self, policy: str) -> FakeEngine:
         return self.views.setdefault(policy, FakeEngine())
+
+    def add_policy(self, policy: str) -> None:
+        """A tenant policy added at run time: its view made now (``PolicyEngine.add_policy``)."""
+        self.view(policy)
+
+    def remove_policy(self, policy: str) -> None:
+        """A tenant policy removed at run time: its view dropped (``PolicyEngine.remove_policy``)."""
+        self.views.pop(policy)
 
 
 def bearer(key: str) -> dict:

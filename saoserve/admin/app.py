@@ -1,5 +1,5 @@
 """The ``saoserve admin`` command group: every command of the subject modules, registered in the
-order ``saoserve admin --help`` lists them, and the ``keys`` group last."""
+order ``saoserve admin --help`` lists them, and the ``keys`` and ``tenants`` groups last."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from saoserve.admin.learning import pause, resume, rollback, versions
 from saoserve.admin.lifecycle import canary, guard, pin, promote, reject, unpin
 from saoserve.admin.records import dead_letters, forget, quarantine
 from saoserve.admin.status import policies, status
+from saoserve.admin.tenants import tenants_app
 
 admin_app = typer.Typer(
     help="Operators' commands over a running server's admin routes (URL and key from "
@@ -25,3 +26,4 @@ admin_app.command("dead-letters", epilog=EXIT_CODES_HELP)(dead_letters)
 for command in (promote, reject, pin, unpin, guard, canary, quarantine):
     admin_app.command(epilog=EXIT_CODES_HELP)(command)
 admin_app.add_typer(keys_app, name="keys")
+admin_app.add_typer(tenants_app, name="tenants")

@@ -73,6 +73,40 @@ class ApiKeyList(BaseModel):
     keys: list[ApiKeyInfo]
 
 
+# ------------------------------------------------------------------ tenant policies
+
+
+class AddTenantPolicy(EdgeModel):
+    """``POST /admin/tenant_policies``: the tenant to give a policy of its own (a tenant name,
+    not ``global``: ``core.policies.check_policy_tenant``, whose message a refusal carries)."""
+
+    model_config = ConfigDict(extra="forbid")
+    tenant: str = Field(max_length=NAME_CHARS)
+
+
+class TenantPolicyList(BaseModel):
+    """``GET /admin/tenant_policies``: ``tenant_policies``, the database's list (oldest first),
+    which every replica follows; ``served``, the tenant policies this replica serves now (the
+    list as of its last read, every ``SAOSERVE_TENANT_POLL_S``); ``limit``, the most tenant
+    policies this replica's adapter slots serve (0: it serves none, adapter serving is off)."""
+
+    model_config = _CLOSED
+    tenant_policies: list[str]
+    served: list[str]
+    limit: int
+
+
+class TenantPolicyChanged(BaseModel):
+    """``POST /admin/tenant_policies`` and ``DELETE /admin/tenant_policies/{tenant}``: the
+    ``tenant``, whether this request ``changed`` the list (false: it held the name already, for
+    an add), and the list after it."""
+
+    model_config = _CLOSED
+    tenant: str
+    changed: bool
+    tenant_policies: list[str]
+
+
 # ------------------------------------------------------------------ the version lifecycle
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from pydantic import BaseModel
 
-from core.policies import GLOBAL
 from server.auth import caller_of
 from server.backpressure import THROTTLED, Throttled
 from server.chat.protocol import ChatCompletion, ChatCompletionChunk, ChatCompletionRequest
@@ -74,9 +73,11 @@ async def client_gone(request: Request) -> None:
 
 def handler_of(request: Request) -> ChatHandler:
     """The ``ChatHandler`` of the policy that serves the caller (``server.auth.Caller.policy``),
-    built in the lifespan: the global policy's, or a tenant policy's (``app.state.tenant_chats``)."""
+    built in the lifespan: the global policy's, or a tenant policy's (``app.state.tenant_chats``).
+    A tenant policy removed since the caller was authenticated (``server.app.TenantPolicySync``):
+    the global policy's, as for the tenant's next request."""
     policy = caller_of(request).policy
-    return request.app.state.chat if policy == GLOBAL else request.app.state.tenant_chats[policy]
+    return request.app.state.tenant_chats.get(policy, request.app.state.chat)
 
 
 @router.post(

@@ -12,8 +12,8 @@ into the base weights and swapped in the same way, or (``ADAPTER``) added to vLL
 on the adapter they started with (``server.adapters``; docs/serving_adapters.md).
 
 One engine serves every policy (``core.policies``): the global one and, in adapter mode, each
-tenant policy of ``settings.tenant_policies``, each with its own current adapter and served
-version over the shared base weights. ``PolicyEngine.view(policy)`` is the engine as one policy
+tenant policy (``settings.tenant_policies`` at start; ``add_policy`` and ``remove_policy`` at run
+time), each with its own current adapter and served version over the shared base weights. ``PolicyEngine.view(policy)`` is the engine as one policy
 sees it (``PolicyView``), which the chat handler, policy watcher and canary router take in place
 of the engine. With tenant policies no full weights are ever loaded (merged adapters included):
 every policy's adapters apply to the base weights.

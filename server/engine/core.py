@@ -20,7 +20,7 @@ from core.hardware import bf16_warning
 from core.policies import GLOBAL
 from core.policy_store import Layout
 from core.records import SamplingRecord
-from core.settings import AdapterServing, Settings
+from core.settings import AdapterServing, Settings, adapter_slots
 from core.weights import WeightsLayout
 from server.adapters import Adapter, AdapterTable
 from server.cpu_worker import in_process_worker
@@ -74,8 +74,12 @@ class PolicyEngine(FullWeights, ServedAdapters, HoldsAndPins, TenantPolicies):
     _removals: set[asyncio.Task] = field(default_factory=set, repr=False)
     _tenant_served: dict[str, tuple[int, Path]] = field(default_factory=dict, repr=False)
     _views: dict[str, PolicyView] = field(default_factory=dict, repr=False)
+    # The tenant policies served (``TenantPolicies``); None: ``settings.tenant_policies``.
+    tenant_names: list[str] | None = None
 
     def __post_init__(self) -> None:
+        if self.tenant_names is None:
+            self.tenant_names = list(self.settings.tenant_policies)
         if self.weights_path is None:
             self.weights_path = self.path  # the version served is full weights until told otherwise
 
@@ -96,7 +100,7 @@ class PolicyEngine(FullWeights, ServedAdapters, HoldsAndPins, TenantPolicies):
                 enable_lora=True,
                 max_loras=settings.max_loras,
                 max_lora_rank=settings.max_lora_rank,
-                max_cpu_loras=settings.max_cpu_loras,
+                max_cpu_loras=adapter_slots(settings, len(settings.tenant_policies)),
             )
             if lora
             else {}
@@ -138,7 +142,9 @@ class PolicyEngine(FullWeights, ServedAdapters, HoldsAndPins, TenantPolicies):
             path=model_dir,
             layout=layout,
             weights_path=model_dir,
-            adapters=AdapterTable(settings.max_cpu_loras, len(settings.tenant_policies) + 1)
+            adapters=AdapterTable(
+                adapter_slots(settings, len(settings.tenant_policies)), len(settings.tenant_policies) + 1
+            )
             if lora
             else None,
             work_dir=work_dir,
@@ -297,7 +303,7 @@ class PolicyEngine(FullWeights, ServedAdapters, HoldsAndPins, TenantPolicies):
         runs to its end even if the caller is cancelled (a half-loaded engine must not stay
         paused).
 
-        With tenant policies (``settings.tenant_policies``), anything but an adapter served as
+        With tenant policies (``tenant_names``), anything but an adapter served as
         LoRA is refused, whatever the policy: full weights or a merge would replace the base
         weights that every policy's adapters apply to.
 
@@ -324,11 +330,11 @@ class PolicyEngine(FullWeights, ServedAdapters, HoldsAndPins, TenantPolicies):
 
     async def _swap(self, version: int, path: Path, sha256: str, policy: str) -> SwapResult:
         adapter = policy_store.layout(path) is Layout.ADAPTER
-        if self.settings.tenant_policies and not (adapter and self.adapters is not None):
+        if self.tenant_names and not (adapter and self.adapters is not None):
             what = "holds no adapter" if not adapter else "is an adapter, and adapters are merged here"
             raise SwapRefused(
                 f"version {version} of policy {policy!r} at {path} {what}: with tenant policies "
-                f"({', '.join(self.settings.tenant_policies)}) every policy's versions are LoRA "
+                f"({', '.join(self.tenant_names)}) every policy's versions are LoRA "
                 "adapters over the base weights, which all policies share, so no full weights load"
             )
         if not adapter:

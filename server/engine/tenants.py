@@ -1,6 +1,7 @@
-"""The policies one ``PolicyEngine`` serves (``core.policies``): the global one and the tenant
-policies of ``settings.tenant_policies``, the version and folder each serves, and the engine as
-one policy sees it (``PolicyView``)."""
+"""The policies one ``PolicyEngine`` serves (``core.policies``): the global one and its tenant
+policies (``tenant_names``: ``settings.tenant_policies`` at start, then changed at run time by
+``add_policy`` and ``remove_policy``), the version and folder each serves, and the engine as one
+policy sees it (``PolicyView``)."""
 
 from __future__ import annotations
 
@@ -24,12 +25,35 @@ class TenantPolicies:
 
     @property
     def policies(self) -> list[str]:
-        """The policies this engine serves: ``GLOBAL``, then ``settings.tenant_policies``."""
-        return [GLOBAL, *self.settings.tenant_policies]
+        """The policies this engine serves: ``GLOBAL``, then ``tenant_names``."""
+        return [GLOBAL, *self.tenant_names]
+
+    def add_policy(self, policy: str) -> None:
+        """Serve tenant policy ``policy`` from now on, at version 0 (the base weights) until its
+        watcher swaps its adapter in; the policies' shares of the adapter slots are recounted
+        (``AdapterTable.share``). A policy served already is left as it is."""
+        if policy in self.tenant_names:
+            return
+        if self.adapters is not None:
+            self.adapters.share(len(self.tenant_names) + 2)
+        self.tenant_names.append(policy)
+
+    def remove_policy(self, policy: str) -> None:
+        """Stop serving tenant policy ``policy``: its view, version and pins are dropped and its
+        adapters removed from vLLM once no request uses them (``AdapterTable.drop_policy``).
+        Raises UnknownPolicy for a name not served."""
+        if self.check_policy(policy) == GLOBAL:
+            raise UnknownPolicy("the global policy is always served")
+        self.tenant_names.remove(policy)
+        self._views.pop(policy, None)
+        self._tenant_served.pop(policy, None)
+        if self.adapters is not None:
+            self._remove_later(self.adapters.drop_policy(policy))
+            self.adapters.share(len(self.tenant_names) + 1)
 
     def check_policy(self, policy: str) -> str:
         """``policy`` if this engine serves it; raises UnknownPolicy naming the ones it does."""
-        if policy != GLOBAL and policy not in self.settings.tenant_policies:
+        if policy != GLOBAL and policy not in self.tenant_names:
             raise UnknownPolicy(f"no policy named {policy!r} (policies: {', '.join(self.policies)})")
         return policy
 

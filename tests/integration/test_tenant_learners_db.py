@@ -2,24 +2,28 @@
 learner.tenants; docs/tenants.md, "Many tenants in one learner"): the prepared SmolLM2 model,
 PostgreSQL with a schema per tenant namespace. Each tenant's feedback trains its own policy only,
 and each publishes and announces its own version in its own namespace. The scheduling and the
-isolation gate on tiny models: tests/unit/learner/test_tenant_learners.py."""
+isolation gate on tiny models: tests/unit/learner/test_tenant_learners.py. The list of tenant
+policies on PostgreSQL: racing operators, and a tenant added while the learner runs."""
 
 from __future__ import annotations
 
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 from sqlalchemy import select
 
+from core import tenant_store
 from core.db import LearnerStep, PolicyVersion, make_engine, migrate
 from core.logbus import open_log
 from core.policies import GLOBAL
 from core.policy_store import Layout, layout
 from core.records import TOPIC_POLICY
 from learner.config import LearnerConfig
-from learner.tenants import TenantLearners, namespace_of
+from learner.tenants import TenantLearners, listed_namespace, namespace_of
 from testing.learner import feed
+from testing.servers import make_settings
 from testing.tenants import logged, tenant_settings
 
 VOCAB = 49152  # SmolLM2's
@@ -69,3 +73,61 @@ def test_two_tenants_in_one_process_each_publish_their_own_version_from_their_ow
     assert committed(ns[GLOBAL]) == ([], []) and logged(ns[GLOBAL], TOPIC_POLICY) == []
     acme, beta = (learners.learners[n].algorithm.policy for n in ("acme", "beta"))
     assert acme.get_input_embeddings().weight is beta.get_input_embeddings().weight
+
+
+@pytest.mark.postgres
+def test_racing_operators_on_postgres_get_one_outcome_each(pg_url):
+    """Eight adds of one name: one True; eight adds of eight names at two free places: two added,
+    six refused (the advisory lock orders the count and the insert); two removes: one True."""
+    migrate(pg_url)
+    db = make_engine(pg_url)
+    try:
+        tenant_store.seed(db, ["acme"])
+        with ThreadPoolExecutor(8) as pool:
+            same = list(pool.map(lambda _: tenant_store.add(db, "beta", limit=10), range(8)))
+
+            def at_limit(i):
+                try:
+                    return tenant_store.add(db, f"t{i}", limit=4)
+                except tenant_store.TenantPolicyLimit:
+                    return "full"
+
+            racing = list(pool.map(at_limit, range(8)))
+            removes = list(pool.map(lambda _: tenant_store.remove(db, "acme"), range(2)))
+        assert sorted(same) == [False] * 7 + [True]
+        assert racing.count(True) == 2 and racing.count("full") == 6
+        assert sorted(removes) == [False, True]
+        assert len(tenant_store.read(db)) == 3 and "acme" not in tenant_store.read(db)
+    finally:
+        db.dispose()
+
+
+@pytest.mark.postgres
+def test_a_tenant_added_while_the_learner_follows_the_list_trains_in_its_own_schema(
+    model_dir, pg_url, tmp_path
+):
+    """``--all-tenants``: beta, added to the database's list after the start, gets a learner on
+    the shared base at the next round and publishes its version in its own namespace."""
+    settings = make_settings(tmp_path, database_url=pg_url, model_dir=model_dir, policy_dir=tmp_path / "p")
+    migrate(settings.resolved_database_url)
+    db = make_engine(settings.resolved_database_url)
+    config = LearnerConfig(batch_size=2, poll_s=0.01, max_steps=1, policy={"kind": "lora", "rank": 8})
+    try:
+        learners = TenantLearners(settings, [], config)
+        learners.follow(lambda: tenant_store.read(db))
+        assert learners.run_round() == 0 and learners.learners == {}
+        assert tenant_store.add(db, "beta") is True
+        beta = listed_namespace(settings, "beta")
+        migrate(beta.resolved_database_url)
+        log = open_log(beta.resolved_log_url)
+        try:
+            fed = feed(log, 2, 100, vocab=VOCAB)
+        finally:
+            log.close()
+        learners.run(threading.Event())
+        versions, trained = committed(beta)
+        assert [v for v, _ in versions] == [0, 1] and trained == fed
+        assert versions[1][1].startswith(str(tmp_path / "p" / "tenants" / "beta"))
+        assert committed(settings) == ([], [])
+    finally:
+        db.dispose()

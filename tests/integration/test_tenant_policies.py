@@ -1,7 +1,8 @@
 """A policy per tenant on one LoRA engine with the tenant policies acme and beta (issue 20,
 "Tenants"; docs/tenants.md): trajectories, feedback, episodes and evidence stay in their
 namespace; a version published in acme's namespace serves acme's next request and not beta's; a
-revoked key is refused on its episode's next turn; forget covers every namespace. Without vLLM:
+revoked key is refused on its episode's next turn; forget covers every namespace; a tenant policy
+added at run time serves its own version, and removed falls back to the global policy. Without vLLM:
 tests/unit/server/test_tenant_policies.py."""
 
 from __future__ import annotations
@@ -191,3 +192,70 @@ async def test_a_version_published_for_acme_serves_acme_only_and_a_revoked_key_e
     assert [(r["policy"], r["version"]) for r in rows] == [(GLOBAL, 0), ("acme", v), ("beta", 0)]
     assert nxt.status_code == 401
     assert nxt.json()["error"]["message"] == f"API key {acme_id} is revoked"
+
+
+@pytest.mark.engine
+async def test_a_tenant_policy_added_at_run_time_serves_its_version_and_removed_falls_back_to_global(
+    tenant_engine, model_dir, tmp_path
+):
+    """``/admin/tenant_policies`` on the LoRA engine (docs/tenants.md, "Adding and removing a
+    tenant policy"): zeta, added while the server runs, gets its namespace and serves the
+    version published there; removed, its key is served by the global policy and its adapter
+    leaves vLLM."""
+    from testing.adapters import write_adapters
+
+    settings = tenant_settings(tmp_path, tenant_poll_s=0.1)
+    eng = tenant_engine
+    async with running_server(settings, eng) as url, httpx.AsyncClient(base_url=url, timeout=120) as http:
+
+        async def zeta_served() -> bool:
+            return "zeta" in (await http.get("/admin/tenant_policies", headers=ADMIN)).json()["served"]
+
+        async def zeta_gone() -> bool:
+            return not await zeta_served()
+
+        async def until(check) -> None:
+            for _ in range(400):
+                if await check():
+                    return
+                await asyncio.sleep(0.05)
+            raise AssertionError("the server did not follow the list in time")
+
+        zeta, _ = await new_key(http, "zeta")
+        added = await http.post("/admin/tenant_policies", json={"tenant": "zeta"}, headers=ADMIN)
+        assert added.json() == {
+            "tenant": "zeta",
+            "changed": True,
+            "tenant_policies": ["acme", "beta", "zeta"],
+        }
+        await until(zeta_served)
+        ns = settings.for_tenant("zeta")
+        folder = version_dir(ns.resolved_policy_dir, 1)
+        write_adapters(model_dir, [folder], seed=5)
+        event = PolicyEvent(
+            version=1, path=str(folder), sha256=weights_sha256(folder), created_at=utcnow(), parent_version=0
+        )
+        lt = open_log(ns.resolved_log_url)
+        await asyncio.to_thread(lt.append, TOPIC_POLICY, POLICY_KEY, event.to_json())
+        lt.close()
+
+        async def zeta_at_1() -> bool:
+            return (await http.get("/v1/models", headers=bearer(zeta))).json()["data"][0]["version"] == 1
+
+        await until(zeta_at_1)
+        r = await chat(http, zeta, seed=2)
+        rec = await http.get(
+            f"/admin/trajectories/{r.json()['id']}", params={"policy": "zeta"}, headers=ADMIN
+        )
+        on_zeta = (r.json()["policy_version"], rec.json()["token_versions"])
+        removed = await http.delete("/admin/tenant_policies/zeta", headers=ADMIN)
+        assert removed.json() == {"tenant": "zeta", "changed": True, "tenant_policies": ["acme", "beta"]}
+        await until(zeta_gone)
+        r = await chat(http, zeta, seed=2)
+        on_global = (r.json()["policy_version"], r.json()["id"])
+        in_global = await http.get(f"/admin/trajectories/{on_global[1]}", headers=ADMIN)
+    await eng.removals_done()
+    assert on_zeta == (1, [[1, 4]])
+    assert on_global[0] == 0 and in_global.status_code == 200 and in_global.json()["tenant"] == "zeta"
+    assert eng.policies == [GLOBAL, "acme", "beta"]
+    assert not [a for a in eng.adapters.adapters.values() if a.policy == "zeta"]

@@ -9,14 +9,18 @@ Tiny random Llamas (testing.models; testing.learner for the process); no engine.
 from __future__ import annotations
 
 import copy
+import gc
 import threading
+import time
+import weakref
 
 import pytest
 import torch
 from sqlalchemy import select
 
+from core import tenant_store
 from core.control import PAUSED, ROLLBACK_TO, set_flag
-from core.db import PolicyVersion, migrate
+from core.db import PolicyVersion, make_engine, migrate
 from core.logbus import open_log
 from core.policies import GLOBAL
 from core.policy_store import CHECKPOINT_FILE, Layout, layout
@@ -24,7 +28,14 @@ from learner.algo.critic import ValueModel
 from learner.config import LearnerConfig
 from learner.data.batch import policy_logprobs
 from learner.shared_base import AdapterCritic, SharedBase
-from learner.tenants import TenantLearners, TenantLoadError, namespace_of, policy_names, visit_order
+from learner.tenants import (
+    TenantLearners,
+    TenantLoadError,
+    listed_namespace,
+    namespace_of,
+    policy_names,
+    visit_order,
+)
 from testing.learner import BATCH, feed, tiny_model_dir
 from testing.models import FAST, make_batch, make_config, tiny_policy
 from testing.servers import make_settings
@@ -282,7 +293,7 @@ def test_run_stops_when_every_tenant_did_max_steps_and_checkpoints_each(tmp_path
 def test_policy_names_of_the_command_line(tmp_path):
     settings = tenant_settings(tmp_path)
     assert policy_names(settings, "beta, global", False) == ["beta", GLOBAL]
-    assert policy_names(settings, None, True) == ["acme", "beta"]
+    assert policy_names(settings, None, True) is None  # the database's list, followed
     refusals = [
         ((None, False), "give --tenants A,B or --all-tenants"),
         (("acme", True), "give --tenants A,B or --all-tenants"),
@@ -297,5 +308,91 @@ def test_policy_names_of_the_command_line(tmp_path):
         with pytest.raises(ValueError) as caught:
             policy_names(settings, given, every)
         assert str(caught.value) == message
-    with pytest.raises(ValueError, match="no tenant policy is configured"):
-        policy_names(make_settings(tmp_path), None, True)
+    assert policy_names(make_settings(tmp_path), None, True) is None
+
+
+# ------------------------------------------------------------------------- following the list
+def following(tmp_path, names=("acme",)) -> tuple[TenantLearners, object]:
+    """``--all-tenants``' learners: the global database's list seeded with ``names``, followed;
+    and the global database's engine (to change the list)."""
+    learners = tenant_learners(tmp_path, names)
+    db = make_engine(learners.settings.resolved_database_url)
+    tenant_store.seed(db, names)
+    learners.follow(lambda: tenant_store.read(db))
+    return learners, db
+
+
+def test_a_tenant_added_to_the_list_gets_a_learner_on_the_shared_base_at_the_next_round(tmp_path):
+    learners, db = following(tmp_path)
+    zeta = listed_namespace(learners.settings, "zeta")
+    assert tenant_store.add(db, "zeta") is True
+    migrate(zeta.resolved_database_url)
+    feed(open_log(zeta.resolved_log_url), BATCH, 200)
+    assert learners.run_round() == 1  # zeta built, loaded at version 0 and stepped
+    assert list(learners.learners) == ["acme", "zeta"]
+    new = learners.learners["zeta"]
+    assert (
+        versions(new) == [0, 1]
+        and new.settings.resolved_policy_dir == tmp_path / "policies" / "tenants" / "zeta"
+    )
+    assert layout(tmp_path / "policies" / "tenants" / "zeta" / "v000001") == Layout.ADAPTER
+    embed = new.algorithm.policy.get_input_embeddings().weight
+    assert embed is learners.base.model.get_input_embeddings().weight
+
+
+def test_a_tenant_removed_from_the_list_is_checkpointed_and_its_learner_freed(tmp_path):
+    learners, db = following(tmp_path, ("acme", "beta"))
+    acme = learners.learners["acme"]
+    feed(open_log(acme.settings.resolved_log_url), BATCH, 0)
+    assert learners.run_round() == 1 and versions(acme) == [0, 1]
+    freed = weakref.ref(acme.algorithm)
+    assert tenant_store.remove(db, "acme") is True
+    del acme
+    assert learners.run_round() == 0
+    gc.collect()
+    assert list(learners.learners) == ["beta"] and freed() is None
+    state = torch.load(tmp_path / "policies" / "tenants" / "acme" / CHECKPOINT_FILE, weights_only=False)
+    assert state["version"] == 1
+    # Added back, it resumes from that checkpoint, on the same base.
+    tenant_store.add(db, "acme")
+    learners.run_round()
+    back = learners.learners["acme"]
+    assert back.version == 1 and back.algorithm.steps == 1
+
+
+def test_a_tenant_that_cannot_be_built_is_retried_and_the_others_go_on(tmp_path, monkeypatch):
+    learners, db = following(tmp_path)
+    acme = learners.learners["acme"]
+    feed(open_log(acme.settings.resolved_log_url), 2 * BATCH, 0)
+    tenant_store.add(db, "zeta")
+    real = TenantLearners.add
+
+    def broken(self, name):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(TenantLearners, "add", broken)
+    assert learners.run_round() == 1 and list(learners.learners) == ["acme"]
+    monkeypatch.setattr(TenantLearners, "add", real)
+    # Tried again max(poll_s, 2) = 2 s after the failure, not at once.
+    assert 0 < learners._retry_at["zeta"] - time.monotonic() <= 2.0
+    learners._retry_at.clear()
+    learners.run_round()
+    assert list(learners.learners) == ["acme", "zeta"]
+
+
+def test_a_list_that_cannot_be_read_keeps_the_learners(tmp_path):
+    learners, _ = following(tmp_path)
+
+    def outage():
+        raise OSError("database is down")
+
+    learners.follow(outage)
+    assert learners.run_round() == 0 and list(learners.learners) == ["acme"]
+
+
+def test_an_explicit_list_stays_fixed_whatever_the_database_holds(tmp_path):
+    learners = tenant_learners(tmp_path)
+    db = make_engine(learners.settings.resolved_database_url)
+    tenant_store.seed(db, ["zeta"])
+    learners.run_round()
+    assert list(learners.learners) == ["acme", "beta"]

@@ -42,7 +42,7 @@ def runs(tmp_path, monkeypatch):
     [
         (["--tenants", "beta,acme"], ["beta", "acme"]),
         (["--tenants", "acme,global"], ["acme", "global"]),
-        (["--all-tenants"], ["acme", "beta"]),
+        (["--all-tenants"], None),  # the database's list, read by run_tenants
     ],
 )
 def test_learn_tenants_runs_the_named_policies_in_one_process(runs, args, names):
@@ -92,16 +92,16 @@ def test_learn_tenants_refusals_name_the_problem(runs, args, message):
     assert runs == []
 
 
-def test_learn_all_tenants_without_tenant_policies_is_refused(runs, monkeypatch):
+def test_learn_all_tenants_without_tenant_policies_starts_and_follows_the_list(runs, monkeypatch):
+    """With no tenant policy yet, ``--all-tenants`` still starts: it trains those an operator adds."""
+    monkeypatch.delenv("SAOSERVE_TENANT_POLICIES")
     from core.settings import get_settings
 
-    monkeypatch.delenv("SAOSERVE_TENANT_POLICIES")
     get_settings.cache_clear()
     result = runner.invoke(app, ["learn", "--all-tenants", "--policy", "lora"])
-    assert result.exit_code == EXIT_USAGE
-    assert result.stderr == (
-        "error: --all-tenants: no tenant policy is configured (SAOSERVE_TENANT_POLICIES is empty)\n"
-    )
+    assert result.exit_code == EXIT_OK, result.output
+    [(_, names, _)] = runs
+    assert names is None
 
 
 def test_learn_tenant_alone_is_unchanged(runs):
@@ -123,3 +123,25 @@ def test_a_policy_whose_state_does_not_load_is_named(runs, monkeypatch):
     result = runner.invoke(app, ["learn", "--tenants", "acme,beta", "--policy", "lora"])
     assert result.exit_code == EXIT_USAGE, result.output
     assert result.stderr == "error: policy 'beta' cannot be loaded: 20 unexpected keys\n"
+
+
+def test_learn_tenant_takes_a_tenant_policy_added_at_run_time(runs, tmp_path):
+    """A tenant added by ``saoserve admin tenants add`` (the database's list), not in the
+    setting, has its own learner as one of the setting has."""
+    from core import tenant_store
+    from core.db import make_engine, migrate
+
+    url = f"sqlite:///{tmp_path / 'saoserve.db'}"
+    migrate(url)
+    db = make_engine(url)
+    tenant_store.add(db, "zeta")
+    db.dispose()
+    result = runner.invoke(app, ["learn", "--tenant", "zeta", "--policy", "lora"])
+    assert result.exit_code == EXIT_OK, result.output
+    [(settings, _, _)] = runs
+    assert settings.resolved_policy_dir == tmp_path / "policies" / "tenants" / "zeta"
+    refused = runner.invoke(app, ["learn", "--tenant", "eta", "--policy", "lora"])
+    assert (
+        refused.stderr
+        == "error: tenant 'eta' has no policy of its own (SAOSERVE_TENANT_POLICIES: acme, beta, zeta)\n"
+    )

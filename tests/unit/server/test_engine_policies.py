@@ -211,3 +211,29 @@ async def test_the_watcher_and_a_hold_work_unchanged_on_a_tenant_view(tmp_path):
     acme.pin(2, pinned=False)
     await acme.removals_done()
     assert eng.engine.removed == [held.lora_id] and acme.adapters.find(2) is None
+
+
+async def test_a_tenant_policy_added_and_removed_at_run_time(tmp_path):
+    """``add_policy``: served at version 0, the slots' shares recounted; ``remove_policy``: its
+    view gone, its current adapter removed from vLLM, the shares recounted back."""
+    from server.engine import UnknownPolicy
+
+    eng = standin_engine(tmp_path, ["acme"])  # 6 slots
+    x = write_toy_adapter(tmp_path / "x")
+    eng.add_policy("zeta")
+    assert eng.policies == ["global", "acme", "zeta"] and eng.adapters.quota == 2  # 6 // 3
+    zeta = eng.view("zeta")
+    assert zeta.version == 0
+    await zeta.swap(1, x, weights_sha256(x))
+    assert eng.engine.added == ["policy-zeta-v1-1"] and zeta.version == 1
+    eng.remove_policy("zeta")
+    await eng.removals_done()
+    assert eng.engine.removed == [1] and eng.adapters.occupied() == 0
+    assert eng.policies == ["global", "acme"] and eng.adapters.quota == 3
+    with pytest.raises(UnknownPolicy, match="no policy named 'zeta'"):
+        eng.view("zeta")
+    # Added again, it starts at the base weights (its watcher catches up from its topic).
+    eng.add_policy("zeta")
+    assert eng.view("zeta").version == 0
+    with pytest.raises(UnknownPolicy, match="the global policy is always served"):
+        eng.remove_policy("global")

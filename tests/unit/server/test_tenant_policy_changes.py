@@ -1,0 +1,183 @@
+"""Tenant policies added and removed at run time (issue 39 item 3; docs/tenants.md, "Adding and
+removing a tenant policy"): ``/admin/tenant_policies`` (list, add, remove; 400 for a name that
+is not a tenant policy's, 404 for removing one not listed, 409 past the adapter slots), each
+replica following the database's list (``server.app.TenantPolicySync``: a new tenant's keys
+served by its own policy, a removed one's by the global policy), and ``saoserve admin tenants``.
+
+The real app and lifespan on a fake engine whose ``view(policy)`` gives each policy a
+``FakeEngine`` of its own (testing.tenants).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+from starlette.testclient import TestClient
+from typer.testing import CliRunner
+
+from core import tenant_store
+from core.db import make_engine
+from core.policies import GLOBAL
+from saoserve.cli import app as cli_app
+from server.app import create_app
+from testing.cli import KEY
+from testing.servers import ADMIN, make_settings, running_server
+from testing.tenants import SharedFakeEngine, bearer, make_key, tenant_settings
+
+PATH = "/admin/tenant_policies"
+BAD_NAME = (
+    "tenant 'Acme!' is not a valid name: 1 to 64 characters of a-z, 0-9, '.', '_', '-', beginning with a "
+    "letter or digit"
+)
+
+
+def owner(client, key: str) -> str:
+    """The policy ``/v1/models`` says serves ``key`` (its ``owned_by``)."""
+    return client.get("/v1/models", headers=bearer(key)).json()["data"][0]["owned_by"]
+
+
+def until(check, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "the replica did not follow the list in time"
+        time.sleep(0.05)
+
+
+def error(r) -> tuple[int, str, str]:
+    return r.status_code, r.json()["error"]["code"], r.json()["error"]["message"]
+
+
+def test_the_list_starts_from_the_setting_and_the_slots_bound_it(tmp_path):
+    settings = tenant_settings(tmp_path, tenant_poll_s=0.05)
+    with TestClient(create_app(settings, engine=SharedFakeEngine(), watch_policy=False)) as client:
+        # 9 slots asked, 3 · (1 + 2 + 2) = 15 given (the default headroom of 2): 15 // 3 − 1 = 4.
+        listing = client.get(PATH, headers=ADMIN).json()
+        assert listing == {"tenant_policies": ["acme", "beta"], "served": ["acme", "beta"], "limit": 4}
+        added = client.post(PATH, json={"tenant": "zeta"}, headers=ADMIN)
+        assert added.status_code == 200
+        assert added.json() == {
+            "tenant": "zeta",
+            "changed": True,
+            "tenant_policies": ["acme", "beta", "zeta"],
+        }
+        again = client.post(PATH, json={"tenant": "zeta"}, headers=ADMIN).json()
+        assert again["changed"] is False and again["tenant_policies"] == ["acme", "beta", "zeta"]
+        assert client.post(PATH, json={"tenant": "eta"}, headers=ADMIN).json()["changed"] is True
+        full = client.post(PATH, json={"tenant": "theta"}, headers=ADMIN)
+        assert error(full) == (
+            409,
+            "no_tenant_slots",
+            "no adapter slots for another tenant policy: this server's 15 slots serve the global "
+            "policy and 4 tenant policies; restart the servers with more slots "
+            "(SAOSERVE_TENANT_POLICY_HEADROOM or SAOSERVE_MAX_CPU_LORAS) to add one",
+        )
+        # A name the list holds is answered whatever the count.
+        assert client.post(PATH, json={"tenant": "eta"}, headers=ADMIN).json()["changed"] is False
+
+
+def test_bad_names_are_400_and_an_unknown_one_removed_is_404(tmp_path):
+    settings = tenant_settings(tmp_path)
+    with TestClient(create_app(settings, engine=SharedFakeEngine(), watch_policy=False)) as client:
+        assert error(client.post(PATH, json={"tenant": "Acme!"}, headers=ADMIN)) == (
+            400,
+            "invalid_value",
+            BAD_NAME,
+        )
+        assert error(client.post(PATH, json={"tenant": "global"}, headers=ADMIN)) == (
+            400,
+            "invalid_value",
+            "'global' names the shared policy; a tenant policy needs another name",
+        )
+        assert client.post(PATH, json={}, headers=ADMIN).status_code == 400
+        assert client.post(PATH, json={"tenant": "x" * 65}, headers=ADMIN).status_code == 400
+        assert error(client.delete(f"{PATH}/Acme!", headers=ADMIN)) == (400, "invalid_value", BAD_NAME)
+        assert error(client.delete(f"{PATH}/nope", headers=ADMIN)) == (
+            404,
+            "not_found",
+            "no tenant policy 'nope'",
+        )
+        removed = client.delete(f"{PATH}/beta", headers=ADMIN)
+        assert removed.json() == {"tenant": "beta", "changed": True, "tenant_policies": ["acme"]}
+        assert client.delete(f"{PATH}/beta", headers=ADMIN).status_code == 404
+        # Behind the admin key, as every /admin route.
+        assert client.get(PATH).status_code == 401
+        assert client.post(PATH, json={"tenant": "zeta"}).status_code == 401
+
+
+def test_without_adapter_serving_no_tenant_policy_can_be_added(tmp_path):
+    with TestClient(
+        create_app(make_settings(tmp_path), engine=SharedFakeEngine(), watch_policy=False)
+    ) as client:
+        assert client.get(PATH, headers=ADMIN).json() == {"tenant_policies": [], "served": [], "limit": 0}
+        assert error(client.post(PATH, json={"tenant": "acme"}, headers=ADMIN)) == (
+            409,
+            "no_tenant_slots",
+            "this server serves no tenant policy: tenant policies need SAOSERVE_ADAPTER_SERVING=adapter; "
+            "restart the servers with it",
+        )
+
+
+def test_a_replica_serves_an_added_tenant_and_falls_back_to_the_global_policy_for_a_removed_one(tmp_path):
+    settings = tenant_settings(tmp_path, tenant_poll_s=0.05)
+    engine = SharedFakeEngine()
+    with TestClient(create_app(settings, engine=engine, watch_policy=False)) as client:
+        zeta, beta = make_key(client, "zeta"), make_key(client, "beta")
+        assert (owner(client, zeta), owner(client, beta)) == ("saoserve", "saoserve/beta")
+        client.post(PATH, json={"tenant": "zeta"}, headers=ADMIN)
+        client.delete(f"{PATH}/beta", headers=ADMIN)
+        until(lambda: client.get(PATH, headers=ADMIN).json()["served"] == ["acme", "zeta"])
+        assert (owner(client, zeta), owner(client, beta)) == ("saoserve/zeta", "saoserve")
+        assert set(engine.views) == {"acme", "zeta"}
+        # zeta's namespace was made (its database, a SQLite file under the tenants folder) and
+        # its admin routes answer; beta's are gone from this replica.
+        assert (tmp_path / "tenants" / "zeta" / "saoserve.db").is_file()
+        assert client.get("/admin/learner", params={"policy": "zeta"}, headers=ADMIN).status_code == 200
+        gone = client.get("/admin/learner", params={"policy": "beta"}, headers=ADMIN)
+        assert gone.status_code == 404 and gone.json()["error"]["code"] == "unknown_policy"
+        rows = [r["policy"] for r in client.get("/admin/policies", headers=ADMIN).json()["policies"]]
+        assert rows == [GLOBAL, "acme", "zeta"]
+    db = make_engine(settings.resolved_database_url)
+    try:
+        assert tenant_store.read(db) == ["acme", "zeta"]
+    finally:
+        db.dispose()
+
+
+def test_a_tenant_added_again_after_a_restart_with_the_setting_comes_back(tmp_path):
+    """The setting seeds the list at each start: a name removed by the route but left in
+    SAOSERVE_TENANT_POLICIES is back after the next start (docs/tenants.md)."""
+    settings = tenant_settings(tmp_path)
+    with TestClient(create_app(settings, engine=SharedFakeEngine(), watch_policy=False)) as client:
+        client.delete(f"{PATH}/beta", headers=ADMIN)
+    settings = tenant_settings(tmp_path)
+    with TestClient(create_app(settings, engine=SharedFakeEngine(), watch_policy=False)) as client:
+        assert client.get(PATH, headers=ADMIN).json()["tenant_policies"] == ["acme", "beta"]
+
+
+async def test_saoserve_admin_tenants(tmp_path):
+    runner = CliRunner()
+
+    async def cli(*args: str):
+        return await asyncio.to_thread(
+            runner.invoke, cli_app, ["admin", "tenants", *args, "--url", url, "--key", KEY]
+        )
+
+    settings = tenant_settings(tmp_path)
+    async with running_server(settings, SharedFakeEngine(), watch_policy=False) as url:
+        added = await cli("add", "zeta")
+        assert added.exit_code == 0, added.output
+        assert added.stdout == "tenant zeta: added (tenant policies: acme, beta, zeta)\n"
+        listed = await cli("list", "--json")
+        assert json.loads(listed.stdout)["tenant_policies"] == ["acme", "beta", "zeta"]
+        removed = await cli("remove", "zeta")
+        assert removed.stdout == "tenant zeta: removed (tenant policies: acme, beta)\n"
+        unknown = await cli("remove", "zeta")
+        assert (unknown.exit_code, unknown.stderr) == (5, "error: not found (404): no tenant policy 'zeta'\n")
+        bad = await cli("add", "global")
+        assert bad.exit_code == 2
+        assert bad.stderr == (
+            "error: the server refused the request (400): 'global' names the shared policy; a tenant "
+            "policy needs another name\n"
+        )

@@ -133,10 +133,16 @@ class Guard:
         """``check`` at most every ``guard.check_s`` seconds, and at once when the figure a
         deferred promotion waits for could be measured (``_measure``: a batch is full). The
         learner's loop ticks before it trains (``learner.process.Learner.run``), so the batch
-        that ends a deferral is measured before a step trains on it."""
+        that ends a deferral is measured before a step trains on it. A measure that raises is
+        not tried again before the next check (the loop logs the error, and its next iteration
+        trains): a pass that keeps failing delays promotions, never the training."""
         now = time.monotonic()
-        if self._awaiting is not None and self._measure(self._awaiting):
-            self._next_check = now
+        waiting, self._awaiting = self._awaiting, None
+        if waiting is not None:
+            if self._measure(waiting):
+                self._next_check = now
+            else:
+                self._awaiting = waiting
         if now < self._next_check:
             return
         self._next_check = now + self.config.check_s

@@ -407,6 +407,32 @@ def test_with_no_untrained_batch_the_promotion_waits_for_one_and_it_is_measured_
     learner.db.dispose()
 
 
+def test_a_measure_that_fails_delays_the_promotion_not_the_training(tmp_path, monkeypatch):
+    learner = anchored(tmp_path)
+    log = open_log(learner.settings.resolved_database_url)
+    feed(log, BATCH, 0)
+    learner.poll_once()
+    rate(learner, 0, [1.0] * 60, utcnow() - timedelta(hours=1))
+    learner.train_step()
+    rate(learner, 1, [1.0] * 60, utcnow())
+    assert learner.guard_check() == Decision.CONTINUE  # deferred: no batch waits
+
+    def reference_kl(batch):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(learner.algorithm, "reference_kl", reference_kl)
+    learner.guard._next_check = time.monotonic() + 3600
+    feed(log, BATCH, BATCH)
+    learner.poll_once()
+    with pytest.raises(RuntimeError, match="out of memory"):
+        learner.guard.tick()
+    # Not tried again before the next check: the loop's next iteration ticks and trains.
+    learner.guard.tick()
+    assert learner.train_step() is not None
+    assert lifecycles(learner) == {0: "promoted", 1: "canary", 2: "canary"}
+    learner.db.dispose()
+
+
 def test_a_lineage_served_by_a_canary_split_is_judged_against_the_control_arm_of_its_window(learner):
     feed(open_log(learner.settings.resolved_database_url), BATCH, 0)
     learner.poll_once()

@@ -295,7 +295,7 @@ class Guard:
             if verdict.decision != Decision.REJECT and health.decision == Decision.REJECT:
                 verdict = replace(health, reason=f"degenerate answers (health veto): {health.reason}")
         promotes = verdict.decision == Decision.PROMOTE
-        unmeasured = promotes and drift and drift[-1] is None and self.drift_probe is not None
+        unmeasured = promotes and bool(drift) and drift[-1] is None and self.drift_probe is not None
         return verdict, vetoes, members[-1] if unmeasured else None
 
     def _measure(self, version: int) -> bool:
@@ -307,7 +307,6 @@ class Guard:
             return False
         with self.db.begin() as conn:
             lifecycle_store.set_step_metric(conn, version, KL_AFTER, kl)
-        self._awaiting = None
         log.info("guard: version %d measured %.4g nats/token to the base before its promotion", version, kl)
         return True
 

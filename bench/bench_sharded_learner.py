@@ -11,7 +11,8 @@ Per variant (``sao``: critic K = 2 and the KL anchor; ``lora``: SAO with a rank-
 ``spo``: SPO++), every run builds the learner from the same weights and steps it on the same
 batches (``bench_sao_step.make_batch``, rows sharing a prompt prefix):
 
-- **equivalence** of the first step, 2 ranks against 1: the largest difference of any metric
+- **equivalence** of the first step, 2 ranks against 1 (with the KL anchor also the no-grad
+  ``reference_kl`` measure after it, a metric like the others): the largest difference of any metric
   (absolute and relative to the metric) and of the trained weights (policy, and the critic's
   trained ones), as the largest per-tensor ‖Δw‖/‖w‖ and the largest |Δw| in units of the policy's
   learning rate. fp32 targets: metrics within 1e-5, weights within 1e-6 relative. bf16 (``--precision
@@ -177,6 +178,10 @@ def worker(args) -> None:
         algorithm = build_algorithm(config, load_policy, placement)
         algorithm.on_version(0)
         first = algorithm.step(batches[0])
+        if config.has_kl_anchor:
+            # The guard's no-grad measure of the stepped policy's KL to the base on a batch it
+            # has not trained on (the drift veto's, docs/guard.md): every rank takes part.
+            first = first | {"reference_kl": algorithm.reference_kl(batches[1])}
         weights[name] = trained_weights(algorithm)
         mem = PeakRSS()
         times, m, peak, collective, profiled = [], first, 0.0, 0.0, 0.0

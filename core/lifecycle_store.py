@@ -298,6 +298,20 @@ def step_metric(conn: Connection, versions: Iterable[int], name: str) -> dict[in
     return out
 
 
+def set_step_metric(conn: Connection, version: int, name: str, value: float) -> int:
+    """Add (or replace) the metric ``name`` = ``value`` in the metrics of the step that trained
+    ``version`` (``learner_steps.metrics``), where ``step_metric`` reads it; returns how many
+    step rows were updated (0: ``version`` has no step, e.g. a rollback's)."""
+    rows = conn.execute(
+        select(LearnerStep.id, LearnerStep.metrics).where(LearnerStep.version == version)
+    ).all()
+    for r in rows:
+        # A new dict: the JSON column is written whole.
+        metrics = dict(r.metrics or {}) | {name: value}
+        conn.execute(update(LearnerStep).where(LearnerStep.id == r.id).values(metrics=metrics))
+    return len(rows)
+
+
 def quarantine(conn: Connection, by_version: Mapping[int, Iterable[str]], reason: str, at: datetime) -> int:
     """Quarantine the sample ids of ``by_version`` (version → the ids that trained it); returns
     how many were new (an id already quarantined keeps its first row)."""

@@ -363,6 +363,13 @@ class LearnerConfig(BaseModel):
             lr = self.optimizer.policy_lr
         return lr * self.broken_learner.lr_factor if self.broken_learner is not None else lr
 
+    @property
+    def has_kl_anchor(self) -> bool:
+        """Whether the policy loss has the KL anchor (``algorithm.has_kl_anchor``: sao or
+        running_mean with ``kl_coef > 0``; SPO++ has none), so the learner can measure a
+        policy's KL to the base (its steps' ``kl_ref``, the guard's drift veto)."""
+        return isinstance(self.algorithm, _DISLoss) and self.algorithm.has_kl_anchor
+
     def to_json(self) -> str:
         """The config as JSON (what a spawned ``saoserve learn --config`` reads)."""
         return self.model_dump_json(indent=1)

@@ -9,7 +9,8 @@ group (gloo on the CPU, NCCL on GPUs, chosen from the device) and places the mod
 - **Rank 0** runs the whole learner (``RankedLearner``, a ``learner.process.Learner``): it alone
   reads the log, joins, commits offsets, runs the guard, writes and commits versions. Its
   algorithm is a ``MirroredAlgorithm``: every call that touches the models (build, step, load
-  or gather weights, checkpoint, version) is first broadcast to the other ranks on a gloo
+  or gather weights, checkpoint, version, the guard's no-grad measure of the policy's KL to the
+  base) is first broadcast to the other ranks on a gloo
   control group (the batch as rank 0 collated it), then run on rank 0 too; each call ends with
   every rank's report (``Channel.report``), so an error on any rank raises on rank 0.
 - **Ranks 1…N−1** (``follow``) wait for those calls and run them on their own models. They
@@ -265,6 +266,11 @@ class MirroredAlgorithm:
     def step(self, batch: Batch) -> dict:
         """``Algorithm.step`` on every rank (each its share of ``batch``'s rows)."""
         return self._call("step", batch)
+
+    def reference_kl(self, batch: Batch) -> float:
+        """``Algorithm.reference_kl`` on every rank (each evaluates its share of ``batch``'s rows,
+        gathered on all: every rank computes the same figure; rank 0's is returned)."""
+        return self._call("reference_kl", batch)
 
     def warm_start(self, policy_dir: Path) -> Path | None:
         """``Algorithm.warm_start`` on every rank (each reads the file)."""

@@ -114,8 +114,18 @@ class Learner:
         lora = config.policy if isinstance(config.policy, LoraPolicy) else None
         references = GateReferences(self.base_dir, partial(publish.version_path, self.db), lora)
         voters = Electorate.of(config.guard.vote_identity_share, config.batch_size)
+        # Without the KL anchor there is no reference to measure a drift against.
+        probe = self.measure_drift if config.has_kl_anchor else None
         self.guard = Guard(
-            self.db, self.log, config.guard, references, self.rollback, voters, self.keep_state, self.keys_db
+            self.db,
+            self.log,
+            config.guard,
+            references,
+            self.rollback,
+            voters,
+            self.keep_state,
+            self.keys_db,
+            probe,
         )
         # The version whose state checkpoint.pt (or the load) already holds: a clean stop
         # writes one only past it.
@@ -551,6 +561,27 @@ class Learner:
         version, request = found
         self.rollback(version, request)
         return True
+
+    def measure_drift(self, version: int) -> float | None:
+        """The drift veto's figure of ``version``, the newest of a lineage the guard is about to
+        promote (``learner.guard.guard.DriftProbe``; docs/guard.md, "The drift veto"): the
+        policy's KL to the base (``Algorithm.reference_kl``: the KL anchor's k3 estimate over
+        the action tokens, nats per token, no gradient, every rank taking part) on the next batch
+        ``train_step`` would train, taken without consuming it: samples no version has trained
+        on (a step's commit deletes its samples). None when it cannot now: no batch is full, a
+        sample of it does not parse (``train_step`` sets it aside), or the policy does not hold
+        ``version``'s weights (the loop's policy is the lineage's newest version; a step that
+        failed before its commit dropped the models until the next iteration reloads them)."""
+        if self.algorithm is None or version != self.weights_version:
+            return None
+        rows, _ = self._next_batch()
+        if rows is None:
+            return None
+        try:
+            samples = [Sample.from_json(json.loads(r.payload)) for r in rows]
+        except (ValueError, TypeError, KeyError):
+            return None
+        return self.algorithm.reference_kl(collate(samples, self.version))
 
     def guard_check(self) -> Decision | None:
         """Judge the lineage on probation and carry out the verdict now

@@ -142,6 +142,14 @@ class Algorithm(ABC):
         """Forget the policy optimizer's moments (a rollback abandons their updates)."""
         self.policy_opt.state.clear()
 
+    def reference_kl(self, batch: Batch) -> float:
+        """The policy's KL to the base on ``batch`` as the KL anchor measures it in a step
+        (``kl_ref``), without an update (``learner.algo.sao.SAOLearner.reference_kl``): the
+        guard's drift veto measures a lineage's newest version with it before promoting it
+        (``learner.process.Learner.measure_drift``). Here: raises ValueError, as every algorithm
+        without the anchor does (SPO++ has none)."""
+        raise ValueError(f"the {self.config.algorithm.name} algorithm has no KL anchor to measure with")
+
     def policy_weights(self, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
         """The policy's state dict in ``dtype``, detached (for publishing), on the learner's
         device; with LoRA the adapter's tensors (``Adapter.state`` names). A tensor already in

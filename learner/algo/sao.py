@@ -28,7 +28,7 @@ from learner.algo.algorithm import Algorithm
 from learner.algo.baselines import RunningMeanBaseline
 from learner.algo.critic import ValueModel
 from learner.algo.gae import length_adaptive_lambda, step_gae, token_gae
-from learner.algo.kl import KLAnchor
+from learner.algo.kl import KLAnchor, k3_kl
 from learner.algo.metrics import explained_variance, masked_mse, throughput
 from learner.algo.policy_update import build_policy_update
 from learner.config import FullPolicy, LearnerConfig, LoraPolicy, RunningMeanAlgorithm, SAOAlgorithm
@@ -132,6 +132,7 @@ class SAOLearner(Algorithm):
             anchor = KLAnchor(self.policy, algo.kl_coef, self.adapter)
         elif reference is not None:
             anchor = KLAnchor(reference, algo.kl_coef)
+        self.anchor = anchor
         # Built from the float32 policy before it is placed: its π_old model is a copy of it,
         # and a sharded module cannot be copied.
         self.policy_update = build_policy_update(
@@ -236,6 +237,27 @@ class SAOLearner(Algorithm):
         under ``torch.no_grad``); meaningless at padding."""
         with self._autocast():
             return self.placement.values(self.critic, batch)
+
+    def reference_kl(self, batch: Batch) -> float:
+        """The KL anchor's figure of the policy as it is, on ``batch``, with no update and no
+        gradient: ``k3_kl`` of the policy's and the reference's log-probabilities of the batch's
+        action tokens (nats per action token), what ``step`` records as ``kl_ref`` before its
+        update (with ``dis``, the same number on the same batch; with ``mis_*`` the step's is a
+        mean over its updates on the rows it keeps). With N ranks every rank must call it, in
+        step (each evaluates its share of the rows, ``learner.models.placement``).
+
+        Raises:
+            ValueError: no KL anchor (``kl_coef`` 0), or an invalid batch (``Batch.validate``).
+        """
+        if self.anchor is None:
+            return super().reference_kl(batch)
+        batch = batch.to(self.device)
+        batch.validate()
+        mask = batch.action_mask.bool()
+        with torch.no_grad():
+            lp = self.logprobs(self.policy, batch, mask)
+            ref_lp = self.anchor.reference_logprobs(self.logprobs, batch, mask)
+            return k3_kl(lp, ref_lp, mask).item()
 
     def policy_step(self, loss: torch.Tensor) -> float:
         """One AdamW step of the policy on ``loss``; the gradient norm before clipping. With the

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, replace
 from datetime import datetime
 from typing import Protocol
@@ -44,6 +44,22 @@ from learner.publish import AlsoCommit, promoted_version, storable
 log = logging.getLogger(__name__)
 
 
+KL_AFTER = "kl_ref_after"
+"""The step metric (``learner_steps.metrics`` of the step that trained a version) that holds the
+version's own KL to the base, measured by the guard before it promoted a lineage whose newest the
+version was (``Guard._measure``; nats per action token, as ``kl_ref``)."""
+
+
+class DriftProbe(Protocol):
+    """The learner's measure of ``version``'s KL to the base before the guard promotes it
+    (``learner.process.Learner.measure_drift``): the KL anchor's k3 estimate (as ``kl_ref``, nats
+    per action token, no gradient) of the policy, which holds ``version``, on the next batch the
+    learner would train (which no version has trained on); None when it cannot now (no batch is
+    full, or the policy does not hold ``version``). Raises what the pass raises."""
+
+    def __call__(self, version: int) -> float | None: ...
+
+
 class Rollback(Protocol):
     """Publish ``version``'s weights as a new, promoted version by ``actor``, committing
     ``also(conn, new_version, now)`` with it; returns the new version, None when refused
@@ -58,8 +74,10 @@ class Guard:
     version's weights, ``electorate`` who votes (``learner.guard.guard_votes``: the learner's identity
     cap and batch size), ``keep_state`` the learner's keeping of a promoted version's state
     (``learner.process.Learner.keep_state``), ``keys_db`` the database of the API keys (default
-    ``db``; a tenant namespace's learner passes the global one). Not thread-safe: the learner's
-    loop drives it."""
+    ``db``; a tenant namespace's learner passes the global one), ``drift_probe`` the learner's
+    measure of the newest version's drift before a promotion (None: the learner has no KL anchor
+    and measures none; the drift veto then never fires). Not thread-safe: the learner's loop
+    drives it."""
 
     def __init__(
         self,
@@ -71,8 +89,10 @@ class Guard:
         electorate: Electorate,
         keep_state: Callable[[int], None],
         keys_db: Engine | None = None,
+        drift_probe: DriftProbe | None = None,
     ) -> None:
         self.db = db
+        self.drift_probe = drift_probe
         self.keys_db = keys_db or db
         self.electorate = electorate
         self.keep_state = keep_state
@@ -82,6 +102,9 @@ class Guard:
         self.rollback = rollback
         # When the lineage is next evaluated (time.monotonic).
         self._next_check = 0.0
+        # The newest version whose promotion waits for its drift figure (``_check``), None when
+        # none waits.
+        self._awaiting: int | None = None
 
     def on(self) -> bool:
         """Whether the lifecycle runs: on in the config and not turned off by an operator."""
@@ -107,8 +130,19 @@ class Guard:
             policy.train(training)
 
     def tick(self) -> None:
-        """``check`` at most every ``guard.check_s`` seconds."""
+        """``check`` at most every ``guard.check_s`` seconds, and at once when the figure a
+        deferred promotion waits for could be measured (``_measure``: a batch is full). The
+        learner's loop ticks before it trains (``learner.process.Learner.run``), so the batch
+        that ends a deferral is measured before a step trains on it. A measure that raises is
+        not tried again before the next check (the loop logs the error, and its next iteration
+        trains): a pass that keeps failing delays promotions, never the training."""
         now = time.monotonic()
+        waiting, self._awaiting = self._awaiting, None
+        if waiting is not None:
+            if self._measure(waiting):
+                self._next_check = now
+            else:
+                self._awaiting = waiting
         if now < self._next_check:
             return
         self._next_check = now + self.config.check_s
@@ -139,11 +173,16 @@ class Guard:
         batch (``drift_from_promoted``, ``core.lifecycle.drifted``);
         then the health veto compares the same arms' shares of sound answers
         (every answer, rated or not; ``guard.min_answer_tokens``) and rejects when the lineage's
-        is surely lower: ``promote`` moves every version of the lineage to ``promoted``;
-        ``reject`` moves them to ``rejected``, quarantines the samples that trained them and
-        publishes the promoted version's weights as a new, promoted version, all in one
-        transaction.
+        is surely lower. A ``promote`` whose newest version no step has measured yet first has
+        the learner measure it (``_measure``) and is judged again with that figure, so the drift
+        veto can still reject; when it cannot be measured now (no batch is full) the promotion
+        is deferred (``continue``, the reason says why) until a batch fills, which ``tick``
+        measures before a step trains on it. ``promote`` moves every version of the lineage to
+        ``promoted``; ``reject`` moves them to ``rejected``, quarantines the samples that
+        trained them and publishes the promoted version's weights as a new, promoted version,
+        all in one transaction.
         """
+        self._awaiting = None
         with self.db.connect() as conn:
             rows = conn.execute(
                 select(
@@ -163,7 +202,19 @@ class Guard:
                 return None
             created = {r.version: as_utc(r.created_at) for r in rows if r.version in members}
             promoted = [v.version for v in st if v.stage == Stage.PROMOTED]
-            verdict, vetoes = self._judge(conn, members, promoted, created)
+            verdict, vetoes, unmeasured = self._judge(conn, members, promoted, created)
+        if unmeasured is not None:
+            if self._measure(unmeasured):
+                with self.db.connect() as conn:
+                    verdict, vetoes, _ = self._judge(conn, members, promoted, created)
+            else:
+                self._awaiting = unmeasured
+                verdict = replace(
+                    verdict,
+                    decision=Decision.CONTINUE,
+                    reason=f"promotion deferred (drift veto): version {unmeasured}, the newest, has no "
+                    f"KL measured yet and no batch it has not trained on is full ({verdict.reason})",
+                )
         self._record_verdict(members, verdict, vetoes)
         if verdict.decision == Decision.PROMOTE:
             now = utcnow()
@@ -180,11 +231,13 @@ class Guard:
 
     def _judge(
         self, conn: Connection, members: list[int], promoted: list[int], created: dict[int, datetime]
-    ) -> tuple[Verdict, dict]:
+    ) -> tuple[Verdict, dict, int | None]:
         """The rule's verdict on the lineage ``members`` (each recorded at ``created[v]``, UTC)
         against the ``promoted`` versions, then the vetoes (``check``); with the vetoes' own
         figures at this check, whatever the verdict: ``{"drift": {"kl_max", "bound",
-        "measured"}, "health": Verdict as a dict}`` (a key absent when its veto is off).
+        "measured"}, "health": Verdict as a dict}`` (a key absent when its veto is off); and the
+        newest version when the verdict promotes but the drift veto has no figure of it yet and
+        the learner can measure one (``drift_probe``), else None.
 
         Each version of the lineage is judged on its own answers (``decide_lineage``): with a
         canary split, its canary-arm answers against the promoted versions' control-arm answers
@@ -216,8 +269,10 @@ class Guard:
         elapsed = max((utcnow() - started).total_seconds(), 0.0)
         _, verdict = decide_lineage(arms(rated_votes), guard.rule_params(), elapsed_s=elapsed)
         vetoes: dict = {}
+        drift: list[float | None] = []
         if guard.max_kl_ref is not None:
-            drift = drift_from_promoted(members, lifecycle_store.step_metric(conn, members, "kl_ref"))
+            before = lifecycle_store.step_metric(conn, members, "kl_ref")
+            drift = drift_from_promoted(members, before, lifecycle_store.step_metric(conn, members, KL_AFTER))
             known = [d for d in drift if d is not None]
             vetoes["drift"] = {
                 "kl_max": max(known, default=None),
@@ -239,7 +294,21 @@ class Guard:
             vetoes["health"] = asdict(health)
             if verdict.decision != Decision.REJECT and health.decision == Decision.REJECT:
                 verdict = replace(health, reason=f"degenerate answers (health veto): {health.reason}")
-        return verdict, vetoes
+        promotes = verdict.decision == Decision.PROMOTE
+        unmeasured = promotes and bool(drift) and drift[-1] is None and self.drift_probe is not None
+        return verdict, vetoes, members[-1] if unmeasured else None
+
+    def _measure(self, version: int) -> bool:
+        """Have the learner measure ``version``'s drift (``drift_probe``) and keep the figure as
+        ``KL_AFTER`` of the step that trained it, where ``_judge`` reads it; whether it was
+        measured (False: the probe cannot now). Raises what the probe raises."""
+        kl = self.drift_probe(version)
+        if kl is None:
+            return False
+        with self.db.begin() as conn:
+            lifecycle_store.set_step_metric(conn, version, KL_AFTER, kl)
+        log.info("guard: version %d measured %.4g nats/token to the base before its promotion", version, kl)
+        return True
 
     def _record_verdict(self, members: list[int], verdict: Verdict, vetoes: dict) -> None:
         """Keep the verdict (bounds, counts, decision) on ``members`` as the ``guard_verdict``
@@ -302,25 +371,31 @@ def _served_split(conn: Connection, members: list[int]) -> bool:
     return conn.execute(q.limit(1)).first() is not None
 
 
-def drift_from_promoted(members: list[int], before: dict[int, float | None]) -> list[float | None]:
+def drift_from_promoted(
+    members: list[int], before: Mapping[int, float | None], after: Mapping[int, float | None] | None = None
+) -> list[float | None]:
     """Each version of the lineage ``members`` (oldest first): how far its KL to the base goes
     beyond the promoted version's, nats per action token, from the KL anchor's figures of the
     steps that trained them: ``before[v]`` (``kl_ref``) measured the policy step v started from,
-    on the batch that policy drew. So the promoted version's figure is ``before[members[0]]``
-    (the lineage's first step started from it; 0, the base's, when not measured), and version
-    v's is the next step's ``before``; None where nothing measured it (the anchor off, or the
-    newest version, until the step trained from it has run).
+    on the batch that policy drew; ``after[v]`` (``KL_AFTER``) measured version v itself, the
+    same way, on a batch no version had trained on, when the guard was about to promote a
+    lineage whose newest it was (``Guard._measure``). So the promoted version's figure is
+    ``before[members[0]]`` (the lineage's first step started from it; 0, the base's, when not
+    measured), and version v's is the next step's ``before``, else its own ``after``; None where
+    nothing measured it (the anchor off, or the newest version until it is measured).
 
-    Why the next step's: a version measured on the batch that just trained it reads the update's
-    push on those very tokens, many times its drift on the tokens it draws itself
-    (docs/log/2026-12-06-drift-veto-fp32.md), and a veto on that figure rejected every lineage of
-    a float32 demo. Why beyond the promoted version's: measured from the base alone, a promoted
-    version that drifted near the bound had every lineage after it rejected for the drift it
-    inherited, in a loop (issue 40); this bounds what the lineage added."""
+    Why not on the batch that trained it: a version measured on the batch that just trained it
+    reads the update's push on those very tokens, many times its drift on the tokens it draws
+    itself (docs/log/2026-12-06-drift-veto-fp32.md), and a veto on that figure rejected every
+    lineage of a float32 demo. Why beyond the promoted version's: measured from the base alone, a
+    promoted version that drifted near the bound had every lineage after it rejected for the
+    drift it inherited, in a loop (issue 40); this bounds what the lineage added."""
+    after = after or {}
     origin = before.get(members[0]) if members else None
     origin = 0.0 if origin is None else origin
     out: list[float | None] = []
-    for i in range(len(members)):
+    for i, v in enumerate(members):
         kl = before.get(members[i + 1]) if i + 1 < len(members) else None
+        kl = after.get(v) if kl is None else kl
         out.append(None if kl is None else kl - origin)
     return out

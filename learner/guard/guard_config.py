@@ -71,11 +71,12 @@ class GuardConfig(BaseModel):
     deployment with fewer raters would have a guard that never decides."""
     max_kl_ref: float | None = Field(0.6, gt=0.0)
     """The drift veto (docs/guard.md, "The drift veto"): the lineage is rejected when one of its
-    versions measured more than this KL to the base (nats per action token) on a training batch:
-    the KL anchor's ``kl_ref`` of the step trained from it (``core.lifecycle.drifted``). The
-    gate's ``max_kl_base``, measured for free on every step; only with the anchor on (the
-    ``demo`` preset; without it no step measures ``kl_ref`` and the veto never fires). None: no
-    veto."""
+    versions measured more than this KL to the base (nats per action token) beyond the promoted
+    version's, on a batch it had not trained on: the KL anchor's ``kl_ref`` of the step trained
+    from it, and for the newest, before the lineage is promoted, the learner's same measure on
+    the next batch it would train (``core.lifecycle.drifted``). The gate's ``max_kl_base``,
+    measured for free on every step; only with the anchor on (the ``demo`` preset; without it
+    nothing measures the KL and the veto never fires). None: no veto."""
 
     @model_validator(mode="after")
     def _timeout_after_min(self) -> GuardConfig:

@@ -22,7 +22,9 @@ from core.lifecycle_store import (
     quarantine,
     quarantined,
     rated_rewards,
+    set_step_metric,
     stages,
+    step_metric,
     trained_sample_ids,
     transition,
 )
@@ -34,6 +36,7 @@ __all__ = [
     "test_a_version_row_without_a_stage_is_promoted_and_transitions_are_recorded",
     "test_rated_rewards_are_the_versions_rated_answers_in_receipt_order",
     "test_quarantine_keeps_the_first_row_of_an_id_and_lists_newest_first",
+    "test_a_step_metric_written_later_sits_beside_the_step_s_own",
 ]
 
 
@@ -112,3 +115,21 @@ def test_quarantine_keeps_the_first_row_of_an_id_and_lists_newest_first(db):
         ("s1", 3, "lineage rejected"),
         ("s2", 3, "lineage rejected"),
     ]
+
+
+def test_a_step_metric_written_later_sits_beside_the_step_s_own(db):
+    """The drift veto's figure of a version measured before its promotion
+    (``learner.guard.guard.KL_AFTER``) is written into the metrics of the step that trained it."""
+    t0 = utcnow()
+    with db.begin() as conn:
+        conn.execute(
+            insert(LearnerStep).values(
+                run_id="r", step=1, version=3, metrics={"kl_ref": 0.5, "sample_ids": ["s1"]}, created_at=t0
+            )
+        )
+        assert set_step_metric(conn, 3, "kl_ref_after", 1.14) == 1
+        assert set_step_metric(conn, 4, "kl_ref_after", 0.2) == 0  # no step trained version 4
+    with db.connect() as conn:
+        assert step_metric(conn, [3, 4], "kl_ref_after") == {3: 1.14}
+        assert step_metric(conn, [3], "kl_ref") == {3: 0.5}
+        assert trained_sample_ids(conn, [3]) == {3: ["s1"]}

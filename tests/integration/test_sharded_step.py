@@ -4,7 +4,9 @@
 sharing a 16-token prefix): one run of 1 rank and one of 2 ranks under torchrun, each building
 the SAO learner (critic K = 2, KL anchor), the SAO learner with a LoRA policy and the SPO++
 learner from the same weights and stepping them on the same batch; the first step's metrics and
-trained weights (policy and critic) are compared.
+trained weights (policy and critic) are compared, and with the KL anchor the guard's no-grad
+measure of the stepped policy's KL to the base on the next batch (``reference_kl``, the drift
+veto's: every rank takes part), as one more metric.
 
 Tolerances, worked out:
 

@@ -119,6 +119,35 @@ def test_sao_step_with_the_reference_equal_to_the_policy_has_zero_kl():
     assert learner.step(make_batch(policy, seed=1))["kl_ref"] > 0.0
 
 
+def test_the_no_grad_measure_is_the_kl_ref_the_next_step_records_on_that_batch():
+    """``SAOLearner.reference_kl`` (the guard's drift veto measures a lineage's newest version
+    with it): the policy's k3 KL to the reference on a batch, without an update, is what the next
+    DIS step records as kl_ref on that batch (measured there before its update). Before any
+    update πθ = π_ref: d = 0 on every token and k3 = e⁰ − 1 − 0 = 0."""
+    policy = tiny_policy()
+    learner = SAOLearner(
+        make_config(kl_coef=0.5, policy_lr=1e-2, critic_lr=1e-2, critic_warmup_steps=0),
+        policy,
+        ValueModel.from_policy(policy),
+        reference=tiny_policy(),
+    )
+    assert learner.reference_kl(make_batch(policy)) == 0.0
+    learner.step(make_batch(policy))
+    batch = make_batch(policy, seed=1)
+    weights = {k: v.clone() for k, v in policy.state_dict().items()}
+    kl = learner.reference_kl(batch)
+    assert kl > 0.0 and learner.steps == 1
+    assert all(torch.equal(v, weights[k]) for k, v in policy.state_dict().items())  # nothing moved
+    assert learner.step(batch)["kl_ref"] == kl
+
+
+def test_the_measure_needs_the_anchor():
+    policy = tiny_policy()
+    learner = SAOLearner(make_config(), policy, ValueModel.from_policy(policy))
+    with pytest.raises(ValueError, match="the sao algorithm has no KL anchor"):
+        learner.reference_kl(make_batch(policy))
+
+
 def test_kl_alone_pulls_a_moved_policy_back_to_the_reference():
     """All rewards 0 and V clamped to 0 → every advantage is 0, so only the KL term moves the
     policy: the k3 estimate must fall step by step."""

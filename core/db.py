@@ -393,11 +393,14 @@ class TenantPolicyRow(Base):
     """A tenant with a policy of its own (``core.tenant_store``; docs/tenants.md, "Adding and
     removing a tenant policy"): the list every server replica serves and ``saoserve learn
     --all-tenants`` trains. Kept in the global database only, seeded from
-    ``SAOSERVE_TENANT_POLICIES``, changed by ``/admin/tenant_policies``."""
+    ``SAOSERVE_TENANT_POLICIES``, changed by ``/admin/tenant_policies``. ``removed_at``: when the
+    route removed it (None while listed); the row stays, so forget and retention reach the
+    namespace it leaves."""
 
     __tablename__ = "tenant_policies"
     name: Mapped[str] = mapped_column(String(NAME_CHARS), primary_key=True)
     added_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    removed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
 
 class Episode(Base):

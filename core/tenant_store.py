@@ -11,6 +11,9 @@ The rule between the setting and the table:
 - **Changed by the admin route** (``/admin/tenant_policies``): ``add`` and ``remove``. A name
   removed there but still in the setting comes back at the next start of any process, so an
   operator removes it from the setting too.
+- **A removed name is marked, not deleted** (``removed_at``): its namespace keeps the
+  trajectories, feedback and evidence it held, and ``ever`` still names it, so a forget and
+  retention reach them (docs/privacy.md); adding the name again resumes that namespace.
 
 Writes are atomic under concurrency, as the control flags' are (``core.control``), and each says
 what it did by ``RETURNING`` (an INSERT's row count is -1 on PostgreSQL here): two operators
@@ -25,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from sqlalchemy import delete, func, literal, select, text
+from sqlalchemy import func, literal, select, text, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection, Engine
 
@@ -45,42 +48,64 @@ class TenantPolicyLimit(Exception):
     """``add`` refused a name: the table already holds ``limit`` tenant policies."""
 
 
-def read(db: Engine | Connection) -> list[str]:
-    """The tenant policies, oldest first (ties by name)."""
+def _names(db: Engine | Connection, listed_only: bool) -> list[str]:
     query = select(TenantPolicyRow.name).order_by(TenantPolicyRow.added_at, TenantPolicyRow.name)
+    if listed_only:
+        query = query.where(TenantPolicyRow.removed_at.is_(None))
     if isinstance(db, Connection):
         return list(db.execute(query).scalars())
     with db.connect() as conn:
         return list(conn.execute(query).scalars())
 
 
-def _insert(conn: Connection):
+def read(db: Engine | Connection) -> list[str]:
+    """The tenant policies listed now, oldest first (ties by name)."""
+    return _names(db, listed_only=True)
+
+
+def ever(db: Engine | Connection) -> list[str]:
+    """Every tenant policy listed now or removed since, oldest first: the namespaces that may
+    hold a subject's data (what a forget and retention go through)."""
+    return _names(db, listed_only=False)
+
+
+def _listing(conn: Connection, rows):
+    """``INSERT … ON CONFLICT`` of ``rows`` (a ``values`` dict or a select of name, added_at) that
+    lists a name: a new one is inserted, a removed one listed again (``removed_at`` cleared, its
+    first ``added_at`` kept), a listed one left; ``RETURNING`` the name when this changed it."""
     make = _INSERTS.get(conn.dialect.name)
     if make is None:
         raise ValueError(f"tenant policies need PostgreSQL or SQLite, not {conn.dialect.name}")
-    return make(TenantPolicyRow)
+    insert = make(TenantPolicyRow)
+    stmt = insert.values(**rows) if isinstance(rows, dict) else insert.from_select(["name", "added_at"], rows)
+    return stmt.on_conflict_do_update(
+        index_elements=[TenantPolicyRow.name],
+        set_={"removed_at": None},
+        where=TenantPolicyRow.removed_at.is_not(None),
+    ).returning(TenantPolicyRow.name)
 
 
 def seed(db: Engine, names: Iterable[str]) -> list[str]:
-    """Add each of ``names`` (the setting's) that the table lacks, in one transaction; returns
-    those added, in the order given. Raises core.keys.BadTenant for a name that is not a tenant
-    policy's (``check_policy_tenant``)."""
+    """List each of ``names`` (the setting's) that the list lacks (absent, or removed), in one
+    transaction; returns those listed by this call, in the order given. Raises
+    core.keys.BadTenant for a name that is not a tenant policy's (``check_policy_tenant``)."""
     names = [check_policy_tenant(n) for n in names]
     added = []
     with db.begin() as conn:
         for name in names:
-            stmt = _insert(conn).values(name=name, added_at=utcnow()).on_conflict_do_nothing()
-            if conn.execute(stmt.returning(TenantPolicyRow.name)).first() is not None:
+            if conn.execute(_listing(conn, {"name": name, "added_at": utcnow()})).first() is not None:
                 added.append(name)
     return added
 
 
 def add(db: Engine, name: str, limit: int | None = None) -> bool:
-    """Add ``name``; True if this call added it, False if it was there already.
+    """List ``name`` (new, or removed before); True if this call listed it, False if it was
+    listed already.
 
     Args:
-        limit: the most tenant policies the table may hold (the serving replica's slots), None:
-            no limit. A name already there is answered False whatever the count.
+        limit: the most tenant policies the list may hold (the serving replica's slots), None:
+            no limit; removed names do not count. A name listed already is answered False
+            whatever the count.
 
     Raises:
         core.keys.BadTenant (a ValueError): not a tenant policy's name (``check_policy_tenant``).
@@ -90,26 +115,38 @@ def add(db: Engine, name: str, limit: int | None = None) -> bool:
     with db.begin() as conn:
         if conn.dialect.name == "postgresql" and limit is not None:
             conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": LOCK_KEY})
-        insert = _insert(conn)
         if limit is None:
-            stmt = insert.values(name=name, added_at=utcnow())
+            rows: dict | object = {"name": name, "added_at": utcnow()}
         else:
-            count = select(func.count()).select_from(TenantPolicyRow).scalar_subquery()
+            count = (
+                select(func.count())
+                .select_from(TenantPolicyRow)
+                .where(TenantPolicyRow.removed_at.is_(None))
+                .scalar_subquery()
+            )
             rows = select(literal(name), literal(utcnow(), TenantPolicyRow.added_at.type)).where(
                 count < limit
             )
-            stmt = insert.from_select(["name", "added_at"], rows)
-        if conn.execute(stmt.on_conflict_do_nothing().returning(TenantPolicyRow.name)).first() is not None:
+        if conn.execute(_listing(conn, rows)).first() is not None:
             return True
-        present = conn.execute(select(TenantPolicyRow.name).where(TenantPolicyRow.name == name)).first()
-    if present is None:
+        listed = conn.execute(
+            select(TenantPolicyRow.name).where(
+                TenantPolicyRow.name == name, TenantPolicyRow.removed_at.is_(None)
+            )
+        ).first()
+    if listed is None:
         raise TenantPolicyLimit(f"{limit} tenant policies are the most this deployment's adapter slots hold")
     return False
 
 
 def remove(db: Engine, name: str) -> bool:
-    """Remove ``name``; True if this call removed it, False if it was not there (never added,
-    or removed already)."""
+    """Remove ``name`` from the list (marked ``removed_at``, the row kept: ``ever``); True if
+    this call removed it, False if it was not listed (never added, or removed already)."""
     with db.begin() as conn:
-        gone = delete(TenantPolicyRow).where(TenantPolicyRow.name == name).returning(TenantPolicyRow.name)
+        gone = (
+            update(TenantPolicyRow)
+            .where(TenantPolicyRow.name == name, TenantPolicyRow.removed_at.is_(None))
+            .values(removed_at=utcnow())
+            .returning(TenantPolicyRow.name)
+        )
         return conn.execute(gone).first() is not None

@@ -58,10 +58,11 @@ def namespace(tenant: str | None) -> Settings:
         fail(str(exc))
 
 
-def with_listed_tenants(settings: Settings) -> Settings:
+def with_listed_tenants(settings: Settings, removed: bool = False) -> Settings:
     """``settings`` with ``tenant_policies`` the setting's names and then those of the global
-    database's list (``core.tenant_store``: tenant policies added at run time); the setting's
-    alone where the database has no list yet (not made, or not migrated)."""
+    database's list (``core.tenant_store``: tenant policies added at run time; with
+    ``removed``, also those removed since, whose namespaces still hold data: ``ever``); the
+    setting's alone where the database has no list yet (not made, or not migrated)."""
     from sqlalchemy import inspect
 
     from core import tenant_store
@@ -74,7 +75,7 @@ def with_listed_tenants(settings: Settings) -> Settings:
     try:
         if not inspect(db).has_table(TenantPolicyRow.__tablename__):
             return settings
-        listed = tenant_store.read(db)
+        listed = tenant_store.ever(db) if removed else tenant_store.read(db)
     finally:
         db.dispose()
     names = [*settings.tenant_policies, *(n for n in listed if n not in settings.tenant_policies)]
@@ -462,8 +463,9 @@ def retention(
     if not days:
         fail("no retention period: pass --days N or set SAOSERVE_RETENTION_DAYS (0 keeps records for ever)")
     # Every namespace resolved before anything is deleted: one that cannot be is refused first.
-    # The setting's tenant policies and those added at run time (the database's list).
-    listed = with_listed_tenants(settings)
+    # The setting's tenant policies, those added at run time (the database's list) and those
+    # removed since: a removed policy's namespace keeps its records until they age out.
+    listed = with_listed_tenants(settings, removed=True)
     spaces = [(GLOBAL, settings)] + [(t, listed.for_tenant(t)) for t in listed.tenant_policies]
     cutoff = retention_cutoff(utcnow(), days)
     typer.echo(f"deleted what was created before {cutoff:%Y-%m-%d %H:%M:%S} UTC ({days} days):")

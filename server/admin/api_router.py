@@ -38,7 +38,13 @@ from server.admin.protocol import (
     RollbackRequested,
     UncertainPrompts,
 )
-from server.admin.serving import check_loadable, policy_rows, receipt_body, weights_present
+from server.admin.serving import (
+    check_loadable,
+    policy_rows,
+    receipt_body,
+    unserved_namespaces,
+    weights_present,
+)
 from server.auth import admin_key_given
 from server.engine import SwapRefused
 from server.errors import ApiError, errors
@@ -228,9 +234,11 @@ async def admin_forget(body: ForgetRequest, request: Request) -> Forgotten:
     """Forget a ``user`` or an API ``key`` (docs/privacy.md): their trajectories (and every turn
     of their episodes) and feedback are removed from the database and the SQL-table log, the
     learner never reads them again, and their data keys are destroyed, so a Kafka log's copies
-    can no longer be read. The request is recorded in every policy's namespace (the global one
-    and each tenant policy's; ``?policy=`` is not read) before anything is removed, then carried
-    out in each; one that a crash interrupts is finished by the next forget or retention run.
+    can no longer be read. The request is recorded in every policy's namespace (the global one,
+    each tenant policy's, and those of tenant policies removed since or not served by this
+    replica, ``server.admin.serving.unserved_namespaces``; ``?policy=`` is not read) before
+    anything is removed, then carried out in each; one that a crash interrupts is finished by
+    the next forget or retention run.
     The answer is its receipt (``GET /admin/forget/{id}`` reads it again). Idempotent: a subject
     with nothing left gets zeros."""
     target = (
@@ -239,17 +247,19 @@ async def admin_forget(body: ForgetRequest, request: Request) -> Forgotten:
         else ForgetTarget(ForgetKind.KEY, str(body.key))
     )
     now, rid, states = utcnow(), new_request_id(), all_states(request)
-    for s in states:
-        await asyncio.to_thread(record_request, s.store.engine, rid, target, now)
-    receipts = [
-        await asyncio.to_thread(
-            forget, s.store.engine, sql_log_engine(s.log), target, s.settings.feedback_secret, now, rid
-        )
-        for s in states
-    ]
+    settings = state_of(request).settings
+    async with unserved_namespaces(settings, [s.policy for s in states]) as others:
+        stores = [(s.store.engine, sql_log_engine(s.log), s.log.keeps_records) for s in states]
+        stores += [(u.db, u.log_db, u.keeps_records) for u in others]
+        for db, _, _ in stores:
+            await asyncio.to_thread(record_request, db, rid, target, now)
+        receipts = [
+            await asyncio.to_thread(forget, db, log_db, target, settings.feedback_secret, now, rid)
+            for db, log_db, _ in stores
+        ]
     for s in states:
         s.store.subject_keys.drop_cached()
-    return receipt_body(receipts, [s.log.keeps_records for s in states], target)
+    return receipt_body(receipts, [keeps for _, _, keeps in stores], target)
 
 
 @router.get("/forget/{request_id}", responses=ADMIN_ERRORS | errors(404))
@@ -258,8 +268,12 @@ async def admin_forget_receipt(
 ) -> Forgotten:
     """The receipt of a past forget (the ``id`` its answer gave): 404 for an unknown id."""
     states = all_states(request)
-    found = [(await asyncio.to_thread(receipt_of, s.store.engine, request_id), s) for s in states]
-    found = [(r, s) for r, s in found if r is not None]
+    async with unserved_namespaces(state_of(request).settings, [s.policy for s in states]) as others:
+        stores = [(s.store.engine, s.log.keeps_records) for s in states] + [
+            (u.db, u.keeps_records) for u in others
+        ]
+        found = [(await asyncio.to_thread(receipt_of, db, request_id), keeps) for db, keeps in stores]
+    found = [(r, keeps) for r, keeps in found if r is not None]
     if not found:
         raise ApiError(404, f"no forget request {request_id!r}", code="not_found")
-    return receipt_body([r for r, _ in found], [s.log.keeps_records for _, s in found], None)
+    return receipt_body([r for r, _ in found], [keeps for _, keeps in found], None)

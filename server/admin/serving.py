@@ -1,16 +1,27 @@
 """The admin family's handling besides its routes (``server.admin.api_router``): whether a
-version may be loaded or rolled back to, the policies' rows, a forget's receipt."""
+version may be loaded or rolled back to, the policies' rows, a forget's receipt and the
+namespaces a forget reaches that this replica does not serve."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
 
+from sqlalchemy import inspect, make_url
+from sqlalchemy.engine import Engine
+
+from core import tenant_store
+from core.db import ForgetRequest, make_engine
 from core.forget import ForgetKind, ForgetReceipt, ForgetTarget
 from core.lifecycle import Stage
 from core.policies import GLOBAL
 from core.policy_store import layout
 from core.records import as_utc
+from core.settings import Settings
 from server.admin.protocol import Forgotten, LoadPolicyRequest
 from server.admin.queries import policy_overview
 from server.errors import ApiError
@@ -112,3 +123,62 @@ def receipt_body(receipts: list[ForgetReceipt], logs: list[bool], target: Forget
         deleted=dict(sorted(deleted.items())),
         log="kafka" if any(logs) else "sql",
     )
+
+
+@dataclass(frozen=True)
+class Unserved:
+    """The stores of a tenant policy's namespace that this replica does not serve (removed from
+    the list, or listed but not opened here): ``db`` its database, ``log_db`` its SQL-table
+    log's (None: Kafka, ``keeps_records``)."""
+
+    name: str
+    db: Engine
+    log_db: Engine | None
+    keeps_records: bool
+
+
+def _exists(url: str) -> bool:
+    """Whether the namespace database at ``url`` was ever made: a SQLite file that exists; on
+    PostgreSQL, a schema holding the forget table (a namespace never served has neither)."""
+    u = make_url(url)
+    if u.get_backend_name() == "sqlite":
+        return bool(u.database) and Path(u.database).is_file()
+    engine = make_engine(url)
+    try:
+        return inspect(engine).has_table(ForgetRequest.__tablename__)
+    finally:
+        engine.dispose()
+
+
+def _open_unserved(settings: Settings, served: list[str]) -> list[Unserved]:
+    global_db = make_engine(settings.resolved_database_url)
+    try:
+        names = [n for n in tenant_store.ever(global_db) if n not in served]
+    finally:
+        global_db.dispose()
+    opened: list[Unserved] = []
+    for name in names:
+        space = settings.model_copy(update={"tenant_policies": [name]}).for_tenant(name)
+        if not _exists(space.resolved_database_url):
+            continue
+        kafka = space.resolved_log_url.startswith("kafka://")
+        log_db = None if kafka else make_engine(space.resolved_log_url)
+        opened.append(Unserved(name, make_engine(space.resolved_database_url), log_db, kafka))
+    return opened
+
+
+@asynccontextmanager
+async def unserved_namespaces(settings: Settings, served: Iterable[str]) -> AsyncIterator[list[Unserved]]:
+    """The namespaces of every tenant policy ever listed (``core.tenant_store.ever``, read from
+    the global database of ``settings``) that are not in ``served`` and exist, opened (in a
+    thread: it reads the databases) for the time of the ``async with``, their engines disposed
+    after: what a forget must reach besides the states this replica serves (docs/privacy.md,
+    "What forget removes"). Raises what the global database raises."""
+    opened = await asyncio.to_thread(_open_unserved, settings, list(served))
+    try:
+        yield opened
+    finally:
+        for u in opened:
+            u.db.dispose()
+            if u.log_db is not None:
+                u.log_db.dispose()

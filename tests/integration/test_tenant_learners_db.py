@@ -98,6 +98,13 @@ def test_racing_operators_on_postgres_get_one_outcome_each(pg_url):
         assert racing.count(True) == 2 and racing.count("full") == 6
         assert sorted(removes) == [False, True]
         assert len(tenant_store.read(db)) == 3 and "acme" not in tenant_store.read(db)
+        # acme is kept, marked removed (forget and retention reach its namespace); two racing
+        # adds at a free place list it again once; it keeps its first place.
+        assert tenant_store.ever(db)[0] == "acme"
+        with ThreadPoolExecutor(2) as pool:
+            back = list(pool.map(lambda _: tenant_store.add(db, "acme", limit=4), range(2)))
+        assert sorted(back) == [False, True]
+        assert tenant_store.read(db)[0] == "acme" and len(tenant_store.read(db)) == 4
     finally:
         db.dispose()
 

@@ -86,3 +86,23 @@ def test_racing_adds_at_the_last_place_admit_one(db):
         t.join()
     assert sorted(outcomes.values(), key=str) == [True, "full", "full"]
     assert len(tenant_store.read(db)) == 2
+
+
+def test_a_removed_name_is_kept_for_forget_and_retention_and_can_come_back(db):
+    # acme and beta listed; acme removed: read drops it, ever keeps it (its namespace still
+    # holds data a forget must reach).
+    tenant_store.seed(db, ["acme", "beta"])
+    assert tenant_store.remove(db, "acme") is True
+    assert tenant_store.read(db) == ["beta"]
+    assert tenant_store.ever(db) == ["acme", "beta"]
+    # A removed name does not count against the limit: 1 listed < 2.
+    assert tenant_store.add(db, "zeta", limit=2) is True
+    # Listing acme again (the route, or a start whose setting still names it) answers True
+    # once, keeps its first place (added_at) and clears the mark.
+    with pytest.raises(tenant_store.TenantPolicyLimit):
+        tenant_store.add(db, "acme", limit=2)  # beta and zeta: 2 listed, full
+    assert tenant_store.seed(db, ["acme"]) == ["acme"]
+    assert tenant_store.seed(db, ["acme"]) == []
+    assert tenant_store.read(db) == ["acme", "beta", "zeta"]
+    assert tenant_store.remove(db, "zeta") is True
+    assert tenant_store.add(db, "zeta") is True and tenant_store.add(db, "zeta") is False

@@ -14,15 +14,18 @@ import asyncio
 import json
 import time
 
+from sqlalchemy import func, select
 from starlette.testclient import TestClient
 from typer.testing import CliRunner
 
 from core import tenant_store
-from core.db import make_engine
+from core.db import TrajectoryIndex, make_engine
 from core.policies import GLOBAL
+from core.records import utcnow
 from saoserve.cli import app as cli_app
 from server.app import create_app
 from testing.cli import KEY
+from testing.guard import add_rated
 from testing.servers import ADMIN, make_settings, running_server
 from testing.tenants import SharedFakeEngine, bearer, make_key, tenant_settings
 
@@ -143,6 +146,42 @@ def test_a_replica_serves_an_added_tenant_and_falls_back_to_the_global_policy_fo
         assert tenant_store.read(db) == ["acme", "zeta"]
     finally:
         db.dispose()
+
+
+def indexed(url: str) -> int:
+    """Trajectories indexed in the namespace database at ``url``."""
+    db = make_engine(url)
+    try:
+        with db.connect() as conn:
+            return conn.execute(select(func.count()).select_from(TrajectoryIndex)).scalar_one()
+    finally:
+        db.dispose()
+
+
+def test_a_forget_reaches_the_namespace_of_a_removed_tenant_policy(tmp_path):
+    """A removed tenant policy's namespace keeps its records (docs/tenants.md); the forget runs
+    over it too (``core.tenant_store.ever``), on a replica that no longer serves it."""
+    settings = tenant_settings(tmp_path, tenant_poll_s=0.05)
+    with TestClient(create_app(settings, engine=SharedFakeEngine(), watch_policy=False)) as client:
+        key_id = make_key(client, "beta").removeprefix("sao-").split(".")[0]
+        # The replica's settings follow the list (beta leaves them): its URL taken now.
+        url = settings.for_tenant("beta").resolved_database_url
+        beta = make_engine(url)
+        try:
+            with beta.begin() as conn:  # one answer to the key, in beta's namespace
+                add_rated(conn, "t1", 0, None, utcnow(), state=None, identity=f"key:{key_id}")
+        finally:
+            beta.dispose()
+        assert indexed(url) == 1
+        assert client.delete(f"{PATH}/beta", headers=ADMIN).status_code == 200
+        until(lambda: client.get(PATH, headers=ADMIN).json()["served"] == ["acme"])
+        # The key's one trajectory, in beta's namespace only: the global and acme's hold none.
+        r = client.post("/admin/forget", json={"key": key_id}, headers=ADMIN)
+        assert r.status_code == 200, r.text
+        receipt = r.json()
+        assert (receipt["trajectories"], receipt["completed"]) == (1, True)
+        assert indexed(url) == 0
+        assert client.get(f"/admin/forget/{receipt['id']}", headers=ADMIN).json()["trajectories"] == 1
 
 
 def test_a_tenant_added_again_after_a_restart_with_the_setting_comes_back(tmp_path):

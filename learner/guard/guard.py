@@ -133,15 +133,16 @@ class Guard:
         """``check`` at most every ``guard.check_s`` seconds, and at once when the figure a
         deferred promotion waits for could be measured (``_measure``: a batch is full). The
         learner's loop ticks before it trains (``learner.process.Learner.run``), so the batch
-        that ends a deferral is measured before a step trains on it. A measure that raises is
-        not tried again before the next check (the loop logs the error, and its next iteration
-        trains): a pass that keeps failing delays promotions, never the training."""
+        that ends a deferral is measured before a step trains on it. A measure that fails is
+        logged and not tried again before the next check, and the loop goes on to train: a pass
+        that keeps failing delays promotions, never the training."""
         now = time.monotonic()
         waiting, self._awaiting = self._awaiting, None
         if waiting is not None:
-            if self._measure(waiting):
+            measured = self._measure(waiting)
+            if measured:
                 self._next_check = now
-            else:
+            elif measured is False:
                 self._awaiting = waiting
         if now < self._next_check:
             return
@@ -204,16 +205,23 @@ class Guard:
             promoted = [v.version for v in st if v.stage == Stage.PROMOTED]
             verdict, vetoes, unmeasured = self._judge(conn, members, promoted, created)
         if unmeasured is not None:
-            if self._measure(unmeasured):
+            measured = self._measure(unmeasured)
+            if measured:
                 with self.db.connect() as conn:
-                    verdict, vetoes, _ = self._judge(conn, members, promoted, created)
-            else:
-                self._awaiting = unmeasured
+                    verdict, vetoes, unmeasured = self._judge(conn, members, promoted, created)
+            if unmeasured is not None:
+                if measured is False:
+                    self._awaiting = unmeasured
+                why = (
+                    "no batch it has not trained on is full"
+                    if measured is False
+                    else "its measure failed (logged; the next check tries again)"
+                )
                 verdict = replace(
                     verdict,
                     decision=Decision.CONTINUE,
                     reason=f"promotion deferred (drift veto): version {unmeasured}, the newest, has no "
-                    f"KL measured yet and no batch it has not trained on is full ({verdict.reason})",
+                    f"KL measured yet and {why} ({verdict.reason})",
                 )
         self._record_verdict(members, verdict, vetoes)
         if verdict.decision == Decision.PROMOTE:
@@ -298,15 +306,24 @@ class Guard:
         unmeasured = promotes and bool(drift) and drift[-1] is None and self.drift_probe is not None
         return verdict, vetoes, members[-1] if unmeasured else None
 
-    def _measure(self, version: int) -> bool:
+    def _measure(self, version: int) -> bool | None:
         """Have the learner measure ``version``'s drift (``drift_probe``) and keep the figure as
-        ``KL_AFTER`` of the step that trained it, where ``_judge`` reads it; whether it was
-        measured (False: the probe cannot now). Raises what the probe raises."""
-        kl = self.drift_probe(version)
-        if kl is None:
-            return False
-        with self.db.begin() as conn:
-            lifecycle_store.set_step_metric(conn, version, KL_AFTER, kl)
+        ``KL_AFTER`` of the step that trained it, where ``_judge`` reads it. True: measured and
+        kept; False: the probe cannot now (no full batch; the caller waits for one); None: it
+        failed, or ``version`` has no step to keep the figure on (logged; not retried before the
+        next check, so a failing pass never holds the loop from training)."""
+        try:
+            kl = self.drift_probe(version)
+            if kl is None:
+                return False
+            with self.db.begin() as conn:
+                kept = lifecycle_store.set_step_metric(conn, version, KL_AFTER, kl)
+        except Exception:
+            log.exception("guard: measuring version %d's drift before its promotion failed", version)
+            return None
+        if not kept:
+            log.warning("guard: version %d has no learner step to keep its measured drift on", version)
+            return None
         log.info("guard: version %d measured %.4g nats/token to the base before its promotion", version, kl)
         return True
 

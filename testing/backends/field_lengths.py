@@ -67,6 +67,7 @@ COLUMNS = {
     ("forget_requests", "kind"): limits.STATE_CHARS,
     ("forget_requests", "subject"): limits.USER_CHARS,
     ("forget_requests", "subject_hash"): limits.SHA256_CHARS,
+    ("tenant_policies", "name"): limits.NAME_CHARS,
 }
 
 

@@ -139,6 +139,7 @@ def test_the_admin_path_parameters_are_bounded_like_the_columns(tmp_path):
         "prompt_id": limits.PROMPT_ID_CHARS,
         "key_id": limits.NAME_CHARS,  # api_keys.id
         "request_id": limits.NAME_CHARS,  # forget_requests.id
+        "tenant": limits.NAME_CHARS,  # tenant_policies.name
     }
 
 

@@ -388,18 +388,19 @@ async def test_a_canary_split_serves_the_lineage_and_the_promoted_adapter_side_b
 
 @contextlib.contextmanager
 def serving_tenants(eng, tenants: list[str]):
-    """The module's engine serving tenant policies ``tenants`` for one test: its settings with
-    ``tenant_policies`` set (unchecked: its 3 slots are fewer than two a policy, enough here),
-    and, after, every tenant adapter removed and the tenants' served versions forgotten, so the
-    tests after it find the engine as before."""
-    old = eng.settings
-    eng.settings = old.model_copy(update={"tenant_policies": tenants})
+    """The module's engine serving tenant policies ``tenants`` for one test: its
+    ``tenant_names`` set (unchecked: its 3 slots are fewer than two a policy, enough here; not
+    ``add_policy``, which would recount the slots' shares), and, after, every tenant adapter
+    removed and the tenants' served versions forgotten, so the tests after it find the engine
+    as before."""
+    old = eng.tenant_names
+    eng.tenant_names = list(tenants)
     try:
         yield
     finally:
-        eng.settings = old
+        eng.tenant_names = old
         for t in tenants:
-            # No public route drops a tenant's lineage (tenants are fixed at start): the table's own.
+            # The table's own removal, as the shares were never recounted.
             eng._remove_later(eng.adapters.clear_current(t))
             eng._tenant_served.pop(t, None)
             eng._views.pop(t, None)

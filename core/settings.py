@@ -209,7 +209,10 @@ class Settings(BaseSettings):
         ge=1,
         le=256,
         description="adapter serving: adapters kept loaded at once (vLLM's max_cpu_loras, at least "
-        "max_loras): the current one, pinned ones and those requests in flight still use.",
+        "max_loras): the current one, pinned ones and those requests in flight still use. A server "
+        "that starts with tenant policies raises it to 3 x (1 + tenant policies + "
+        "tenant_policy_headroom) where that is more (docs/tenants.md, 'Adding and removing a tenant "
+        "policy').",
     )
     canary_share: float = Field(
         0.2,
@@ -252,9 +255,9 @@ class Settings(BaseSettings):
         [],
         description="Tenants served by a policy of their own (a LoRA adapter trained only on their "
         "ratings, `saoserve learn --tenant NAME`), comma-separated; every other tenant shares the "
-        "global policy. Needs adapter_serving 'adapter' and max_cpu_loras of at least three times the "
-        "policies (docs/tenants.md, 'A policy per tenant'). Seeds the database's list at each start "
-        "(names absent are added, none removed); `saoserve admin tenants add|remove` changes it "
+        "global policy. Needs adapter_serving 'adapter'; the engine gets three adapter slots a "
+        "policy (max_cpu_loras raised where fewer; docs/tenants.md, 'A policy per tenant'). Seeds "
+        "the database's list at each start (names absent are added, none removed); `saoserve admin tenants add|remove` changes it "
         "while the servers and `learn --all-tenants` run (docs/tenants.md, 'Adding and removing a "
         "tenant policy').",
     )
@@ -405,15 +408,9 @@ class Settings(BaseSettings):
                     "tenant_policies needs adapter_serving 'adapter': one engine serves several "
                     f"policies only as adapters over one base (adapter_serving is {self.adapter_serving.value!r})"
                 )
-            # A policy on canary holds its candidate and the pinned promoted version, and its next
-            # candidate loads beside both before the old one is let go: three slots a policy.
-            need = SLOTS_PER_POLICY * (len(self.tenant_policies) + 1)
-            if self.max_cpu_loras < need:
-                raise ValueError(
-                    f"max_cpu_loras ({self.max_cpu_loras}) must be at least {need} for "
-                    f"{len(self.tenant_policies)} tenant policies and the global one "
-                    f"({SLOTS_PER_POLICY} slots a policy)"
-                )
+            # No bound on max_cpu_loras here: the engine's slots are ``adapter_slots``, raised to
+            # SLOTS_PER_POLICY a policy (with headroom) whatever max_cpu_loras is, the one rule for
+            # the setting's names and the database list's alike.
             for tenant in self.tenant_policies:
                 # A namespace the database or log cannot hold is refused here, at start.
                 tenant_database_url(self.resolved_database_url, tenant)

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+from collections.abc import Iterator
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI
@@ -37,7 +38,7 @@ from server.backpressure import Backpressure
 from server.canary import CanaryRouter
 from server.chat import api_router as chat
 from server.chat.serving import ChatHandler
-from server.engine import PolicyEngine
+from server.engine import PolicyEngine, TenantPolicyRefused
 from server.errors import install_error_handlers
 from server.fate import Fate
 from server.feedback import api_router as feedback
@@ -68,7 +69,7 @@ def create_app(
     in its namespace (``Settings.for_tenant``), all sharing the engine (a tenant's through
     ``engine.view(tenant)``) and one ``ServerMetrics``. The tenant policies are the global
     database's list (``serve_listed_tenants``), followed while the app runs
-    (``TenantPolicySync``)."""
+    (``TenantPolicySync``, ``app.state.tenant_sync``)."""
     settings = settings or get_settings()
 
     @asynccontextmanager
@@ -95,20 +96,13 @@ def create_app(
         app.state.tasks = {}
         for s in [state, *app.state.tenants.values()]:
             app.state.tasks[s.policy] = await follow(s, watch_policy)
-        tenants = TenantPolicySync(app, settings, eng, metrics, watch_policy)
-        sync = asyncio.create_task(tenants.run(settings.tenant_poll_s))
+        app.state.tenant_sync = TenantPolicySync(app, settings, eng, metrics, watch_policy)
+        sync = asyncio.create_task(app.state.tenant_sync.run(settings.tenant_poll_s))
         try:
             yield
         finally:
-            sync.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await sync
-            tasks = [t for ts in app.state.tasks.values() for t in ts]
-            for t in tasks:
-                t.cancel()
-            for t in tasks:
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await t
+            await stop([sync])
+            await stop([t for ts in app.state.tasks.values() for t in ts])
             states = [state, *app.state.tenants.values()]
             for s in states:
                 if s.canary is not None:
@@ -178,12 +172,14 @@ class TenantPolicySync:
     A name added: its namespace migrated, the engine told (``PolicyEngine.add_policy``), its
     state opened and its watcher, canary router and spool started as at start, and only then
     its name put in ``settings.tenant_policies``, so no request is routed to it before its
-    state is whole. Beyond ``app.state.tenant_limit`` it is not served (logged: restart with
-    more slots). A name removed: taken out of ``settings.tenant_policies`` first (its keys'
-    next requests are the global policy's), then its tasks cancelled, its state closed (records
-    in flight finish), and the engine told (``remove_policy``: its adapters removed once no
-    request uses them). A read or a policy that fails is logged and tried again at the next
-    poll; the other policies are unaffected."""
+    state is whole. Beyond ``app.state.tenant_limit``, or while the engine serves full weights
+    (``TenantPolicyRefused``), it is not served (logged with what to do). A name removed: taken
+    out of ``settings.tenant_policies`` first (its keys' next requests are the global policy's),
+    then its tasks cancelled, its state closed (records in flight finish), and the engine told
+    (``remove_policy``: once its load in flight has ended, its adapters removed once no request
+    uses them). A read, a policy or a whole pass that fails is logged and tried again at the
+    next poll; the other policies are unaffected, and whatever was opened for a policy that
+    failed is closed."""
 
     def __init__(
         self, app: FastAPI, settings: Settings, eng: PolicyEngine, metrics: ServerMetrics, watch_policy: bool
@@ -192,10 +188,15 @@ class TenantPolicySync:
         self.watch_policy = watch_policy
 
     async def run(self, poll_s: float) -> None:
-        """``sync`` every ``poll_s`` seconds until cancelled."""
+        """``sync`` every ``poll_s`` seconds until cancelled. A pass that raises is logged and the
+        next runs as usual: this task is awaited only at shutdown, so ending here would leave the
+        replica on a list it no longer follows, with nothing said."""
         while True:
             await asyncio.sleep(poll_s)
-            await self.sync()
+            try:
+                await self.sync()
+            except Exception:
+                log.exception("tenant policies: a pass over the list failed; the next in %g s", poll_s)
 
     async def sync(self) -> None:
         """One pass: read the list, close the states of names gone, open those of names new."""
@@ -220,28 +221,31 @@ class TenantPolicySync:
                 continue
             try:
                 await self.open(name)
+            except TenantPolicyRefused as exc:
+                log.error("%s: tenant policy not served: %s", name, exc)
             except Exception:
                 log.exception("%s: tenant policy added, but its state could not be opened; retrying", name)
 
     async def open(self, name: str) -> None:
-        """Serve tenant policy ``name`` (class docstring). Raises what the migration, the log or
-        the watcher's catch-up raise; the engine is told again that it does not serve it."""
+        """Serve tenant policy ``name`` (class docstring). Raises TenantPolicyRefused (the
+        engine serves full weights: nothing opened) or what the migration, the log or the
+        watcher's catch-up raise; then whatever was opened for it is closed (``discard``: its
+        tasks, state, database engine, log and log threads) and the engine no longer serves it,
+        so a retry every poll leaks nothing."""
         st = self.settings.model_copy(update={"tenant_policies": [name]}).for_tenant(name)
         for url in st.schema_urls:
             await asyncio.to_thread(migrate, url)
-        self.engine.add_policy(name)
+        await self.engine.add_policy(name)
+        lt: LogTransport | None = None
+        state: ServerState | None = None
         try:
-            state = open_policy(
-                name,
-                st,
-                self.engine.view(name),
-                open_log(st.resolved_log_url),
-                self.metrics.of_tenant_policy(name),
-            )
-            self.app.state.tasks[name] = await follow(state, self.watch_policy)
+            lt = open_log(st.resolved_log_url)
+            state = open_policy(name, st, self.engine.view(name), lt, self.metrics.of_tenant_policy(name))
+            tasks = await follow(state, self.watch_policy)
         except BaseException:
-            self.engine.remove_policy(name)
+            await self.discard(name, state, lt, [])
             raise
+        self.app.state.tasks[name] = tasks
         self.app.state.tenants[name] = state
         self.app.state.tenant_chats[name] = chat_handler(state)
         self.settings.tenant_policies = [*self.settings.tenant_policies, name]
@@ -249,21 +253,55 @@ class TenantPolicySync:
 
     async def close(self, name: str) -> None:
         """Stop serving tenant policy ``name`` (class docstring); its requests from now on are
-        the global policy's."""
+        the global policy's. Never raises for a part that fails to close (``discard``)."""
         self.settings.tenant_policies = [t for t in self.settings.tenant_policies if t != name]
         state = self.app.state.tenants.pop(name)
         self.app.state.tenant_chats.pop(name)
-        tasks = self.app.state.tasks.pop(name, [])
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
-        if state.canary is not None:
-            state.canary.release()
-        await close_policy(state, own_log=True)
-        self.engine.remove_policy(name)
+        await self.discard(name, state, state.log, self.app.state.tasks.pop(name, []))
         log.info("%s: tenant policy removed: its keys are served by the global policy", name)
+
+    async def discard(
+        self, name: str, state: ServerState | None, lt: LogTransport | None, tasks: list[asyncio.Task]
+    ) -> None:
+        """Close what was opened for tenant policy ``name``: its ``tasks`` cancelled, its canary
+        split's hold let go, its ``state`` closed (``close_policy``, its log ``lt`` with it) or,
+        without a state, ``lt`` closed; then, whatever failed before, the engine told
+        (``remove_policy``). Each failure is logged with the name, and the next part still
+        closes."""
+        try:
+            await stop(tasks)
+            if state is not None:
+                if state.canary is not None:
+                    with failure_logged(name, "letting go of its canary split's version"):
+                        state.canary.release()
+                with failure_logged(name, "closing its state"):
+                    await close_policy(state, own_log=True)
+            elif lt is not None:
+                with failure_logged(name, "closing its log"):
+                    lt.close()
+        finally:
+            with failure_logged(name, "removing it from the engine"):
+                await self.engine.remove_policy(name)
+
+
+async def stop(tasks: list[asyncio.Task]) -> None:
+    """Cancel ``tasks`` and wait for their ends (what each raised is dropped: they are being
+    stopped)."""
+    for t in tasks:
+        t.cancel()
+    for t in tasks:
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await t
+
+
+@contextlib.contextmanager
+def failure_logged(policy: str, what: str) -> Iterator[None]:
+    """Log an Exception raised in the block (``policy: what failed``, with its traceback) and go
+    on: one part of a policy that fails to close must not keep the next from closing."""
+    try:
+        yield
+    except Exception:
+        log.exception("%s: %s failed", policy, what)
 
 
 def state_limits_in_openapi(app: FastAPI, settings: Settings) -> None:
@@ -304,15 +342,24 @@ def open_policy(
     """The state of ``policy`` with ``settings`` (its namespace's; the database migrated),
     ``eng`` (the engine, or its view bound to the policy) and ``lt`` (its log): a database
     engine, a spool (``log_required`` off), the evidence reader (``read_baseline``, else the
-    namespace's evidence store) and health; the served version in ``metrics``."""
+    namespace's evidence store) and health; the served version in ``metrics``. Raises what
+    making them raises (OSError for a folder that cannot be made), the database engine disposed;
+    ``lt`` is the caller's to close."""
     db = make_engine(settings.resolved_database_url)
-    spool = (
-        None if settings.log_required else Spool(settings.home / "spool", lt, ServerStore(db), policy=policy)
-    )
-    reader = read_baseline or evidence_reader(EvidenceStore(db))
-    health = Health(db, lt, settings.log_required, policy=policy)
+    try:
+        spool = (
+            None
+            if settings.log_required
+            else Spool(settings.home / "spool", lt, ServerStore(db), policy=policy)
+        )
+        journal = WriteJournal(settings.home / "deferred")
+        reader = read_baseline or evidence_reader(EvidenceStore(db))
+        health = Health(db, lt, settings.log_required, policy=policy)
+    except BaseException:
+        db.dispose()
+        raise
     state = ServerState(settings, eng, lt, ServerStore(db), metrics, spool, reader, health, policy=policy)
-    state.journal = WriteJournal(settings.home / "deferred")
+    state.journal = journal
     metrics.policy_version.set(eng.version)
     return state
 
@@ -334,29 +381,34 @@ def chat_handler(state: ServerState) -> ChatHandler:
 async def follow(state: ServerState, watch_policy: bool) -> list[asyncio.Task]:
     """Start one policy's background tasks: with ``watch_policy``, its watcher (caught up with
     its policy topic first, its readiness part of ``/readyz``) and, on an engine serving
-    adapters, its canary router; its spool's sender."""
-    tasks = []
-    if watch_policy:
-        watcher = PolicyWatcher(
-            state.log, state.engine, state.metrics, state.settings.policy_poll_s, policy=state.policy
-        )
-        state.health.policy = watcher
-        await watcher.catch_up()
-        tasks.append(asyncio.create_task(watcher.run()))
-        if state.engine.adapters is not None:
-            state.canary = CanaryRouter(
-                state.store.engine,
-                state.engine,
-                state.metrics,
-                state.settings.canary_share,
-                policy=state.policy,
-                secret=state.settings.feedback_secret,
+    adapters, its canary router; its spool's sender. Raises what the catch-up raises, the tasks
+    started so far stopped."""
+    tasks: list[asyncio.Task] = []
+    try:
+        if watch_policy:
+            watcher = PolicyWatcher(
+                state.log, state.engine, state.metrics, state.settings.policy_poll_s, policy=state.policy
             )
-            tasks.append(asyncio.create_task(state.canary.run(state.settings.policy_poll_s)))
-    if state.spool is not None:
-        tasks.append(asyncio.create_task(state.spool.run()))
-    state.resume_deferred()
-    tasks.append(asyncio.create_task(finish_forgets(state)))
+            state.health.policy = watcher
+            await watcher.catch_up()
+            tasks.append(asyncio.create_task(watcher.run()))
+            if state.engine.adapters is not None:
+                state.canary = CanaryRouter(
+                    state.store.engine,
+                    state.engine,
+                    state.metrics,
+                    state.settings.canary_share,
+                    policy=state.policy,
+                    secret=state.settings.feedback_secret,
+                )
+                tasks.append(asyncio.create_task(state.canary.run(state.settings.policy_poll_s)))
+        if state.spool is not None:
+            tasks.append(asyncio.create_task(state.spool.run()))
+        state.resume_deferred()
+        tasks.append(asyncio.create_task(finish_forgets(state)))
+    except BaseException:
+        await stop(tasks)
+        raise
     return tasks
 
 
@@ -386,7 +438,8 @@ async def close_policy(state: ServerState, own_log: bool) -> None:
     """At shutdown, once the tasks are cancelled: let the records in flight finish, stop the
     log threads, cancel deferred writes (their records are in the log, the writes in the
     journal: the next start does them), close the log if this app opened it (``own_log``) and
-    the database."""
+    the database. A log or database that fails to close is logged (``failure_logged``) and the
+    rest still closes."""
     if state.background:
         await asyncio.gather(*state.background, return_exceptions=True)
     state.log_pool.shutdown(wait=False)
@@ -399,5 +452,7 @@ async def close_policy(state: ServerState, own_log: bool) -> None:
         for t in list(state.deferred_writes):
             t.cancel()
     if own_log:
-        state.log.close()
-    state.store.engine.dispose()
+        with failure_logged(state.policy, "closing its log"):
+            state.log.close()
+    with failure_logged(state.policy, "closing its database engine"):
+        state.store.engine.dispose()

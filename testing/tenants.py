@@ -19,7 +19,7 @@ from core.logbus import open_log
 from core.policies import GLOBAL
 from core.records import POLICY_KEY, TOPIC_POLICY, PolicyEvent
 from core.settings import AdapterServing
-from server.engine import SwapRefused, SwapResult
+from server.engine import SwapRefused, SwapResult, TenantPolicyRefused
 from testing.fakes import FakeEngine
 from testing.servers import ADMIN, make_settings
 
@@ -68,20 +68,29 @@ class RefusingEngine(FakeEngine):
 class SharedFakeEngine(FakeEngine):
     """The global policy's ``FakeEngine`` with ``view(policy)``: a ``FakeEngine`` per tenant
     policy (``views``, made on first use; give one beforehand to set its version or make it
-    refuse); ``add_policy`` and ``remove_policy`` as the engine's."""
+    refuse); ``add_policy``, ``remove_policy`` and ``tenant_policy_refusal`` as the engine's
+    (``refusal``: the latter's answer; set, the engine stands for one serving full weights)."""
 
     views: dict[str, FakeEngine] = field(default_factory=dict)
+    refusal: str | None = None
 
     def view(self, policy: str) -> FakeEngine:
         return self.views.setdefault(policy, FakeEngine())
 
-    def add_policy(self, policy: str) -> None:
-        """A tenant policy added at run time: its view made now (``PolicyEngine.add_policy``)."""
+    async def add_policy(self, policy: str) -> None:
+        """A tenant policy added at run time: its view made now (``PolicyEngine.add_policy``);
+        TenantPolicyRefused while ``refusal`` is set."""
+        if self.refusal is not None:
+            raise TenantPolicyRefused(self.refusal)
         self.view(policy)
 
-    def remove_policy(self, policy: str) -> None:
+    async def remove_policy(self, policy: str) -> None:
         """A tenant policy removed at run time: its view dropped (``PolicyEngine.remove_policy``)."""
         self.views.pop(policy)
+
+    def tenant_policy_refusal(self) -> str | None:
+        """``refusal`` (``PolicyEngine.tenant_policy_refusal``)."""
+        return self.refusal
 
 
 def bearer(key: str) -> dict:

@@ -48,7 +48,8 @@ def tenants_add(
 ) -> None:
     """Give TENANT a policy of its own: the servers serve it within SAOSERVE_TENANT_POLL_S and
     `learn --all-tenants` trains it. Exit 2 for a name the server refuses; 5 when the servers'
-    adapter slots are all used (409: restart them with more)."""
+    adapter slots are all used (409: restart them with more) or the global policy serves full
+    weights (409: its message says what to do)."""
     with reported():
         _, body = client(url, key).call("POST", "/admin/tenant_policies", body={"tenant": tenant})
         if json_out:

@@ -7,7 +7,9 @@ policy").
 Errors: a name that is not a tenant policy's (``core.policies.check_policy_tenant``: not a tenant
 name, or ``global``) is 400 with its message; removing a name not in the list is 404; adding one
 beyond what this replica's adapter slots serve (``app.state.tenant_limit``, fixed at start:
-``core.settings.adapter_slots``) is 409, saying to restart with more slots.
+``core.settings.adapter_slots``) is 409, saying to restart with more slots; adding one while
+this replica's global policy serves full weights (tenant adapters apply to the base weights) is
+409, saying what to do.
 """
 
 from __future__ import annotations
@@ -57,8 +59,10 @@ async def add_tenant_policy(body: AddTenantPolicy, request: Request) -> dict:
     """Give ``tenant`` a policy of its own: every replica serves it within
     ``SAOSERVE_TENANT_POLL_S`` (its namespace made, version 0 the base weights until its learner
     publishes) and ``learn --all-tenants`` trains it from its next round. ``changed`` false: the
-    list held it already (nothing changed). 409 when the list already holds as many tenant
-    policies as this replica's adapter slots serve."""
+    list held it already (nothing changed). 409 ``no_tenant_slots`` when the list already holds
+    as many tenant policies as this replica's adapter slots serve; 409 ``full_weights_served``
+    for a name not listed while this replica's global policy serves full weights
+    (``PolicyEngine.tenant_policy_refusal``: the message says what the operator does)."""
     tenant = checked(body.tenant)
     limit = request.app.state.tenant_limit
     if limit == 0:
@@ -70,6 +74,11 @@ async def add_tenant_policy(body: AddTenantPolicy, request: Request) -> dict:
             code="no_tenant_slots",
         )
     db = state_of(request).store.engine
+    why = state_of(request).engine.tenant_policy_refusal()
+    if why is not None and tenant not in await asyncio.to_thread(tenant_store.read, db):
+        raise ApiError(
+            409, f"no tenant policy can be added now: {why}", param="tenant", code="full_weights_served"
+        )
     try:
         changed = await asyncio.to_thread(tenant_store.add, db, tenant, limit)
     except tenant_store.TenantPolicyLimit:

@@ -28,7 +28,14 @@ pins of adapters), ``tenants`` (the policies served, their versions, ``PolicyVie
 from server.engine.core import PolicyEngine
 from server.engine.sampling import InvalidSampling, vllm_sampling
 from server.engine.tenants import PolicyView
-from server.engine.types import GenerationDelta, SlotsTaken, SwapRefused, SwapResult, UnknownPolicy
+from server.engine.types import (
+    GenerationDelta,
+    SlotsTaken,
+    SwapRefused,
+    SwapResult,
+    TenantPolicyRefused,
+    UnknownPolicy,
+)
 
 __all__ = [
     "GenerationDelta",
@@ -38,6 +45,7 @@ __all__ = [
     "SlotsTaken",
     "SwapRefused",
     "SwapResult",
+    "TenantPolicyRefused",
     "UnknownPolicy",
     "vllm_sampling",
 ]

@@ -303,9 +303,9 @@ class PolicyEngine(FullWeights, ServedAdapters, HoldsAndPins, TenantPolicies):
         runs to its end even if the caller is cancelled (a half-loaded engine must not stay
         paused).
 
-        With tenant policies (``tenant_names``), anything but an adapter served as
-        LoRA is refused, whatever the policy: full weights or a merge would replace the base
-        weights that every policy's adapters apply to.
+        With tenant policies (``tenant_names``, read under the swap lock, which ``add_policy``
+        takes too), anything but an adapter served as LoRA is refused, whatever the policy: full
+        weights or a merge would replace the base weights that every policy's adapters apply to.
 
         Full weights: before pausing, checks that the directory holds exactly the serving
         model's tensors (names, shapes, dtypes from the safetensors headers) and that its
@@ -330,27 +330,23 @@ class PolicyEngine(FullWeights, ServedAdapters, HoldsAndPins, TenantPolicies):
 
     async def _swap(self, version: int, path: Path, sha256: str, policy: str) -> SwapResult:
         adapter = policy_store.layout(path) is Layout.ADAPTER
-        if self.tenant_names and not (adapter and self.adapters is not None):
-            what = "holds no adapter" if not adapter else "is an adapter, and adapters are merged here"
-            raise SwapRefused(
-                f"version {version} of policy {policy!r} at {path} {what}: with tenant policies "
-                f"({', '.join(self.tenant_names)}) every policy's versions are LoRA "
-                "adapters over the base weights, which all policies share, so no full weights load"
-            )
-        if not adapter:
-            # Full weights, or nothing servable: the full-weight checks say what is wrong.
-            return await self._swap_full(version, path, sha256)
-        if self.adapters is not None:
+        if adapter and self.adapters is not None:
             return await self._add_adapter(version, path, sha256, policy)
-        return await self._swap_merged(version, path, sha256)
+        if adapter:
+            return await self._swap_merged(version, path, sha256, policy)
+        # Full weights, or nothing servable: the full-weight checks say what is wrong.
+        return await self._swap_full(version, path, sha256, policy)
 
     @contextlib.asynccontextmanager
-    async def _loading(self) -> AsyncIterator[None]:
-        """The swap lock, held for one load or hold; SwapRefused once ``close`` has begun (the
-        engine is about to go, so nothing new is loaded into it)."""
+    async def _loading(self, policy: str = GLOBAL) -> AsyncIterator[None]:
+        """The swap lock, held for one load or hold of ``policy``; SwapRefused once ``close``
+        has begun (the engine is about to go, so nothing new is loaded into it), UnknownPolicy
+        once ``policy`` is no longer served (``remove_policy`` began while this load waited:
+        loaded, its adapter would be current for a policy gone, and never removed)."""
         async with self._swap_lock:
             if self._closing:
                 raise SwapRefused("the engine is shutting down: no version is loaded")
+            self.check_policy(policy)
             yield
 
     async def close(self) -> None:

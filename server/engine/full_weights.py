@@ -23,9 +23,10 @@ class FullWeights:
     adapter ``W + scale·B·A`` in ``work_dir``): checked before the engine pauses, reloaded while
     it is paused, stamped, resumed whatever fails."""
 
-    async def _swap_full(self, version: int, path: Path, sha256: str) -> SwapResult:
+    async def _swap_full(self, version: int, path: Path, sha256: str, policy: str) -> SwapResult:
         t0 = time.perf_counter()
-        async with self._loading():
+        async with self._loading(policy):
+            self._no_full_weights_beside_tenants(version, path, policy, "holds no adapter")
             await asyncio.to_thread(self._check_weights, path, sha256)
             t1 = time.perf_counter()
             await self._paused_reload(version, path, path)
@@ -35,9 +36,12 @@ class FullWeights:
         log.info("policy version %d loaded from %s in %.2fs", version, path, t2 - t0)
         return SwapResult(version=version, seconds=t2 - t0, paused_seconds=t2 - t1)
 
-    async def _swap_merged(self, version: int, path: Path, sha256: str) -> SwapResult:
+    async def _swap_merged(self, version: int, path: Path, sha256: str, policy: str) -> SwapResult:
         t0 = time.perf_counter()
-        async with self._loading():
+        async with self._loading(policy):
+            self._no_full_weights_beside_tenants(
+                version, path, policy, "is an adapter, and adapters are merged here"
+            )
             name = f"v{version}-{uuid.uuid4().hex[:8]}"
             staged, merged = self.work_dir / f"adapter-{name}", self.work_dir / f"merged-{name}"
             try:
@@ -52,6 +56,16 @@ class FullWeights:
             t2 = time.perf_counter()
         log.info("policy version %d (adapter %s) merged and loaded in %.2fs", version, path, t2 - t0)
         return SwapResult(version=version, seconds=t2 - t0, paused_seconds=t2 - t1)
+
+    def _no_full_weights_beside_tenants(self, version: int, path: Path, policy: str, what: str) -> None:
+        """Under the swap lock: SwapRefused, before anything is read or paused, while tenant
+        policies are served (``what`` says what ``path`` is)."""
+        if self.tenant_names:
+            raise SwapRefused(
+                f"version {version} of policy {policy!r} at {path} {what}: with tenant policies "
+                f"({', '.join(self.tenant_names)}) every policy's versions are LoRA "
+                "adapters over the base weights, which all policies share, so no full weights load"
+            )
 
     def _stage_and_merge(self, path: Path, sha256: str, staged: Path, merged: Path) -> None:
         spec = self._stage_adapter(path, sha256, staged)

@@ -25,7 +25,7 @@ class HoldsAndPins:
         self.check_policy(policy)
         if self.adapters is None:
             raise RuntimeError("adapters are not served as LoRA by this engine")
-        async with self._loading():
+        async with self._loading(policy):
             if self.adapters.find(version, policy) is not None:
                 self._remove_later(self.adapters.pin(version, policy=policy))
                 return

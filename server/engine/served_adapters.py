@@ -52,7 +52,7 @@ class ServedAdapters:
 
     async def _add_adapter(self, version: int, path: Path, sha256: str, policy: str) -> SwapResult:
         t0 = time.perf_counter()
-        async with self._loading():
+        async with self._loading(policy):
             cur = self.adapters.current_of(policy)
             if cur is not None and version < cur.version:
                 raise SwapRefused(

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from core.policies import GLOBAL
 from server.adapters import PolicyAdapters
-from server.engine.types import UnknownPolicy
+from server.engine.types import TenantPolicyRefused, UnknownPolicy
 
 if TYPE_CHECKING:
     from server.engine.core import PolicyEngine
@@ -28,28 +28,58 @@ class TenantPolicies:
         """The policies this engine serves: ``GLOBAL``, then ``tenant_names``."""
         return [GLOBAL, *self.tenant_names]
 
-    def add_policy(self, policy: str) -> None:
+    async def add_policy(self, policy: str) -> None:
         """Serve tenant policy ``policy`` from now on, at version 0 (the base weights) until its
         watcher swaps its adapter in; the policies' shares of the adapter slots are recounted
-        (``AdapterTable.share``). A policy served already is left as it is."""
-        if policy in self.tenant_names:
-            return
-        if self.adapters is not None:
-            self.adapters.share(len(self.tenant_names) + 2)
-        self.tenant_names.append(policy)
+        (``AdapterTable.share``). A policy served already is left as it is. Under the swap lock,
+        so a full-weights load in flight ends first and one asked for later is refused.
 
-    def remove_policy(self, policy: str) -> None:
-        """Stop serving tenant policy ``policy``: its view, version and pins are dropped and its
-        adapters removed from vLLM once no request uses them (``AdapterTable.drop_policy``).
-        Raises UnknownPolicy for a name not served."""
+        Raises:
+            TenantPolicyRefused: the engine serves full weights (``tenant_policy_refusal``);
+                nothing changed.
+        """
+        async with self._swap_lock:
+            if policy in self.tenant_names:
+                return
+            why = self.tenant_policy_refusal()
+            if why is not None:
+                raise TenantPolicyRefused(why)
+            if self.adapters is not None:
+                self.adapters.share(len(self.tenant_names) + 2)
+            self.tenant_names.append(policy)
+
+    async def remove_policy(self, policy: str) -> None:
+        """Stop serving tenant policy ``policy``: no request or load of it starts from the call
+        on; once the load in flight, if any, has ended (the swap lock: a swap is shielded from
+        its caller's cancellation and finishes after its watcher is gone), its view, version
+        and pins are dropped and its adapters removed from vLLM once no request uses them
+        (``AdapterTable.drop_policy``). A load of it still waiting for the lock is refused
+        (``_loading``). Raises UnknownPolicy for a name not served."""
         if self.check_policy(policy) == GLOBAL:
             raise UnknownPolicy("the global policy is always served")
         self.tenant_names.remove(policy)
         self._views.pop(policy, None)
-        self._tenant_served.pop(policy, None)
-        if self.adapters is not None:
-            self._remove_later(self.adapters.drop_policy(policy))
-            self.adapters.share(len(self.tenant_names) + 1)
+        async with self._swap_lock:
+            self._tenant_served.pop(policy, None)
+            if self.adapters is not None:
+                self._remove_later(self.adapters.drop_policy(policy))
+                self.adapters.share(len(self.tenant_names) + 1)
+
+    def tenant_policy_refusal(self) -> str | None:
+        """Why no tenant policy can be added now, or None: with adapters served as LoRA, the
+        global policy's full weights (a full version) serve in place of the base weights that
+        every tenant adapter applies to, so a tenant added would have its adapters refused and
+        would block the global policy's next full-weights version (``PolicyEngine.swap``). The
+        engine is at the base weights again only after a restart."""
+        if self.adapters is None or self.weights_path == self.model_dir:
+            return None
+        return (
+            f"the global policy serves the full weights of its version {self.weights_version} "
+            f"({self.weights_path}), and tenant policies are LoRA adapters over the base weights; "
+            "publish the global policy's versions as adapters (saoserve learn --policy lora), and "
+            "once its newest version is one, restart the servers (they start at the base weights) "
+            "and add the tenant policy"
+        )
 
     def check_policy(self, policy: str) -> str:
         """``policy`` if this engine serves it; raises UnknownPolicy naming the ones it does."""

@@ -1,5 +1,6 @@
 """What the engine answers and raises: a generation's deltas (``GenerationDelta``), a swap's
-timings (``SwapResult``), and the refusals (``SwapRefused``, ``SlotsTaken``, ``UnknownPolicy``)."""
+timings (``SwapResult``), and the refusals (``SwapRefused``, ``SlotsTaken``, ``TenantPolicyRefused``,
+``UnknownPolicy``)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,12 @@ class SlotsTaken(SwapRefused):
     """A version refused only because its policy's adapter slots are all taken (in use, current,
     pinned or being removed): it loads once one frees, and the policy watcher tries it again
     (``server.policy_watch``)."""
+
+
+class TenantPolicyRefused(RuntimeError):
+    """A tenant policy the engine cannot serve now (``PolicyEngine.tenant_policy_refusal``: the
+    global policy serves full weights, and tenant adapters apply to the base weights); nothing
+    changed."""
 
 
 class UnknownPolicy(ValueError):

@@ -21,7 +21,7 @@ from core.policies import (
     tenant_policy_dir,
 )
 from core.policy_store import version_dirs
-from core.settings import Settings
+from core.settings import Settings, adapter_slots, tenant_policy_limit
 
 
 def test_a_sqlite_namespace_is_a_file_beside_the_global_one():
@@ -130,8 +130,6 @@ def test_for_tenant_refuses_a_tenant_without_a_policy_of_its_own(tmp_path: Path)
         ({"tenant_policies": "acme", "adapter_serving": "merged"}, "needs adapter_serving 'adapter'"),
         ({"tenant_policies": "acme,acme"}, "names acme more than once"),
         ({"tenant_policies": "global"}, "names the shared policy"),
-        # Three tenant policies and the global one need 3 × 4 = 12 slots; 8 (the default) is too few.
-        ({"tenant_policies": "a,b,c"}, r"must be at least 12 for 3 tenant policies"),
         ({"tenant_policies": "acme", "database_url": "sqlite://"}, "in-memory SQLite database"),
     ],
 )
@@ -139,6 +137,21 @@ def test_tenant_policy_settings_that_cannot_work_are_refused(tmp_path: Path, kw,
     kw = {"adapter_serving": "adapter", **kw}
     with pytest.raises(ValueError, match=message):
         Settings(home=tmp_path, **kw)
+
+
+def test_slots_are_one_rule_for_the_setting_and_the_list(tmp_path: Path):
+    """Review item 7: the validator asked max_cpu_loras ≥ 3·(N+1) of the setting's names, so
+    three names with the default 8 slots were refused at start, while the same three from the
+    database's list started with ``adapter_slots``' count. Now both start, with the same slots:
+    max(8, 3 × (1 + 3 + 2)) = 18 (headroom 2), serving 18 // 3 − 1 = 5 tenant policies; with
+    headroom 0, max(8, 3 × 4) = 12, serving 3; with 30 asked, 30 (9)."""
+    s = Settings(home=tmp_path, adapter_serving="adapter", tenant_policies="a,b,c")
+    assert s.max_cpu_loras == 8 and s.tenant_policies == ["a", "b", "c"]
+    assert (adapter_slots(s, 3), tenant_policy_limit(adapter_slots(s, 3))) == (18, 5)
+    s0 = Settings(home=tmp_path, adapter_serving="adapter", tenant_policies="a,b,c", tenant_policy_headroom=0)
+    assert (adapter_slots(s0, 3), tenant_policy_limit(adapter_slots(s0, 3))) == (12, 3)
+    big = Settings(home=tmp_path, adapter_serving="adapter", tenant_policies="a,b,c", max_cpu_loras=30)
+    assert (adapter_slots(big, 3), tenant_policy_limit(adapter_slots(big, 3))) == (30, 9)
 
 
 def test_a_namespace_database_migrates_on_sqlite(tmp_path: Path):

@@ -220,20 +220,100 @@ async def test_a_tenant_policy_added_and_removed_at_run_time(tmp_path):
 
     eng = standin_engine(tmp_path, ["acme"])  # 6 slots
     x = write_toy_adapter(tmp_path / "x")
-    eng.add_policy("zeta")
+    await eng.add_policy("zeta")
     assert eng.policies == ["global", "acme", "zeta"] and eng.adapters.quota == 2  # 6 // 3
     zeta = eng.view("zeta")
     assert zeta.version == 0
     await zeta.swap(1, x, weights_sha256(x))
     assert eng.engine.added == ["policy-zeta-v1-1"] and zeta.version == 1
-    eng.remove_policy("zeta")
+    await eng.remove_policy("zeta")
     await eng.removals_done()
     assert eng.engine.removed == [1] and eng.adapters.occupied() == 0
     assert eng.policies == ["global", "acme"] and eng.adapters.quota == 3
     with pytest.raises(UnknownPolicy, match="no policy named 'zeta'"):
         eng.view("zeta")
     # Added again, it starts at the base weights (its watcher catches up from its topic).
-    eng.add_policy("zeta")
+    await eng.add_policy("zeta")
     assert eng.view("zeta").version == 0
     with pytest.raises(UnknownPolicy, match="the global policy is always served"):
-        eng.remove_policy("global")
+        await eng.remove_policy("global")
+
+
+async def test_a_tenant_removed_while_its_swap_is_in_flight_leaves_no_adapter_behind(tmp_path):
+    """The review's race: zeta's watcher is cancelled mid-load (the swap is shielded and goes on)
+    and zeta removed; before the fix the load then made its adapter zeta's current one and put
+    zeta's served version back, so the slot stayed taken for good. The removal now waits for
+    the load in flight and then drops it: vLLM is asked to remove it (id 1), no slot is taken."""
+    eng = standin_engine(tmp_path, ["acme"])  # 6 slots
+    llm = eng.engine = GatedLLM()
+    x = write_toy_adapter(tmp_path / "x")
+    await eng.add_policy("zeta")
+    caller = asyncio.create_task(eng.view("zeta").swap(1, x, weights_sha256(x)))
+    await llm.entered.wait()
+    caller.cancel()  # the watcher's task, cancelled by TenantPolicySync.close
+    removal = asyncio.create_task(eng.remove_policy("zeta"))
+    await asyncio.sleep(0.05)
+    # Its requests and loads are refused from the call on; the table waits for the load.
+    assert eng.policies == ["global", "acme"] and not removal.done()
+    llm.gate.set()
+    await removal
+    await eng.removals_done()
+    assert llm.added == ["policy-zeta-v1-1"] and llm.removed == [1]
+    assert eng.adapters.occupied() == 0 and eng.adapters.current_of("zeta") is None
+    assert "zeta" not in eng._tenant_served and eng.adapters.quota == 3  # 6 // 2 again
+    # Added again, it starts from the base weights, its slots all free.
+    await eng.add_policy("zeta")
+    assert eng.view("zeta").version == 0 and eng.adapters.quota == 2
+
+
+async def test_a_load_of_a_tenant_waiting_for_the_lock_when_it_is_removed_is_refused(tmp_path):
+    """zeta's swap and canary hold wait behind the global policy's load; zeta is removed
+    meanwhile: both find it gone under the lock (UnknownPolicy) and load nothing."""
+    from server.engine import UnknownPolicy
+
+    eng = standin_engine(tmp_path, ["acme"])
+    llm = eng.engine = GatedLLM()
+    x = write_toy_adapter(tmp_path / "x")
+    sx = weights_sha256(x)
+    await eng.add_policy("zeta")
+    zeta = eng.view("zeta")
+    first = asyncio.create_task(eng.swap(1, x, sx))
+    await llm.entered.wait()
+    swap = asyncio.create_task(zeta.swap(2, x, sx))
+    hold = asyncio.create_task(zeta.hold(1, x, sx))
+    removal = asyncio.create_task(eng.remove_policy("zeta"))
+    await asyncio.sleep(0.05)
+    llm.gate.set()
+    await asyncio.gather(first, removal)
+    for waiting in (swap, hold):
+        with pytest.raises(UnknownPolicy, match="no policy named 'zeta' \\(policies: global, acme\\)"):
+            await waiting
+    await eng.removals_done()
+    assert llm.added == ["policy-v1-1"] and llm.removed == [] and eng.adapters.occupied() == 1
+
+
+async def test_no_tenant_policy_is_added_while_the_global_policy_serves_full_weights(tmp_path):
+    """Review item 8: the global policy's full weights replace the base that tenant adapters
+    apply to; a tenant added then would have its adapters refused and would refuse the global
+    policy's next full version. ``add_policy`` refuses it, nothing changed; at the base it adds."""
+    from server.engine import TenantPolicyRefused
+
+    eng = standin_engine(tmp_path, ["acme"])  # 6 slots
+    await eng.remove_policy("acme")  # no tenant policy: full weights may load
+    assert eng.tenant_policy_refusal() is None
+    full = tmp_path / "full"
+    eng.weights_path, eng.weights_version = full, 5  # what a reload of version 5 leaves
+    why = (
+        f"the global policy serves the full weights of its version 5 ({full}), and tenant policies "
+        "are LoRA adapters over the base weights; publish the global policy's versions as adapters "
+        "(saoserve learn --policy lora), and once its newest version is one, restart the servers "
+        "(they start at the base weights) and add the tenant policy"
+    )
+    assert eng.tenant_policy_refusal() == why
+    with pytest.raises(TenantPolicyRefused) as refused:
+        await eng.add_policy("zeta")
+    assert str(refused.value) == why
+    assert eng.policies == ["global"] and eng.adapters.quota == 6
+    eng.weights_path = eng.model_dir
+    await eng.add_policy("zeta")
+    assert eng.policies == ["global", "zeta"] and eng.adapters.quota == 3  # 6 // 2

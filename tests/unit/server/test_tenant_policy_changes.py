@@ -18,12 +18,14 @@ from sqlalchemy import func, select
 from starlette.testclient import TestClient
 from typer.testing import CliRunner
 
+import server.app
 from core import tenant_store
 from core.db import TrajectoryIndex, make_engine
 from core.policies import GLOBAL
 from core.records import utcnow
 from saoserve.cli import app as cli_app
 from server.app import create_app
+from server.policy_watch import PolicyWatcher
 from testing.cli import KEY
 from testing.guard import add_rated
 from testing.servers import ADMIN, make_settings, running_server
@@ -220,3 +222,155 @@ async def test_saoserve_admin_tenants(tmp_path):
             "error: the server refused the request (400): 'global' names the shared policy; a tenant "
             "policy needs another name\n"
         )
+
+
+def test_a_close_that_fails_still_frees_the_engine_and_the_replica_follows_on(tmp_path, monkeypatch, caplog):
+    """Review item 3: a removal whose close raised ended the sync task, silently, and the engine
+    kept the tenant. Now beta's log failing to close is logged and its database engine is
+    disposed all the same; acme's whole close failing is logged and the engine still drops
+    acme; zeta, added with it, is served in the same pass: the replica still follows the list."""
+    settings = tenant_settings(tmp_path, tenant_poll_s=0.05)
+    engine = SharedFakeEngine()
+    app = create_app(settings, engine=engine, watch_policy=False)
+    with TestClient(app) as client:
+        beta = app.state.tenants["beta"]
+        disposed = []
+        real_dispose = beta.store.engine.dispose
+
+        def broken_close() -> None:
+            raise RuntimeError("the broker is gone")
+
+        def dispose() -> None:
+            disposed.append("beta")
+            real_dispose()
+
+        monkeypatch.setattr(beta.log, "close", broken_close)
+        monkeypatch.setattr(beta.store.engine, "dispose", dispose)
+        client.delete(f"{PATH}/beta", headers=ADMIN)
+        until(lambda: client.get(PATH, headers=ADMIN).json()["served"] == ["acme"])
+        until(lambda: set(engine.views) == {"acme"})
+        assert disposed == ["beta"]
+        assert "beta: closing its log failed" in caplog.text
+
+        async def failing_close_policy(state, own_log):
+            raise RuntimeError("close failed")
+
+        monkeypatch.setattr(server.app, "close_policy", failing_close_policy)
+        client.delete(f"{PATH}/acme", headers=ADMIN)
+        client.post(PATH, json={"tenant": "zeta"}, headers=ADMIN)
+        until(lambda: client.get(PATH, headers=ADMIN).json()["served"] == ["zeta"])
+        assert set(engine.views) == {"zeta"}
+        assert "acme: closing its state failed" in caplog.text
+        monkeypatch.undo()  # the shutdown closes zeta's state
+
+
+def test_the_sync_task_outlives_a_pass_that_raises(tmp_path, monkeypatch, caplog):
+    """Whatever a pass raises, the next runs: the first pass fails, the second adds zeta."""
+    settings = tenant_settings(tmp_path, tenant_poll_s=0.05)
+    app = create_app(settings, engine=SharedFakeEngine(), watch_policy=False)
+    with TestClient(app) as client:
+        sync = app.state.tenant_sync
+        real_sync, passes = sync.sync, []
+
+        async def first_fails() -> None:
+            passes.append(len(passes) + 1)
+            if passes == [1]:
+                raise RuntimeError("pass 1 failed")
+            await real_sync()
+
+        monkeypatch.setattr(sync, "sync", first_fails)
+        client.post(PATH, json={"tenant": "zeta"}, headers=ADMIN)
+        until(lambda: client.get(PATH, headers=ADMIN).json()["served"] == ["acme", "beta", "zeta"])
+        assert passes[:2] == [1, 2]
+        assert "tenant policies: a pass over the list failed; the next in 0.05 s" in caplog.text
+        assert "RuntimeError: pass 1 failed" in caplog.text
+
+
+def test_an_open_that_fails_closes_everything_it_opened(tmp_path, monkeypatch):
+    """Review item 4: zeta's catch-up fails at every try; before the fix each try leaked its
+    database engine, its log and its log threads. Three passes (called by hand: the poll is an
+    hour) open three of each and close all three; the engine no longer serves zeta."""
+    settings = tenant_settings(tmp_path, tenant_poll_s=3600)
+    engine = SharedFakeEngine()
+    made, disposed, opened, closed, pools_shut = [], [], [], [], []
+    real_make_engine, real_open_log, real_open_policy = (
+        server.app.make_engine,
+        server.app.open_log,
+        server.app.open_policy,
+    )
+    real_catch_up = PolicyWatcher.catch_up
+
+    def make_engine(url):
+        db = real_make_engine(url)
+        if "zeta" in url:
+            made.append(db)
+            real = db.dispose
+            monkeypatch.setattr(db, "dispose", lambda: (disposed.append(db), real())[1])
+        return db
+
+    def open_log(url):
+        lt = real_open_log(url)
+        if "zeta" in url:
+            opened.append(lt)
+            real = lt.close
+            monkeypatch.setattr(lt, "close", lambda: (closed.append(lt), real())[1])
+        return lt
+
+    def open_policy(policy, *args, **kwargs):
+        state = real_open_policy(policy, *args, **kwargs)
+        if policy == "zeta":
+            real = state.log_pool.shutdown
+            monkeypatch.setattr(
+                state.log_pool, "shutdown", lambda **kw: (pools_shut.append(state), real(**kw))[1]
+            )
+        return state
+
+    async def catch_up(self):
+        if self.policy == "zeta":
+            raise RuntimeError("zeta's policy topic cannot be read")
+        await real_catch_up(self)
+
+    monkeypatch.setattr(server.app, "make_engine", make_engine)
+    monkeypatch.setattr(server.app, "open_log", open_log)
+    monkeypatch.setattr(server.app, "open_policy", open_policy)
+    monkeypatch.setattr(PolicyWatcher, "catch_up", catch_up)
+    app = create_app(settings, engine=engine, watch_policy=True)
+    with TestClient(app) as client:
+        client.post(PATH, json={"tenant": "zeta"}, headers=ADMIN)
+        for _ in range(3):
+            client.portal.call(app.state.tenant_sync.sync)
+        assert client.get(PATH, headers=ADMIN).json()["served"] == ["acme", "beta"]
+        assert (len(made), len(opened), len(pools_shut)) == (3, 3, 3)
+        assert disposed == made and closed == opened
+        assert set(engine.views) == {"acme", "beta"} and "zeta" not in app.state.tasks
+
+
+WHY = "the global policy serves the full weights of its version 5"
+
+
+def test_no_tenant_policy_is_added_while_the_global_policy_serves_full_weights(tmp_path, caplog):
+    """Review item 8: an add while the global policy serves full weights is 409
+    ``full_weights_served`` saying what to do (a name listed already is answered as before); a
+    replica that finds a name listed in that state does not serve it, logs why, and serves it
+    once the engine is at the base weights again."""
+    settings = tenant_settings(tmp_path, tenant_poll_s=0.05)
+    engine = SharedFakeEngine(refusal=WHY)
+    with TestClient(create_app(settings, engine=engine, watch_policy=False)) as client:
+        assert error(client.post(PATH, json={"tenant": "zeta"}, headers=ADMIN)) == (
+            409,
+            "full_weights_served",
+            f"no tenant policy can be added now: {WHY}",
+        )
+        again = client.post(PATH, json={"tenant": "acme"}, headers=ADMIN)
+        assert again.status_code == 200 and again.json()["changed"] is False
+        db = make_engine(settings.resolved_database_url)
+        try:
+            assert tenant_store.read(db) == ["acme", "beta"]
+            tenant_store.add(db, "zeta", 4)  # another replica's add
+        finally:
+            db.dispose()
+        until(lambda: f"zeta: tenant policy not served: {WHY}" in caplog.text)
+        assert client.get(PATH, headers=ADMIN).json()["served"] == ["acme", "beta"]
+        assert set(engine.views) == {"acme", "beta"}
+        engine.refusal = None
+        until(lambda: client.get(PATH, headers=ADMIN).json()["served"] == ["acme", "beta", "zeta"])

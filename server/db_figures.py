@@ -273,8 +273,10 @@ class LifecycleGauges(PolicyCollector):
     ``saoserve_guard_pinned_version`` (absent unless pinned); and, once the learner has judged
     the current lineage, ``saoserve_guard_delta_bound{bound=lower|upper}``,
     ``saoserve_guard_ratings{arm=candidate|promoted}``, ``saoserve_guard_arm_mean{arm}``,
-    ``saoserve_guard_decision{decision=continue|promote|reject}`` (1 for the verdict's) and
-    ``saoserve_guard_verdict_timestamp_seconds``. A tenant policy's are the same as
+    ``saoserve_guard_decision{decision=continue|promote|reject}`` (1 for the verdict's),
+    ``saoserve_guard_verdict_timestamp_seconds``, and who holds each arm's counted ratings
+    (``learner.guard.guard_votes.Senders``): ``saoserve_guard_top_sender_share{arm}`` (the
+    largest share one identified sender holds) and ``saoserve_guard_identified_senders{arm}``. A tenant policy's are the same as
     ``saoserve_tenant_policy_versions{tenant,stage}``, ``saoserve_tenant_guard_enabled{tenant}``..."""
 
     what = "lifecycle"
@@ -341,6 +343,23 @@ class LifecycleGauges(PolicyCollector):
         for d in ("continue", "promote", "reject"):
             decision.add((d,), int(v.get("decision") == d))
         yield from (bounds, ratings, means, decision)
+        top = Series(
+            GaugeMetricFamily,
+            "guard_top_sender_share",
+            "The largest share of an arm's counted ratings that one identified sender (API key or user) holds.",
+            ("arm",),
+        )
+        identified = Series(
+            GaugeMetricFamily,
+            "guard_identified_senders",
+            "Identified senders (API keys or users) among an arm's counted ratings.",
+            ("arm",),
+        )
+        for arm, held in (v.get("senders") or {}).items():
+            if isinstance(held, dict) and held.get("top_share") is not None:
+                top.add((arm,), held["top_share"])
+                identified.add((arm,), held.get("identified", 0))
+        yield from (top, identified)
         try:
             at = datetime.fromisoformat(v["at"]).timestamp()
         except (KeyError, TypeError, ValueError):

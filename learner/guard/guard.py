@@ -38,7 +38,7 @@ from core.sequential import Decision, Verdict, decide_lineage
 from learner.faults import fault_point
 from learner.guard.gate_models import GateReferences
 from learner.guard.guard_config import GuardConfig
-from learner.guard.guard_votes import Electorate, health_votes, rated_votes
+from learner.guard.guard_votes import Electorate, Senders, Vote, health_votes, rated_votes, values
 from learner.publish import AlsoCommit, promoted_version, storable
 
 log = logging.getLogger(__name__)
@@ -203,12 +203,12 @@ class Guard:
                 return None
             created = {r.version: as_utc(r.created_at) for r in rows if r.version in members}
             promoted = [v.version for v in st if v.stage == Stage.PROMOTED]
-            verdict, vetoes, unmeasured = self._judge(conn, members, promoted, created)
+            verdict, vetoes, senders, unmeasured = self._judge(conn, members, promoted, created)
         if unmeasured is not None:
             measured = self._measure(unmeasured)
             if measured:
                 with self.db.connect() as conn:
-                    verdict, vetoes, unmeasured = self._judge(conn, members, promoted, created)
+                    verdict, vetoes, senders, unmeasured = self._judge(conn, members, promoted, created)
             if unmeasured is not None:
                 if measured is False:
                     self._awaiting = unmeasured
@@ -223,7 +223,7 @@ class Guard:
                     reason=f"promotion deferred (drift veto): version {unmeasured}, the newest, has no "
                     f"KL measured yet and {why} ({verdict.reason})",
                 )
-        self._record_verdict(members, verdict, vetoes)
+        self._record_verdict(members, verdict, vetoes, senders)
         if verdict.decision == Decision.PROMOTE:
             now = utcnow()
             with self.db.begin() as conn:
@@ -239,11 +239,13 @@ class Guard:
 
     def _judge(
         self, conn: Connection, members: list[int], promoted: list[int], created: dict[int, datetime]
-    ) -> tuple[Verdict, dict, int | None]:
+    ) -> tuple[Verdict, dict, dict, int | None]:
         """The rule's verdict on the lineage ``members`` (each recorded at ``created[v]``, UTC)
         against the ``promoted`` versions, then the vetoes (``check``); with the vetoes' own
         figures at this check, whatever the verdict: ``{"drift": {"kl_max", "bound",
-        "measured"}, "health": Verdict as a dict}`` (a key absent when its veto is off); and the
+        "measured"}, "health": Verdict as a dict}`` (a key absent when its veto is off); who
+        holds the counted ratings of the two arms of the version the verdict is about
+        (``{"candidate": Senders, "promoted": Senders}`` as dicts, ``guard_votes.Senders``); and the
         newest version when the verdict promotes but the drift veto has no figure of it yet and
         the learner can measure one (``drift_probe``), else None.
 
@@ -260,7 +262,7 @@ class Guard:
         ends = [created[v] for v in members[1:]] + [None]
         before_lineage = {"before": started, "limit": guard.promoted_window}
 
-        def arms(votes, *args) -> list[tuple[list[float], list[float]]]:
+        def arms(votes, *args) -> list[tuple[list[Vote], list[Vote]]]:
             if not split:
                 comparison = votes(conn, promoted, *args, voters, opted, **before_lineage)
                 return [(votes(conn, [v], *args, voters, opted), comparison) for v in members]
@@ -275,7 +277,12 @@ class Guard:
             ]
 
         elapsed = max((utcnow() - started).total_seconds(), 0.0)
-        _, verdict = decide_lineage(arms(rated_votes), guard.rule_params(), elapsed_s=elapsed)
+        rated = arms(rated_votes)
+        j, verdict = decide_lineage(
+            [(values(own), values(other)) for own, other in rated], guard.rule_params(), elapsed_s=elapsed
+        )
+        own, other = rated[j] if j is not None else ([], [])
+        senders = {"candidate": asdict(Senders.of(own)), "promoted": asdict(Senders.of(other))}
         vetoes: dict = {}
         drift: list[float | None] = []
         if guard.max_kl_ref is not None:
@@ -297,14 +304,16 @@ class Guard:
                 )
         if guard.min_answer_tokens is not None:
             _, health = decide_lineage(
-                arms(health_votes, guard.min_answer_tokens), guard.health_params(), promotes=False
+                [(values(own), values(other)) for own, other in arms(health_votes, guard.min_answer_tokens)],
+                guard.health_params(),
+                promotes=False,
             )
             vetoes["health"] = asdict(health)
             if verdict.decision != Decision.REJECT and health.decision == Decision.REJECT:
                 verdict = replace(health, reason=f"degenerate answers (health veto): {health.reason}")
         promotes = verdict.decision == Decision.PROMOTE
         unmeasured = promotes and bool(drift) and drift[-1] is None and self.drift_probe is not None
-        return verdict, vetoes, members[-1] if unmeasured else None
+        return verdict, vetoes, senders, members[-1] if unmeasured else None
 
     def _measure(self, version: int) -> bool | None:
         """Have the learner measure ``version``'s drift (``drift_probe``) and keep the figure as
@@ -327,12 +336,18 @@ class Guard:
         log.info("guard: version %d measured %.4g nats/token to the base before its promotion", version, kl)
         return True
 
-    def _record_verdict(self, members: list[int], verdict: Verdict, vetoes: dict) -> None:
+    def _record_verdict(self, members: list[int], verdict: Verdict, vetoes: dict, senders: dict) -> None:
         """Keep the verdict (bounds, counts, decision) on ``members`` as the ``guard_verdict``
         flag, for /metrics and the dashboard: ``{"lineage": [...], "at": ISO time, **Verdict,
-        "vetoes": ...}``, the vetoes' figures of ``_judge`` at every check (not only once one
-        rejects), so an operator sees how near each is to its bound."""
-        record = {"lineage": members, "at": utcnow().isoformat()} | asdict(verdict) | {"vetoes": vetoes}
+        "vetoes": ..., "senders": ...}``, the vetoes' figures of ``_judge`` at every check (not
+        only once one rejects), so an operator sees how near each is to its bound, and who holds
+        each arm's ratings (``saoserve_guard_top_sender_share``, docs/guard.md "Watching who
+        votes")."""
+        record = (
+            {"lineage": members, "at": utcnow().isoformat()}
+            | asdict(verdict)
+            | {"vetoes": vetoes, "senders": senders}
+        )
         set_flag(self.db, GUARD_VERDICT, json.dumps(storable(record)))
 
     def _reject_lineage(self, members: list[int], reason: str) -> int | None:

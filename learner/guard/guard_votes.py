@@ -32,6 +32,7 @@ the same rule in pure form, applied again to what they return, and what the simu
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -87,14 +88,46 @@ def may_vote(vote: Vote, electorate: Electorate) -> bool:
     return electorate.max_share is None or vote.identity is not None
 
 
-def ballot(votes: Sequence[Vote], electorate: Electorate) -> list[float]:
-    """The values that count, in order: the votes that ``may_vote``, then the identity cap over
-    them (``admit_stream``). Raises ValueError for a cap ``admit_stream`` refuses."""
+def counted(votes: Sequence[Vote], electorate: Electorate) -> list[Vote]:
+    """The votes that count, in order: those that ``may_vote``, then the identity cap over them
+    (``admit_stream``). Raises ValueError for a cap ``admit_stream`` refuses."""
     eligible = [v for v in votes if may_vote(v, electorate)]
     if electorate.max_share is None:
-        return [v.value for v in eligible]
-    admitted = admit_stream([v.identity for v in eligible], electorate.window, electorate.max_share)
-    return [eligible[i].value for i in admitted]
+        return eligible
+    return [
+        eligible[i]
+        for i in admit_stream([v.identity for v in eligible], electorate.window, electorate.max_share)
+    ]
+
+
+def ballot(votes: Sequence[Vote], electorate: Electorate) -> list[float]:
+    """The values of the votes that count (``counted``), in order."""
+    return [v.value for v in counted(votes, electorate)]
+
+
+def values(votes: Sequence[Vote]) -> list[float]:
+    """The values of ``votes``, in order (what the decision rule reads)."""
+    return [v.value for v in votes]
+
+
+@dataclass(frozen=True)
+class Senders:
+    """Who holds one arm's counted votes (docs/guard.md, "Watching who votes"): ``votes`` the
+    arm's counted votes; ``identified`` the distinct senders among them with an identity (an
+    API key, or a ``user`` field); ``top_share`` the largest share of the ``votes`` one of them
+    holds (0.0 when none is identified). Anonymous votes count in ``votes`` and for no sender:
+    an anonymous flood cannot be told from many anonymous users."""
+
+    votes: int
+    identified: int
+    top_share: float
+
+    @classmethod
+    def of(cls, votes: Sequence[Vote]) -> Senders:
+        """E.g. votes of a, a, a, b and one anonymous: 5 votes, 2 identified, a holds 3/5 = 0.6."""
+        held = Counter(v.identity for v in votes if v.identity is not None)
+        top = max(held.values(), default=0)
+        return cls(len(votes), len(held), top / len(votes) if votes else 0.0)
 
 
 def _voters(q, electorate: Electorate, opted_out: frozenset[str]):
@@ -124,9 +157,9 @@ def rated_votes(
     since: datetime | None = None,
     arm: Arm | None = None,
     limit: int | None = None,
-) -> list[float]:
-    """The rewards that vote, of the rated single-turn answers ``versions`` dispatched
-    (``trajectory_index.dispatch_version``), oldest rating first, after ``ballot``; ``opted_out``
+) -> list[Vote]:
+    """The votes (rewards) that count, of the rated single-turn answers ``versions`` dispatched
+    (``trajectory_index.dispatch_version``), oldest rating first, after ``counted``; ``opted_out``
     the senders whose key's training is off now (``core.keys.opted_out_keys``, read from the
     key registry, which a tenant namespace does not hold).
 
@@ -156,7 +189,7 @@ def rated_votes(
     if limit is not None:
         q = q.limit(limit)
     rows = reversed(conn.execute(q).all())
-    return ballot([_vote(float(r.reward), r.identity, r.train, opted_out) for r in rows], electorate)
+    return counted([_vote(float(r.reward), r.identity, r.train, opted_out) for r in rows], electorate)
 
 
 def health_votes(
@@ -170,9 +203,9 @@ def health_votes(
     since: datetime | None = None,
     arm: Arm | None = None,
     limit: int | None = None,
-) -> list[float]:
-    """1.0 for each sound answer ``versions`` dispatched, 0.0 for each degenerate one
-    (``core.lifecycle.healthy``), rated or not, oldest first, after ``ballot``: every answer
+) -> list[Vote]:
+    """The votes that count, 1.0 for each sound answer ``versions`` dispatched, 0.0 for each
+    degenerate one (``core.lifecycle.healthy``), rated or not, oldest first, after ``counted``: every answer
     that ended (``ENDED_FINISHES``). ``before``, ``since``, ``arm`` and ``limit`` as for
     ``rated_votes``."""
     wanted = list(versions)
@@ -204,4 +237,4 @@ def health_votes(
         )
         for r in rows
     ]
-    return ballot(votes, electorate)
+    return counted(votes, electorate)

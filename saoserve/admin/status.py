@@ -192,12 +192,24 @@ def _versions(vs: list) -> str:
     return ", ".join(map(str, vs))
 
 
+ARMS = (("lineage", "candidate"), ("promoted", "promoted"))
+"""The verdict's two arms: (the name printed, the key in the guard_verdict flag)."""
+
+
+def _held(name: str, s: dict | None) -> str:
+    """Who holds one arm's counted ratings (``learner.guard.guard_votes.Senders``), e.g.
+    ``lineage 11 identified, the largest 13.0%``."""
+    if not s:
+        return f"{name} -"
+    return f"{name} {s.get('identified', 0)} identified, the largest {100 * (s.get('top_share') or 0.0):.1f}%"
+
+
 def _guard_lines(g: dict) -> list[tuple[str, str]]:
     """The rows of the guard's state (``GuardState`` of /dashboard/state; docs/guard.md): what the
     guard can do on this replica, in the server's words (decide against a live control arm, or
     only watch on probation; off; pinned), the promoted version, the lineage, and the last
     verdict on it (the decision, its time, the bounds on Δ = mean(lineage) − mean(promoted),
-    each arm's ratings, the reason). Any value the learner stored as null (a non-finite bound)
+    each arm's ratings and who holds them, the reason). Any value the learner stored as null (a non-finite bound)
     prints as ``-``."""
     promoted = "none" if g["promoted"] is None else f"version {g['promoted']}"
     lineage = g["lineage"]
@@ -218,12 +230,15 @@ def _guard_lines(g: dict) -> list[tuple[str, str]]:
     )
     rows.append(("", f"Δ (lineage − promoted) in [{num(v.get('lower'))}, {num(v.get('upper'))}]"))
     arms = []
-    for name, key in (("lineage", "candidate"), ("promoted", "promoted")):
+    for name, key in ARMS:
         a = v.get(key) or {}
         arms.append(
             f"{name} {num(a.get('n'))} (mean {num(a.get('mean'))}, "
             f"in [{num(a.get('lower'))}, {num(a.get('upper'))}])"
         )
     rows.append(("", "ratings: " + "; ".join(arms)))
+    held = v.get("senders") or {}
+    if held:
+        rows.append(("", "senders: " + "; ".join(_held(name, held.get(key)) for name, key in ARMS)))
     rows.append(("", f"reason: {v.get('reason')}"))
     return rows

@@ -15,7 +15,7 @@ from core.db import FeedbackClaim, TrajectoryIndex, make_engine, migrate
 from core.keys import KeyStore, opted_out_keys
 from core.lifecycle import Arm
 from core.records import utcnow
-from learner.guard.guard_votes import Electorate, health_votes, rated_votes
+from learner.guard.guard_votes import Electorate, Senders, health_votes, rated_votes, values
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -78,13 +78,16 @@ def test_who_votes_in_the_database(db):
         opted = opted_out_keys(conn)
         assert opted == {f"key:{out.id}"}
         # Without the registry's answer the key's own rows (a, b) still vote: the setting is read.
-        assert rated_votes(conn, [1], Electorate(None, 2)) == [0.0, 0.0, 1.0, 0.5, 0.25, 1.0]
-        assert rated_votes(conn, [1], Electorate(None, 2), opted) == [1.0, 0.5, 0.25, 1.0]  # c, e, f, g
+        assert values(rated_votes(conn, [1], Electorate(None, 2))) == [0.0, 0.0, 1.0, 0.5, 0.25, 1.0]
+        voting = rated_votes(conn, [1], Electorate(None, 2), opted)
+        assert values(voting) == [1.0, 0.5, 0.25, 1.0]  # c, e, f, g
+        # Who holds them: the key that stays (c, g) 2 of 4, user:<id> (f) 1, e anonymous.
+        assert Senders.of(voting) == Senders(votes=4, identified=2, top_share=0.5)
         # Cap on, windows of 2 at share 0.5 (k = 1): e is out; c and f fill window 1; g alone in
         # window 2 (partial, the last).
-        assert rated_votes(conn, [1], Electorate(0.5, 2), opted) == [1.0, 0.25, 1.0]
+        assert values(rated_votes(conn, [1], Electorate(0.5, 2), opted)) == [1.0, 0.25, 1.0]
         # limit counts voting ratings: the newest 2 that vote (f, g).
-        assert rated_votes(conn, [1], Electorate(None, 2), opted, limit=2) == [0.25, 1.0]
-        assert rated_votes(conn, [1], Electorate(None, 2), opted, arm=Arm.CONTROL) == []
+        assert values(rated_votes(conn, [1], Electorate(None, 2), opted, limit=2)) == [0.25, 1.0]
+        assert values(rated_votes(conn, [1], Electorate(None, 2), opted, arm=Arm.CONTROL)) == []
         # Health: every ended answer that votes; c has 1 token (degenerate at min 4 tokens).
-        assert health_votes(conn, [1], 4, Electorate(None, 2), opted) == [0.0, 1.0, 1.0, 1.0]
+        assert values(health_votes(conn, [1], 4, Electorate(None, 2), opted)) == [0.0, 1.0, 1.0, 1.0]

@@ -76,8 +76,8 @@ def panel_queries(doc: dict) -> list[str]:
 def test_promtool_checks_the_rules():
     run = run_promtool("check", "rules", str(ALERTS))
     assert run.returncode == 0, run.stdout + run.stderr
-    # 6 alerts and the 2 recording rules of feedback→served and its target.
-    assert "SUCCESS: 8 rules found" in run.stdout
+    # 7 alerts and the 2 recording rules of feedback→served and its target.
+    assert "SUCCESS: 9 rules found" in run.stdout
 
 
 def test_promtool_passes_each_alerts_cases():
@@ -95,6 +95,7 @@ def test_every_alert_has_a_firing_and_a_quiet_case():
         "SaoserveFeedbackToServedAboveTarget",
         "SaoserveReplicaBehind",
         "SaoserveGuardRejectingInALoop",
+        "SaoserveGuardVotesHeldByOneSender",
     }
     firing, quiet = set(), set()
     for case in yaml.safe_load(ALERT_TESTS.read_text())["tests"]:
@@ -158,6 +159,10 @@ def exported_names() -> set[str]:
         "upper": 0.2,
         "candidate": {"n": 4, "mean": 0.5},
         "promoted": {"n": 8, "mean": 0.5},
+        "senders": {
+            "candidate": {"votes": 4, "identified": 2, "top_share": 0.5},
+            "promoted": {"votes": 8, "identified": 8, "top_share": 0.125},
+        },
     }
     state = LifecycleState(
         {"candidate": 0, "canary": 1, "promoted": 1, "rejected": 0}, 2, [3], True, 2, verdict

@@ -501,7 +501,7 @@ def test_one_identity_rating_by_arm_does_not_decide_the_verdict_under_the_identi
     learner.guard.electorate = Electorate(None, 20)
     with learner.db.connect() as conn:
         created = {1: now - timedelta(seconds=1)}  # before the ratings, however slow the run
-        uncapped, _, _ = learner.guard._judge(conn, [1], [0], created)
+        uncapped, _, senders, _ = learner.guard._judge(conn, [1], [0], created)
     assert uncapped.decision == Decision.REJECT and uncapped.candidate.n == 120
     # The cap at share 0.1 of windows of 20: k = 2 votes an identity per window. Window 1: the
     # key's 2 oldest, then the next honest ones up to 20 (18: users 0-9, 0-7, each <= 2);
@@ -512,6 +512,15 @@ def test_one_identity_rating_by_arm_does_not_decide_the_verdict_under_the_identi
     verdict = json.loads(get_flag(learner.db, GUARD_VERDICT))
     assert (verdict["candidate"]["n"], verdict["candidate"]["mean"]) == (46, pytest.approx(40 / 46))
     assert (verdict["promoted"]["n"], verdict["promoted"]["mean"]) == (46, 1.0)
+    # Who held the votes (saoserve_guard_top_sender_share): uncapped, the key 80 of 120 in each
+    # arm; capped, 6 of 46 (each honest user 4), among 11 identified senders.
+    assert senders["candidate"] == {"votes": 120, "identified": 11, "top_share": pytest.approx(80 / 120)}
+    assert verdict["senders"]["candidate"] == {
+        "votes": 46,
+        "identified": 11,
+        "top_share": pytest.approx(6 / 46),
+    }
+    assert verdict["senders"]["promoted"] == verdict["senders"]["candidate"]
 
 
 def test_an_opted_out_or_unknown_sender_s_ratings_never_vote(learner):

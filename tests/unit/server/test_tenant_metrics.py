@@ -118,6 +118,11 @@ def write_acme(url: str) -> None:
             "upper": 0.5,
             "candidate": {"n": 10, "mean": 0.75},
             "promoted": {"n": 30, "mean": 0.625},
+            # one key held 4 of the candidate arm's 10 ratings, among 5 identified senders
+            "senders": {
+                "candidate": {"votes": 10, "identified": 5, "top_share": 0.4},
+                "promoted": {"votes": 30, "identified": 30, "top_share": 1 / 30},
+            },
         }
         set_flag(db, GUARD_VERDICT, json.dumps(verdict))
         set_flag(db, GUARD_OFF, "1")
@@ -178,6 +183,10 @@ ACME = {
     ("saoserve_guard_decision", (("decision", "promote"),)): 0,
     ("saoserve_guard_decision", (("decision", "reject"),)): 0,
     ("saoserve_guard_verdict_timestamp_seconds", ()): AT_UNIX,
+    ("saoserve_guard_top_sender_share", (("arm", "candidate"),)): 0.4,
+    ("saoserve_guard_top_sender_share", (("arm", "promoted"),)): 1 / 30,
+    ("saoserve_guard_identified_senders", (("arm", "candidate"),)): 5,
+    ("saoserve_guard_identified_senders", (("arm", "promoted"),)): 30,
     ("saoserve_learner_events_total", (("event", "dead_letters"),)): 2,
     ("saoserve_learner_events_total", (("event", "expired"),)): 3,
     ("saoserve_learner_identity_top_share", ()): 0.5,

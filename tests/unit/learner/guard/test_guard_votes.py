@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from learner.data.identity_cap import admit_stream, select_batch
-from learner.guard.guard_votes import Electorate, Vote, ballot, may_vote
+from learner.guard.guard_votes import Electorate, Senders, Vote, ballot, may_vote
 
 
 def naive_stream(identities, window, share):
@@ -89,3 +89,12 @@ def test_the_vote_window_makes_the_share_exact():
     assert Electorate.of(0.01, 16) == Electorate(0.01, 100)
     assert Electorate.of(1 / 3, 2) == Electorate(1 / 3, 3)  # ⌈3 − 1e-9⌉ = 3, not 4
     assert Electorate.of(None, 16) == Electorate(None, 16)
+
+
+def test_who_holds_an_arm_s_votes():
+    # a, a, a, b and one anonymous: 5 votes, 2 identified senders, a holds 3 of 5.
+    votes = [Vote(1.0, "key:a")] * 3 + [Vote(0.0, "user:b"), Vote(1.0, None)]
+    assert Senders.of(votes) == Senders(votes=5, identified=2, top_share=0.6)
+    # Anonymous alone: no sender identified, so no share held; no votes at all: zeros.
+    assert Senders.of([Vote(1.0, None)] * 4) == Senders(4, 0, 0.0)
+    assert Senders.of([]) == Senders(0, 0, 0.0)

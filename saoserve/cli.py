@@ -447,7 +447,7 @@ def retention(
 
     Also their index rows, feedback claims, pending joins and waiting learner samples (docs/privacy.md),
     in the global policy's namespace and in each tenant policy's (SAOSERVE_TENANT_POLICIES and
-    the database's list).
+    the database's list, those removed from it included).
     First it finishes any forget a crash left pending.
     Run it from cron; a Kafka log keeps its records for its topics' retention.ms instead.
     """

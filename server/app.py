@@ -439,7 +439,8 @@ async def close_policy(state: ServerState, own_log: bool) -> None:
     log threads, cancel deferred writes (their records are in the log, the writes in the
     journal: the next start does them), close the log if this app opened it (``own_log``) and
     the database. A log or database that fails to close is logged (``failure_logged``) and the
-    rest still closes."""
+    rest still closes. Closing runs in a thread (a Kafka producer's close waits for the broker),
+    so a tenant policy removed at run time does not hold the event loop."""
     if state.background:
         await asyncio.gather(*state.background, return_exceptions=True)
     state.log_pool.shutdown(wait=False)
@@ -453,6 +454,6 @@ async def close_policy(state: ServerState, own_log: bool) -> None:
             t.cancel()
     if own_log:
         with failure_logged(state.policy, "closing its log"):
-            state.log.close()
+            await asyncio.to_thread(state.log.close)
     with failure_logged(state.policy, "closing its database engine"):
-        state.store.engine.dispose()
+        await asyncio.to_thread(state.store.engine.dispose)

@@ -212,11 +212,10 @@ class Guard:
             if unmeasured is not None:
                 if measured is False:
                     self._awaiting = unmeasured
-                why = (
-                    "no batch it has not trained on is full"
-                    if measured is False
-                    else "its measure failed (logged; the next check tries again)"
-                )
+                why = {
+                    False: "no batch it has not trained on is full",
+                    None: "its measure failed (logged; the next check tries again)",
+                }.get(measured, "its figure did not reach the judgement (the next check tries again)")
                 verdict = replace(
                     verdict,
                     decision=Decision.CONTINUE,

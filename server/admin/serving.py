@@ -157,14 +157,25 @@ def _open_unserved(settings: Settings, served: list[str]) -> list[Unserved]:
     finally:
         global_db.dispose()
     opened: list[Unserved] = []
-    for name in names:
-        space = settings.model_copy(update={"tenant_policies": [name]}).for_tenant(name)
-        if not _exists(space.resolved_database_url):
-            continue
-        kafka = space.resolved_log_url.startswith("kafka://")
-        log_db = None if kafka else make_engine(space.resolved_log_url)
-        opened.append(Unserved(name, make_engine(space.resolved_database_url), log_db, kafka))
+    try:
+        for name in names:
+            space = settings.model_copy(update={"tenant_policies": [name]}).for_tenant(name)
+            if not _exists(space.resolved_database_url):
+                continue
+            kafka = space.resolved_log_url.startswith("kafka://")
+            log_db = None if kafka else make_engine(space.resolved_log_url)
+            opened.append(Unserved(name, make_engine(space.resolved_database_url), log_db, kafka))
+    except BaseException:
+        _close_unserved(opened)  # what opened before the failure, not left to the pool
+        raise
     return opened
+
+
+def _close_unserved(opened: list[Unserved]) -> None:
+    for u in opened:
+        u.db.dispose()
+        if u.log_db is not None:
+            u.log_db.dispose()
 
 
 @asynccontextmanager
@@ -178,7 +189,4 @@ async def unserved_namespaces(settings: Settings, served: Iterable[str]) -> Asyn
     try:
         yield opened
     finally:
-        for u in opened:
-            u.db.dispose()
-            if u.log_db is not None:
-                u.log_db.dispose()
+        await asyncio.to_thread(_close_unserved, opened)

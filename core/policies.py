@@ -31,10 +31,15 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 from sqlalchemy.engine import make_url
 
 from core.db import search_path_schema
-from core.keys import BadTenant, check_tenant
+from core.keys import TENANT_REGEX, BadTenant, check_tenant
 
 GLOBAL = "global"
 """The name of the policy every request without a tenant policy of its own is served by."""
+
+POLICY_TENANT_REGEX = rf"^(?!{GLOBAL}$){TENANT_REGEX.removeprefix('^')}"
+"""A tenant policy's name as the OpenAPI spec states it (``check_policy_tenant``): a tenant name
+(``core.keys.TENANT_REGEX``) other than ``global``. For the spec only: the routes check names with
+``check_policy_tenant``, whose message says what is wrong (a pattern's would not)."""
 
 TENANTS_DIR = "tenants"
 """The folder, beside the global database file and inside the global policy folder, that holds

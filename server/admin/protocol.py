@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from core.keys import TENANT_REGEX
 from core.lifecycle import CANARY_SHARE_MAX, CANARY_SHARE_MIN, check_canary_share
 from core.limits import NAME_CHARS
+from core.policies import POLICY_TENANT_REGEX
 from server.schemas import MAX_INT32, MAX_NAME_CHARS, EdgeModel, StoredStr, exactly_one
 
 # Every key a route's dict holds is a field: a key core adds without its field here fails the
@@ -81,7 +82,8 @@ class AddTenantPolicy(EdgeModel):
     not ``global``: ``core.policies.check_policy_tenant``, whose message a refusal carries)."""
 
     model_config = ConfigDict(extra="forbid")
-    tenant: str = Field(max_length=NAME_CHARS)
+    # The pattern is the spec's; the route checks the name itself, to say what is wrong with it.
+    tenant: str = Field(max_length=NAME_CHARS, json_schema_extra={"pattern": POLICY_TENANT_REGEX})
 
 
 class TenantPolicyList(BaseModel):

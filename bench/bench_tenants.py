@@ -2,7 +2,9 @@
 docs/tenants.md, "A policy per tenant").
 
 One ``saoserve serve`` with ``SAOSERVE_TENANT_POLICIES=acme,beta`` and adapter serving, one API
-key per tenant (``POST /admin/keys``), two ``saoserve learn --tenant T`` processes (LoRA, the
+key per tenant (``POST /admin/keys``), two ``saoserve learn --tenant T`` processes (or with
+``--one-learner`` one ``saoserve learn --tenants global,acme,beta``: the three policies' learners
+on one shared base in one process) (LoRA, the
 ``demo`` preset at batch ``--batch-size``, the guard off so every version serves all its
 tenant's traffic), and two open-loop simulations at once, one per tenant, each sending its
 tenant's key: acme's simulated users reward ``pirate`` answers, beta's ``poetic`` ones, judged
@@ -20,7 +22,7 @@ share rising while the cross-talk does not follow the other tenant's target. Rec
 and the table go to ``--out``; the servers' and learners' logs to ``--out/logs``.
 
     flock /tmp/saoserve-heavy.lock .venv/bin/python bench/bench_tenants.py --out /tmp/bench-tenants \\
-        [--seconds 600] [--batch-size 8] [--concurrency 4] [--window N] [--seed 0]
+        [--seconds 600] [--batch-size 8] [--concurrency 4] [--window N] [--seed 0] [--one-learner]
 
 Every process started is stopped at the end, also on an error, Ctrl-C or SIGTERM.
 """
@@ -43,6 +45,7 @@ from pathlib import Path
 
 import httpx
 
+from core.policies import GLOBAL
 from judge.sim_config import SimulationConfig
 from judge.sim_result import SimulationResult, save_records
 from judge.simulate import Simulation
@@ -128,6 +131,13 @@ class TenantServices:
         (two learners and the engine share the machine's cores)."""
         env = self.env | {"OMP_NUM_THREADS": str(self.learner_threads)}
         self._spawn(f"learner-{tenant}", ["learn", "--tenant", tenant, "--config", str(config)], env)
+
+    def start_one_learner(self, policies: list[str], config: Path) -> None:
+        """``saoserve learn --tenants P1,P2,… --config CONFIG``: every policy's learner in one
+        process on one shared base (``learner.tenants``, docs/tenants.md "Many tenants in one
+        learner"), on ``learner_threads`` threads."""
+        env = self.env | {"OMP_NUM_THREADS": str(self.learner_threads)}
+        self._spawn("learner", ["learn", "--tenants", ",".join(policies), "--config", str(config)], env)
 
     def create_key(self, tenant: str) -> str:
         """A new API key of ``tenant`` (``POST /admin/keys``). Raises httpx.HTTPStatusError."""
@@ -332,6 +342,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--learner-threads", type=int, default=1, help="torch threads per learner (1)")
     p.add_argument("--guard", action="store_true", help="run the learners' guard (canary split) too")
     p.add_argument(
+        "--one-learner",
+        action="store_true",
+        help="one `saoserve learn --tenants global,acme,beta` process instead of one per tenant",
+    )
+    p.add_argument(
         "--model-dir", type=Path, default=MODEL_DIR, help="prepared model (var/model of the checkout)"
     )
     p.add_argument("--keep-home", action="store_true", help="keep the run's home (databases, adapters)")
@@ -354,8 +369,11 @@ def main(argv: list[str] | None = None) -> int:
             services.start_server()
             keys = {t: services.create_key(t) for t in TENANTS}
             cards = {t: services.check_key(t, k) for t, k in keys.items()}
-            for t in TENANTS:
-                services.start_learner(t, home / "learner.json")
+            if args.one_learner:
+                services.start_one_learner([GLOBAL, *TENANTS], home / "learner.json")
+            else:
+                for t in TENANTS:
+                    services.start_learner(t, home / "learner.json")
             sims = simulations(args, services.url, services.admin_key, keys)
             print(
                 f"server ready, cards {cards}; running the tenants for {args.seconds:.0f} s", file=sys.stderr

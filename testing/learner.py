@@ -13,6 +13,7 @@ import math
 import threading
 import time
 from collections import Counter
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -20,10 +21,12 @@ from safetensors.torch import load_file
 from sqlalchemy import select
 
 from core.db import LearnerStep, PolicyVersion, migrate
+from core.lifecycle_store import set_step_metric
 from core.policy_store import WEIGHTS_FILE
 from core.records import TOPIC_FEEDBACK, TOPIC_TRAJECTORIES, FeedbackRecord, TrajectoryRecord, utcnow
 from learner.config import LearnerConfig
 from learner.process import Learner
+from testing.guard import add_rated
 from testing.models import byte_tokenizer, tiny_base, tiny_llama
 
 VOCAB = 512
@@ -138,3 +141,26 @@ def run_until(learner: Learner, condition, timeout_s: float = 60.0) -> bool:
     finally:
         stop.set()
         thread.join(60)
+
+
+def lifecycles(learner: Learner) -> dict[int, str]:
+    """Each version's lifecycle stage, as ``learner``'s database holds it."""
+    with learner.db.connect() as conn:
+        return dict(conn.execute(select(PolicyVersion.version, PolicyVersion.lifecycle)).all())
+
+
+def rate(
+    learner: Learner, version: int, rewards: list[float], at, first: int = 0, arm: str | None = None
+) -> None:
+    """Record rated single-turn answers dispatched by ``version`` at ``at`` (what the server's
+    trajectory index and feedback claims hold), routed to the canary ``arm``, 1 ms apart."""
+    with learner.db.begin() as conn:
+        for i, r in enumerate(rewards, start=first):
+            add_rated(conn, f"r{version}-{arm}-{i}", version, r, at + timedelta(milliseconds=i), arm=arm)
+
+
+def set_kl_ref(learner: Learner, version: int, kl: float) -> None:
+    """Write ``kl`` as the ``kl_ref`` metric of the step that trained ``version`` (the KL
+    anchor's figure, which the drift veto reads: the tiny test learner runs without the anchor)."""
+    with learner.db.begin() as conn:
+        assert set_step_metric(conn, version, "kl_ref", kl) == 1

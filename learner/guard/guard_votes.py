@@ -102,7 +102,7 @@ def counted(votes: Sequence[Vote], electorate: Electorate) -> list[Vote]:
 
 def ballot(votes: Sequence[Vote], electorate: Electorate) -> list[float]:
     """The values of the votes that count (``counted``), in order."""
-    return [v.value for v in counted(votes, electorate)]
+    return values(counted(votes, electorate))
 
 
 def values(votes: Sequence[Vote]) -> list[float]:

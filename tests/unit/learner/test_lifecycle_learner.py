@@ -10,34 +10,27 @@ from __future__ import annotations
 
 import copy
 import json
-import time
 from collections import Counter
 from datetime import timedelta
 
 import pytest
 import torch
-from sqlalchemy import insert, select, update
+from sqlalchemy import insert, select
 
 from core.control import GUARD_VERDICT, PAUSED, get_flag, set_flag
 from core.db import (
     LearnerCounter,
     LearnerSample,
-    LearnerStep,
     PolicyVersion,
     QuarantinedSample,
     VersionStatusEvent,
 )
-from core.keys import KeyStore
 from core.lifecycle import judge_lineage
-from core.lifecycle_store import step_metric
 from core.logbus import open_log
 from core.records import PolicyEvent, utcnow
 from core.sequential import Decision
-from learner.data.samples import Sample, collate
 from learner.guard.gate import GateConfig, GateResult, decide
-from learner.guard.guard import KL_AFTER
 from learner.guard.guard_config import GuardConfig
-from learner.guard.guard_votes import Electorate
 from learner.process import Learner
 from server.db_figures import read_lifecycle
 from testing.guard import add_rated, prpl_eb_lower
@@ -49,7 +42,9 @@ from testing.learner import (
     feed,
     gate_model_dir,
     in_process,
-    run_until,
+    lifecycles,
+    rate,
+    set_kl_ref,
     trained_ids,
 )
 from testing.logs import read_topic
@@ -79,11 +74,6 @@ def gate_result(kl: float) -> GateResult:
         passed=not reasons,
         reasons=reasons,
     )
-
-
-def lifecycles(learner: Learner) -> dict[int, str]:
-    with learner.db.connect() as conn:
-        return dict(conn.execute(select(PolicyVersion.version, PolicyVersion.lifecycle)).all())
 
 
 def announced(learner: Learner) -> list[PolicyEvent]:
@@ -121,13 +111,6 @@ def step_sample_ids(learner: Learner, version: int) -> list[str]:
                 select(QuarantinedSample.sample_id).where(QuarantinedSample.version == version)
             )
         ]
-
-
-@pytest.fixture
-def learner(tmp_path, monkeypatch):
-    learner = in_process(tmp_path, f"sqlite:///{tmp_path / 'db.sqlite'}", checkpoint_every=100)
-    yield learner
-    learner.db.dispose()
 
 
 def test_a_candidate_with_twice_the_kl_bound_is_rejected_before_it_serves(learner, monkeypatch):
@@ -205,16 +188,6 @@ def test_a_restart_after_a_gate_rejection_trains_from_the_parent(learner, monkey
     ]  # the rejected version 2 is not announced at start
 
 
-def rate(
-    learner: Learner, version: int, rewards: list[float], at, first: int = 0, arm: str | None = None
-) -> None:
-    """Record rated single-turn answers dispatched by ``version`` at ``at`` (what the server's
-    trajectory index and feedback claims hold), routed to the canary ``arm``."""
-    with learner.db.begin() as conn:
-        for i, r in enumerate(rewards, start=first):
-            add_rated(conn, f"r{version}-{arm}-{i}", version, r, at + timedelta(milliseconds=i), arm=arm)
-
-
 def test_a_lineage_whose_answers_collapse_is_vetoed_though_the_sparse_rewards_cannot_tell(learner):
     """The broken-learner run of docs/guard.md ("Simulated attacks and faults"): rewards near 0
     on both sides, so the reward rule cannot reject; the lineage's answers turned degenerate."""
@@ -245,200 +218,6 @@ def test_a_lineage_whose_answers_collapse_is_vetoed_though_the_sparse_rewards_ca
     assert lifecycles(learner) == {0: "promoted", 1: "rejected", 2: "promoted"}
 
 
-def set_kl_ref(learner: Learner, version: int, kl: float, name: str = "kl_ref") -> None:
-    """Write ``kl`` as the ``name`` metric (``kl_ref``) of the step that trained ``version``
-    (the KL anchor's figure: the tiny test learner runs without the anchor)."""
-    with learner.db.begin() as conn:
-        row = conn.execute(
-            select(LearnerStep.id, LearnerStep.metrics).where(LearnerStep.version == version)
-        ).one()
-        conn.execute(
-            update(LearnerStep).where(LearnerStep.id == row.id).values(metrics=row.metrics | {name: kl})
-        )
-
-
-def test_a_lineage_that_drifted_from_the_promoted_version_is_vetoed_before_its_answers_tell(learner):
-    """The broken-learner runs of docs/guard.md: the answers stayed long and the rewards sparse,
-    so neither the reward rule nor the health veto could reject, while the training batches'
-    KL to the base passed the gate's bound (0.6) at the lineage's 6th-9th version. The veto
-    bounds the drift beyond the promoted version's (issue 40: measured from the base, a promoted
-    version near the bound had every lineage after it rejected in a loop)."""
-    feed(open_log(learner.settings.resolved_database_url), 3 * BATCH, 0)
-    learner.poll_once()
-    rate(learner, 0, [1.0] * 3 + [0.0] * 29, utcnow() - timedelta(hours=1))
-    for _ in range(3):
-        learner.train_step()
-    assert lifecycles(learner) == {0: "promoted", 1: "canary", 2: "canary", 3: "canary"}
-    # Version 1's step measured the promoted version it started from: 0.5 nats/token to the
-    # base, near the bound 0.6. Version 2's measured version 1: 0.87 = 0.5 + 0.37, the largest
-    # clean drift measured (docs/log/2026-12-05-demo-runs.md) beyond the promoted version's. From the base (0.87 >
-    # 0.6) it was rejected; from the promoted version (0.37 <= 0.6) it continues.
-    set_kl_ref(learner, 1, 0.5)
-    set_kl_ref(learner, 2, 0.87)
-    assert learner.guard_check() == Decision.CONTINUE
-    # The vetoes' figures are kept at a check that rejects nothing: one drift measured (0.87 −
-    # 0.5 = 0.37; version 3's step wrote none, as the test learner runs without the KL anchor),
-    # its bound 0.6; the health veto's verdict.
-    vetoes = json.loads(get_flag(learner.db, GUARD_VERDICT))["vetoes"]
-    assert vetoes["drift"] == {"kl_max": pytest.approx(0.37), "bound": 0.6, "measured": 1}
-    assert vetoes["health"]["decision"] == "continue"
-    # Version 2, measured by the step trained from it (step 3's kl_ref), 1.14: 1.14 − 0.5 =
-    # 0.64 > max_kl_ref 0.6.
-    set_kl_ref(learner, 3, 1.14)
-    assert learner.guard_check() == Decision.REJECT
-    verdict = json.loads(get_flag(learner.db, GUARD_VERDICT))
-    assert verdict["reason"] == (
-        "drifted from the promoted version (drift veto): a training batch measured KL 0.64 nats/token "
-        "beyond the promoted version's, over 0.6"
-    )
-    assert lifecycles(learner) == {0: "promoted", 1: "rejected", 2: "rejected", 3: "rejected", 4: "promoted"}
-
-
-def anchored(tmp_path) -> Learner:
-    """A learner with the KL anchor (so it can measure a version's drift) whose rule promotes a
-    lineage that won as often as the promoted record (δ 0.5)."""
-    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
-    return in_process(tmp_path, url, algorithm={"name": "sao", "kl_coef": 0.1}, guard=GuardConfig(delta=0.5))
-
-
-def waiting_batch(learner: Learner) -> torch.Tensor:
-    """The input ids of the batch ``train_step`` would train next (the samples still waiting)."""
-    rows, _ = learner._next_batch()
-    return collate([Sample.from_json(json.loads(r.payload)) for r in rows], learner.version).input_ids
-
-
-def step_metric_of(learner: Learner, version: int, name: str) -> float | None:
-    """The metric ``name`` of the step that trained ``version``."""
-    with learner.db.connect() as conn:
-        return step_metric(conn, [version], name)[version]
-
-
-def kl_after(learner: Learner, version: int) -> float | None:
-    """``version``'s own KL to the base, as the guard measured it before a promotion."""
-    return step_metric_of(learner, version, KL_AFTER)
-
-
-def test_a_lineage_whose_newest_drifted_is_vetoed_at_its_promotion_not_promoted_unmeasured(
-    tmp_path, monkeypatch
-):
-    """Issue 40, item 2's gap: a lineage is promoted on its newest version's ratings, and the
-    newest is measured by the step trained from it, which has not run. Before promoting, the
-    learner measures it on the next batch, which no version has trained on."""
-    learner = anchored(tmp_path)
-    feed(open_log(learner.settings.resolved_database_url), 2 * BATCH, 0)
-    learner.poll_once()
-    rate(learner, 0, [1.0] * 60, utcnow() - timedelta(hours=1))
-    learner.train_step()
-    # Step 1 started from the base: πθ = π_ref, k3 = e⁰ − 1 − 0 = 0 on every token.
-    assert step_metric_of(learner, 1, "kl_ref") == 0.0
-    # The promoted version's drift stands at 0.5 (set by hand, as if it had drifted).
-    set_kl_ref(learner, 1, 0.5)
-    rate(learner, 1, [1.0] * 60, utcnow())  # 60 wins each, δ 0.5: the rule promotes
-    expected = waiting_batch(learner)
-    measured = []
-
-    def reference_kl(batch):
-        measured.append(batch.input_ids)
-        return 1.14
-
-    monkeypatch.setattr(learner.algorithm, "reference_kl", reference_kl)
-    # Version 1 on the waiting batch: 1.14 − 0.5 = 0.64 > max_kl_ref 0.6: rejected, not promoted.
-    assert learner.guard_check() == Decision.REJECT
-    assert len(measured) == 1 and torch.equal(measured[0], expected)
-    verdict = json.loads(get_flag(learner.db, GUARD_VERDICT))
-    assert verdict["reason"] == (
-        "drifted from the promoted version (drift veto): a training batch measured KL 0.64 nats/token "
-        "beyond the promoted version's, over 0.6"
-    )
-    assert verdict["vetoes"]["drift"] == {"kl_max": pytest.approx(0.64), "bound": 0.6, "measured": 1}
-    assert kl_after(learner, 1) == 1.14
-    assert lifecycles(learner) == {0: "promoted", 1: "rejected", 2: "promoted"}
-    # The measured batch is still to train (only the samples that trained version 1 are quarantined).
-    assert learner.waiting_samples() == BATCH and torch.equal(waiting_batch(learner), expected)
-    learner.db.dispose()
-
-
-def test_a_clean_newest_is_measured_then_promoted_and_the_next_step_reads_the_same_figure(tmp_path):
-    learner = anchored(tmp_path)
-    feed(open_log(learner.settings.resolved_database_url), 2 * BATCH, 0)
-    learner.poll_once()
-    rate(learner, 0, [1.0] * 60, utcnow() - timedelta(hours=1))
-    learner.train_step()
-    set_kl_ref(learner, 1, 0.5)
-    rate(learner, 1, [1.0] * 60, utcnow())
-    assert learner.guard_check() == Decision.PROMOTE
-    # Measured on the waiting batch (the real pass): one step of lr 5e-5 from the base, a small
-    # KL m >= 0 (k3 >= 0); m − 0.5 <= 0.6 for any m <= 1.1: promoted.
-    m = kl_after(learner, 1)
-    assert 0.0 <= m <= 1.1
-    assert lifecycles(learner) == {0: "promoted", 1: "promoted"}
-    assert json.loads(get_flag(learner.db, GUARD_VERDICT))["lineage"] == [1]
-    # The step that trains that batch starts from version 1 and measures it on the same batch,
-    # before its update, with the same estimator: the same figure, to the bit.
-    assert learner.train_step()["kl_ref"] == m
-    learner.db.dispose()
-
-
-def test_with_no_untrained_batch_the_promotion_waits_for_one_and_it_is_measured_before_it_trains(tmp_path):
-    learner = anchored(tmp_path)
-    log = open_log(learner.settings.resolved_database_url)
-    feed(log, BATCH, 0)
-    learner.poll_once()
-    rate(learner, 0, [1.0] * 60, utcnow() - timedelta(hours=1))
-    learner.train_step()
-    rate(learner, 1, [1.0] * 60, utcnow())
-    # The rule promotes, but no batch waits to measure version 1 on: deferred, still on probation.
-    assert learner.waiting_samples() == 0
-    assert learner.guard_check() == Decision.CONTINUE
-    verdict = json.loads(get_flag(learner.db, GUARD_VERDICT))
-    assert verdict["reason"].startswith(
-        "promotion deferred (drift veto): version 1, the newest, has no KL measured yet and no batch "
-        "it has not trained on is full ("
-    )
-    assert lifecycles(learner) == {0: "promoted", 1: "canary"} and kl_after(learner, 1) is None
-    # A batch arrives. The loop ticks the guard before it trains: the deferred promotion's batch
-    # is measured at once (though the next check is an hour away), version 1 promoted, and only
-    # then the batch trains version 2, whose step measures version 1 on it again: the same figure.
-    learner.guard._next_check = time.monotonic() + 3600
-    feed(log, BATCH, BATCH)
-    assert run_until(learner, lambda: 2 in lifecycles(learner))
-    assert lifecycles(learner) == {0: "promoted", 1: "promoted", 2: "canary"}
-    assert step_metric_of(learner, 2, "kl_ref") == kl_after(learner, 1)
-    learner.db.dispose()
-
-
-def test_a_measure_that_fails_delays_the_promotion_not_the_training(tmp_path, monkeypatch):
-    learner = anchored(tmp_path)
-    log = open_log(learner.settings.resolved_database_url)
-    feed(log, BATCH, 0)
-    learner.poll_once()
-    rate(learner, 0, [1.0] * 60, utcnow() - timedelta(hours=1))
-    learner.train_step()
-    rate(learner, 1, [1.0] * 60, utcnow())
-    assert learner.guard_check() == Decision.CONTINUE  # deferred: no batch waits
-
-    def reference_kl(batch):
-        raise RuntimeError("out of memory")
-
-    monkeypatch.setattr(learner.algorithm, "reference_kl", reference_kl)
-    learner.guard._next_check = time.monotonic() + 3600
-    feed(log, BATCH, BATCH)
-    learner.poll_once()
-    # The deferral's measure fails: logged, not raised, and not tried again before the next
-    # check; the loop goes on to train.
-    learner.guard.tick()
-    assert learner.guard._awaiting is None
-    # A check due at every tick (check_s 0) measures, fails and defers again: never raises, so
-    # the loop's iteration always reaches the step.
-    learner.guard._next_check = 0.0
-    learner.guard.tick()
-    verdict = json.loads(get_flag(learner.db, GUARD_VERDICT))
-    assert verdict["decision"] == "continue" and "its measure failed" in verdict["reason"]
-    assert learner.train_step() is not None
-    assert lifecycles(learner) == {0: "promoted", 1: "canary", 2: "canary"}
-    learner.db.dispose()
-
-
 def test_a_lineage_served_by_a_canary_split_is_judged_against_the_control_arm_of_its_window(learner):
     feed(open_log(learner.settings.resolved_database_url), BATCH, 0)
     learner.poll_once()
@@ -462,100 +241,6 @@ def test_a_lineage_served_by_a_canary_split_is_judged_against_the_control_arm_of
     assert (verdict["candidate"]["n"], verdict["candidate"]["mean"]) == (30, 0.0)
     assert (verdict["promoted"]["n"], verdict["promoted"]["mean"]) == (30, 1.0)
     assert lifecycles(learner) == {0: "promoted", 1: "rejected", 2: "promoted"}
-
-
-def rate_as(
-    learner: Learner, version: int, arm: str, raters: list[tuple[str | None, float]], at, **row
-) -> None:
-    """Record one rated answer of ``version`` in ``arm`` per ``(identity, reward)`` of ``raters``,
-    1 ms apart in that order (``row``: the index row's other fields, e.g. ``train``)."""
-    with learner.db.begin() as conn:
-        for i, (who, r) in enumerate(raters):
-            tid = f"v{version}-{arm}-{at.timestamp()}-{i}"
-            add_rated(conn, tid, version, r, at + timedelta(milliseconds=i), arm=arm, identity=who, **row)
-
-
-def attacked_arm(reward: float) -> list[tuple[str, float]]:
-    """120 ratings of one arm: every third (40) from 10 honest users (4 each, 1.0), the other
-    80 from one API key rating ``reward``."""
-    return [
-        (f"user:u{i // 3 % 10}", 1.0) if i % 3 == 0 else ("key:kevil0000000000", reward) for i in range(120)
-    ]
-
-
-def test_one_identity_rating_by_arm_does_not_decide_the_verdict_under_the_identity_cap(learner):
-    """Issue 40: one API key rating 0 on the candidate's answers and 1 on the control's, among
-    honest raters, got an honest lineage rejected. The honest ratings alone (40 wins in each
-    arm) decide nothing yet; the key's 80 ratings an arm decide a rejection unless the guard's
-    streams pass the identity cap."""
-    feed(open_log(learner.settings.resolved_database_url), BATCH, 0)
-    learner.poll_once()
-    learner.train_step()
-    now = utcnow()
-    rate_as(learner, 1, "canary", attacked_arm(0.0), now)
-    rate_as(learner, 0, "control", attacked_arm(1.0), now)
-    # The cap is off by default (GuardConfig.vote_identity_share None): windows of BATCH votes.
-    assert learner.guard.electorate == Electorate(None, BATCH)
-    # No cap: 40 wins and 80 losses against 120 wins: rejected... judged first with the
-    # guard's electorate off, so the lineage stays for the capped check.
-    learner.guard.electorate = Electorate(None, 20)
-    with learner.db.connect() as conn:
-        created = {1: now - timedelta(seconds=1)}  # before the ratings, however slow the run
-        uncapped, _, senders, _ = learner.guard._judge(conn, [1], [0], created)
-    assert uncapped.decision == Decision.REJECT and uncapped.candidate.n == 120
-    # The cap at share 0.1 of windows of 20: k = 2 votes an identity per window. Window 1: the
-    # key's 2 oldest, then the next honest ones up to 20 (18: users 0-9, 0-7, each <= 2);
-    # window 2: the key's next 2 (first in line) and 18 honest; window 3: 2 and the last 4
-    # honest, 6 < 20: the last. The key counts 6 times, the honest raters 40: 46 an arm.
-    learner.guard.electorate = Electorate(0.1, 20)
-    assert learner.guard_check() == Decision.CONTINUE
-    verdict = json.loads(get_flag(learner.db, GUARD_VERDICT))
-    assert (verdict["candidate"]["n"], verdict["candidate"]["mean"]) == (46, pytest.approx(40 / 46))
-    assert (verdict["promoted"]["n"], verdict["promoted"]["mean"]) == (46, 1.0)
-    # Who held the votes (saoserve_guard_top_sender_share): uncapped, the key 80 of 120 in each
-    # arm; capped, 6 of 46 (each honest user 4), among 11 identified senders.
-    assert senders["candidate"] == {"votes": 120, "identified": 11, "top_share": pytest.approx(80 / 120)}
-    assert verdict["senders"]["candidate"] == {
-        "votes": 46,
-        "identified": 11,
-        "top_share": pytest.approx(6 / 46),
-    }
-    assert verdict["senders"]["promoted"] == verdict["senders"]["candidate"]
-
-
-def test_an_opted_out_or_unknown_sender_s_ratings_never_vote(learner):
-    """Issue 40: ratings of answers from a key that opted out of training voted (they decided a
-    promotion). A key that opts out after its answers were logged (``train`` true on them), a
-    record with no flag (indexed before revision 0016) of that key, a record logged ``train:
-    false`` (``store: false``, the traffic that is not production), and, with the cap on, an
-    answer without identity: none votes."""
-    feed(open_log(learner.settings.resolved_database_url), BATCH, 0)
-    learner.poll_once()
-    learner.train_step()
-    store = KeyStore(learner.db)
-    info, _ = store.create("acme", utcnow())
-    now = utcnow()
-    who = f"key:{info.id}"
-    rate_as(learner, 1, "canary", [(who, 0.0)] * 30, now)
-    rate_as(learner, 0, "control", [(who, 1.0)] * 30, now)
-    learner.guard.electorate = Electorate(None, BATCH)
-    with learner.db.connect() as conn:
-        created = {1: now - timedelta(seconds=1)}  # before the ratings, however slow the run
-        assert learner.guard._judge(conn, [1], [0], created)[0].decision == Decision.REJECT
-    store.set_train(info.id, False)
-    rate_as(learner, 1, "canary", [(who, 0.0)] * 30, now + timedelta(seconds=1), train=None)
-    rate_as(learner, 1, "canary", [("user:probe", 0.0)] * 30, now + timedelta(seconds=2), train=False)
-    assert learner.guard_check() == Decision.CONTINUE
-    verdict = json.loads(get_flag(learner.db, GUARD_VERDICT))
-    assert (verdict["candidate"]["n"], verdict["promoted"]["n"]) == (0, 0)
-    # Anonymous answers vote while the cap is off, not once it is on.
-    rate_as(learner, 1, "canary", [(None, 0.0)] * 30, now + timedelta(seconds=3))
-    rate_as(learner, 0, "control", [(None, 1.0)] * 30, now + timedelta(seconds=3))
-    with learner.db.connect() as conn:
-        assert learner.guard._judge(conn, [1], [0], created)[0].candidate.n == 30
-    learner.guard.electorate = Electorate(0.5, BATCH)
-    assert learner.guard_check() == Decision.CONTINUE
-    assert json.loads(get_flag(learner.db, GUARD_VERDICT))["candidate"]["n"] == 0
 
 
 def test_a_lineage_worse_than_the_promoted_record_is_rejected_and_rolled_back_while_paused(learner):

@@ -300,29 +300,29 @@ def test_an_open_that_fails_closes_everything_it_opened(tmp_path, monkeypatch):
     )
     real_catch_up = PolicyWatcher.catch_up
 
+    def noted(obj, method: str, calls: list, item) -> None:
+        """``obj.method`` appends ``item`` to ``calls``, then does what it did."""
+        real = getattr(obj, method)
+        monkeypatch.setattr(obj, method, lambda *a, **kw: (calls.append(item), real(*a, **kw))[1])
+
     def make_engine(url):
         db = real_make_engine(url)
         if "zeta" in url:
             made.append(db)
-            real = db.dispose
-            monkeypatch.setattr(db, "dispose", lambda: (disposed.append(db), real())[1])
+            noted(db, "dispose", disposed, db)
         return db
 
     def open_log(url):
         lt = real_open_log(url)
         if "zeta" in url:
             opened.append(lt)
-            real = lt.close
-            monkeypatch.setattr(lt, "close", lambda: (closed.append(lt), real())[1])
+            noted(lt, "close", closed, lt)
         return lt
 
     def open_policy(policy, *args, **kwargs):
         state = real_open_policy(policy, *args, **kwargs)
         if policy == "zeta":
-            real = state.log_pool.shutdown
-            monkeypatch.setattr(
-                state.log_pool, "shutdown", lambda **kw: (pools_shut.append(state), real(**kw))[1]
-            )
+            noted(state.log_pool, "shutdown", pools_shut, state)
         return state
 
     async def catch_up(self):

@@ -1,0 +1,116 @@
+"""Who votes, on a learner (learner/guard/guard_votes.py; docs/guard.md, "Who votes"; issue 40,
+items 1 and 6): one identity rating by arm decides no verdict under the identity cap, and each
+verdict says who held its ratings; the ratings of an opted-out key, of a record logged ``train:
+false`` or sent before an opt-out never vote. The tiny in-process learner of testing/learner.py
+and hand-written rated answers."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+
+import pytest
+
+from core.control import GUARD_VERDICT, get_flag
+from core.keys import KeyStore
+from core.logbus import open_log
+from core.records import utcnow
+from core.sequential import Decision
+from learner.guard.guard_votes import Electorate
+from learner.process import Learner
+from testing.guard import add_rated
+from testing.learner import BATCH, feed
+
+
+def rate_as(
+    learner: Learner, version: int, arm: str, raters: list[tuple[str | None, float]], at, **row
+) -> None:
+    """Record one rated answer of ``version`` in ``arm`` per ``(identity, reward)`` of ``raters``,
+    1 ms apart in that order (``row``: the index row's other fields, e.g. ``train``)."""
+    with learner.db.begin() as conn:
+        for i, (who, r) in enumerate(raters):
+            tid = f"v{version}-{arm}-{at.timestamp()}-{i}"
+            add_rated(conn, tid, version, r, at + timedelta(milliseconds=i), arm=arm, identity=who, **row)
+
+
+def attacked_arm(reward: float) -> list[tuple[str, float]]:
+    """120 ratings of one arm: every third (40) from 10 honest users (4 each, 1.0), the other
+    80 from one API key rating ``reward``."""
+    return [
+        (f"user:u{i // 3 % 10}", 1.0) if i % 3 == 0 else ("key:kevil0000000000", reward) for i in range(120)
+    ]
+
+
+def test_one_identity_rating_by_arm_does_not_decide_the_verdict_under_the_identity_cap(learner):
+    """Issue 40: one API key rating 0 on the candidate's answers and 1 on the control's, among
+    honest raters, got an honest lineage rejected. The honest ratings alone (40 wins in each
+    arm) decide nothing yet; the key's 80 ratings an arm decide a rejection unless the guard's
+    streams pass the identity cap."""
+    feed(open_log(learner.settings.resolved_database_url), BATCH, 0)
+    learner.poll_once()
+    learner.train_step()
+    now = utcnow()
+    rate_as(learner, 1, "canary", attacked_arm(0.0), now)
+    rate_as(learner, 0, "control", attacked_arm(1.0), now)
+    # The cap is off by default (GuardConfig.vote_identity_share None): windows of BATCH votes.
+    assert learner.guard.electorate == Electorate(None, BATCH)
+    # No cap: 40 wins and 80 losses against 120 wins: rejected... judged first with the
+    # guard's electorate off, so the lineage stays for the capped check.
+    learner.guard.electorate = Electorate(None, 20)
+    with learner.db.connect() as conn:
+        created = {1: now - timedelta(seconds=1)}  # before the ratings, however slow the run
+        uncapped, _, senders, _ = learner.guard._judge(conn, [1], [0], created)
+    assert uncapped.decision == Decision.REJECT and uncapped.candidate.n == 120
+    # The cap at share 0.1 of windows of 20: k = 2 votes an identity per window. Window 1: the
+    # key's 2 oldest, then the next honest ones up to 20 (18: users 0-9, 0-7, each <= 2);
+    # window 2: the key's next 2 (first in line) and 18 honest; window 3: 2 and the last 4
+    # honest, 6 < 20: the last. The key counts 6 times, the honest raters 40: 46 an arm.
+    learner.guard.electorate = Electorate(0.1, 20)
+    assert learner.guard_check() == Decision.CONTINUE
+    verdict = json.loads(get_flag(learner.db, GUARD_VERDICT))
+    assert (verdict["candidate"]["n"], verdict["candidate"]["mean"]) == (46, pytest.approx(40 / 46))
+    assert (verdict["promoted"]["n"], verdict["promoted"]["mean"]) == (46, 1.0)
+    # Who held the votes (saoserve_guard_top_sender_share): uncapped, the key 80 of 120 in each
+    # arm; capped, 6 of 46 (each honest user 4), among 11 identified senders.
+    assert senders["candidate"] == {"votes": 120, "identified": 11, "top_share": pytest.approx(80 / 120)}
+    assert verdict["senders"]["candidate"] == {
+        "votes": 46,
+        "identified": 11,
+        "top_share": pytest.approx(6 / 46),
+    }
+    assert verdict["senders"]["promoted"] == verdict["senders"]["candidate"]
+
+
+def test_an_opted_out_or_unknown_sender_s_ratings_never_vote(learner):
+    """Issue 40: ratings of answers from a key that opted out of training voted (they decided a
+    promotion). A key that opts out after its answers were logged (``train`` true on them), a
+    record with no flag (indexed before revision 0016) of that key, a record logged ``train:
+    false`` (``store: false``, the traffic that is not production), and, with the cap on, an
+    answer without identity: none votes."""
+    feed(open_log(learner.settings.resolved_database_url), BATCH, 0)
+    learner.poll_once()
+    learner.train_step()
+    store = KeyStore(learner.db)
+    info, _ = store.create("acme", utcnow())
+    now = utcnow()
+    who = f"key:{info.id}"
+    rate_as(learner, 1, "canary", [(who, 0.0)] * 30, now)
+    rate_as(learner, 0, "control", [(who, 1.0)] * 30, now)
+    learner.guard.electorate = Electorate(None, BATCH)
+    with learner.db.connect() as conn:
+        created = {1: now - timedelta(seconds=1)}  # before the ratings, however slow the run
+        assert learner.guard._judge(conn, [1], [0], created)[0].decision == Decision.REJECT
+    store.set_train(info.id, False)
+    rate_as(learner, 1, "canary", [(who, 0.0)] * 30, now + timedelta(seconds=1), train=None)
+    rate_as(learner, 1, "canary", [("user:probe", 0.0)] * 30, now + timedelta(seconds=2), train=False)
+    assert learner.guard_check() == Decision.CONTINUE
+    verdict = json.loads(get_flag(learner.db, GUARD_VERDICT))
+    assert (verdict["candidate"]["n"], verdict["promoted"]["n"]) == (0, 0)
+    # Anonymous answers vote while the cap is off, not once it is on.
+    rate_as(learner, 1, "canary", [(None, 0.0)] * 30, now + timedelta(seconds=3))
+    rate_as(learner, 0, "control", [(None, 1.0)] * 30, now + timedelta(seconds=3))
+    with learner.db.connect() as conn:
+        assert learner.guard._judge(conn, [1], [0], created)[0].candidate.n == 30
+    learner.guard.electorate = Electorate(0.5, BATCH)
+    assert learner.guard_check() == Decision.CONTINUE
+    assert json.loads(get_flag(learner.db, GUARD_VERDICT))["candidate"]["n"] == 0

@@ -278,7 +278,7 @@ class TenantPolicySync:
                     await close_policy(state, own_log=True)
             elif lt is not None:
                 with failure_logged(name, "closing its log"):
-                    lt.close()
+                    await asyncio.to_thread(lt.close)
         finally:
             with failure_logged(name, "removing it from the engine"):
                 await self.engine.remove_policy(name)

@@ -25,6 +25,7 @@ from sqlalchemy import (
     UniqueConstraint,
     create_engine,
     event,
+    false,
     insert,
     make_url,
     text,
@@ -443,7 +444,8 @@ class ForgottenRecord(Base):
 class ApiKey(Base):
     """An API key of a tenant (``core/keys.py``): the sha256 of the key, never the key itself.
     ``revoked_at`` is NULL while the key is valid; ``train`` false: the key opts out of training
-    (docs/privacy.md)."""
+    (docs/privacy.md); ``trusted`` true: the identity caps do not bound it (docs/guard.md, "Who
+    votes")."""
 
     __tablename__ = "api_keys"
     id: Mapped[str] = mapped_column(String(NAME_CHARS), primary_key=True)
@@ -452,6 +454,7 @@ class ApiKey(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     train: Mapped[bool] = mapped_column(Boolean, server_default=true())
+    trusted: Mapped[bool] = mapped_column(Boolean, server_default=false())
 
 
 class SubjectKey(Base):

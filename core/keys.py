@@ -56,7 +56,7 @@ class BadTenant(ValueError):
 
 class KeyRevoked(ValueError):
     """A change to a revoked key: a revocation is final, so nothing about the key changes any
-    more (``KeyStore.set_train``). ``key``: the key as it stays."""
+    more (``KeyStore.configure``). ``key``: the key as it stays."""
 
     def __init__(self, key: KeyInfo):
         super().__init__(
@@ -70,13 +70,17 @@ class KeyRevoked(ValueError):
 class KeyInfo:
     """A key as listed: never its secret or its hash. ``revoked_at`` None while it is valid;
     ``train`` False: the key opts out of training, every answer it is sent is logged marked
-    ``train: false`` (docs/privacy.md)."""
+    ``train: false`` (docs/privacy.md); ``trusted`` True: the operator vouches that the key's
+    traffic is many people's (a backend relaying its users) or a judge's, and the identity caps
+    on training batches and on the guard's votes do not bound it (``trusted_keys``;
+    docs/guard.md, "Who votes")."""
 
     id: str
     tenant: str
     created_at: datetime
     revoked_at: datetime | None
     train: bool
+    trusted: bool = False
 
     @property
     def revoked(self) -> bool:
@@ -89,6 +93,7 @@ class KeyInfo:
             "created_at": as_utc(self.created_at).isoformat(),
             "revoked_at": None if self.revoked_at is None else as_utc(self.revoked_at).isoformat(),
             "train": self.train,
+            "trusted": self.trusted,
         }
 
 
@@ -136,12 +141,17 @@ def identity_of(key_id: str | None, user: str | None) -> str | None:
     return None
 
 
-_LISTED = (ApiKey.id, ApiKey.tenant, ApiKey.created_at, ApiKey.revoked_at, ApiKey.train)
+_LISTED = (ApiKey.id, ApiKey.tenant, ApiKey.created_at, ApiKey.revoked_at, ApiKey.train, ApiKey.trusted)
 
 
 def _info(row) -> KeyInfo:
     return KeyInfo(
-        id=row.id, tenant=row.tenant, created_at=row.created_at, revoked_at=row.revoked_at, train=row.train
+        id=row.id,
+        tenant=row.tenant,
+        created_at=row.created_at,
+        revoked_at=row.revoked_at,
+        train=row.train,
+        trusted=row.trusted,
     )
 
 
@@ -151,20 +161,30 @@ class KeyStore:
     def __init__(self, engine: Engine):
         self.engine = engine
 
-    def create(self, tenant: str, now: datetime, train: bool = True) -> tuple[KeyInfo, str]:
+    def create(
+        self, tenant: str, now: datetime, train: bool = True, trusted: bool = False
+    ) -> tuple[KeyInfo, str]:
         """A new key of ``tenant`` (BadTenant for a bad name), opted out of training when
-        ``train`` is False: its listing and the key itself, which is not stored and cannot be
-        shown again."""
+        ``train`` is False, unbounded by the identity caps when ``trusted`` (``KeyInfo``): its
+        listing and the key itself, which is not stored and cannot be shown again."""
         check_tenant(tenant)
         key_id = "k" + secrets.token_hex(KEY_ID_HEX // 2)
         key = f"{KEY_PREFIX}{key_id}.{secrets.token_hex(SECRET_HEX // 2)}"
         with self.engine.begin() as conn:
             conn.execute(
                 insert(ApiKey).values(
-                    id=key_id, tenant=tenant, key_sha256=key_hash(key), created_at=now, train=train
+                    id=key_id,
+                    tenant=tenant,
+                    key_sha256=key_hash(key),
+                    created_at=now,
+                    train=train,
+                    trusted=trusted,
                 )
             )
-        return KeyInfo(id=key_id, tenant=tenant, created_at=now, revoked_at=None, train=train), key
+        info = KeyInfo(
+            id=key_id, tenant=tenant, created_at=now, revoked_at=None, train=train, trusted=trusted
+        )
+        return info, key
 
     def listed(self, tenant: str | None = None) -> list[KeyInfo]:
         """Every key (of ``tenant``), oldest first, revoked ones included."""
@@ -186,16 +206,28 @@ class KeyStore:
 
     def set_train(self, key_id: str, train: bool) -> KeyInfo | None:
         """Opt ``key_id`` out of training (``train`` False) or back in; its next request on any
-        replica follows the setting (nothing is cached). Idempotent. None for an unknown id.
+        replica follows the setting (nothing is cached). ``configure`` with ``train`` only."""
+        return self.configure(key_id, train=train)
+
+    def configure(
+        self, key_id: str, *, train: bool | None = None, trusted: bool | None = None
+    ) -> KeyInfo | None:
+        """Set ``key_id``'s training setting and whether it is trusted (``KeyInfo``; None: left
+        as it is), in one update: the next request, or the learner's next read, on any replica
+        follows them (nothing is cached). Idempotent. None for an unknown id.
 
         Raises:
             KeyRevoked: the key is revoked (a revocation is final: nothing is changed). The
                 update only touches a key not revoked, so a revocation racing it wins either
-                way: the setting is changed before it, or refused after it.
+                way: the settings are changed before it, or refused after it.
+            ValueError: neither setting given.
         """
+        values = {k: v for k, v in (("train", train), ("trusted", trusted)) if v is not None}
+        if not values:
+            raise ValueError("give train, trusted or both")
         with self.engine.begin() as conn:
             conn.execute(
-                update(ApiKey).where(ApiKey.id == key_id, ApiKey.revoked_at.is_(None)).values(train=train)
+                update(ApiKey).where(ApiKey.id == key_id, ApiKey.revoked_at.is_(None)).values(**values)
             )
             row = conn.execute(select(*_LISTED).where(ApiKey.id == key_id)).one_or_none()
             info = None if row is None else _info(row)
@@ -237,4 +269,14 @@ def opted_out_keys(conn: Connection) -> frozenset[str]:
     leave out (docs/guard.md, "Who votes"; docs/privacy.md). Keys that opt out are few; the set
     is read whole at each use."""
     rows = conn.execute(select(ApiKey.id).where(ApiKey.train.is_(False)))
+    return frozenset(KEY_IDENTITY + r.id for r in rows)
+
+
+def trusted_keys(conn: Connection) -> frozenset[str]:
+    """The identities (``key:<key id>``) of every trusted key (``KeyInfo.trusted``), revoked ones
+    included (their answers logged before the revocation keep counting as they did), read in the
+    caller's connection to the key registry: the senders the identity caps on training batches
+    (``learner.data.sample_queue``) and on the guard's votes (``learner.guard.guard_votes``) do
+    not bound. Trusted keys are few; the set is read whole at each use."""
+    rows = conn.execute(select(ApiKey.id).where(ApiKey.trusted.is_(True)))
     return frozenset(KEY_IDENTITY + r.id for r in rows)

@@ -289,7 +289,8 @@ class LearnerConfig(BaseModel):
     """The most of a batch one identity (API key, else ``user`` field) may contribute: at most
     max(1, ⌊share·batch_size⌋) samples; the rest wait for later batches (``learner.data.identity_cap``,
     docs/tenants.md). E.g. 0.25: one key moves at most a quarter of each step, and a batch needs
-    samples of 4 identities (anonymous samples each count as one). The guard's votes have their
+    samples of 4 identities (anonymous samples, and those of a trusted key, ``saoserve admin keys
+    trust``, each count as one). The guard's votes have their
     own cap, off by default too (``GuardConfig.vote_identity_share``). None (the default): no cap,
     because a cap with fewer identities than 1/share in the traffic stops training."""
     autocast_bf16: bool = False

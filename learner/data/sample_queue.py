@@ -19,7 +19,7 @@ from sqlalchemy.engine import Engine, Row
 from core.db import LearnerSample, QuarantinedSample, bump_counter
 from core.dead_letters import COUNTER as DEAD_LETTERS
 from core.dead_letters import Letter, set_aside
-from core.keys import opted_out_keys
+from core.keys import opted_out_keys, trusted_keys
 from core.learnable import OPTED_OUT
 from core.records import utcnow
 from learner.data.identity_cap import select_batch
@@ -39,9 +39,10 @@ def next_batch(
     """The rows of the next batch (``id``, ``prompt_id``, ``payload``, ``created_at``,
     ``identity``; oldest first) and how many samples the identity cap deferred, or ``(None, 0)``
     while the waiting samples cannot fill one: the oldest ``batch_size`` samples that are not
-    quarantined and that ``select_batch`` admits under ``max_identity_share`` (None: no cap).
-    The cap reads the identities of all waiting samples, and the payloads of the chosen only.
-    First the samples of keys that have opted out of training since they joined are deleted
+    quarantined and that ``select_batch`` admits under ``max_identity_share`` (None: no cap),
+    which does not bound the trusted keys (``core.keys.trusted_keys``, read from ``keys_db``:
+    the operator vouches that their traffic is many people's). The cap reads the identities of
+    all waiting samples, and the payloads of the chosen only. First the samples of keys that have opted out of training since they joined are deleted
     (``drop_opted_out``; ``keys_db`` the database of the API keys, default ``db``)."""
     n, cap = batch_size, max_identity_share
     drop_opted_out(db, keys_db or db)
@@ -51,9 +52,14 @@ def next_batch(
         .where(LearnerSample.id.not_in(select(QuarantinedSample.sample_id)))
         .order_by(LearnerSample.created_at, LearnerSample.id)
     )
+    trusted: frozenset[str] = frozenset()
+    if cap is not None:
+        with (keys_db or db).connect() as conn:
+            trusted = trusted_keys(conn)
     with db.connect() as conn:
         pool = conn.execute(pool_query if cap is not None else pool_query.limit(n)).all()
-        pick = select_batch([r.identity for r in pool], n, cap)
+        # A trusted key's sample is its own identity to the cap, as an anonymous one is (None).
+        pick = select_batch([None if r.identity in trusted else r.identity for r in pool], n, cap)
         if not pick.full:
             return None, 0
         ids = [pool[i].id for i in pick.chosen]

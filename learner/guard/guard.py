@@ -30,7 +30,7 @@ from sqlalchemy.engine import Connection, Engine
 from core import lifecycle_store
 from core.control import GUARD_OFF, GUARD_PIN, GUARD_VERDICT, get_flag, set_flag
 from core.db import PolicyVersion, TrajectoryIndex, bump_counter
-from core.keys import opted_out_keys
+from core.keys import opted_out_keys, trusted_keys
 from core.lifecycle import GUARD, Arm, Stage, drifted, lineage
 from core.logbus import LogTransport
 from core.records import POLICY_KEY, TOPIC_POLICY, as_utc, utcnow
@@ -253,9 +253,10 @@ class Guard:
         dispatched while it was the newest (from its record to the next version's); on
         probation, its answers against the promoted versions' newest ``promoted_window`` from
         before the lineage. Only the answers that vote count (``learner.guard.guard_votes``)."""
-        guard, voters = self.config, self.electorate
+        guard = self.config
         with self.keys_db.connect() as keys:
             opted = opted_out_keys(keys)
+            voters = self.electorate.with_trusted(trusted_keys(keys))
         started = created[members[0]]
         split = _served_split(conn, members)
         ends = [created[v] for v in members[1:]] + [None]
@@ -281,7 +282,10 @@ class Guard:
             [(values(own), values(other)) for own, other in rated], guard.rule_params(), elapsed_s=elapsed
         )
         own, other = rated[j] if j is not None else ([], [])
-        senders = {"candidate": asdict(Senders.of(own)), "promoted": asdict(Senders.of(other))}
+        senders = {
+            "candidate": asdict(Senders.of(own, voters.trusted)),
+            "promoted": asdict(Senders.of(other, voters.trusted)),
+        }
         vetoes: dict = {}
         drift: list[float | None] = []
         if guard.max_kl_ref is not None:

@@ -61,11 +61,13 @@ class GuardConfig(BaseModel):
     each arm's stream of rated (and of ended) answers, one identity (API key, else ``user``
     field) has at most ``max(1, ⌊share·W⌋)`` votes per window of ``W = max(batch_size,
     ⌈1/share⌉)``, so it moves each arm's mean by at most the share (Δ by at most
-    ``share·(1 + |Δ|)``), and answers without an identity do not vote. 0.01 kept every simulated
+    ``share·(1 + |Δ|)``), answers without an identity do not vote, and a trusted key
+    (``saoserve admin keys trust``: a backend relaying its users, a judge) is not bound: each
+    of its votes counts as an identity of its own. 0.01 kept every simulated
     verdict under a flooding attacker. It needs at least ``1/share`` identities rating *each
     arm* (with sticky arms and a canary share c, about ``1/(share·c)`` in all, 500 at 0.01 and
-    0.2): with fewer no window fills, each counts its first ``k`` votes only, and neither the
-    rule nor the health veto ever decides (``max_samples`` counts voting answers). None (the
+    0.2), or ratings through trusted keys: with fewer no window fills, each counts its first
+    ``k`` votes only, and neither the rule nor the health veto ever decides (``max_samples`` counts voting answers). None (the
     default): no cap, anonymous answers vote, and one client that floods the ratings can decide
     a verdict; off by default because the embedded default (no keys, no ``user``) and a
     deployment with fewer raters would have a guard that never decides."""

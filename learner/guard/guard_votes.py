@@ -21,7 +21,10 @@ guard's ``vote_identity_share``, ``Electorate.of``): in each window of an arm's 
 identity has at most ``max(1, ⌊share · window⌋)`` votes, as it has at most that many samples
 in a batch, and its votes beyond that never count. So one identity, whatever it sends, holds
 at most the share of each arm's votes (up to the last, partial window), moves each arm's mean
-by at most the share, and Δ = μ_canary − μ_control by at most ``share · (1 + |Δ|)``.
+by at most the share, and Δ = μ_canary − μ_control by at most ``share · (1 + |Δ|)``. A trusted
+key (``core.keys.trusted_keys``: the operator vouches that its traffic is many people's, a
+backend relaying its users, or a judge's) is not bound: each of its votes passes the cap as an
+identity of its own, as its requests are, and it is no sender in ``Senders``.
 
 The queries read the caller's connection and apply the exclusions in SQL (so ``limit`` counts
 voting answers), given the keys that opted out as read from the key registry; ``ballot`` is
@@ -34,7 +37,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 
 from sqlalchemy import and_, literal, or_, select
@@ -50,10 +53,17 @@ from learner.data.identity_cap import admit_stream
 @dataclass(frozen=True)
 class Electorate:
     """Who votes: ``max_share`` the identity cap (None: off, and anonymous answers vote),
-    ``window`` the votes per window of the cap (≥ 1; ``of``)."""
+    ``window`` the votes per window of the cap (≥ 1; ``of``), ``trusted`` the identities
+    (``key:<key id>``) the cap does not bound (``core.keys.trusted_keys``, read with each check:
+    ``with_trusted``)."""
 
     max_share: float | None
     window: int
+    trusted: frozenset[str] = frozenset()
+
+    def with_trusted(self, trusted: frozenset[str]) -> Electorate:
+        """This electorate with the registry's trusted keys now."""
+        return replace(self, trusted=trusted)
 
     @classmethod
     def of(cls, max_share: float | None, batch_size: int) -> Electorate:
@@ -90,14 +100,18 @@ def may_vote(vote: Vote, electorate: Electorate) -> bool:
 
 def counted(votes: Sequence[Vote], electorate: Electorate) -> list[Vote]:
     """The votes that count, in order: those that ``may_vote``, then the identity cap over them
-    (``admit_stream``). Raises ValueError for a cap ``admit_stream`` refuses."""
+    (``admit_stream``), which does not bound ``electorate.trusted``. Raises ValueError for a cap
+    ``admit_stream`` refuses.
+
+    E.g. share 0.5, window 2 (a sender's one vote per window): votes t, t, t, t, a count t, a
+    (window 1), then t (the partial window 2): 3 of 5, the last two t wait for a window they
+    cannot fill; with ``key:t`` trusted, all 5 count (t, t | t, t | a)."""
     eligible = [v for v in votes if may_vote(v, electorate)]
     if electorate.max_share is None:
         return eligible
-    return [
-        eligible[i]
-        for i in admit_stream([v.identity for v in eligible], electorate.window, electorate.max_share)
-    ]
+    # A trusted key's vote is its own identity to the cap, as an anonymous one is (None).
+    bound = [None if v.identity in electorate.trusted else v.identity for v in eligible]
+    return [eligible[i] for i in admit_stream(bound, electorate.window, electorate.max_share)]
 
 
 def ballot(votes: Sequence[Vote], electorate: Electorate) -> list[float]:
@@ -123,9 +137,12 @@ class Senders:
     top_share: float
 
     @classmethod
-    def of(cls, votes: Sequence[Vote]) -> Senders:
-        """E.g. votes of a, a, a, b and one anonymous: 5 votes, 2 identified, a holds 3/5 = 0.6."""
-        held = Counter(v.identity for v in votes if v.identity is not None)
+    def of(cls, votes: Sequence[Vote], trusted: frozenset[str] = frozenset()) -> Senders:
+        """Who holds ``votes``; a ``trusted`` key's votes count for no sender, as anonymous ones
+        (the operator vouched that they are many people's). E.g. votes of a, a, a, b and one
+        anonymous: 5 votes, 2 identified, a holds 3/5 = 0.6; with a trusted: 1 identified, b
+        holds 1/5 = 0.2."""
+        held = Counter(v.identity for v in votes if v.identity is not None and v.identity not in trusted)
         top = max(held.values(), default=0)
         return cls(len(votes), len(held), top / len(votes) if votes else 0.0)
 

@@ -1,5 +1,6 @@
-"""``saoserve admin keys create|list|revoke|train``: the API keys of tenants (docs/tenants.md) and
-their training setting (docs/privacy.md), a command group of its own.
+"""``saoserve admin keys create|list|revoke|train|trust``: the API keys of tenants
+(docs/tenants.md), their training setting (docs/privacy.md) and whether they are trusted
+(docs/guard.md, "Who votes"), a command group of its own.
 """
 
 from __future__ import annotations
@@ -22,9 +23,16 @@ from saoserve.admin.client import (
 )
 from saoserve.admin.output import emit_json, shown, visible, when
 
+TRUSTED_HELP = (
+    "The key is trusted: the operator vouches that the key's traffic is many people's (a backend relaying its users) or "
+    "a judge's, so the identity caps on training batches and on the guard's votes do not bound it "
+    "(docs/guard.md, 'Who votes')."
+)
+
 keys_app = typer.Typer(
-    help="API keys of tenants (docs/tenants.md): create (the key is shown once), list, revoke, and "
-    f"opt a key out of training or back in (docs/privacy.md). {EXIT_CODES_HELP}",
+    help="API keys of tenants (docs/tenants.md): create (the key is shown once), list, revoke, "
+    "opt a key out of training or back in (docs/privacy.md), and trust a key the identity caps "
+    f"should not bound (docs/guard.md). {EXIT_CODES_HELP}",
     no_args_is_help=True,
 )
 
@@ -42,6 +50,7 @@ def keys_create(
             "marked train: false and never trained (docs/privacy.md).",
         ),
     ] = True,
+    trusted: Annotated[bool, typer.Option("--trusted", help=TRUSTED_HELP)] = False,
     url: UrlOption = None,
     key: KeyOption = None,
     json_out: JsonOption = False,
@@ -50,13 +59,16 @@ def keys_create(
     keeps its hash). Exit 2 for a tenant name the server refuses."""
     with reported():
         _, body = client(url, key).call(
-            "POST", "/admin/keys", body={"tenant": tenant, "train": train}, ok=(201,)
+            "POST", "/admin/keys", body={"tenant": tenant, "train": train, "trusted": trusted}, ok=(201,)
         )
         if json_out:
             emit_json(body)
             return
-        opted = "" if body["train"] else " (opted out of training)"
-        typer.echo(f"API key {visible(body['id'])} of tenant {visible(body['tenant'])}{opted}:")
+        notes = [
+            n for n, on in (("opted out of training", not body["train"]), ("trusted", body["trusted"])) if on
+        ]
+        said = f" ({', '.join(notes)})" if notes else ""
+        typer.echo(f"API key {visible(body['id'])} of tenant {visible(body['tenant'])}{said}:")
         typer.echo(visible(body["key"]))
         typer.echo("keep it now: it is not stored and cannot be shown again")
 
@@ -80,11 +92,12 @@ def keys_list(
             Console().print("no API keys")
             return
         table = Table(title=f"API keys ({len(body['keys'])})", box=box.SIMPLE_HEAD)
-        for col in ("id", "tenant", "train", "created (UTC)", "revoked (UTC)"):
+        for col in ("id", "tenant", "train", "trusted", "created (UTC)", "revoked (UTC)"):
             table.add_column(col)
         for k in body["keys"]:
             train = "yes" if k["train"] else "no (opted out)"
-            row = (k["id"], k["tenant"], train, when(k["created_at"]), when(k["revoked_at"]))
+            trust = "yes" if k["trusted"] else "no"
+            row = (k["id"], k["tenant"], train, trust, when(k["created_at"]), when(k["revoked_at"]))
             table.add_row(*map(shown, row))
         Console().print(table)
 
@@ -116,17 +129,52 @@ def keys_train(
     key: KeyOption = None,
     json_out: JsonOption = False,
 ) -> None:
-    """Opt the key KEY_ID out of training (off) or back in (on), from its next request; answers
-    logged before keep their setting (docs/privacy.md). Exit 5 for an unknown id, or a revoked
-    key (409: a revoked key is final, its setting no longer changes)."""
+    """Opt the key KEY_ID out of training (off) or back in (on), from its next request; its
+    answers not yet trained, logged before included, are not trained while it is out
+    (docs/privacy.md). Exit 5 for an unknown id, or a revoked key (409: a revoked key is final,
+    its setting no longer changes)."""
+    body = _configure(key_id, "train", _on_off(state), url, key)
+    if json_out:
+        emit_json(body)
+        return
+    now = "trained" if body["train"] else "opted out of training: its answers are never trained"
+    typer.echo(f"API key {visible(body['id'])} of tenant {visible(body['tenant'])}: {now}")
+
+
+@keys_app.command("trust", epilog=EXIT_CODES_HELP)
+def keys_trust(
+    key_id: Annotated[str, typer.Argument(metavar="KEY_ID", help="The key's id (`keys list`).")],
+    state: Annotated[str, typer.Argument(metavar="on|off")],
+    url: UrlOption = None,
+    key: KeyOption = None,
+    json_out: JsonOption = False,
+) -> None:
+    """Trust the key KEY_ID (on) or no longer (off): the operator vouches that its traffic is many
+    people's (a backend relaying its users) or a judge's, so the identity caps on training
+    batches and on the guard's votes do not bound it (docs/guard.md, "Who votes"), from the
+    learner's next batch and check. Exit 5 for an unknown id, or a revoked key (409)."""
+    body = _configure(key_id, "trusted", _on_off(state), url, key)
+    if json_out:
+        emit_json(body)
+        return
+    now = (
+        "trusted: the identity caps do not bound it"
+        if body["trusted"]
+        else "not trusted: the identity caps bound it"
+    )
+    typer.echo(f"API key {visible(body['id'])} of tenant {visible(body['tenant'])}: {now}")
+
+
+def _on_off(state: str) -> bool:
     if state not in ("on", "off"):
         raise typer.BadParameter(f"expected on or off, got {state!r}", param_hint="'on|off'")
+    return state == "on"
+
+
+def _configure(key_id: str, setting: str, value: bool, url: str | None, key: str | None) -> dict:
+    """``PATCH /admin/keys/KEY_ID`` with one setting; the key's listing."""
     with reported():
         _, body = client(url, key).call(
-            "PATCH", f"/admin/keys/{quote(key_id, safe='')}", body={"train": state == "on"}
+            "PATCH", f"/admin/keys/{quote(key_id, safe='')}", body={setting: value}
         )
-        if json_out:
-            emit_json(body)
-            return
-        now = "trained" if body["train"] else "opted out of training: its answers are never trained"
-        typer.echo(f"API key {visible(body['id'])} of tenant {visible(body['tenant'])}: {now}")
+    return body

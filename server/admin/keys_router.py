@@ -1,6 +1,7 @@
-"""``/admin/keys``: create, list, revoke API keys and set their training opt-out (behind the
-admin key, as every ``/admin`` route; ``saoserve admin keys`` is their client). ``core/keys.py``
-holds the registry; docs/tenants.md the model, docs/privacy.md the opt-out."""
+"""``/admin/keys``: create, list, revoke API keys and set their training opt-out and whether they
+are trusted (behind the admin key, as every ``/admin`` route; ``saoserve admin keys`` is their
+client). ``core/keys.py`` holds the registry; docs/tenants.md the model, docs/privacy.md the
+opt-out, docs/guard.md ("Who votes") trusted keys."""
 
 from __future__ import annotations
 
@@ -28,9 +29,12 @@ def store_of(request: Request) -> KeyStore:
 
 @router.post("", status_code=201, response_model=ApiKeyCreated, responses=ADMIN_ERRORS | errors(413))
 async def create_key(body: CreateKey, request: Request) -> dict:
-    """A new key of ``tenant`` (opted out of training with ``train: false``): ``key`` is the key
-    itself, shown this once (only its hash is stored); ``id`` names it from now on."""
-    info, key = await asyncio.to_thread(store_of(request).create, body.tenant, utcnow(), body.train)
+    """A new key of ``tenant`` (opted out of training with ``train: false``; unbounded by the
+    identity caps with ``trusted: true``): ``key`` is the key itself, shown this once (only its
+    hash is stored); ``id`` names it from now on."""
+    info, key = await asyncio.to_thread(
+        store_of(request).create, body.tenant, utcnow(), body.train, body.trusted
+    )
     return info.to_json() | {"key": key}
 
 
@@ -63,13 +67,18 @@ async def set_key(
     key_id: Annotated[EdgeStr, PathParam(min_length=1, max_length=NAME_CHARS)],
     request: Request,
 ) -> dict:
-    """Set a key's training setting: ``train: false`` opts it out (each answer it is sent from
-    its next request on, on every replica, is logged ``train: false`` and never trained), ``true``
-    opts it back in. Answers logged before keep the setting they were logged with. Idempotent;
-    404 for an unknown id; 409 ``key_revoked`` for a revoked key (a revocation is final: nothing
-    is changed)."""
+    """Set a key's training setting, whether it is trusted, or both (a setting left out stays).
+    ``train: false`` opts it out: each answer it is sent from its next request on, on every
+    replica, is logged ``train: false``, and the learner trains none of its answers not yet
+    trained, logged before included (it reads the setting when it joins and before each batch);
+    ``true`` opts it back in (answers logged while it was out stay out). ``trusted: true``: the
+    identity caps on training batches and on the guard's votes no longer bound it, from the
+    learner's next batch and check (docs/guard.md, "Who votes"). Idempotent; 404 for an unknown
+    id; 409 ``key_revoked`` for a revoked key (a revocation is final: nothing is changed)."""
     try:
-        info = await asyncio.to_thread(store_of(request).set_train, key_id, body.train)
+        info = await asyncio.to_thread(
+            store_of(request).configure, key_id, train=body.train, trusted=body.trusted
+        )
     except KeyRevoked as exc:
         raise ApiError(409, str(exc), code="key_revoked", param="key_id") from None
     if info is None:

@@ -31,25 +31,52 @@ _CLOSED = ConfigDict(extra="forbid")
 # ------------------------------------------------------------------ API keys
 
 
+_TRUSTED = (
+    "The operator vouches that the key's traffic is many people's (a backend relaying its users) or "
+    "a judge's: the identity caps on training batches and on the guard's votes do not bound it "
+    '(docs/guard.md, "Who votes").'
+)
+
+
 class CreateKey(EdgeModel):
-    """``POST /admin/keys``: the tenant the new key belongs to (``core.keys.TENANT_PATTERN``), and
-    whether the answers it is sent may be trained (false: the key opts out)."""
+    """``POST /admin/keys``: the tenant the new key belongs to (``core.keys.TENANT_PATTERN``),
+    whether the answers it is sent may be trained (false: the key opts out), and whether it is
+    trusted (``core.keys.KeyInfo``)."""
 
     model_config = ConfigDict(extra="forbid")
     tenant: str = Field(pattern=TENANT_REGEX, max_length=NAME_CHARS)
     train: bool = True
+    trusted: bool = Field(False, description=_TRUSTED)
 
 
 class KeySettings(EdgeModel):
-    """``PATCH /admin/keys/{key_id}``: the key's training setting (false: opted out)."""
+    """``PATCH /admin/keys/{key_id}``: the key's training setting (false: opted out), whether it
+    is trusted, or both; a setting left out is left as it is."""
 
-    model_config = ConfigDict(extra="forbid")
-    train: bool
+    # The schema says what the validator checks: at least one setting given, not null.
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "anyOf": [
+                {"required": [name], "properties": {name: {"type": "boolean"}}}
+                for name in ("train", "trusted")
+            ]
+        },
+    )
+    train: bool | None = None
+    trusted: bool | None = Field(None, description=_TRUSTED)
+
+    @model_validator(mode="after")
+    def _some_setting(self) -> KeySettings:
+        if self.train is None and self.trusted is None:
+            raise ValueError("give train, trusted or both")
+        return self
 
 
 class ApiKeyInfo(BaseModel):
     """An API key as listed (``core.keys.KeyInfo.to_json``): never its secret or its hash.
-    ``revoked_at`` null while the key is valid; ``train`` false: the key opts out of training."""
+    ``revoked_at`` null while the key is valid; ``train`` false: the key opts out of training;
+    ``trusted`` true: the identity caps do not bound it."""
 
     model_config = _CLOSED
     id: str
@@ -57,6 +84,7 @@ class ApiKeyInfo(BaseModel):
     created_at: str
     revoked_at: str | None
     train: bool
+    trusted: bool
 
 
 class ApiKeyCreated(ApiKeyInfo):

@@ -81,6 +81,35 @@ def test_one_identity_rating_by_arm_does_not_decide_the_verdict_under_the_identi
     assert verdict["senders"]["promoted"] == verdict["senders"]["candidate"]
 
 
+def test_a_trusted_key_decides_under_the_cap_and_holds_no_sender_s_share(learner):
+    """A deployment that rates through one backend key: under the identity cap the key is one
+    sender and its 30 ratings an arm count 2 (share 0.1 of windows of 20: k = 2; the second
+    window cannot be filled), so nothing is decided; trusted (``saoserve admin keys trust``),
+    all 30 an arm count: 30 losses against 30 wins, rejected. The verdict names no sender: the
+    operator vouched that the key's ratings are many people's."""
+    feed(open_log(learner.settings.resolved_database_url), BATCH, 0)
+    learner.poll_once()
+    learner.train_step()
+    store = KeyStore(learner.db)
+    backend, _ = store.create("acme", utcnow())
+    now = utcnow()
+    who = f"key:{backend.id}"
+    rate_as(learner, 1, "canary", [(who, 0.0)] * 30, now)
+    rate_as(learner, 0, "control", [(who, 1.0)] * 30, now)
+    learner.guard.electorate = Electorate(0.1, 20)
+    assert learner.guard_check() == Decision.CONTINUE
+    verdict = json.loads(get_flag(learner.db, GUARD_VERDICT))
+    assert (verdict["candidate"]["n"], verdict["promoted"]["n"]) == (2, 2)
+    assert verdict["senders"]["candidate"] == {"votes": 2, "identified": 1, "top_share": 1.0}
+    store.configure(backend.id, trusted=True)
+    with learner.db.connect() as conn:
+        created = {1: now - timedelta(seconds=1)}  # before the ratings, however slow the run
+        judged, _, senders, _ = learner.guard._judge(conn, [1], [0], created)
+    assert judged.decision == Decision.REJECT
+    assert (judged.candidate.n, judged.candidate.mean, judged.promoted.n) == (30, 0.0, 30)
+    assert senders["candidate"] == {"votes": 30, "identified": 0, "top_share": 0.0}
+
+
 def test_an_opted_out_or_unknown_sender_s_ratings_never_vote(learner):
     """Issue 40: ratings of answers from a key that opted out of training voted (they decided a
     promotion). A key that opts out after its answers were logged (``train`` true on them), a

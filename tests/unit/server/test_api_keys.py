@@ -311,6 +311,7 @@ def test_a_key_is_trained_unless_made_or_set_opted_out(tmp_path):
         "created_at": t0.isoformat(),
         "revoked_at": None,
         "train": False,
+        "trusted": False,
     }
     # The check hands the setting to the server with the key (server.auth.Caller.train).
     assert (store.check(trained_key).key.train, store.check(opted_key).key.train) == (True, False)
@@ -338,6 +339,61 @@ def test_set_train_of_an_unknown_key_is_none_and_of_a_revoked_key_is_refused(tmp
     assert [(k.train, k.revoked) for k in store.listed()] == [(True, True)]
     assert store.check(key).outcome == "revoked"
     store.engine.dispose()
+
+
+def test_a_key_is_untrusted_unless_made_or_set_trusted(tmp_path):
+    """``trusted`` is a setting of its own: made with the key or set later, alone or with
+    ``train`` in one update, idempotent; ``core.keys.trusted_keys`` names the trusted ones (a
+    revoked trusted key stays in it: its answers logged before keep counting as they did)."""
+    from core.keys import trusted_keys
+
+    store = migrated_store(tmp_path)
+    plain, _ = store.create("acme", utcnow())
+    backend, _ = store.create("acme", utcnow(), trusted=True)
+    assert (plain.trusted, backend.trusted, backend.train) == (False, True, True)
+    both = store.configure(plain.id, train=False, trusted=True)
+    assert (both.train, both.trusted) == (False, True)
+    assert store.configure(plain.id, trusted=True).trusted is True  # idempotent
+    assert store.configure(plain.id, trusted=False).train is False  # the other setting stays
+    assert store.configure("k0000000000000000", trusted=True) is None
+    with pytest.raises(ValueError, match="give train, trusted or both"):
+        store.configure(plain.id)
+    store.revoke(backend.id, utcnow())
+    with pytest.raises(KeyRevoked):
+        store.configure(backend.id, trusted=False)
+    with store.engine.connect() as conn:
+        assert trusted_keys(conn) == {f"key:{backend.id}"}
+    store.engine.dispose()
+
+
+async def test_a_key_trusted_through_the_route_and_the_cli(tmp_path):
+    async with running_server(make_settings(tmp_path), FakeEngine(), watch_policy=False) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT_S, headers=ADMIN) as http:
+            made = (await http.post("/admin/keys", json={"tenant": "acme", "trusted": True})).json()
+            plain = await create_key(http, "beta")
+            on = await http.patch(f"/admin/keys/{plain['id']}", json={"trusted": True})
+            off = await asyncio.to_thread(admin, url, "keys", "trust", plain["id"], "off")
+            table = await asyncio.to_thread(admin, url, "keys", "list")
+            cli_made = await asyncio.to_thread(
+                admin, url, "keys", "create", "gamma", "--trusted", "--no-train"
+            )
+            bad = await asyncio.to_thread(admin, url, "keys", "trust", plain["id"], "yes")
+            listed = (await http.get("/admin/keys")).json()["keys"]
+    assert (made["trusted"], made["train"]) == (True, True)
+    assert (on.status_code, on.json()["trusted"], on.json()["train"]) == (200, True, True)
+    assert off.exit_code == 0 and off.output == (
+        f"API key {plain['id']} of tenant beta: not trusted: the identity caps bound it\n"
+    )
+    rows = {line.split()[0]: " ".join(line.split()) for line in table.output.splitlines() if line.strip()}
+    assert rows[made["id"]].startswith(f"{made['id']} acme yes yes ")
+    assert rows[plain["id"]].startswith(f"{plain['id']} beta yes no ")
+    assert cli_made.exit_code == 0 and "of tenant gamma (opted out of training, trusted):" in cli_made.output
+    assert bad.exit_code == 2 and "expected on or off, got 'yes'" in bad.output
+    assert [(k["tenant"], k["train"], k["trusted"]) for k in listed] == [
+        ("acme", True, True),
+        ("beta", True, False),
+        ("gamma", False, True),
+    ]
 
 
 def test_keys_made_before_revision_0014_keep_training(tmp_path):
@@ -425,13 +481,15 @@ async def test_a_revoked_key_is_final_409_and_nothing_changes(tmp_path):
         # A string, a number or null is no setting: pydantic's lax mode would take "false" and 0.
         ("patch", {"train": "false"}, "train", "train: Value error, must be true or false"),
         ("patch", {"train": 0}, "train", "train: Value error, must be true or false"),
-        ("patch", {"train": None}, "train", "train: Input should be a valid boolean"),
-        # PATCH sets the one setting a key has: a body without it changes nothing, so it is refused.
-        ("patch", {}, "train", "train: Field required"),
-        # PATCH sets the training setting only.
+        ("patch", {"trusted": "yes"}, "trusted", "trusted: Value error, must be true or false"),
+        # PATCH sets a key's settings: a body with none of them changes nothing, so it is refused.
+        ("patch", {"train": None}, None, "body: Value error, give train, trusted or both"),
+        ("patch", {}, None, "body: Value error, give train, trusted or both"),
+        # PATCH sets the settings only.
         ("patch", {"train": True, "tenant": "beta"}, "tenant", "tenant: Extra inputs are not permitted"),
         ("post", {"tenant": "acme", "train": "no"}, "train", "train: Value error, must be true or false"),
         ("post", {"tenant": "acme", "train": 1}, "train", "train: Value error, must be true or false"),
+        ("post", {"tenant": "acme", "trusted": None}, "trusted", "trusted: Input should be a valid boolean"),
     ],
 )
 async def test_a_bad_training_setting_is_400_naming_the_field(tmp_path, method, body, param, message):
@@ -448,7 +506,8 @@ async def test_a_bad_training_setting_is_400_naming_the_field(tmp_path, method, 
         param,
         message,
     )
-    assert [(k["id"], k["train"]) for k in after] == [(key["id"], True)]  # nothing changed or made
+    # Nothing changed or made.
+    assert [(k["id"], k["train"], k["trusted"]) for k in after] == [(key["id"], True, False)]
 
 
 async def test_the_opt_out_through_the_cli(tmp_path):

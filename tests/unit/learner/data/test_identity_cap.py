@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from sqlalchemy import insert
 
-from core.db import LearnerSample, make_engine, migrate
+from core.db import ApiKey, LearnerSample, make_engine, migrate
 from core.records import utcnow
 from learner.config import LearnerConfig
 from learner.data.identity_cap import identity_shares, per_identity_limit, select_batch
@@ -223,6 +223,14 @@ def test_the_learner_trains_the_capped_batch_and_the_excess_waits(tmp_path):
     with db.begin() as conn:
         conn.execute(LearnerSample.__table__.delete().where(LearnerSample.id.in_(["s4", "s5"])))
     assert learner._next_batch() == (None, 0)  # k = 2: a, a, b = 3 < 4
+    # ka trusted (a backend the operator vouches for): each of its samples is its own identity
+    # to the cap, so a, a, a, b fill the batch and nothing is deferred.
+    with db.begin() as conn:
+        conn.execute(
+            insert(ApiKey).values(id="ka", tenant="acme", key_sha256="0" * 64, created_at=t0, trusted=True)
+        )
+    rows, deferred = learner._next_batch()
+    assert ([r.id for r in rows], deferred) == (["s0", "s1", "s2", "s3"], 0)
     learner.log.close()
     db.dispose()
 

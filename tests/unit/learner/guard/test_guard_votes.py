@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from learner.data.identity_cap import admit_stream, select_batch
-from learner.guard.guard_votes import Electorate, Senders, Vote, ballot, may_vote
+from learner.guard.guard_votes import Electorate, Senders, Vote, ballot, counted, may_vote
 
 
 def naive_stream(identities, window, share):
@@ -98,3 +98,19 @@ def test_who_holds_an_arm_s_votes():
     # Anonymous alone: no sender identified, so no share held; no votes at all: zeros.
     assert Senders.of([Vote(1.0, None)] * 4) == Senders(4, 0, 0.0)
     assert Senders.of([]) == Senders(0, 0, 0.0)
+
+
+def test_a_trusted_key_is_not_bound_by_the_cap():
+    """A trusted key (the operator vouches for it: a backend relaying its users) passes the cap
+    as anonymous votes do, each vote its own identity, and holds no sender's share."""
+    votes = [Vote(1.0, "key:t")] * 4 + [Vote(0.0, "key:a")]
+    capped = Electorate(0.5, 2)  # k = max(1, ⌊0.5·2⌋) = 1 vote of a sender per window of 2
+    # Untrusted: window 1 takes t (index 0) and a (4); window 2 has only t (1) left to take, so
+    # it is partial and the last: t, a, t count, the other two t wait.
+    assert [v.identity for v in counted(votes, capped)] == ["key:t", "key:a", "key:t"]
+    # Trusted: t, t | t, t | a, all 5.
+    trusted = capped.with_trusted(frozenset({"key:t"}))
+    assert counted(votes, trusted) == votes
+    # Opted out still wins over trusted: its votes never count.
+    assert counted([Vote(1.0, "key:t", key_train=False)], trusted) == []
+    assert Senders.of(votes, trusted.trusted) == Senders(votes=5, identified=1, top_share=0.2)

@@ -26,7 +26,8 @@ DEGENERATE = "degenerate"
 DEFAULT_USERS = 200
 """Simulated users when the option does not say (a share of 0.2 is then 40 adversaries): as many
 as the simulation's honest users (``SimulationConfig.users``), enough identities for the guard's
-identity cap at 0.01 (``GuardConfig.vote_identity_share``) to count votes on probation."""
+identity cap at 0.01 binding every identity (``GuardConfig.vote_identity_share``, ``vote_cap``
+``identities``) to count votes on probation."""
 KEYS = ("share", "rewards", "users")
 """The option's keys."""
 

@@ -94,8 +94,8 @@ class SimulationClient:
     def _draw_user(self) -> int:
         """The simulated user who sends the next request, uniform over the adversary's users, or
         without one over ``config.users`` honest ones: every request carries an identity, which
-        the guard's identity cap counts (with it on, only identified senders vote:
-        ``GuardConfig.vote_identity_share``, docs/guard.md "Who votes")."""
+        the guard's identity cap counts when it binds every identity (``GuardConfig.vote_cap``
+        ``identities``: then only identified senders vote; docs/guard.md "Who votes")."""
         adv = self.config.adversary
         return self.users_rng.randrange(self.config.users if adv is None else adv.users)
 

@@ -43,7 +43,8 @@ class SimulationConfig:
     raters that rate by their own rule (``judge.adversary``, among its own ``users``; None:
     every rater is honest). ``users``: the honest simulated users without an adversary; each
     request carries its user's name as ``user`` (``sim-user-NN``), so the guard's identity cap
-    (``GuardConfig.vote_identity_share``) can count their votes (docs/guard.md, "Who votes").
+    can count their votes when it binds every identity (``GuardConfig.vote_cap``
+    ``identities``; docs/guard.md, "Who votes").
 
     ``api_key``: the bearer of the chat, feedback and model-list requests (None: none is sent,
     the server serves them anonymously or refuses them, ``require_keys``); ``admin_key`` stays

@@ -113,7 +113,7 @@ class Learner:
         self._unannounced = False
         lora = config.policy if isinstance(config.policy, LoraPolicy) else None
         references = GateReferences(self.base_dir, partial(publish.version_path, self.db), lora)
-        voters = Electorate.of(config.guard.vote_identity_share, config.batch_size)
+        voters = Electorate.of(config.guard.vote_identity_share, config.batch_size, config.guard.vote_cap)
         # Without the KL anchor there is no reference to measure a drift against.
         probe = self.measure_drift if config.has_kl_anchor else None
         self.guard = Guard(

@@ -276,7 +276,9 @@ class LifecycleGauges(PolicyCollector):
     ``saoserve_guard_decision{decision=continue|promote|reject}`` (1 for the verdict's),
     ``saoserve_guard_verdict_timestamp_seconds``, and who holds each arm's counted ratings
     (``learner.guard.guard_votes.Senders``): ``saoserve_guard_top_sender_share{arm}`` (the
-    largest share one identified sender holds) and ``saoserve_guard_identified_senders{arm}``. A tenant policy's are the same as
+    largest share one identified sender holds), ``saoserve_guard_identified_senders{arm}`` and
+    ``saoserve_guard_votes_held_back{arm}`` (the ratings the identity cap did not count). A
+    tenant policy's are the same as
     ``saoserve_tenant_policy_versions{tenant,stage}``, ``saoserve_tenant_guard_enabled{tenant}``..."""
 
     what = "lifecycle"
@@ -355,11 +357,18 @@ class LifecycleGauges(PolicyCollector):
             "Identified senders (API keys or users) among an arm's counted ratings.",
             ("arm",),
         )
+        held_back = Series(
+            GaugeMetricFamily,
+            "guard_votes_held_back",
+            "An arm's ratings that may vote but the identity cap did not count (a sender past its share).",
+            ("arm",),
+        )
         for arm, held in (v.get("senders") or {}).items():
             if isinstance(held, dict) and held.get("top_share") is not None:
                 top.add((arm,), held["top_share"])
                 identified.add((arm,), held.get("identified", 0))
-        yield from (top, identified)
+                held_back.add((arm,), held.get("held_back", 0))
+        yield from (top, identified, held_back)
         try:
             at = datetime.fromisoformat(v["at"]).timestamp()
         except (KeyError, TypeError, ValueError):

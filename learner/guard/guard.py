@@ -38,7 +38,7 @@ from core.sequential import Decision, Verdict, decide_lineage
 from learner.faults import fault_point
 from learner.guard.gate_models import GateReferences
 from learner.guard.guard_config import GuardConfig
-from learner.guard.guard_votes import Electorate, Senders, Vote, health_votes, rated_votes, values
+from learner.guard.guard_votes import Electorate, Senders, Tally, health_votes, rated_votes, values
 from learner.publish import AlsoCommit, promoted_version, storable
 
 log = logging.getLogger(__name__)
@@ -262,7 +262,7 @@ class Guard:
         ends = [created[v] for v in members[1:]] + [None]
         before_lineage = {"before": started, "limit": guard.promoted_window}
 
-        def arms(votes, *args) -> list[tuple[list[Vote], list[Vote]]]:
+        def arms(votes, *args) -> list[tuple[Tally, Tally]]:
             if not split:
                 comparison = votes(conn, promoted, *args, voters, opted, **before_lineage)
                 return [(votes(conn, [v], *args, voters, opted), comparison) for v in members]
@@ -279,9 +279,11 @@ class Guard:
         elapsed = max((utcnow() - started).total_seconds(), 0.0)
         rated = arms(rated_votes)
         j, verdict = decide_lineage(
-            [(values(own), values(other)) for own, other in rated], guard.rule_params(), elapsed_s=elapsed
+            [(values(own.votes), values(other.votes)) for own, other in rated],
+            guard.rule_params(),
+            elapsed_s=elapsed,
         )
-        own, other = rated[j] if j is not None else ([], [])
+        own, other = rated[j] if j is not None else (Tally([]), Tally([]))
         senders = {
             "candidate": asdict(Senders.of(own, voters.trusted)),
             "promoted": asdict(Senders.of(other, voters.trusted)),
@@ -307,7 +309,10 @@ class Guard:
                 )
         if guard.min_answer_tokens is not None:
             _, health = decide_lineage(
-                [(values(own), values(other)) for own, other in arms(health_votes, guard.min_answer_tokens)],
+                [
+                    (values(own.votes), values(other.votes))
+                    for own, other in arms(health_votes, guard.min_answer_tokens)
+                ],
                 guard.health_params(),
                 promotes=False,
             )

@@ -6,12 +6,27 @@ importing torch.
 
 from __future__ import annotations
 
+import enum
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from core.sequential import Decision, RuleParams
 from learner.guard.gate_config import GateConfig
+
+
+class VoteCap(enum.StrEnum):
+    """Which senders the identity cap on votes binds (``GuardConfig.vote_cap``;
+    ``learner.guard.guard_votes``; docs/guard.md, "Who votes")."""
+
+    KEYS = "keys"
+    """API keys not trusted: the identities a client cannot choose once keys are required. A
+    ``user`` field or an anonymous answer votes as an identity of its own (a client could set
+    ``user`` to anything, or leave it out, to evade a cap anyway)."""
+    IDENTITIES = "identities"
+    """Every identity, API keys and ``user`` fields alike; answers without one do not vote. For
+    a deployment whose raters are many and named by ``user`` (the simulation's 200 users)."""
+
 
 _MODEL = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True, allow_inf_nan=False)
 
@@ -56,21 +71,24 @@ class GuardConfig(BaseModel):
     share of sound answers (``core.lifecycle.healthy``: cut by the budget, or ended by the model
     after at least this many tokens) is surely below the promoted versions' (the same rule on
     every answer served, rated or not). None: no veto."""
-    vote_identity_share: float | None = Field(None, gt=0.0, le=1.0)
+    vote_identity_share: float | None = Field(0.01, gt=0.0, le=1.0)
     """The identity cap on votes (docs/guard.md, "Who votes"; ``learner.guard.guard_votes``): in
-    each arm's stream of rated (and of ended) answers, one identity (API key, else ``user``
-    field) has at most ``max(1, ⌊share·W⌋)`` votes per window of ``W = max(batch_size,
-    ⌈1/share⌉)``, so it moves each arm's mean by at most the share (Δ by at most
-    ``share·(1 + |Δ|)``), answers without an identity do not vote, and a trusted key
-    (``saoserve admin keys trust``: a backend relaying its users, a judge) is not bound: each
-    of its votes counts as an identity of its own. 0.01 kept every simulated
-    verdict under a flooding attacker. It needs at least ``1/share`` identities rating *each
-    arm* (with sticky arms and a canary share c, about ``1/(share·c)`` in all, 500 at 0.01 and
-    0.2), or ratings through trusted keys: with fewer no window fills, each counts its first
-    ``k`` votes only, and neither the rule nor the health veto ever decides (``max_samples`` counts voting answers). None (the
-    default): no cap, anonymous answers vote, and one client that floods the ratings can decide
-    a verdict; off by default because the embedded default (no keys, no ``user``) and a
-    deployment with fewer raters would have a guard that never decides."""
+    each arm's stream of rated (and of ended) answers, one bound sender (``vote_cap``: by
+    default an API key) has at most ``max(1, ⌊share·W⌋)`` votes per window of ``W =
+    max(batch_size, ⌈1/share⌉)``, so it moves each arm's mean by at most the share (Δ by at
+    most ``share·(1 + |Δ|)``); a trusted key (``saoserve admin keys trust``: a backend relaying
+    its users, a judge) is never bound. 0.01 kept every simulated verdict under a flooding
+    attacker. A verdict on keys' ratings alone needs at least ``1/share`` keys not trusted
+    rating *each arm* (with sticky arms and a canary share c, about ``1/(share·c)`` in all):
+    with fewer no window fills, each counts its first ``k`` votes only and the rest are held
+    back (``saoserve_guard_votes_held_back``), and neither the rule nor the health veto decides
+    (``max_samples`` counts voting answers) until the operator trusts the keys that rate for
+    many people. None: no cap, and one client that floods the ratings can decide a verdict."""
+    vote_cap: VoteCap = VoteCap.KEYS
+    """Which senders ``vote_identity_share`` binds: ``keys`` (the API keys not trusted; answers
+    without a key vote as identities of their own, so the embedded default, with no keys, is
+    not capped) or ``identities`` (keys and ``user`` fields; answers without either do not
+    vote)."""
     max_kl_ref: float | None = Field(0.6, gt=0.0)
     """The drift veto (docs/guard.md, "The drift veto"): the lineage is rejected when one of its
     versions measured more than this KL to the base (nats per action token) beyond the promoted

@@ -12,19 +12,23 @@ whether it may train. An answer does not vote when:
 - its API key has opted out of training *now* (``api_keys.train`` false), whatever the record
   says: an opt-out reaches the answers logged before it, for votes as for training
   (``learner.data.joiner``);
-- the identity cap is on (``GuardConfig.vote_identity_share``, off by default) and it has no
-  identity (no key and no ``user``): an unknown sender could vote without bound, since the cap
-  counts each anonymous answer as its own identity.
+- the identity cap binds every identity (``GuardConfig.vote_cap`` ``identities``) and it has
+  no identity (no key and no ``user``): an unknown sender could vote without bound, since the
+  cap counts each anonymous answer as its own identity.
 
 The rest pass the identity cap per arm (``learner.data.identity_cap.admit_stream`` with the
-guard's ``vote_identity_share``, ``Electorate.of``): in each window of an arm's stream an
+guard's ``vote_identity_share``, ``Electorate.of``): in each window of an arm's stream a bound
 identity has at most ``max(1, ⌊share · window⌋)`` votes, as it has at most that many samples
-in a batch, and its votes beyond that never count. So one identity, whatever it sends, holds
-at most the share of each arm's votes (up to the last, partial window), moves each arm's mean
-by at most the share, and Δ = μ_canary − μ_control by at most ``share · (1 + |Δ|)``. A trusted
-key (``core.keys.trusted_keys``: the operator vouches that its traffic is many people's, a
-backend relaying its users, or a judge's) is not bound: each of its votes passes the cap as an
-identity of its own, as its requests are, and it is no sender in ``Senders``.
+in a batch, and its votes beyond that never count (they are *held back*: ``Tally``). So one
+bound identity, whatever it sends, holds at most the share of each arm's votes (up to the last,
+partial window), moves each arm's mean by at most the share, and Δ = μ_canary − μ_control by
+at most ``share · (1 + |Δ|)``. Which identities are bound (``GuardConfig.vote_cap``): by
+default the API keys (``keys``), the identities a client cannot choose once keys are required;
+``user`` fields and anonymous answers pass as identities of their own, as they would evade a
+cap anyway (a client sets ``user`` as it likes, or leaves it out); ``identities`` binds the
+``user`` fields too. A trusted key (``core.keys.trusted_keys``: the operator vouches that its
+traffic is many people's, a backend relaying its users, or a judge's) is never bound: each of
+its votes passes as an identity of its own, and it is no sender in ``Senders``.
 
 The queries read the caller's connection and apply the exclusions in SQL (so ``limit`` counts
 voting answers), given the keys that opted out as read from the key registry; ``ballot`` is
@@ -45,36 +49,49 @@ from sqlalchemy.engine import Connection
 
 from core.claims import TRAJECTORY_PREFIX
 from core.db import FeedbackClaim, TrajectoryIndex
+from core.keys import KEY_IDENTITY
 from core.lifecycle import ENDED_FINISHES, Arm, healthy
 from core.lifecycle_store import answers_window
 from learner.data.identity_cap import admit_stream
+from learner.guard.guard_config import VoteCap
 
 
 @dataclass(frozen=True)
 class Electorate:
     """Who votes: ``max_share`` the identity cap (None: off, and anonymous answers vote),
-    ``window`` the votes per window of the cap (≥ 1; ``of``), ``trusted`` the identities
-    (``key:<key id>``) the cap does not bound (``core.keys.trusted_keys``, read with each check:
-    ``with_trusted``)."""
+    ``window`` the votes per window of the cap (≥ 1; ``of``), ``binds`` the identities the cap
+    bounds (``VoteCap``), ``trusted`` the keys' identities (``key:<key id>``) it never bounds
+    (``core.keys.trusted_keys``, read with each check: ``with_trusted``)."""
 
     max_share: float | None
     window: int
+    binds: VoteCap = VoteCap.KEYS
     trusted: frozenset[str] = frozenset()
+
+    def bound(self, identity: str | None) -> str | None:
+        """The identity the cap counts ``identity``'s vote under: itself when the cap binds it,
+        else None (a vote of its own, as an anonymous one). E.g. with ``binds`` keys,
+        ``user:ann`` → None and ``key:k1`` → ``key:k1``, unless ``key:k1`` is trusted."""
+        if identity is None or identity in self.trusted:
+            return None
+        if self.binds == VoteCap.KEYS and not identity.startswith(KEY_IDENTITY):
+            return None
+        return identity
 
     def with_trusted(self, trusted: frozenset[str]) -> Electorate:
         """This electorate with the registry's trusted keys now."""
         return replace(self, trusted=trusted)
 
     @classmethod
-    def of(cls, max_share: float | None, batch_size: int) -> Electorate:
+    def of(cls, max_share: float | None, batch_size: int, binds: VoteCap = VoteCap.KEYS) -> Electorate:
         """The learner's cap on its votes: windows of ``batch_size`` votes, as its batches, or
         of ``⌈1/max_share⌉`` when that is longer, so that ``k = max(1, ⌊share·window⌋)`` is the
         share itself: a batch cannot hold less than one sample of an identity (k ≥ 1 of B),
         an arm's stream of votes has no such floor. E.g. share 0.01 with batch 16: windows of
         100 votes, one vote of an identity each (a batch: 1 of 16)."""
         if max_share is None:
-            return cls(None, batch_size)
-        return cls(max_share, max(batch_size, math.ceil(1.0 / max_share - 1e-9)))
+            return cls(None, batch_size, binds)
+        return cls(max_share, max(batch_size, math.ceil(1.0 / max_share - 1e-9)), binds)
 
 
 @dataclass(frozen=True)
@@ -90,28 +107,48 @@ class Vote:
     key_train: bool | None = None
 
 
+@dataclass(frozen=True)
+class Tally:
+    """One arm's stream after the cap: ``votes`` those that count, in order; ``held_back`` how
+    many of those that may vote it did not count (a bound sender past its share, waiting for a
+    window the others' votes cannot fill): what shows an operator that the cap, not the
+    ratings, is holding a verdict (docs/guard.md, "Watching who votes")."""
+
+    votes: list[Vote]
+    held_back: int = 0
+
+
 def may_vote(vote: Vote, electorate: Electorate) -> bool:
     """Whether ``vote`` may vote at all (module docstring): not opted out by its record or by
-    its key now, and, with the cap on, from a known identity."""
+    its key now, and, with a cap that binds every identity, from a known identity."""
     if vote.train is False or vote.key_train is False:
         return False
-    return electorate.max_share is None or vote.identity is not None
+    return not _identified_only(electorate) or vote.identity is not None
+
+
+def _identified_only(electorate: Electorate) -> bool:
+    return electorate.max_share is not None and electorate.binds == VoteCap.IDENTITIES
 
 
 def counted(votes: Sequence[Vote], electorate: Electorate) -> list[Vote]:
     """The votes that count, in order: those that ``may_vote``, then the identity cap over them
-    (``admit_stream``), which does not bound ``electorate.trusted``. Raises ValueError for a cap
-    ``admit_stream`` refuses.
+    (``admit_stream``) on the identities it binds (``Electorate.bound``). Raises ValueError for
+    a cap ``admit_stream`` refuses.
 
     E.g. share 0.5, window 2 (a sender's one vote per window): votes t, t, t, t, a count t, a
     (window 1), then t (the partial window 2): 3 of 5, the last two t wait for a window they
     cannot fill; with ``key:t`` trusted, all 5 count (t, t | t, t | a)."""
+    return tally(votes, electorate).votes
+
+
+def tally(votes: Sequence[Vote], electorate: Electorate) -> Tally:
+    """``counted``, with how many of the votes that may vote the cap held back."""
     eligible = [v for v in votes if may_vote(v, electorate)]
     if electorate.max_share is None:
-        return eligible
-    # A trusted key's vote is its own identity to the cap, as an anonymous one is (None).
-    bound = [None if v.identity in electorate.trusted else v.identity for v in eligible]
-    return [eligible[i] for i in admit_stream(bound, electorate.window, electorate.max_share)]
+        return Tally(eligible)
+    bound = [electorate.bound(v.identity) for v in eligible]
+    kept = [eligible[i] for i in admit_stream(bound, electorate.window, electorate.max_share)]
+    return Tally(kept, len(eligible) - len(kept))
 
 
 def ballot(votes: Sequence[Vote], electorate: Electorate) -> list[float]:
@@ -129,33 +166,37 @@ class Senders:
     """Who holds one arm's counted votes (docs/guard.md, "Watching who votes"): ``votes`` the
     arm's counted votes; ``identified`` the distinct senders among them with an identity (an
     API key, or a ``user`` field); ``top_share`` the largest share of the ``votes`` one of them
-    holds (0.0 when none is identified). Anonymous votes count in ``votes`` and for no sender:
+    holds (0.0 when none is identified); ``held_back`` the votes the cap did not count
+    (``Tally``). Anonymous votes count in ``votes`` and for no sender:
     an anonymous flood cannot be told from many anonymous users."""
 
     votes: int
     identified: int
     top_share: float
+    held_back: int = 0
 
     @classmethod
-    def of(cls, votes: Sequence[Vote], trusted: frozenset[str] = frozenset()) -> Senders:
-        """Who holds ``votes``; a ``trusted`` key's votes count for no sender, as anonymous ones
-        (the operator vouched that they are many people's). E.g. votes of a, a, a, b and one
-        anonymous: 5 votes, 2 identified, a holds 3/5 = 0.6; with a trusted: 1 identified, b
-        holds 1/5 = 0.2."""
+    def of(cls, tally: Tally, trusted: frozenset[str] = frozenset()) -> Senders:
+        """Who holds ``tally``'s counted votes, and how many it held back; a ``trusted`` key's
+        votes count for no sender, as anonymous ones (the operator vouched that they are many
+        people's). E.g. votes of a, a, a, b and one anonymous: 5 votes, 2 identified, a holds
+        3/5 = 0.6; with a trusted: 1 identified, b holds 1/5 = 0.2."""
+        votes = tally.votes
         held = Counter(v.identity for v in votes if v.identity is not None and v.identity not in trusted)
         top = max(held.values(), default=0)
-        return cls(len(votes), len(held), top / len(votes) if votes else 0.0)
+        return cls(len(votes), len(held), top / len(votes) if votes else 0.0, tally.held_back)
 
 
 def _voters(q, electorate: Electorate, opted_out: frozenset[str]):
     """``q`` without the answers that may not vote (``may_vote``): ``train`` false, a sender in
-    ``opted_out`` (keys whose training is off now), and, with the cap on, no sender."""
+    ``opted_out`` (keys whose training is off now), and, with a cap that binds every identity,
+    no sender."""
     q = q.where(or_(TrajectoryIndex.train.is_(None), TrajectoryIndex.train.is_(True)))
     if opted_out:
         q = q.where(
             or_(TrajectoryIndex.identity.is_(None), TrajectoryIndex.identity.not_in(sorted(opted_out)))
         )
-    if electorate.max_share is not None:
+    if _identified_only(electorate):
         q = q.where(TrajectoryIndex.identity.is_not(None))
     return q
 
@@ -174,7 +215,7 @@ def rated_votes(
     since: datetime | None = None,
     arm: Arm | None = None,
     limit: int | None = None,
-) -> list[Vote]:
+) -> Tally:
     """The votes (rewards) that count, of the rated single-turn answers ``versions`` dispatched
     (``trajectory_index.dispatch_version``), oldest rating first, after ``counted``; ``opted_out``
     the senders whose key's training is off now (``core.keys.opted_out_keys``, read from the
@@ -206,7 +247,7 @@ def rated_votes(
     if limit is not None:
         q = q.limit(limit)
     rows = reversed(conn.execute(q).all())
-    return counted([_vote(float(r.reward), r.identity, r.train, opted_out) for r in rows], electorate)
+    return tally([_vote(float(r.reward), r.identity, r.train, opted_out) for r in rows], electorate)
 
 
 def health_votes(
@@ -220,7 +261,7 @@ def health_votes(
     since: datetime | None = None,
     arm: Arm | None = None,
     limit: int | None = None,
-) -> list[Vote]:
+) -> Tally:
     """The votes that count, 1.0 for each sound answer ``versions`` dispatched, 0.0 for each
     degenerate one (``core.lifecycle.healthy``), rated or not, oldest first, after ``counted``: every answer
     that ended (``ENDED_FINISHES``). ``before``, ``since``, ``arm`` and ``limit`` as for
@@ -254,4 +295,4 @@ def health_votes(
         )
         for r in rows
     ]
-    return counted(votes, electorate)
+    return tally(votes, electorate)

@@ -198,10 +198,12 @@ ARMS = (("lineage", "candidate"), ("promoted", "promoted"))
 
 def _held(name: str, s: dict | None) -> str:
     """Who holds one arm's counted ratings (``learner.guard.guard_votes.Senders``), e.g.
-    ``lineage 11 identified, the largest 13.0%``."""
+    ``lineage 11 identified, the largest 13.0%, 74 held back by the cap``."""
     if not s:
         return f"{name} -"
-    return f"{name} {s.get('identified', 0)} identified, the largest {100 * (s.get('top_share') or 0.0):.1f}%"
+    said = f"{name} {s.get('identified', 0)} identified, the largest {100 * (s.get('top_share') or 0.0):.1f}%"
+    held_back = s.get("held_back") or 0
+    return f"{said}, {held_back} held back by the cap" if held_back else said
 
 
 def _guard_lines(g: dict) -> list[tuple[str, str]]:

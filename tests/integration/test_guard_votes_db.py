@@ -12,10 +12,11 @@ from sqlalchemy import insert
 
 from core.claims import trajectory_target
 from core.db import FeedbackClaim, TrajectoryIndex, make_engine, migrate
-from core.keys import KeyStore, opted_out_keys
+from core.keys import KeyStore, opted_out_keys, trusted_keys
 from core.lifecycle import Arm
 from core.records import utcnow
-from learner.guard.guard_votes import Electorate, Senders, health_votes, rated_votes, values
+from learner.guard.guard_config import VoteCap
+from learner.guard.guard_votes import Electorate, Senders, Tally, health_votes, rated_votes, values
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -78,16 +79,22 @@ def test_who_votes_in_the_database(db):
         opted = opted_out_keys(conn)
         assert opted == {f"key:{out.id}"}
         # Without the registry's answer the key's own rows (a, b) still vote: the setting is read.
-        assert values(rated_votes(conn, [1], Electorate(None, 2))) == [0.0, 0.0, 1.0, 0.5, 0.25, 1.0]
+        assert values(rated_votes(conn, [1], Electorate(None, 2)).votes) == [0.0, 0.0, 1.0, 0.5, 0.25, 1.0]
         voting = rated_votes(conn, [1], Electorate(None, 2), opted)
-        assert values(voting) == [1.0, 0.5, 0.25, 1.0]  # c, e, f, g
+        assert values(voting.votes) == [1.0, 0.5, 0.25, 1.0]  # c, e, f, g
         # Who holds them: the key that stays (c, g) 2 of 4, user:<id> (f) 1, e anonymous.
         assert Senders.of(voting) == Senders(votes=4, identified=2, top_share=0.5)
-        # Cap on, windows of 2 at share 0.5 (k = 1): e is out; c and f fill window 1; g alone in
-        # window 2 (partial, the last).
-        assert values(rated_votes(conn, [1], Electorate(0.5, 2), opted)) == [1.0, 0.25, 1.0]
+        # Cap on every identity, windows of 2 at share 0.5 (k = 1): e is out; c and f fill
+        # window 1; g alone in window 2 (partial, the last).
+        every = Electorate(0.5, 2, VoteCap.IDENTITIES)
+        assert values(rated_votes(conn, [1], every, opted).votes) == [1.0, 0.25, 1.0]
+        # Cap on keys (the default): e and f vote unbound; window 1 c, e; window 2 f, g: all 4.
+        assert rated_votes(conn, [1], Electorate(0.5, 2), opted) == Tally(voting.votes, 0)
         # limit counts voting ratings: the newest 2 that vote (f, g).
-        assert values(rated_votes(conn, [1], Electorate(None, 2), opted, limit=2)) == [0.25, 1.0]
-        assert values(rated_votes(conn, [1], Electorate(None, 2), opted, arm=Arm.CONTROL)) == []
-        # Health: every ended answer that votes; c has 1 token (degenerate at min 4 tokens).
-        assert values(health_votes(conn, [1], 4, Electorate(None, 2), opted)) == [0.0, 1.0, 1.0, 1.0]
+        assert values(rated_votes(conn, [1], Electorate(None, 2), opted, limit=2).votes) == [0.25, 1.0]
+        assert values(rated_votes(conn, [1], Electorate(None, 2), opted, arm=Arm.CONTROL).votes) == []
+        assert values(health_votes(conn, [1], 4, Electorate(None, 2), opted).votes) == [0.0, 1.0, 1.0, 1.0]
+    # The trusted keys as the learner reads them with each check (revision 0019's column).
+    keys.configure(stays.id, trusted=True)
+    with db.connect() as conn:
+        assert trusted_keys(conn) == {f"key:{stays.id}"}

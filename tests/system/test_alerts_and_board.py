@@ -96,6 +96,7 @@ def test_every_alert_has_a_firing_and_a_quiet_case():
         "SaoserveReplicaBehind",
         "SaoserveGuardRejectingInALoop",
         "SaoserveGuardVotesHeldByOneSender",
+        "SaoserveGuardVotesHeldBack",
     }
     firing, quiet = set(), set()
     for case in yaml.safe_load(ALERT_TESTS.read_text())["tests"]:

@@ -16,6 +16,7 @@ from core.keys import KeyStore
 from core.logbus import open_log
 from core.records import utcnow
 from core.sequential import Decision
+from learner.guard.guard_config import VoteCap
 from learner.guard.guard_votes import Electorate
 from learner.process import Learner
 from testing.guard import add_rated
@@ -52,8 +53,8 @@ def test_one_identity_rating_by_arm_does_not_decide_the_verdict_under_the_identi
     now = utcnow()
     rate_as(learner, 1, "canary", attacked_arm(0.0), now)
     rate_as(learner, 0, "control", attacked_arm(1.0), now)
-    # The cap is off by default (GuardConfig.vote_identity_share None): windows of BATCH votes.
-    assert learner.guard.electorate == Electorate(None, BATCH)
+    # The cap is on by default on API keys: share 0.01, windows of ⌈1/0.01⌉ = 100 votes.
+    assert learner.guard.electorate == Electorate(0.01, 100, VoteCap.KEYS)
     # No cap: 40 wins and 80 losses against 120 wins: rejected... judged first with the
     # guard's electorate off, so the lineage stays for the capped check.
     learner.guard.electorate = Electorate(None, 20)
@@ -61,10 +62,11 @@ def test_one_identity_rating_by_arm_does_not_decide_the_verdict_under_the_identi
         created = {1: now - timedelta(seconds=1)}  # before the ratings, however slow the run
         uncapped, _, senders, _ = learner.guard._judge(conn, [1], [0], created)
     assert uncapped.decision == Decision.REJECT and uncapped.candidate.n == 120
-    # The cap at share 0.1 of windows of 20: k = 2 votes an identity per window. Window 1: the
-    # key's 2 oldest, then the next honest ones up to 20 (18: users 0-9, 0-7, each <= 2);
-    # window 2: the key's next 2 (first in line) and 18 honest; window 3: 2 and the last 4
-    # honest, 6 < 20: the last. The key counts 6 times, the honest raters 40: 46 an arm.
+    # The cap at share 0.1 of windows of 20, binding API keys (the default): k = 2 votes of the
+    # key per window, each user's vote its own. Window 1: answers 0 (a user), 1 and 2 (the
+    # key's 2), then the users' 3, 6, ..., 51 (17): 20; window 2: the key's 4 and 5, the users'
+    # 54 ... 105 (18); window 3: the key's 7 and 8 and the users' last 4, 6 < 20: the last. The
+    # key counts 6 times and 74 are held back, the honest raters 40: 46 an arm.
     learner.guard.electorate = Electorate(0.1, 20)
     assert learner.guard_check() == Decision.CONTINUE
     verdict = json.loads(get_flag(learner.db, GUARD_VERDICT))
@@ -72,11 +74,17 @@ def test_one_identity_rating_by_arm_does_not_decide_the_verdict_under_the_identi
     assert (verdict["promoted"]["n"], verdict["promoted"]["mean"]) == (46, 1.0)
     # Who held the votes (saoserve_guard_top_sender_share): uncapped, the key 80 of 120 in each
     # arm; capped, 6 of 46 (each honest user 4), among 11 identified senders.
-    assert senders["candidate"] == {"votes": 120, "identified": 11, "top_share": pytest.approx(80 / 120)}
+    assert senders["candidate"] == {
+        "votes": 120,
+        "identified": 11,
+        "top_share": pytest.approx(80 / 120),
+        "held_back": 0,
+    }
     assert verdict["senders"]["candidate"] == {
         "votes": 46,
         "identified": 11,
         "top_share": pytest.approx(6 / 46),
+        "held_back": 74,
     }
     assert verdict["senders"]["promoted"] == verdict["senders"]["candidate"]
 
@@ -100,14 +108,14 @@ def test_a_trusted_key_decides_under_the_cap_and_holds_no_sender_s_share(learner
     assert learner.guard_check() == Decision.CONTINUE
     verdict = json.loads(get_flag(learner.db, GUARD_VERDICT))
     assert (verdict["candidate"]["n"], verdict["promoted"]["n"]) == (2, 2)
-    assert verdict["senders"]["candidate"] == {"votes": 2, "identified": 1, "top_share": 1.0}
+    assert verdict["senders"]["candidate"] == {"votes": 2, "identified": 1, "top_share": 1.0, "held_back": 28}
     store.configure(backend.id, trusted=True)
     with learner.db.connect() as conn:
         created = {1: now - timedelta(seconds=1)}  # before the ratings, however slow the run
         judged, _, senders, _ = learner.guard._judge(conn, [1], [0], created)
     assert judged.decision == Decision.REJECT
     assert (judged.candidate.n, judged.candidate.mean, judged.promoted.n) == (30, 0.0, 30)
-    assert senders["candidate"] == {"votes": 30, "identified": 0, "top_share": 0.0}
+    assert senders["candidate"] == {"votes": 30, "identified": 0, "top_share": 0.0, "held_back": 0}
 
 
 def test_an_opted_out_or_unknown_sender_s_ratings_never_vote(learner):
@@ -115,7 +123,7 @@ def test_an_opted_out_or_unknown_sender_s_ratings_never_vote(learner):
     promotion). A key that opts out after its answers were logged (``train`` true on them), a
     record with no flag (indexed before revision 0016) of that key, a record logged ``train:
     false`` (``store: false``, the traffic that is not production), and, with the cap on, an
-    answer without identity: none votes."""
+    answer without identity while the cap binds every identity: none votes."""
     feed(open_log(learner.settings.resolved_database_url), BATCH, 0)
     learner.poll_once()
     learner.train_step()
@@ -135,11 +143,14 @@ def test_an_opted_out_or_unknown_sender_s_ratings_never_vote(learner):
     assert learner.guard_check() == Decision.CONTINUE
     verdict = json.loads(get_flag(learner.db, GUARD_VERDICT))
     assert (verdict["candidate"]["n"], verdict["promoted"]["n"]) == (0, 0)
-    # Anonymous answers vote while the cap is off, not once it is on.
+    # Anonymous answers vote while the cap is off or binds keys only (the default), not once it
+    # binds every identity.
     rate_as(learner, 1, "canary", [(None, 0.0)] * 30, now + timedelta(seconds=3))
     rate_as(learner, 0, "control", [(None, 1.0)] * 30, now + timedelta(seconds=3))
     with learner.db.connect() as conn:
         assert learner.guard._judge(conn, [1], [0], created)[0].candidate.n == 30
-    learner.guard.electorate = Electorate(0.5, BATCH)
+        learner.guard.electorate = Electorate(0.5, BATCH)
+        assert learner.guard._judge(conn, [1], [0], created)[0].candidate.n == 30
+    learner.guard.electorate = Electorate(0.5, BATCH, VoteCap.IDENTITIES)
     assert learner.guard_check() == Decision.CONTINUE
     assert json.loads(get_flag(learner.db, GUARD_VERDICT))["candidate"]["n"] == 0

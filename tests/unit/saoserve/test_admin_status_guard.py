@@ -143,17 +143,18 @@ async def test_the_guard_off_and_pinned_and_nothing_on_probation(server):
 async def test_status_shows_who_holds_each_arm_s_ratings(server):
     """The verdict's ``senders`` (learner.guard.guard_votes.Senders), which the alert
     SaoserveGuardVotesHeldByOneSender watches: one key 4 of the lineage's 10 ratings (40.0%)
-    among 5 identified senders; 1 of 30 (3.3%) among 30."""
+    among 5 identified senders, 12 more held back by the identity cap; 1 of 30 (3.3%) among 30,
+    none held back (a verdict recorded before the cap held any: no figure)."""
     url, db = server
     held = {
-        "candidate": {"votes": 10, "identified": 5, "top_share": 0.4},
+        "candidate": {"votes": 10, "identified": 5, "top_share": 0.4, "held_back": 12},
         "promoted": {"votes": 30, "identified": 30, "top_share": 1 / 30},
     }
     set_flag(db, GUARD_VERDICT, json.dumps(verdict([2, 3], senders=held)))
     out = flat((await status(url)).stdout)
     i = out.index("Δ (lineage − promoted) in [-0.250, 0.125]")
     assert (
-        out[i + 2]
-        == "senders: lineage 5 identified, the largest 40.0%; promoted 30 identified, the largest 3.3%"
+        out[i + 2] == "senders: lineage 5 identified, the largest 40.0%, 12 held back by the cap; "
+        "promoted 30 identified, the largest 3.3%"
     )
     assert json.loads((await status(url, "--json")).stdout)["guard"]["verdict"]["senders"] == held

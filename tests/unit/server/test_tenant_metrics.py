@@ -120,7 +120,7 @@ def write_acme(url: str) -> None:
             "promoted": {"n": 30, "mean": 0.625},
             # one key held 4 of the candidate arm's 10 ratings, among 5 identified senders
             "senders": {
-                "candidate": {"votes": 10, "identified": 5, "top_share": 0.4},
+                "candidate": {"votes": 10, "identified": 5, "top_share": 0.4, "held_back": 7},
                 "promoted": {"votes": 30, "identified": 30, "top_share": 1 / 30},
             },
         }
@@ -187,6 +187,9 @@ ACME = {
     ("saoserve_guard_top_sender_share", (("arm", "promoted"),)): 1 / 30,
     ("saoserve_guard_identified_senders", (("arm", "candidate"),)): 5,
     ("saoserve_guard_identified_senders", (("arm", "promoted"),)): 30,
+    # The ratings the cap did not count: 7 of the lineage's; none recorded for the promoted arm.
+    ("saoserve_guard_votes_held_back", (("arm", "candidate"),)): 7,
+    ("saoserve_guard_votes_held_back", (("arm", "promoted"),)): 0,
     ("saoserve_learner_events_total", (("event", "dead_letters"),)): 2,
     ("saoserve_learner_events_total", (("event", "expired"),)): 3,
     ("saoserve_learner_identity_top_share", ()): 0.5,

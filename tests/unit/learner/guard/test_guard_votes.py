@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from learner.data.identity_cap import admit_stream, select_batch
-from learner.guard.guard_votes import Electorate, Senders, Vote, ballot, counted, may_vote
+from learner.guard.guard_config import VoteCap
+from learner.guard.guard_votes import Electorate, Senders, Tally, Vote, ballot, counted, may_vote, tally
 
 
 def naive_stream(identities, window, share):
@@ -56,7 +57,7 @@ def test_the_stream_is_the_learner_s_batches_one_after_another(ids, window, shar
 
 
 def test_who_may_vote():
-    capped, open_ = Electorate(0.25, 16), Electorate(None, 16)
+    capped, open_ = Electorate(0.25, 16, VoteCap.IDENTITIES), Electorate(None, 16)
     assert may_vote(Vote(1.0, "key:k1", True, True), capped)
     assert not may_vote(Vote(1.0, "key:k1", False, True), capped)  # logged train: false
     assert not may_vote(Vote(1.0, "key:k1", True, False), capped)  # the key opted out since
@@ -65,6 +66,30 @@ def test_who_may_vote():
     assert not may_vote(Vote(1.0, None, True, None), capped)  # unknown sender, cap on
     assert may_vote(Vote(1.0, None, True, None), open_)  # cap off: anonymous votes
     assert not may_vote(Vote(1.0, None, False, None), open_)
+    # A cap that binds keys only (the default): an anonymous answer votes, as its own identity.
+    keys_only = Electorate(0.25, 16)
+    assert may_vote(Vote(1.0, None, True, None), keys_only)
+    assert not may_vote(Vote(1.0, None, True, False), keys_only)
+
+
+def test_which_senders_the_cap_binds():
+    """The default binds API keys not trusted; ``identities`` binds ``user`` fields too."""
+    keys_only = Electorate(0.5, 2).with_trusted(frozenset({"key:t"}))
+    every = Electorate(0.5, 2, VoteCap.IDENTITIES).with_trusted(frozenset({"key:t"}))
+    assert [keys_only.bound(i) for i in ("key:k1", "key:t", "user:ann", None)] == ["key:k1", None, None, None]
+    assert [every.bound(i) for i in ("key:k1", "key:t", "user:ann", None)] == [
+        "key:k1",
+        None,
+        "user:ann",
+        None,
+    ]
+    # Four votes of user:ann then one of key:k1, share 0.5 of windows of 2 (one a window):
+    # binding keys only, ann's votes are each their own identity and all 5 count; binding every
+    # identity, window 1 takes ann and k1, window 2 only ann (partial, the last): 3 count, 2
+    # held back.
+    votes = [Vote(1.0, "user:ann")] * 4 + [Vote(0.0, "key:k1")]
+    assert tally(votes, keys_only) == Tally(votes, 0)
+    assert tally(votes, every) == Tally([votes[0], votes[4], votes[1]], 2)
 
 
 def test_one_identity_flooding_an_arm_keeps_its_share():
@@ -94,10 +119,10 @@ def test_the_vote_window_makes_the_share_exact():
 def test_who_holds_an_arm_s_votes():
     # a, a, a, b and one anonymous: 5 votes, 2 identified senders, a holds 3 of 5.
     votes = [Vote(1.0, "key:a")] * 3 + [Vote(0.0, "user:b"), Vote(1.0, None)]
-    assert Senders.of(votes) == Senders(votes=5, identified=2, top_share=0.6)
+    assert Senders.of(Tally(votes, 3)) == Senders(votes=5, identified=2, top_share=0.6, held_back=3)
     # Anonymous alone: no sender identified, so no share held; no votes at all: zeros.
-    assert Senders.of([Vote(1.0, None)] * 4) == Senders(4, 0, 0.0)
-    assert Senders.of([]) == Senders(0, 0, 0.0)
+    assert Senders.of(Tally([Vote(1.0, None)] * 4)) == Senders(4, 0, 0.0)
+    assert Senders.of(Tally([])) == Senders(0, 0, 0.0)
 
 
 def test_a_trusted_key_is_not_bound_by_the_cap():
@@ -106,11 +131,12 @@ def test_a_trusted_key_is_not_bound_by_the_cap():
     votes = [Vote(1.0, "key:t")] * 4 + [Vote(0.0, "key:a")]
     capped = Electorate(0.5, 2)  # k = max(1, ⌊0.5·2⌋) = 1 vote of a sender per window of 2
     # Untrusted: window 1 takes t (index 0) and a (4); window 2 has only t (1) left to take, so
-    # it is partial and the last: t, a, t count, the other two t wait.
+    # it is partial and the last: t, a, t count, the other two t are held back.
     assert [v.identity for v in counted(votes, capped)] == ["key:t", "key:a", "key:t"]
+    assert tally(votes, capped).held_back == 2
     # Trusted: t, t | t, t | a, all 5.
     trusted = capped.with_trusted(frozenset({"key:t"}))
-    assert counted(votes, trusted) == votes
+    assert tally(votes, trusted) == Tally(votes, 0)
     # Opted out still wins over trusted: its votes never count.
     assert counted([Vote(1.0, "key:t", key_train=False)], trusted) == []
-    assert Senders.of(votes, trusted.trusted) == Senders(votes=5, identified=1, top_share=0.2)
+    assert Senders.of(Tally(votes), trusted.trusted) == Senders(votes=5, identified=1, top_share=0.2)

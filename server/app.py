@@ -177,9 +177,10 @@ class TenantPolicySync:
     removed: taken out of ``settings.tenant_policies`` first (its keys' next requests are the
     global policy's), then its tasks cancelled, its state closed (records in flight finish), and
     the engine told (``remove_policy``: once its load in flight has ended, its adapters removed
-    once no request uses them). A read, a policy or a whole pass that fails is logged and tried
-    again at the next poll; the other policies are unaffected, and whatever was opened for a
-    policy that failed is closed."""
+    once no request uses them), and its series taken off ``/metrics``
+    (``ServerMetrics.forget_tenant_policy``). A read, a policy or a whole pass that fails is
+    logged and tried again at the next poll; the other policies are unaffected, and whatever was
+    opened for a policy that failed is closed."""
 
     def __init__(
         self, app: FastAPI, settings: Settings, eng: PolicyEngine, metrics: ServerMetrics, watch_policy: bool
@@ -267,8 +268,9 @@ class TenantPolicySync:
         """Close what was opened for tenant policy ``name``: its ``tasks`` cancelled, its canary
         split's hold let go, its ``state`` closed (``close_policy``, its log ``lt`` with it) or,
         without a state, ``lt`` closed; then, whatever failed before, the engine told
-        (``remove_policy``). Each failure is logged with the name, and the next part still
-        closes."""
+        (``remove_policy``) and the series of ``name`` taken off ``/metrics``
+        (``ServerMetrics.forget_tenant_policy``; the tasks that set them are stopped by then).
+        Each failure is logged with the name, and the next part still closes."""
         try:
             await stop(tasks)
             if state is not None:
@@ -283,6 +285,8 @@ class TenantPolicySync:
         finally:
             with failure_logged(name, "removing it from the engine"):
                 await self.engine.remove_policy(name)
+            with failure_logged(name, "taking its series off /metrics"):
+                self.metrics.forget_tenant_policy(name)
 
 
 async def stop(tasks: list[asyncio.Task]) -> None:

@@ -69,7 +69,10 @@ def create_app(
     in its namespace (``Settings.for_tenant``), all sharing the engine (a tenant's through
     ``engine.view(tenant)``) and one ``ServerMetrics``. The tenant policies are the global
     database's list (``serve_listed_tenants``), followed while the app runs
-    (``TenantPolicySync``, ``app.state.tenant_sync``)."""
+    (``TenantPolicySync``, ``app.state.tenant_sync``). Those listed at start are opened by the
+    start itself, before the app takes requests, each as one added at run time
+    (``TenantPolicySync.open``); one that fails to open fails the start (what was opened is
+    closed, the engine too if the app started it)."""
     settings = settings or get_settings()
 
     @asynccontextmanager
@@ -78,30 +81,26 @@ def create_app(
             await asyncio.to_thread(migrate, url)
         await serve_listed_tenants(settings)
         app.state.adapter_slots, app.state.tenant_limit = tenant_slots(settings)
-        namespaces = {t: settings.for_tenant(t) for t in settings.tenant_policies}
-        for st in namespaces.values():
-            for url in st.schema_urls:
-                await asyncio.to_thread(migrate, url)
         own_engine = engine is None
         eng = engine or await PolicyEngine.start(settings)
         metrics = ServerMetrics()
         lt = log_transport or open_log(settings.resolved_log_url)
         state = open_policy(GLOBAL, settings, eng, lt, metrics, read_baseline)
         app.state.s, app.state.chat = state, chat_handler(state)
-        app.state.tenants = {
-            t: open_policy(t, st, eng.view(t), open_log(st.resolved_log_url), metrics.of_tenant_policy(t))
-            for t, st in namespaces.items()
-        }
-        app.state.tenant_chats = {t: chat_handler(ts) for t, ts in app.state.tenants.items()}
-        app.state.tasks = {}
-        for s in [state, *app.state.tenants.values()]:
-            app.state.tasks[s.policy] = await follow(s, watch_policy)
-        app.state.tenant_sync = TenantPolicySync(app, settings, eng, metrics, watch_policy)
-        sync = asyncio.create_task(app.state.tenant_sync.run(settings.tenant_poll_s))
+        app.state.tasks = {GLOBAL: await follow(state, watch_policy)}
+        app.state.tenants, app.state.tenant_chats = {}, {}
+        app.state.tenant_sync = sync = TenantPolicySync(app, settings, eng, metrics, watch_policy)
+        # The listed tenant policies open as one added at run time does, each back in the list
+        # once served. No slot check (``sync``'s): the slots were sized for this list.
+        listed, settings.tenant_policies = settings.tenant_policies, []
+        polling: list[asyncio.Task] = []
         try:
+            for name in listed:
+                await sync.open(name)
+            polling.append(asyncio.create_task(sync.run(settings.tenant_poll_s)))
             yield
         finally:
-            await stop([sync])
+            await stop(polling)
             await stop([t for ts in app.state.tasks.values() for t in ts])
             states = [state, *app.state.tenants.values()]
             for s in states:
@@ -169,17 +168,19 @@ class TenantPolicySync:
     """Brings a running app's tenant policies to the global database's list, every ``poll_s``
     (``Settings.tenant_poll_s``; docs/tenants.md, "Adding and removing a tenant policy").
 
-    A name added: its namespace migrated, the engine told (``PolicyEngine.add_policy``), its
-    state opened and its watcher, canary router and spool started as at start, and only then
-    its name put in ``settings.tenant_policies``, so no request is routed to it before its
-    state is whole. Beyond ``app.state.tenant_limit``, or while the engine serves full weights
-    (``TenantPolicyRefused``), it is not served (logged with what to do). A name removed: taken
-    out of ``settings.tenant_policies`` first (its keys' next requests are the global policy's),
-    then its tasks cancelled, its state closed (records in flight finish), and the engine told
-    (``remove_policy``: once its load in flight has ended, its adapters removed once no request
-    uses them). A read, a policy or a whole pass that fails is logged and tried again at the
-    next poll; the other policies are unaffected, and whatever was opened for a policy that
-    failed is closed."""
+    A name added (``open``; the lifespan opens each name listed at start the same way): its
+    namespace migrated, the engine told (``PolicyEngine.add_policy``: a name it serves since its
+    start is left as it is), its state opened and its watcher, canary router and spool started,
+    and only then its name put in ``settings.tenant_policies``, so no request is routed to it
+    before its state is whole. Beyond ``app.state.tenant_limit``, or while the engine serves
+    full weights (``TenantPolicyRefused``), it is not served (logged with what to do). A name
+    removed: taken out of ``settings.tenant_policies`` first (its keys' next requests are the
+    global policy's), then its tasks cancelled, its state closed (records in flight finish), and
+    the engine told (``remove_policy``: once its load in flight has ended, its adapters removed
+    once no request uses them), and its series taken off ``/metrics``
+    (``ServerMetrics.forget_tenant_policy``). A read, a policy or a whole pass that fails is
+    logged and tried again at the next poll; the other policies are unaffected, and whatever was
+    opened for a policy that failed is closed."""
 
     def __init__(
         self, app: FastAPI, settings: Settings, eng: PolicyEngine, metrics: ServerMetrics, watch_policy: bool
@@ -227,11 +228,12 @@ class TenantPolicySync:
                 log.exception("%s: tenant policy added, but its state could not be opened; retrying", name)
 
     async def open(self, name: str) -> None:
-        """Serve tenant policy ``name`` (class docstring). Raises TenantPolicyRefused (the
-        engine serves full weights: nothing opened) or what the migration, the log or the
-        watcher's catch-up raise; then whatever was opened for it is closed (``discard``: its
-        tasks, state, database engine, log and log threads) and the engine no longer serves it,
-        so a retry every poll leaks nothing."""
+        """Serve tenant policy ``name`` (class docstring), added at run time (``sync``) or
+        listed at start (the lifespan). Raises TenantPolicyRefused (the engine serves full
+        weights: nothing opened) or what the migration, the log or the watcher's catch-up
+        raise; then whatever was opened for it is closed (``discard``: its tasks, state,
+        database engine, log and log threads) and the engine no longer serves it, so a retry
+        every poll leaks nothing."""
         st = self.settings.model_copy(update={"tenant_policies": [name]}).for_tenant(name)
         for url in st.schema_urls:
             await asyncio.to_thread(migrate, url)
@@ -266,8 +268,9 @@ class TenantPolicySync:
         """Close what was opened for tenant policy ``name``: its ``tasks`` cancelled, its canary
         split's hold let go, its ``state`` closed (``close_policy``, its log ``lt`` with it) or,
         without a state, ``lt`` closed; then, whatever failed before, the engine told
-        (``remove_policy``). Each failure is logged with the name, and the next part still
-        closes."""
+        (``remove_policy``) and the series of ``name`` taken off ``/metrics``
+        (``ServerMetrics.forget_tenant_policy``; the tasks that set them are stopped by then).
+        Each failure is logged with the name, and the next part still closes."""
         try:
             await stop(tasks)
             if state is not None:
@@ -282,6 +285,8 @@ class TenantPolicySync:
         finally:
             with failure_logged(name, "removing it from the engine"):
                 await self.engine.remove_policy(name)
+            with failure_logged(name, "taking its series off /metrics"):
+                self.metrics.forget_tenant_policy(name)
 
 
 async def stop(tasks: list[asyncio.Task]) -> None:

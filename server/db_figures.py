@@ -70,6 +70,11 @@ class PolicyCollector:
         """Take ``policy``'s figures from its database ``db`` (``read_figures``)."""
         read_figures((self,), db, policy)
 
+    def forget(self, policy: str) -> None:
+        """Drop ``policy``'s last figures: its series leave the next scrape (a tenant policy no
+        longer served). A policy without figures is left as it is."""
+        self.readings.pop(policy, None)
+
     def collect(self):
         families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {}
         # A snapshot (another scrape's reads may add a policy meanwhile); the global policy

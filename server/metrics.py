@@ -253,6 +253,19 @@ class ServerMetrics(PolicySeries):
             buckets=FEEDBACK_TO_SERVED_BUCKETS,
             registry=r,
         )
+        # The families a ``TenantPolicyMetrics`` sets (``forget_tenant_policy`` empties them of
+        # one tenant policy).
+        self.tenant_policy_families = (
+            self.tenant_policy_version,
+            self.tenant_policy_swapped_at,
+            self.tenant_policy_swaps,
+            self.tenant_policy_swap_seconds,
+            self.tenant_stage_events,
+            self.tenant_canary_requests,
+            self.tenant_canary_share,
+            self.tenant_feedback_to_swap,
+            self.tenant_feedback_to_served,
+        )
 
     def read_policy(self, policy: str, db: Engine) -> None:
         """Read ``policy``'s learner counters and lifecycle from its namespace's database ``db``
@@ -286,6 +299,35 @@ class ServerMetrics(PolicySeries):
     def of_tenant_policy(self, tenant: str) -> TenantPolicyMetrics:
         """These metrics as ``tenant``'s own policy sets them (``TenantPolicyMetrics``)."""
         return TenantPolicyMetrics(self, tenant)
+
+    def forget_tenant_policy(self, tenant: str) -> None:
+        """Take tenant policy ``tenant``'s series off ``/metrics``, once it is no longer served
+        (``server.app.TenantPolicySync``) and nothing of it sets them: every series with that
+        ``tenant`` label in ``tenant_policy_families``, whatever its other labels (a swap's
+        result, a stage, an arm), and its learner counters and lifecycle (``forget`` of each
+        collector); its scrape thread is let go. Its figures read by a scrape still in flight
+        are dropped when that read ends. A series of its API keys
+        (``saoserve_tenant_generated_tokens_total``...) stays: its keys are served by the global
+        policy from now on. A name without series is left as it is.
+
+        ``remove_by_labels`` (prometheus-client 0.24) is the public way to find a family's
+        series by one label: ``remove`` needs every label's value, and the values a family holds
+        are listed only by its private ``_metrics``."""
+        for family in self.tenant_policy_families:
+            family.remove_by_labels({"tenant": tenant})
+        collectors = (self.learner, self.lifecycle)
+
+        def forget(_: Future | None = None) -> None:
+            for c in collectors:
+                c.forget(tenant)
+
+        forget()
+        running = self._scrape_reads.pop(tenant, None)
+        if running is not None:
+            running.add_done_callback(forget)
+        pool = self._scrape_pools.pop(tenant, None)
+        if pool is not None:
+            pool.shutdown(wait=False)
 
     def tenant_label(self, tenant: str | None) -> str:
         """The ``tenant`` label of a request: its key's tenant (the registry's name), ``-``
@@ -328,7 +370,8 @@ class TenantPolicyMetrics(PolicySeries):
     it: the policy series (``PolicySeries``, the stage events and the canary split) are the
     ``saoserve_tenant_*{tenant}`` ones, so a tenant policy's swap never moves
     ``saoserve_policy_version``; every other attribute (requests, trajectories, the log, the
-    registry) is the shared object's, counted once for the replica."""
+    registry) is the shared object's, counted once for the replica. Its series leave the
+    registry with the tenant policy (``ServerMetrics.forget_tenant_policy``)."""
 
     def __init__(self, shared: ServerMetrics, tenant: str) -> None:
         self.shared, self.tenant = shared, tenant

@@ -1,26 +1,33 @@
 """``/metrics`` over every policy (docs/tenants.md, "Metrics"): each tenant policy's lifecycle,
 guard, learner counters and identity gauges on the ``saoserve_tenant_*{tenant}`` families, read
 from its namespace's database at each scrape, the global families unchanged beside them; a
-tenant database that does not answer keeps its last figures and the scrape; and the policy
-watcher's log lines name their policy. The real app and lifespan on the fake engine of
-tests/unit/server/test_tenant_policies.py (no vLLM)."""
+tenant database that does not answer keeps its last figures and the scrape; a tenant policy
+removed at run time leaves none of its series (``ServerMetrics.forget_tenant_policy``); and the
+policy watcher's log lines name their policy. The real app and lifespan on the fake engine of
+tests/unit/server/test_tenant_policies.py (no vLLM), or ``ServerMetrics`` alone."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import threading
 import time
 from datetime import UTC, datetime
 
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import create_engine, insert
 from starlette.testclient import TestClient
 
+import server.metrics as metrics_module
 from core import logs
 from core.control import GUARD_OFF, GUARD_PIN, GUARD_VERDICT, PAUSED, set_flag
 from core.db import LearnerCounter, LearnerStep, PolicyVersion, make_engine, migrate
 from core.policies import GLOBAL
+from server.engine import SwapResult
+from server.metrics import ServerMetrics
+from testing.servers import ADMIN
 from testing.tenants import RefusingEngine, SharedFakeEngine, namespaces, publish, tenant_settings
 
 # The figures the lifecycle and learner collectors export, without the ``saoserve_`` or
@@ -339,3 +346,135 @@ def test_a_watchers_log_lines_name_its_policy(tmp_path, caplog):
     refused = {(r.policy, r.getMessage()) for r in caplog.records}
     # Beta's watcher tries version 4 at each read and logs each refusal: the same line each time.
     assert refused == {("beta", "beta: policy version 4 refused: version 4 refused")}
+
+
+# ------------------------------------------------------------------ a tenant policy removed
+
+
+def by_tenant(text: str) -> dict[str, dict]:
+    """The samples of an exposition ``text`` that have a ``tenant`` label, as {tenant: {(sample
+    name, other labels sorted): value}}; the ``_created`` ones (a series' creation time) left
+    out."""
+    out: dict[str, dict] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = dict(s.labels)
+            if "tenant" in labels and not s.name.endswith("_created"):
+                tenant = labels.pop("tenant")
+                out.setdefault(tenant, {})[(s.name, tuple(sorted(labels.items())))] = s.value
+    return out
+
+
+def names(samples: dict) -> set[str]:
+    return {name for name, _ in samples}
+
+
+# A sample of each family a tenant policy's own serving sets (``TenantPolicyMetrics``).
+SERVING = {
+    "saoserve_tenant_policy_version",
+    "saoserve_tenant_policy_swapped_at_seconds",
+    "saoserve_tenant_policy_swaps_total",
+    "saoserve_tenant_policy_swap_seconds_count",
+    "saoserve_tenant_policy_stage_events_total",
+    "saoserve_tenant_canary_requests_total",
+    "saoserve_tenant_canary_share",
+    "saoserve_tenant_feedback_to_swap_seconds_count",
+    "saoserve_tenant_feedback_to_served_seconds_count",
+}
+TOKENS = ("saoserve_tenant_generated_tokens_total", ())
+
+
+def test_a_forgotten_tenant_policys_series_leave_the_registry_and_the_others_stay(tmp_path, monkeypatch):
+    url = f"sqlite:///{tmp_path}/ns.db"
+    migrate(url)
+    db = make_engine(url)
+    m = ServerMetrics()
+    monkeypatch.setattr(metrics_module.time, "time", lambda: 50.0)
+    for tenant, version in (("acme", 3), ("beta", 5)):
+        t = m.of_tenant_policy(tenant)
+        t.swapped(SwapResult(version=version, seconds=1.5, paused_seconds=0.0))
+        t.stage_events.labels("canary").inc()
+        t.canary_requests.labels("control").inc()
+        t.canary_share.set(0.25)
+        t.awaiting_answer(version, 42.5)
+        t.answered(version)
+        m.read_policy(tenant, db)  # an empty namespace's learner counters and lifecycle
+    db.dispose()
+    m.tenant_tokens.labels(m.tenant_label("acme")).inc(7)  # acme's API keys' tokens
+    before = by_tenant(generate_latest(m.registry).decode())
+    acme = before["acme"]
+    # Every serving family holds acme's series, with the values set: version 3 swapped in at
+    # t = 50 in 1.5 s; feedback→swap and →served of a batch completed at 42.5: 50 − 42.5 = 7.5 s.
+    assert SERVING <= names(acme)
+    assert acme[("saoserve_tenant_policy_version", ())] == 3
+    assert acme[("saoserve_tenant_policy_swapped_at_seconds", ())] == 50
+    assert acme[("saoserve_tenant_policy_swaps_total", (("result", "ok"),))] == 1
+    assert acme[("saoserve_tenant_policy_swap_seconds_sum", ())] == 1.5
+    assert acme[("saoserve_tenant_policy_stage_events_total", (("stage", "canary"),))] == 1
+    assert acme[("saoserve_tenant_canary_requests_total", (("arm", "control"),))] == 1
+    assert acme[("saoserve_tenant_canary_share", ())] == 0.25
+    assert acme[("saoserve_tenant_feedback_to_swap_seconds_sum", ())] == 7.5
+    assert acme[("saoserve_tenant_feedback_to_served_seconds_sum", ())] == 7.5
+    # The lifecycle figures of its namespace, read: no version at any stage.
+    assert acme[("saoserve_tenant_policy_versions", (("stage", "canary"),))] == 0
+    assert acme[TOKENS] == 7
+    m.forget_tenant_policy("acme")
+    after = by_tenant(generate_latest(m.registry).decode())
+    # Only acme's keys' series stays (its keys are the global policy's now); beta's are untouched.
+    assert after == {"acme": {TOKENS: 7}, "beta": before["beta"]}
+    assert SERVING <= names(after["beta"])
+    m.forget_tenant_policy("acme")  # again: nothing left to take, nothing raised
+    assert by_tenant(generate_latest(m.registry).decode()) == after
+
+
+async def test_a_read_in_flight_when_a_tenant_policy_is_forgotten_leaves_no_figures(tmp_path, monkeypatch):
+    """acme's scrape read is held past the scrape's 0.05 s; forgotten meanwhile, its figures,
+    written when the read ends, are dropped then. The same read without the forget leaves them."""
+    url = f"sqlite:///{tmp_path}/ns.db"
+    migrate(url)
+    db = make_engine(url)
+    m = ServerMetrics()
+    release = threading.Event()
+    read_policy = ServerMetrics.read_policy
+
+    def held(self, policy, engine):
+        release.wait(30)
+        read_policy(self, policy, engine)
+
+    monkeypatch.setattr(ServerMetrics, "read_policy", held)
+    try:
+        await m.read_for_scrape({"acme": db}, 0.05)
+        running = m._scrape_reads["acme"]  # the read in flight, to wait for its end
+        m.forget_tenant_policy("acme")
+        release.set()
+        await asyncio.wrap_future(running)
+        assert "acme" not in by_tenant(generate_latest(m.registry).decode())
+        await m.read_for_scrape({"acme": db}, 5.0)
+        assert ("saoserve_tenant_policy_versions", (("stage", "canary"),)) in by_tenant(
+            generate_latest(m.registry).decode()
+        )["acme"]
+    finally:
+        release.set()
+        db.dispose()
+
+
+def test_a_tenant_policy_removed_at_run_time_leaves_no_series_on_metrics(tmp_path):
+    settings = tenant_settings(tmp_path, tenant_poll_s=0.05)
+    from server.app import create_app
+
+    app = create_app(settings, engine=SharedFakeEngine(), watch_policy=False)
+    with TestClient(app) as client:
+        _, tenants = scrape(client)
+        assert tenants == {"acme": EMPTY, "beta": EMPTY}
+        served = by_tenant(client.get("/metrics").text)
+        # Each tenant policy serves version 0 (the base weights) since the start.
+        assert [served[t][("saoserve_tenant_policy_version", ())] for t in ("acme", "beta")] == [0, 0]
+        assert client.delete("/admin/tenant_policies/beta", headers=ADMIN).status_code == 200
+        deadline = time.monotonic() + 10
+        while client.get("/admin/tenant_policies", headers=ADMIN).json()["served"] != ["acme"]:
+            assert time.monotonic() < deadline, "beta was not removed in time"
+            time.sleep(0.05)
+        _, tenants = scrape(client)
+        left = by_tenant(client.get("/metrics").text)
+    assert tenants == {"acme": EMPTY}
+    assert left == {"acme": served["acme"]}

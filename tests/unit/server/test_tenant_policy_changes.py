@@ -14,6 +14,7 @@ import asyncio
 import json
 import time
 
+import pytest
 from sqlalchemy import func, select
 from starlette.testclient import TestClient
 from typer.testing import CliRunner
@@ -345,6 +346,44 @@ def test_an_open_that_fails_closes_everything_it_opened(tmp_path, monkeypatch):
         assert set(engine.views) == {"acme", "beta"} and "zeta" not in app.state.tasks
 
 
+def test_a_tenant_policy_listed_at_start_opens_as_one_added_and_one_that_fails_fails_the_start(
+    tmp_path, monkeypatch
+):
+    """The start opens each listed tenant policy through ``TenantPolicySync.open`` (the engine
+    told, ``add_policy``), awaiting each before the app takes requests. Beta's catch-up failing
+    fails the start with its error, as a failure to open at start always did; what was opened
+    is closed: beta's state by ``discard`` (the engine no longer serves it), then the global
+    policy's and acme's by the shutdown."""
+    settings = tenant_settings(tmp_path)
+    engine = SharedFakeEngine()
+    added, closed = [], []
+    real_add_policy, real_close_policy = engine.add_policy, server.app.close_policy
+    real_catch_up = PolicyWatcher.catch_up
+
+    async def add_policy(policy):
+        added.append(policy)
+        await real_add_policy(policy)
+
+    async def close_policy(state, own_log):
+        closed.append(state.policy)
+        await real_close_policy(state, own_log)
+
+    async def catch_up(self):
+        if self.policy == "beta":
+            raise RuntimeError("beta's policy topic cannot be read")
+        await real_catch_up(self)
+
+    monkeypatch.setattr(engine, "add_policy", add_policy)
+    monkeypatch.setattr(server.app, "close_policy", close_policy)
+    monkeypatch.setattr(PolicyWatcher, "catch_up", catch_up)
+    app = create_app(settings, engine=engine, watch_policy=True)
+    with pytest.raises(RuntimeError, match="beta's policy topic cannot be read"), TestClient(app):
+        pass
+    assert added == ["acme", "beta"]
+    assert closed == ["beta", GLOBAL, "acme"]
+    assert set(engine.views) == {"acme"} and settings.tenant_policies == ["acme"]
+
+
 WHY = "the global policy serves the full weights of its version 5"
 
 
@@ -354,8 +393,10 @@ def test_no_tenant_policy_is_added_while_the_global_policy_serves_full_weights(t
     replica that finds a name listed in that state does not serve it, logs why, and serves it
     once the engine is at the base weights again."""
     settings = tenant_settings(tmp_path, tenant_poll_s=0.05)
-    engine = SharedFakeEngine(refusal=WHY)
+    engine = SharedFakeEngine()
     with TestClient(create_app(settings, engine=engine, watch_policy=False)) as client:
+        # Full weights swapped in after the start (an engine starts at the base weights).
+        engine.refusal = WHY
         assert error(client.post(PATH, json={"tenant": "zeta"}, headers=ADMIN)) == (
             409,
             "full_weights_served",

@@ -273,10 +273,12 @@ def opted_out_keys(conn: Connection) -> frozenset[str]:
 
 
 def trusted_keys(conn: Connection) -> frozenset[str]:
-    """The identities (``key:<key id>``) of every trusted key (``KeyInfo.trusted``), revoked ones
-    included (their answers logged before the revocation keep counting as they did), read in the
-    caller's connection to the key registry: the senders the identity caps on training batches
-    (``learner.data.sample_queue``) and on the guard's votes (``learner.guard.guard_votes``) do
-    not bound. Trusted keys are few; the set is read whole at each use."""
-    rows = conn.execute(select(ApiKey.id).where(ApiKey.trusted.is_(True)))
+    """The identities (``key:<key id>``) of every trusted key (``KeyInfo.trusted``) not revoked,
+    read in the caller's connection to the key registry: the senders the identity caps on
+    training batches (``learner.data.sample_queue``) and on the guard's votes
+    (``learner.guard.guard_votes``) do not bound. A revoked key is bound again: whoever holds its
+    answers' feedback tokens can still rate them after the revocation (a leaked key is revoked,
+    and its trust must end with it, while its settings no longer change). Trusted keys are few;
+    the set is read whole at each use."""
+    rows = conn.execute(select(ApiKey.id).where(ApiKey.trusted.is_(True), ApiKey.revoked_at.is_(None)))
     return frozenset(KEY_IDENTITY + r.id for r in rows)

@@ -290,9 +290,10 @@ class LearnerConfig(BaseModel):
     max(1, ⌊share·batch_size⌋) samples; the rest wait for later batches (``learner.data.identity_cap``,
     docs/tenants.md). E.g. 0.25: one key moves at most a quarter of each step, and a batch needs
     samples of 4 identities (anonymous samples, and those of a trusted key, ``saoserve admin keys
-    trust``, each count as one). The guard's votes have their
-    own cap, off by default too (``GuardConfig.vote_identity_share``). None (the default): no cap,
-    because a cap with fewer identities than 1/share in the traffic stops training."""
+    trust``, each count as one). The guard's votes have their own cap, on by default for API
+    keys (``GuardConfig.vote_identity_share``). None (the default): no cap, because a cap with
+    fewer identities than 1/share in the traffic stops training, where a vote cap that cannot
+    fill its windows only holds a verdict back."""
     autocast_bf16: bool = False
     """Run forward/backward under bf16 autocast (master weights stay float32)."""
     bf16: bool = False

@@ -68,7 +68,7 @@ from learner.faults import ReadFaultLog, armed, fault_point
 from learner.guard import rollback
 from learner.guard.gate_models import GateReferences
 from learner.guard.guard import Guard
-from learner.guard.guard_votes import Electorate
+from learner.guard.guard_votes import Electorate, warn_vote_cap_scope
 from learner.publish import AlsoCommit
 from learner.step_plan import StepPlan, Trained, plan_step
 
@@ -114,6 +114,7 @@ class Learner:
         lora = config.policy if isinstance(config.policy, LoraPolicy) else None
         references = GateReferences(self.base_dir, partial(publish.version_path, self.db), lora)
         voters = Electorate.of(config.guard.vote_identity_share, config.batch_size, config.guard.vote_cap)
+        warn_vote_cap_scope(config.guard)
         # Without the KL anchor there is no reference to measure a drift against.
         probe = self.measure_drift if config.has_kl_anchor else None
         self.guard = Guard(

@@ -291,7 +291,9 @@ class ServerMetrics(PolicySeries):
             waits.append(asyncio.wrap_future(running))
         await asyncio.wait(waits, timeout=timeout_s)
         for policy in dbs:
-            if not self._scrape_reads[policy].done():
+            # A tenant policy removed while this scrape waited has no read any more.
+            running = self._scrape_reads.get(policy)
+            if running is not None and not running.done():
                 PolicyLog(log, policy).warning(
                     "learner counters and lifecycle not read within %s s for /metrics", timeout_s
                 )

@@ -43,6 +43,10 @@ from learner.publish import AlsoCommit, promoted_version, storable
 
 log = logging.getLogger(__name__)
 
+HELD_BACK_WARNING = 40
+"""Ratings held back by the vote cap, in an arm, from which the guard warns (``_log_held_back``),
+as the alert ``SaoserveGuardVotesHeldBack`` fires from 40."""
+
 
 KL_AFTER = "kl_ref_after"
 """The step metric (``learner_steps.metrics`` of the step that trained a version) that holds the
@@ -105,6 +109,9 @@ class Guard:
         # The newest version whose promotion waits for its drift figure (``_check``), None when
         # none waits.
         self._awaiting: int | None = None
+        # The first version of the lineage whose held-back ratings were last logged, so a
+        # lineage the cap holds is logged once, not at every check.
+        self._held_back_logged: int | None = None
 
     def on(self) -> bool:
         """Whether the lifecycle runs: on in the config and not turned off by an operator."""
@@ -223,6 +230,7 @@ class Guard:
                     f"KL measured yet and {why} ({verdict.reason})",
                 )
         self._record_verdict(members, verdict, vetoes, senders)
+        self._log_held_back(members, senders)
         if verdict.decision == Decision.PROMOTE:
             now = utcnow()
             with self.db.begin() as conn:
@@ -322,6 +330,28 @@ class Guard:
         promotes = verdict.decision == Decision.PROMOTE
         unmeasured = promotes and bool(drift) and drift[-1] is None and self.drift_probe is not None
         return verdict, vetoes, senders, members[-1] if unmeasured else None
+
+    def _log_held_back(self, members: list[int], senders: dict) -> None:
+        """Warn, once a lineage, when the identity cap holds back more of an arm's ratings than
+        it counts, ``HELD_BACK_WARNING`` or more (the alert ``SaoserveGuardVotesHeldBack``'s
+        condition, without its 30 minutes): the verdict waits on the cap, which is right
+        against a flooding key and wrong for keys that rate for many people, which the operator
+        trusts (docs/guard.md, "Who votes")."""
+        held = {
+            arm: s
+            for arm, s in senders.items()
+            if s["held_back"] >= HELD_BACK_WARNING and s["held_back"] > s["votes"]
+        }
+        if not held or self._held_back_logged == members[0]:
+            return
+        self._held_back_logged = members[0]
+        log.warning(
+            "guard: the vote cap holds back more ratings than it counts on versions %s (%s); if they "
+            "come through a key that rates for many people (a backend, a judge), trust it: "
+            "saoserve admin keys trust KEY_ID on",
+            members,
+            "; ".join(f"{arm}: {s['votes']} counted, {s['held_back']} held back" for arm, s in held.items()),
+        )
 
     def _measure(self, version: int) -> bool | None:
         """Have the learner measure ``version``'s drift (``drift_probe``) and keep the figure as

@@ -38,6 +38,7 @@ the same rule in pure form, applied again to what they return, and what the simu
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -53,7 +54,9 @@ from core.keys import KEY_IDENTITY
 from core.lifecycle import ENDED_FINISHES, Arm, healthy
 from core.lifecycle_store import answers_window
 from learner.data.identity_cap import admit_stream
-from learner.guard.guard_config import VoteCap
+from learner.guard.guard_config import GuardConfig, VoteCap
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -296,3 +299,17 @@ def health_votes(
         for r in rows
     ]
     return tally(votes, electorate)
+
+
+def warn_vote_cap_scope(guard: GuardConfig) -> None:
+    """Warn when a config sets the vote cap's share but not which senders it binds: before
+    ``GuardConfig.vote_cap`` the cap bound every identity, ``user`` fields included; now it binds
+    API keys unless ``vote_cap`` says ``identities`` (docs/guard.md, "Who votes")."""
+    given = guard.model_fields_set
+    if guard.vote_identity_share is not None and "vote_identity_share" in given and "vote_cap" not in given:
+        log.warning(
+            "guard.vote_identity_share is set and guard.vote_cap is not: the cap binds API keys only "
+            '(vote_cap "%s"); "user" fields and anonymous answers vote unbound. Set vote_cap '
+            '"identities" to bind them too, as the cap did before vote_cap existed',
+            guard.vote_cap,
+        )

@@ -57,9 +57,11 @@ def keys_create(
 ) -> None:
     """Create an API key of TENANT and print it: this is the only time it is shown (the server
     keeps its hash). Exit 2 for a tenant name the server refuses."""
+    # Sent only when asked for: a server from before trusted keys refuses the field.
+    trusting = {"trusted": True} if trusted else {}
     with reported():
         _, body = client(url, key).call(
-            "POST", "/admin/keys", body={"tenant": tenant, "train": train, "trusted": trusted}, ok=(201,)
+            "POST", "/admin/keys", body={"tenant": tenant, "train": train} | trusting, ok=(201,)
         )
         if json_out:
             emit_json(body)
@@ -96,7 +98,7 @@ def keys_list(
             table.add_column(col)
         for k in body["keys"]:
             train = "yes" if k["train"] else "no (opted out)"
-            trust = "yes" if k["trusted"] else "no"
+            trust = "yes" if k.get("trusted") else "no"
             row = (k["id"], k["tenant"], train, trust, when(k["created_at"]), when(k["revoked_at"]))
             table.add_row(*map(shown, row))
         Console().print(table)

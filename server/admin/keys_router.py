@@ -44,7 +44,7 @@ async def list_keys(
     tenant: Annotated[str | None, Query(pattern=TENANT_REGEX, max_length=NAME_CHARS)] = None,
 ) -> dict:
     """Every key (of ``tenant``), oldest first, revoked ones included: ids, tenants, times, the
-    training setting; never a key or its hash."""
+    training setting and whether it is trusted; never a key or its hash."""
     keys = await asyncio.to_thread(store_of(request).listed, tenant)
     return {"keys": [k.to_json() for k in keys]}
 

@@ -16,8 +16,8 @@ from core.keys import KeyStore
 from core.logbus import open_log
 from core.records import utcnow
 from core.sequential import Decision
-from learner.guard.guard_config import VoteCap
-from learner.guard.guard_votes import Electorate
+from learner.guard.guard_config import GuardConfig, VoteCap
+from learner.guard.guard_votes import Electorate, warn_vote_cap_scope
 from learner.process import Learner
 from testing.guard import add_rated
 from testing.learner import BATCH, feed
@@ -116,6 +116,44 @@ def test_a_trusted_key_decides_under_the_cap_and_holds_no_sender_s_share(learner
     assert judged.decision == Decision.REJECT
     assert (judged.candidate.n, judged.candidate.mean, judged.promoted.n) == (30, 0.0, 30)
     assert senders["candidate"] == {"votes": 30, "identified": 0, "top_share": 0.0, "held_back": 0}
+
+
+def test_a_lineage_the_cap_holds_back_is_logged_once(learner, caplog):
+    """One key not trusted rates 60 answers an arm: share 0.1 of windows of 20 counts its first
+    2 (k = 2; window 1 cannot be filled) and holds back 58, more than it counts and at least
+    HELD_BACK_WARNING (40): the guard warns, naming what to do, once for the lineage however
+    many checks see it."""
+    feed(open_log(learner.settings.resolved_database_url), BATCH, 0)
+    learner.poll_once()
+    learner.train_step()
+    backend, _ = KeyStore(learner.db).create("acme", utcnow())
+    now = utcnow()
+    who = f"key:{backend.id}"
+    rate_as(learner, 1, "canary", [(who, 0.0)] * 60, now)
+    rate_as(learner, 0, "control", [(who, 1.0)] * 60, now)
+    learner.guard.electorate = Electorate(0.1, 20)
+    with caplog.at_level("WARNING", logger="learner.guard.guard"):
+        assert learner.guard_check() == Decision.CONTINUE
+        learner.guard._next_check = 0.0
+        assert learner.guard_check() == Decision.CONTINUE
+    warned = [r.getMessage() for r in caplog.records if "holds back" in r.getMessage()]
+    assert warned == [
+        "guard: the vote cap holds back more ratings than it counts on versions [1] (candidate: 2 "
+        "counted, 58 held back; promoted: 2 counted, 58 held back); if they come through a key that "
+        "rates for many people (a backend, a judge), trust it: saoserve admin keys trust KEY_ID on"
+    ]
+
+
+def test_a_share_set_without_saying_whom_it_binds_is_warned(caplog):
+    """A config from before ``vote_cap`` that set the share meant every identity: warned at the
+    learner's start; the default, or both set, is not."""
+    with caplog.at_level("WARNING", logger="learner.guard.guard_votes"):
+        warn_vote_cap_scope(GuardConfig(vote_identity_share=0.01))
+        warn_vote_cap_scope(GuardConfig())
+        warn_vote_cap_scope(GuardConfig(vote_identity_share=0.01, vote_cap=VoteCap.IDENTITIES))
+    assert [r.getMessage()[:60] for r in caplog.records] == [
+        "guard.vote_identity_share is set and guard.vote_cap is not: "
+    ]
 
 
 def test_an_opted_out_or_unknown_sender_s_ratings_never_vote(learner):

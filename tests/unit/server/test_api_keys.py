@@ -343,8 +343,9 @@ def test_set_train_of_an_unknown_key_is_none_and_of_a_revoked_key_is_refused(tmp
 
 def test_a_key_is_untrusted_unless_made_or_set_trusted(tmp_path):
     """``trusted`` is a setting of its own: made with the key or set later, alone or with
-    ``train`` in one update, idempotent; ``core.keys.trusted_keys`` names the trusted ones (a
-    revoked trusted key stays in it: its answers logged before keep counting as they did)."""
+    ``train`` in one update, idempotent; ``core.keys.trusted_keys`` names the trusted ones not
+    revoked (a revoked key's answers can still be rated by whoever holds their tokens, so its
+    trust ends with it)."""
     from core.keys import trusted_keys
 
     store = migrated_store(tmp_path)
@@ -358,11 +359,13 @@ def test_a_key_is_untrusted_unless_made_or_set_trusted(tmp_path):
     assert store.configure("k0000000000000000", trusted=True) is None
     with pytest.raises(ValueError, match="give train, trusted or both"):
         store.configure(plain.id)
+    with store.engine.connect() as conn:
+        assert trusted_keys(conn) == {f"key:{backend.id}"}
     store.revoke(backend.id, utcnow())
     with pytest.raises(KeyRevoked):
         store.configure(backend.id, trusted=False)
     with store.engine.connect() as conn:
-        assert trusted_keys(conn) == {f"key:{backend.id}"}
+        assert trusted_keys(conn) == frozenset()
     store.engine.dispose()
 
 

@@ -458,6 +458,35 @@ async def test_a_read_in_flight_when_a_tenant_policy_is_forgotten_leaves_no_figu
         db.dispose()
 
 
+async def test_a_scrape_waiting_while_its_tenant_policy_is_forgotten_ends_without_error(
+    tmp_path, monkeypatch
+):
+    """A scrape waits up to its time-out for acme's read; acme is forgotten while it waits (a
+    removal at run time): the scrape ends as usual, without acme's read to look at (it raised
+    KeyError, and Prometheus saw the replica down for that scrape)."""
+    url = f"sqlite:///{tmp_path}/ns.db"
+    migrate(url)
+    db = make_engine(url)
+    m = ServerMetrics()
+    release = threading.Event()
+    read_policy = ServerMetrics.read_policy
+
+    def held(self, policy, engine):
+        release.wait(30)
+        read_policy(self, policy, engine)
+
+    monkeypatch.setattr(ServerMetrics, "read_policy", held)
+    try:
+        scrape = asyncio.create_task(m.read_for_scrape({"acme": db}, 0.5))
+        await asyncio.sleep(0.1)
+        m.forget_tenant_policy("acme")
+        await scrape
+        assert "acme" not in m._scrape_reads
+    finally:
+        release.set()
+        db.dispose()
+
+
 def test_a_tenant_policy_removed_at_run_time_leaves_no_series_on_metrics(tmp_path):
     settings = tenant_settings(tmp_path, tenant_poll_s=0.05)
     from server.app import create_app

@@ -136,11 +136,8 @@ def keys_train(
     (docs/privacy.md). Exit 5 for an unknown id, or a revoked key (409: a revoked key is final,
     its setting no longer changes)."""
     body = _configure(key_id, "train", _on_off(state), url, key)
-    if json_out:
-        emit_json(body)
-        return
     now = "trained" if body["train"] else "opted out of training: its answers are never trained"
-    typer.echo(f"API key {visible(body['id'])} of tenant {visible(body['tenant'])}: {now}")
+    _said(body, now, json_out)
 
 
 @keys_app.command("trust", epilog=EXIT_CODES_HELP)
@@ -156,15 +153,12 @@ def keys_trust(
     batches and on the guard's votes do not bound it (docs/guard.md, "Who votes"), from the
     learner's next batch and check. Exit 5 for an unknown id, or a revoked key (409)."""
     body = _configure(key_id, "trusted", _on_off(state), url, key)
-    if json_out:
-        emit_json(body)
-        return
     now = (
         "trusted: the identity caps do not bound it"
         if body["trusted"]
         else "not trusted: the identity caps bound it"
     )
-    typer.echo(f"API key {visible(body['id'])} of tenant {visible(body['tenant'])}: {now}")
+    _said(body, now, json_out)
 
 
 def _on_off(state: str) -> bool:
@@ -180,3 +174,11 @@ def _configure(key_id: str, setting: str, value: bool, url: str | None, key: str
             "PATCH", f"/admin/keys/{quote(key_id, safe='')}", body={setting: value}
         )
     return body
+
+
+def _said(body: dict, now: str, json_out: bool) -> None:
+    """Print a key's listing after a change: the JSON, or what the key is ``now``."""
+    if json_out:
+        emit_json(body)
+        return
+    typer.echo(f"API key {visible(body['id'])} of tenant {visible(body['tenant'])}: {now}")

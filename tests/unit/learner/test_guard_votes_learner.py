@@ -7,7 +7,7 @@ and hand-written rated answers."""
 from __future__ import annotations
 
 import json
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 import pytest
 
@@ -40,6 +40,21 @@ def attacked_arm(reward: float) -> list[tuple[str, float]]:
     return [
         (f"user:u{i // 3 % 10}", 1.0) if i % 3 == 0 else ("key:kevil0000000000", reward) for i in range(120)
     ]
+
+
+def one_key_rating_by_arm(learner: Learner, n: int) -> tuple[KeyStore, str, datetime]:
+    """Version 1 trained, then one new API key rating ``n`` of its answers 0 on the canary arm
+    and ``n`` of version 0's 1 on the control arm, from now: the key store, the key's id, and
+    when the ratings began."""
+    feed(open_log(learner.settings.resolved_database_url), BATCH, 0)
+    learner.poll_once()
+    learner.train_step()
+    store = KeyStore(learner.db)
+    info, _ = store.create("acme", utcnow())
+    now = utcnow()
+    rate_as(learner, 1, "canary", [(f"key:{info.id}", 0.0)] * n, now)
+    rate_as(learner, 0, "control", [(f"key:{info.id}", 1.0)] * n, now)
+    return store, info.id, now
 
 
 def test_one_identity_rating_by_arm_does_not_decide_the_verdict_under_the_identity_cap(learner):
@@ -95,21 +110,13 @@ def test_a_trusted_key_decides_under_the_cap_and_holds_no_sender_s_share(learner
     window cannot be filled), so nothing is decided; trusted (``saoserve admin keys trust``),
     all 30 an arm count: 30 losses against 30 wins, rejected. The verdict names no sender: the
     operator vouched that the key's ratings are many people's."""
-    feed(open_log(learner.settings.resolved_database_url), BATCH, 0)
-    learner.poll_once()
-    learner.train_step()
-    store = KeyStore(learner.db)
-    backend, _ = store.create("acme", utcnow())
-    now = utcnow()
-    who = f"key:{backend.id}"
-    rate_as(learner, 1, "canary", [(who, 0.0)] * 30, now)
-    rate_as(learner, 0, "control", [(who, 1.0)] * 30, now)
+    store, backend, now = one_key_rating_by_arm(learner, 30)
     learner.guard.electorate = Electorate(0.1, 20)
     assert learner.guard_check() == Decision.CONTINUE
     verdict = json.loads(get_flag(learner.db, GUARD_VERDICT))
     assert (verdict["candidate"]["n"], verdict["promoted"]["n"]) == (2, 2)
     assert verdict["senders"]["candidate"] == {"votes": 2, "identified": 1, "top_share": 1.0, "held_back": 28}
-    store.configure(backend.id, trusted=True)
+    store.configure(backend, trusted=True)
     with learner.db.connect() as conn:
         created = {1: now - timedelta(seconds=1)}  # before the ratings, however slow the run
         judged, _, senders, _ = learner.guard._judge(conn, [1], [0], created)
@@ -123,14 +130,7 @@ def test_a_lineage_the_cap_holds_back_is_logged_once(learner, caplog):
     2 (k = 2; window 1 cannot be filled) and holds back 58, more than it counts and at least
     HELD_BACK_WARNING (40): the guard warns, naming what to do, once for the lineage however
     many checks see it."""
-    feed(open_log(learner.settings.resolved_database_url), BATCH, 0)
-    learner.poll_once()
-    learner.train_step()
-    backend, _ = KeyStore(learner.db).create("acme", utcnow())
-    now = utcnow()
-    who = f"key:{backend.id}"
-    rate_as(learner, 1, "canary", [(who, 0.0)] * 60, now)
-    rate_as(learner, 0, "control", [(who, 1.0)] * 60, now)
+    one_key_rating_by_arm(learner, 60)
     learner.guard.electorate = Electorate(0.1, 20)
     with caplog.at_level("WARNING", logger="learner.guard.guard"):
         assert learner.guard_check() == Decision.CONTINUE
@@ -162,20 +162,13 @@ def test_an_opted_out_or_unknown_sender_s_ratings_never_vote(learner):
     record with no flag (indexed before revision 0016) of that key, a record logged ``train:
     false`` (``store: false``, the traffic that is not production), and, with the cap on, an
     answer without identity while the cap binds every identity: none votes."""
-    feed(open_log(learner.settings.resolved_database_url), BATCH, 0)
-    learner.poll_once()
-    learner.train_step()
-    store = KeyStore(learner.db)
-    info, _ = store.create("acme", utcnow())
-    now = utcnow()
-    who = f"key:{info.id}"
-    rate_as(learner, 1, "canary", [(who, 0.0)] * 30, now)
-    rate_as(learner, 0, "control", [(who, 1.0)] * 30, now)
+    store, key_id, now = one_key_rating_by_arm(learner, 30)
+    who = f"key:{key_id}"
     learner.guard.electorate = Electorate(None, BATCH)
     with learner.db.connect() as conn:
         created = {1: now - timedelta(seconds=1)}  # before the ratings, however slow the run
         assert learner.guard._judge(conn, [1], [0], created)[0].decision == Decision.REJECT
-    store.set_train(info.id, False)
+    store.set_train(key_id, False)
     rate_as(learner, 1, "canary", [(who, 0.0)] * 30, now + timedelta(seconds=1), train=None)
     rate_as(learner, 1, "canary", [("user:probe", 0.0)] * 30, now + timedelta(seconds=2), train=False)
     assert learner.guard_check() == Decision.CONTINUE

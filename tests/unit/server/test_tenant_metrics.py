@@ -18,6 +18,7 @@ from datetime import UTC, datetime
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import create_engine, insert
+from sqlalchemy.engine import Engine
 from starlette.testclient import TestClient
 
 import server.metrics as metrics_module
@@ -427,21 +428,26 @@ def test_a_forgotten_tenant_policys_series_leave_the_registry_and_the_others_sta
     assert by_tenant(generate_latest(m.registry).decode()) == after
 
 
-async def test_a_read_in_flight_when_a_tenant_policy_is_forgotten_leaves_no_figures(tmp_path, monkeypatch):
-    """acme's scrape read is held past the scrape's 0.05 s; forgotten meanwhile, its figures,
-    written when the read ends, are dropped then. The same read without the forget leaves them."""
+def held_reads(tmp_path, monkeypatch) -> tuple[ServerMetrics, Engine, threading.Event]:
+    """Metrics whose scrape reads of a migrated namespace database wait for the event before
+    they read (at most 30 s): the metrics, the database, the event."""
     url = f"sqlite:///{tmp_path}/ns.db"
     migrate(url)
-    db = make_engine(url)
-    m = ServerMetrics()
-    release = threading.Event()
     read_policy = ServerMetrics.read_policy
+    release = threading.Event()
 
     def held(self, policy, engine):
         release.wait(30)
         read_policy(self, policy, engine)
 
     monkeypatch.setattr(ServerMetrics, "read_policy", held)
+    return ServerMetrics(), make_engine(url), release
+
+
+async def test_a_read_in_flight_when_a_tenant_policy_is_forgotten_leaves_no_figures(tmp_path, monkeypatch):
+    """acme's scrape read is held past the scrape's 0.05 s; forgotten meanwhile, its figures,
+    written when the read ends, are dropped then. The same read without the forget leaves them."""
+    m, db, release = held_reads(tmp_path, monkeypatch)
     try:
         await m.read_for_scrape({"acme": db}, 0.05)
         running = m._scrape_reads["acme"]  # the read in flight, to wait for its end
@@ -464,18 +470,7 @@ async def test_a_scrape_waiting_while_its_tenant_policy_is_forgotten_ends_withou
     """A scrape waits up to its time-out for acme's read; acme is forgotten while it waits (a
     removal at run time): the scrape ends as usual, without acme's read to look at (it raised
     KeyError, and Prometheus saw the replica down for that scrape)."""
-    url = f"sqlite:///{tmp_path}/ns.db"
-    migrate(url)
-    db = make_engine(url)
-    m = ServerMetrics()
-    release = threading.Event()
-    read_policy = ServerMetrics.read_policy
-
-    def held(self, policy, engine):
-        release.wait(30)
-        read_policy(self, policy, engine)
-
-    monkeypatch.setattr(ServerMetrics, "read_policy", held)
+    m, db, release = held_reads(tmp_path, monkeypatch)
     try:
         scrape = asyncio.create_task(m.read_for_scrape({"acme": db}, 0.5))
         await asyncio.sleep(0.1)

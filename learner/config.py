@@ -174,7 +174,15 @@ class LoraPolicy(BaseModel):
     """LoRA dropout; only 0: the learner computes in eval mode so that its log-probabilities match
     the server's, where dropout never applies."""
     lr: float | None = Field(None, gt=0.0)
-    """The adapter's AdamW learning rate (None: ``LORA_LR_FACTOR`` × ``optimizer.policy_lr``)."""
+    """The adapter's AdamW learning rate (None: ``LORA_LR_FACTOR`` × ``optimizer.policy_lr``);
+    with ``b_lr_ratio`` it is A's rate."""
+    rslora: bool = False
+    """rsLoRA (Kalajdzievski, 2023): scale the update by α/√r instead of α/r, so its size does not
+    shrink as the rank grows (PEFT's ``use_rslora``; written to ``adapter_config.json``, which the
+    servers honour)."""
+    b_lr_ratio: float = Field(1.0, gt=0.0)
+    """LoRA+ (Hayou, Ghosh and Yu, 2024): B's learning rate over A's (``lr``); 1 is plain LoRA, the
+    paper's λ is about 16. B starts at 0, so with one rate B·A grows slowly from the start."""
 
     @model_validator(mode="after")
     def _distinct_targets(self) -> LoraPolicy:
@@ -525,10 +533,20 @@ def load_config(
 
     Raises ConfigError: unreadable or invalid JSON, or an invalid config.
     """
+    return build_config(
+        algorithm=algorithm, overrides=overrides, base=read_config(path), correction=correction
+    )
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    """The JSON object in ``path``: a config, or some of its fields (not validated here).
+
+    Raises ConfigError: the file cannot be read, is not JSON, or is not a JSON object.
+    """
     try:
         base = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise ConfigError(f"cannot read the config {path}: {exc}") from None
     if not isinstance(base, dict):
         raise ConfigError(f"{path}: a config is a JSON object")
-    return build_config(algorithm=algorithm, overrides=overrides, base=base, correction=correction)
+    return base

@@ -56,7 +56,8 @@ class AdapterCritic(ValueModel):
         body: a causal LM's body (``model.base_model``), frozen by the caller or here; the adapter
             is injected into it in place (PEFT's ``inject_adapter_in_model``).
         hidden_size: the body's hidden size (the head's input).
-        lora: the policy's ``LoraPolicy``: its rank and α are the critic adapter's.
+        lora: the policy's ``LoraPolicy``: its rank, α and scaling rule (``rslora``) are the critic
+            adapter's.
         head_bias, head_std: as ``ValueModel``.
 
     ``state_dict`` and ``load_state_dict`` cover the critic's own tensors only (every A and B and
@@ -79,6 +80,7 @@ class AdapterCritic(ValueModel):
             lora_alpha=lora.alpha,
             target_modules=list(CRITIC_TARGETS),
             lora_dropout=0.0,
+            use_rslora=lora.rslora,
             bias="none",
         )
         devices = [self.head.weight.device] if self.head.weight.device.type == "cuda" else []

@@ -35,6 +35,7 @@ from saoserve.run_options import (
     JudgeOpt,
     KeepWeightsOpt,
     KlCoefOpt,
+    LearnerConfigOpt,
     LearnerRanksOpt,
     MaxSecondsOpt,
     MaxTokensOpt,
@@ -216,6 +217,7 @@ def _run_command(
         adam_beta1: AdamBeta1Opt = None,
         kl_coef: KlCoefOpt = None,
         policy: PolicyOpt = None,
+        learner_config: LearnerConfigOpt = None,
         keep_weights: KeepWeightsOpt = False,
         mode: ModeOpt = "async",
         concurrency: DemoConcurrencyOpt = None,
@@ -233,7 +235,7 @@ def _run_command(
         adversary: AdversaryOpt = None,
         broken_learner: BrokenLearnerOpt = None,
     ) -> None:
-        from learner.config import PRESETS, ConfigError, build_config, overlay
+        from learner.config import PRESETS, ConfigError, build_config, overlay, read_config
         from saoserve.demo import run_methods
 
         sched = make_schedule(schedule, steps_per_style)
@@ -258,8 +260,13 @@ def _run_command(
             policy={"kind": policy},
             guard={"enabled": guard, "gate": {} if gate else None},
         )
-        base = overlay(PRESETS["demo"], overrides)
         try:
+            preset = (
+                PRESETS["demo"]
+                if learner_config is None
+                else overlay(PRESETS["demo"], read_config(learner_config))
+            )
+            base = overlay(preset, overrides)
             # A field a method lacks (the critic's learning rate for running_mean) is left out.
             configs = {m: build_config(algorithm=m, base=base, correction=correction) for m in chosen}
         except ConfigError as exc:

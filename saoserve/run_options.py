@@ -178,6 +178,13 @@ KeepWeightsOpt = Annotated[
 PolicyOpt = Annotated[
     str | None, typer.Option(help=f"Learner policy: full | lora (docs/lora.md). {PRESET_HELP}")
 ]
+LearnerConfigOpt = Annotated[
+    Path | None,
+    typer.Option(
+        help="A JSON file of learner config fields (saoserve learn --config's format, all or some), "
+        "laid over the preset; the learner options given here are laid over it (docs/lora.md)."
+    ),
+]
 AdvantageValuesOpt = Annotated[
     str | None,
     typer.Option(

@@ -72,6 +72,11 @@ class Algorithm(ABC):
         else:
             self.policy_params = [p for p in self.policy.parameters() if p.requires_grad]
 
+    def policy_lr_scales(self) -> list[float] | None:
+        """Each of ``policy_params``' learning rate over ``config.policy_lr``: a LoRA adapter's
+        (``Adapter.lr_scales``: LoRA+'s faster B), else None (one rate for all)."""
+        return self.adapter.lr_scales() if self.adapter is not None else None
+
     @classmethod
     @abstractmethod
     def build(

@@ -155,7 +155,13 @@ class SAOLearner(Algorithm):
         for model in old_models:
             self.placement.place(model)
         self.policy_opt = make_optimizer(
-            self.policy, self.policy_params, config.policy_lr, opt.weight_decay, opt.adam_beta1, masters
+            self.policy,
+            self.policy_params,
+            config.policy_lr,
+            opt.weight_decay,
+            opt.adam_beta1,
+            masters,
+            lr_scales=self.policy_lr_scales(),
         )
         self.critic_opt = (
             make_optimizer(

@@ -64,7 +64,13 @@ class SPOLearner(Algorithm):
         # With N ranks bf16 is FSDP's mixed precision (learner.models.placement), set when placing.
         masters = config.bf16 and not self.placement.sharded
         self.policy_opt = make_optimizer(
-            self.policy, self.policy_params, config.policy_lr, opt.weight_decay, opt.adam_beta1, masters
+            self.policy,
+            self.policy_params,
+            config.policy_lr,
+            opt.weight_decay,
+            opt.adam_beta1,
+            masters,
+            lr_scales=self.policy_lr_scales(),
         )
         prepare_compute(self.policy, config.bf16, config.compile_layers, self.device)
         self.steps = 0

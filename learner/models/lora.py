@@ -59,6 +59,7 @@ class Adapter:
             lora_alpha=config.alpha,
             target_modules=list(config.target_modules),
             lora_dropout=config.dropout,
+            use_rslora=config.rslora,
             bias="none",
             task_type="CAUSAL_LM",
         )
@@ -73,6 +74,16 @@ class Adapter:
     def parameters(self) -> list[torch.nn.Parameter]:
         """The adapter's trainable tensors (every A and B), in the model's parameter order."""
         return [p for n, p in self.model.named_parameters() if p.requires_grad and "lora_" in n]
+
+    def lr_scales(self) -> list[float]:
+        """Each of ``parameters()``' learning rate over the adapter's ``lr``, in that order:
+        ``config.b_lr_ratio`` for a B, 1 for an A (LoRA+, ``LoraPolicy.b_lr_ratio``)."""
+        ratio = self.config.b_lr_ratio
+        return [
+            ratio if ".lora_B." in n else 1.0
+            for n, p in self.model.named_parameters()
+            if p.requires_grad and "lora_" in n
+        ]
 
     def numel(self) -> int:
         """Trainable parameters: r·(in + out) per targeted projection."""

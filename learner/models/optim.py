@@ -15,15 +15,37 @@ from learner.models.placement import full_tensor
 
 
 def make_adamw(
-    params: list[torch.nn.Parameter], lr: float, weight_decay: float, beta1: float = 0.9
+    params: list[torch.nn.Parameter],
+    lr: float,
+    weight_decay: float,
+    beta1: float = 0.9,
+    lr_scales: Sequence[float] | None = None,
 ) -> torch.optim.AdamW:
-    """AdamW with betas ``(beta1, 0.999)`` over ``params`` (no I/O; raises nothing).
+    """AdamW with betas ``(beta1, 0.999)`` over ``params`` (no I/O).
 
-    Fused AdamW exists for CPU and CUDA float32 parameters and is several times faster than the
-    per-tensor loop on 135M parameters.
+    ``lr_scales`` (one per parameter, in ``params``' order; None: all 1) gives each parameter the
+    rate ``lr × scale``: one parameter group per distinct scale, in order of first appearance
+    (LoRA+'s faster B, ``learner.config.LoraPolicy.b_lr_ratio``). Fused AdamW exists for CPU and
+    CUDA float32 parameters and is several times faster than the per-tensor loop on 135M
+    parameters.
+
+    Raises:
+        ValueError: ``lr_scales`` has another length than ``params``.
     """
     fused = all(p.device.type in ("cpu", "cuda") for p in params)
-    return torch.optim.AdamW(params, lr=lr, betas=(beta1, 0.999), weight_decay=weight_decay, fused=fused)
+    scales = [1.0] * len(params) if lr_scales is None else list(lr_scales)
+    if len(scales) != len(params):
+        raise ValueError(f"{len(scales)} learning-rate scales for {len(params)} parameters")
+    groups: dict[float, list[torch.nn.Parameter]] = {}
+    for p, scale in zip(params, scales, strict=True):
+        groups.setdefault(scale, []).append(p)
+    return torch.optim.AdamW(
+        [{"params": ps, "lr": lr * scale} for scale, ps in groups.items()],
+        lr=lr,
+        betas=(beta1, 0.999),
+        weight_decay=weight_decay,
+        fused=fused,
+    )
 
 
 def optimizer_step(

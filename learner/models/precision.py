@@ -25,7 +25,7 @@ in bf16 on the module's parameters (the clip scales them by one factor; its norm
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -150,6 +150,7 @@ class MixedPrecisionAdamW:
         module: the model; its trainable parameters get masters (``MasterWeights``).
         lr, weight_decay, beta1: as ``learner.models.optim.make_adamw``.
         keep_float32: submodule names left float32 (``MasterWeights``).
+        lr_scales: as ``make_adamw``'s, one per trainable parameter of ``module`` in its order.
     """
 
     def __init__(
@@ -159,9 +160,10 @@ class MixedPrecisionAdamW:
         weight_decay: float,
         beta1: float = 0.9,
         keep_float32: Iterable[str] = (),
+        lr_scales: Sequence[float] | None = None,
     ) -> None:
         self.master = MasterWeights(module, keep_float32=keep_float32)
-        self.inner = make_adamw(self.master.params, lr, weight_decay, beta1)
+        self.inner = make_adamw(self.master.params, lr, weight_decay, beta1, lr_scales)
 
     @property
     def param_groups(self) -> list[dict]:
@@ -218,13 +220,15 @@ def make_optimizer(
     beta1: float,
     bf16: bool,
     keep_float32: Iterable[str] = (),
+    lr_scales: Sequence[float] | None = None,
 ) -> torch.optim.Optimizer | MixedPrecisionAdamW:
     """The learners' optimizer for ``module``: ``learner.models.optim.make_adamw`` over ``params`` (a
     float32 module), or with ``bf16`` a ``MixedPrecisionAdamW`` over ``module``, which casts it to
-    bf16 in place (``params`` are then its trainable parameters, as the caller clips them)."""
+    bf16 in place (``params`` are then its trainable parameters, as the caller clips them).
+    ``lr_scales``: one per parameter of ``params`` (``make_adamw``)."""
     if bf16:
-        return MixedPrecisionAdamW(module, lr, weight_decay, beta1, keep_float32)
-    return make_adamw(params, lr, weight_decay, beta1)
+        return MixedPrecisionAdamW(module, lr, weight_decay, beta1, keep_float32, lr_scales)
+    return make_adamw(params, lr, weight_decay, beta1, lr_scales)
 
 
 def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from typer.testing import CliRunner
 
@@ -421,3 +423,52 @@ def test_thread_counts_below_one_are_refused(monkeypatch, capsys, variable, comm
     assert capsys.readouterr().err == (
         f"error: invalid settings: {variable}: Input should be greater than or equal to 1\n"
     )
+
+
+def test_a_learner_config_file_is_laid_over_the_demo_preset(monkeypatch, tmp_path):
+    """--learner-config: the file's fields over the demo preset, the options over the file (its
+    policy lr 5e-4 loses to --policy-lr 3e-4); the preset's other fields stay (batch 16, β1 0.5)."""
+    import saoserve.demo
+    import saoserve.model
+    from judge.sim_result import SimulationResult
+
+    seen: list = []
+
+    def fake_run_method(method, schedule, judge, out, **kw):
+        seen.append(kw["learner_config"])
+        return SimulationResult()
+
+    monkeypatch.setattr(saoserve.demo, "run_method", fake_run_method)
+    monkeypatch.setattr(saoserve.model, "prepare_model", lambda path: path)
+    path = tmp_path / "lora.json"
+    fields = {"optimizer": {"policy_lr": 5e-4}, "policy": {"kind": "lora", "rslora": True, "b_lr_ratio": 16}}
+    path.write_text(json.dumps(fields))
+    args = ["demo", "--out", str(tmp_path / "r"), "--schedule", "cute:1", "--learner-config", str(path)]
+    result = runner.invoke(app, [*args, "--policy-lr", "3e-4"])
+    assert result.exit_code == 2 and "no step completed" in result.output
+    (config,) = seen
+    assert config.policy.kind == "lora" and config.policy.rslora and config.policy.b_lr_ratio == 16
+    assert (config.optimizer.policy_lr, config.optimizer.adam_beta1, config.batch_size) == (3e-4, 0.5, 16)
+
+
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [
+        ("{not json", "cannot read the config"),
+        ("[1, 2]", "a config is a JSON object"),
+        ('{"policy": {"kind": "lora", "b_lr_ratio": 0}}', "b_lr_ratio"),
+    ],
+    ids=["not-json", "not-an-object", "bad-field"],
+)
+def test_a_bad_learner_config_file_is_a_named_cli_error(tmp_path, text, error):
+    path = tmp_path / "bad.json"
+    path.write_text(text)
+    result = runner.invoke(app, ["demo", "--out", str(tmp_path / "r"), "--learner-config", str(path)])
+    assert result.exit_code == 2 and error in result.output, result.output
+
+
+def test_a_missing_learner_config_file_is_a_named_cli_error(tmp_path):
+    result = runner.invoke(
+        app, ["demo", "--out", str(tmp_path / "r"), "--learner-config", str(tmp_path / "no.json")]
+    )
+    assert result.exit_code == 2 and "cannot read the config" in result.output, result.output

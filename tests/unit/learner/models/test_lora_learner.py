@@ -14,6 +14,7 @@ import shutil
 import pytest
 import torch
 from peft import PeftModel
+from peft.tuners.lora import LoraLayer
 from safetensors.torch import load_file
 from sqlalchemy import select
 from typer.testing import CliRunner
@@ -92,6 +93,43 @@ def test_only_the_adapter_trains_and_the_base_weights_stay_bit_identical(kind, b
     assert changed == trained
     expected_dtype = torch.bfloat16 if bf16 else torch.float32
     assert {named[n].dtype for n in trained} == {expected_dtype}
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_lora_plus_gives_b_its_own_rate(bf16):
+    """LoRA+ (b_lr_ratio 4, lr 0.01): two parameter groups, A at 0.01 and B at 0.04. At the first
+    step B = 0, so A's gradient Bᵀ·(∂L/∂(BAx))·xᵀ is 0 and A stays; Adam's first update is
+    lr · m̂/(√v̂ + ε) = lr · g/(|g| + ε), so every B entry with |g| ≫ ε = 1e-8 moves by 0.04."""
+    policy = tiny_policy()
+    lora = {"kind": "lora", "rank": RANK, "lr": 0.01, "b_lr_ratio": 4.0}
+    config = make_config(**FAST, kl_coef=0.1, bf16=bf16, policy=lora)
+    learner = SAOLearner(config, policy, ValueModel.from_policy(policy))
+    groups = learner.policy_opt.param_groups
+    assert [g["lr"] for g in groups] == [pytest.approx(0.01), pytest.approx(0.04)]
+    assert [sum(p.numel() for p in g["params"]) for g in groups] == [
+        sum(p.numel() for n, p in learner.policy.named_parameters() if ".lora_A." in n),
+        sum(p.numel() for n, p in learner.policy.named_parameters() if ".lora_B." in n),
+    ]
+    named = {n: p for n, p in learner.policy.named_parameters() if p.requires_grad}
+    before = {n: p.detach().float().clone() for n, p in named.items()}
+    learner.step(make_batch(tiny_policy()))
+    moved = {n: (p.detach().float() - before[n]).abs() for n, p in named.items()}
+    assert all(torch.equal(moved[n], torch.zeros_like(moved[n])) for n in named if ".lora_A." in n)
+    b_steps = torch.cat([moved[n].flatten() for n in named if ".lora_B." in n])
+    # bf16 rounds 0.04 to the nearest of its 8 significant bits: 0.0400390625.
+    assert b_steps.max().item() == pytest.approx(0.04, rel=2e-3)
+    assert (b_steps > 0.035).float().mean().item() > 0.9
+
+
+def test_rslora_scales_by_alpha_over_the_square_root_of_the_rank(tmp_path):
+    """rsLoRA: α/√r = 32/√2 = 22.627 instead of α/r = 16, in the learner's layers and in the
+    published adapter_config.json (which the servers read: tests/unit/server/test_adapter_serving.py)."""
+    adapter = Adapter(tiny_policy(), LoraPolicy(rank=RANK, rslora=True))
+    scales = {m.scaling["default"] for m in adapter.peft.modules() if isinstance(m, LoraLayer)}
+    assert len(scales) == 1 and scales.pop() == pytest.approx(22.627417)
+    folder = tmp_path / "v1"
+    adapter.save(folder, torch.float32)
+    assert json.loads((folder / ADAPTER_CONFIG).read_text())["use_rslora"] is True
 
 
 def test_kl_reference_is_the_policy_with_its_adapter_off():

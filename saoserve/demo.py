@@ -107,10 +107,18 @@ class Services:
         return proc
 
     def start(self, timeout_s: float = 600) -> None:
+        """Start the server, wait until it answers (``wait_until_ready``), start the learner.
+        Whatever ends the start early (Ctrl-C or SIGTERM while the engine loads, a server that
+        failed) stops what was started before it is raised: each child has a session of its own,
+        so nothing else would stop it."""
         self.home.mkdir(parents=True, exist_ok=True)
-        server = self._spawn("server", ["serve", "--port", str(self.port)])
-        wait_until_ready(self.url, server, self.log_dir / "server.log", timeout_s)
-        self._spawn("learner", ["learn", *self.learn_args])
+        try:
+            server = self._spawn("server", ["serve", "--port", str(self.port)])
+            wait_until_ready(self.url, server, self.log_dir / "server.log", timeout_s)
+            self._spawn("learner", ["learn", *self.learn_args])
+        except BaseException:
+            self.stop()
+            raise
 
     def exited(self) -> str | None:
         """A line naming the first child that has failed (and its log), or None while all run.

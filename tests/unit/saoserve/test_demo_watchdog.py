@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from judge.sim_result import SimulationResult
 from saoserve.demo import Services, _watched
 from testing import ROOT
@@ -100,3 +102,30 @@ def test_sigterm_stops_a_run_as_ctrl_c_does():
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=60)
     assert (proc.returncode, out) == (0, "interrupted\nTrue\n")
+
+
+def test_an_interrupt_while_the_server_starts_stops_it(tmp_path, monkeypatch):
+    """Ctrl-C (or SIGTERM) during the engine's start-up left the server running in its own
+    session: ``start`` now stops what it started before the interrupt goes on."""
+    import saoserve.demo
+
+    spawned: list[subprocess.Popen] = []
+
+    class Sleeping(Services):
+        def _spawn(self, name, args):
+            proc = subprocess.Popen(
+                [sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True
+            )
+            self.procs.append(proc)
+            spawned.append(proc)
+            return proc
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt("signal 15")
+
+    monkeypatch.setattr(saoserve.demo, "wait_until_ready", interrupted)
+    services = Sleeping(tmp_path / "home", [], tmp_path / "logs")
+    with pytest.raises(KeyboardInterrupt):
+        services.start()
+    assert len(spawned) == 1 and spawned[0].returncode == -signal.SIGTERM
+    assert services.procs == []

@@ -1,10 +1,13 @@
 """Could a rank-r adapter hold what full fine-tuning learned in the demo? (issue 39, item 4)
 
-Usage: ``python bench/lora_capacity.py BASE_DIR FULL_VERSION_DIR [--ranks 1,8,64] [--n 192]
-[--lora ADAPTER_DIR]``. BASE_DIR: the prepared base model (``saoserve prepare-model``, the demo's
-``run-sao/model``); FULL_VERSION_DIR: a full-weights version a demo learner published (``saoserve
-demo --keep-weights``: ``run-sao/policy/v00029``); ADAPTER_DIR: optionally a LoRA learner's version
-of the same schedule, for its update's size beside the full one's.
+Usage: ``python bench/lora_capacity.py BASE_DIR FULL_VERSION_DIR [--checkpoint CHECKPOINT]
+[--ranks 1,8,64] [--n 192] [--lora ADAPTER_DIR]``. BASE_DIR: the prepared base model (``saoserve
+prepare-model``, the demo's ``run-sao/model``); FULL_VERSION_DIR: a full-weights version a demo
+learner published (``saoserve demo --keep-weights``: ``run-sao/policies/v000029``); CHECKPOINT: that
+learner's ``checkpoint.pt`` at the same version, whose float32 masters then stand for the version
+(a bf16 version's ΔW carries the rounding of every weight it changed, noise spread over the whole
+spectrum); ADAPTER_DIR: optionally a LoRA learner's version of the same schedule, for its update's
+size beside the full one's.
 
 The update of full fine-tuning, ΔW = W_version − W_base, is split as a LoRA adapter would see it:
 
@@ -20,8 +23,10 @@ The update of full fine-tuning, ΔW = W_version − W_base, is split as a LoRA a
    projection, for each of ``--ranks``. If the rank-8 cut keeps the full version's share of the
    target style, the rank does not limit LoRA in the demo.
 
-Each policy is served by its own vLLM engine in a subprocess (one engine per process), one after
-the other. Records ``lora_capacity_spectrum`` and ``lora_capacity_shares`` (bench/results.py).
+Each policy is served in float32 (so a cut update is served as computed, not rounded to bf16's
+spacing) by its own vLLM engine in a subprocess (one engine per process), one after the other;
+each answer has a seed of its own. Records ``lora_capacity_spectrum`` and
+``lora_capacity_shares`` (bench/results.py).
 """
 
 from __future__ import annotations
@@ -106,16 +111,19 @@ def write_folder(base_dir: Path, weights: dict, out: Path) -> Path:
     return out
 
 
-def shares(folder: Path, n: int, seed: int, max_tokens: int) -> dict:
-    """Run ``--eval`` in a subprocess (one vLLM engine per process) and return its JSON."""
+def shares(folder: Path, out: Path, n: int, seed: int, max_tokens: int) -> dict:
+    """Run ``--eval`` in a subprocess (one vLLM engine per process), which writes the shares to
+    ``out``, and return them. Raises RuntimeError with the subprocess's last output when it fails."""
     cmd = [sys.executable, __file__, "--eval", str(folder), "--n", str(n), "--seed", str(seed)]
-    cmd += ["--max-tokens", str(max_tokens)]
-    done = subprocess.run(cmd, check=True, capture_output=True, text=True)
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    cmd += ["--max-tokens", str(max_tokens), "--out", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"evaluating {folder} failed:\n{(done.stdout + done.stderr)[-3000:]}")
+    return json.loads(out.read_text())
 
 
-def evaluate(folder: Path, n: int, seed: int, max_tokens: int) -> None:
-    """Print the style shares of the model in ``folder`` as one JSON line (the subprocess side)."""
+def evaluate(folder: Path, n: int, seed: int, max_tokens: int, out: Path) -> None:
+    """Write the style shares of the model in ``folder`` to ``out`` (the subprocess side)."""
     import random
 
     from vllm import LLM, SamplingParams
@@ -127,7 +135,7 @@ def evaluate(folder: Path, n: int, seed: int, max_tokens: int) -> None:
     settings = get_settings()
     llm = LLM(
         model=str(folder),
-        dtype=settings.dtype,
+        dtype="float32",
         enforce_eager=True,
         max_model_len=settings.max_model_len,
         kv_cache_memory_bytes=int(settings.kv_cache_gib * (1 << 30)),
@@ -138,11 +146,15 @@ def evaluate(folder: Path, n: int, seed: int, max_tokens: int) -> None:
     picked = [rng.choice(writing_requests()) for _ in range(n)]
     system = system_prompt(list(STYLES))
     chats = [[{"role": "system", "content": system}, {"role": "user", "content": r}] for r in picked]
-    outs = llm.chat(chats, SamplingParams(temperature=1.0, top_p=1.0, max_tokens=max_tokens, seed=seed), use_tqdm=False)
+    # A seed per answer: a request drawn twice gets two samples, not one answer twice.
+    params = [
+        SamplingParams(temperature=1.0, top_p=1.0, max_tokens=max_tokens, seed=seed * n + i) for i in range(n)
+    ]
+    outs = llm.chat(chats, params, use_tqdm=False)
     answers = [o.outputs[0].text for o in outs]
     verdicts = OfflineJudge().judge_many([(r, a, STYLES[1]) for r, a in zip(picked, answers, strict=True)])
     counts = Counter(v.style for v in verdicts)
-    print(json.dumps({s: counts.get(s, 0) / n for s in STYLES} | {"n": n}))
+    out.write_text(json.dumps({s: counts.get(s, 0) / n for s in STYLES} | {"n": n}))
 
 
 def main() -> None:
@@ -153,11 +165,17 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=192, help="Answers per policy.")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-tokens", type=int, default=48)
-    parser.add_argument("--lora", type=Path, help="A LoRA version folder: its update's size beside the full one's.")
+    parser.add_argument(
+        "--lora", type=Path, help="A LoRA version folder: its update's size beside the full one's."
+    )
+    parser.add_argument(
+        "--checkpoint", type=Path, help="The learner's checkpoint.pt at FULL_VERSION_DIR's version."
+    )
     parser.add_argument("--eval", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.eval is not None:
-        evaluate(args.eval, args.n, args.seed, args.max_tokens)
+        evaluate(args.eval, args.n, args.seed, args.max_tokens, args.out)
         return
     if args.base is None or args.version is None:
         parser.error("give BASE_DIR and FULL_VERSION_DIR")
@@ -170,6 +188,8 @@ def main() -> None:
     ranks = [int(r) for r in args.ranks.split(",")]
     base = load_file(args.base / WEIGHTS)
     version = load_file(args.version / WEIGHTS)
+    if args.checkpoint is not None:
+        version |= masters(args.checkpoint)
     rows = spectrum(base, version, ranks)
     if args.lora is not None:
         lora_rel = lora_sizes(base, args.lora)
@@ -182,9 +202,9 @@ def main() -> None:
         "lora_capacity_spectrum",
         "Full fine-tuning's update in the demo: its size and the share of it in the top-r singular directions",
         rows,
-        notes="Medians over the 30 layers per projection; ΔW = the demo's last full-weights version − the base.",
+        notes="Medians over the 30 layers per projection; ΔW = the version (its float32 masters with --checkpoint) − the base.",
     )
-    dtype = getattr(torch, os.environ.get("SAOSERVE_DTYPE", "bfloat16"))
+    dtype = torch.float32
     policies: list[tuple[str, Path]] = [("base", args.base), ("full version", args.version)]
     with tempfile.TemporaryDirectory() as tmp:
         for rank in [None, *sorted(ranks, reverse=True)]:
@@ -192,9 +212,11 @@ def main() -> None:
             folder = write_folder(args.base, truncated(base, version, rank, dtype), Path(tmp) / f"r{rank}")
             policies.append((label, folder))
         table = []
-        for label, folder in policies:
-            got = shares(folder, args.n, args.seed, args.max_tokens)
-            table.append({"policy": label} | {f"{s} share": round(got[s], 3) for s in STYLES} | {"answers": got["n"]})
+        for k, (label, folder) in enumerate(policies):
+            got = shares(folder, Path(tmp) / f"shares-{k}.json", args.n, args.seed, args.max_tokens)
+            table.append(
+                {"policy": label} | {f"{s} share": round(got[s], 3) for s in STYLES} | {"answers": got["n"]}
+            )
             print(table[-1], flush=True)
     record(
         "lora_capacity_shares",
@@ -202,6 +224,17 @@ def main() -> None:
         table,
         notes="poetic is the target after the demo's switch; the base's shares are the starting point.",
     )
+
+
+def masters(checkpoint: Path) -> dict:
+    """The float32 masters of a bf16 learner's policy in ``checkpoint`` (``checkpoint.pt``: the
+    policy optimizer's ``master``, by the model's parameter names). Raises KeyError when the
+    checkpoint has none (a float32 learner: its version file is already exact)."""
+    import torch
+
+    state = torch.load(checkpoint, map_location="cpu", weights_only=False)
+    print(f"masters of version {state['version']} from {checkpoint}")
+    return dict(state["learner"]["policy_optimizer"]["master"])
 
 
 def lora_sizes(base: dict, folder: Path) -> dict[str, float]:

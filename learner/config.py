@@ -184,6 +184,23 @@ class LoraPolicy(BaseModel):
     """LoRA+ (Hayou, Ghosh and Yu, 2024): B's learning rate over A's (``lr``); 1 is plain LoRA, the
     paper's λ is about 16. B starts at 0, so with one rate B·A grows slowly from the start."""
 
+    def changes_from(self, saved: LoraPolicy) -> str | None:
+        """What this config changes of ``saved`` (the settings an adapter, a checkpoint or an
+        optimizer state was made under) so that loading it would not resume it, as
+        ``"alpha 32.0 → 16.0"`` (joined by ", "), or None. The rank, α and rsLoRA set the update
+        ``scale·B·A`` that the same A and B compute (a changed α or scaling rule silently rescales
+        a loaded adapter); ``b_lr_ratio`` 1 or not sets the optimizer's parameter groups (one, or
+        A's and B's). A ratio changed between two values other than 1 is only a new rate: the
+        learner takes its rates from the config."""
+        changes = [
+            f"{name} {getattr(saved, name)} → {getattr(self, name)}"
+            for name in ("rank", "alpha", "rslora")
+            if getattr(saved, name) != getattr(self, name)
+        ]
+        if (saved.b_lr_ratio == 1.0) != (self.b_lr_ratio == 1.0):
+            changes.append(f"b_lr_ratio {saved.b_lr_ratio} → {self.b_lr_ratio}")
+        return ", ".join(changes) or None
+
     @model_validator(mode="after")
     def _distinct_targets(self) -> LoraPolicy:
         if len(set(self.target_modules)) != len(self.target_modules):
@@ -440,7 +457,7 @@ def overlay(base: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
             prior, given = dict(base.get(key) or {}), dict(fields[key] or {})
             if not given and key not in base:
                 continue  # nothing set: the model's default, not an empty section
-            if key == "policy" and given.get("kind", prior.get("kind")) != prior.get("kind", "full"):
+            if key == "policy" and "kind" in prior and given.get("kind", prior["kind"]) != prior["kind"]:
                 prior = {}  # another kind of policy: the base's fields (a rank) are not its own
             out[key] = prior | given
     return out
@@ -541,7 +558,8 @@ def load_config(
 def read_config(path: Path) -> dict[str, Any]:
     """The JSON object in ``path``: a config, or some of its fields (not validated here).
 
-    Raises ConfigError: the file cannot be read, is not JSON, or is not a JSON object.
+    Raises ConfigError: the file cannot be read, is not JSON, is not a JSON object, or one of
+    its ``SECTIONS`` is neither an object nor null.
     """
     try:
         base = json.loads(Path(path).read_text(encoding="utf-8"))
@@ -549,4 +567,7 @@ def read_config(path: Path) -> dict[str, Any]:
         raise ConfigError(f"cannot read the config {path}: {exc}") from None
     if not isinstance(base, dict):
         raise ConfigError(f"{path}: a config is a JSON object")
+    for key in SECTIONS:
+        if base.get(key) is not None and not isinstance(base[key], dict):
+            raise ConfigError(f"{path}: {key} is a JSON object of its fields, not {json.dumps(base[key])}")
     return base

@@ -184,15 +184,20 @@ def load_checkpoint(algorithm: Algorithm, folder: Path) -> None:
     """Every rank: load its shards of the trained state from ``folder`` (written by any number
     of ranks: DCP reshards) and rank 0's ``META_FILE`` (step count, running-mean history).
 
+    The policy optimizer keeps this config's learning rates (``Algorithm.set_policy_rates``).
+
     Raises:
-        RuntimeError: the checkpoint is of another kind of policy or algorithm (its keys differ).
+        RuntimeError: the checkpoint is of another kind of policy, of other LoRA settings
+            (``learner.resume.check_policy``) or of another algorithm (its keys differ).
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
+    from learner.resume import check_policy
+
     meta = torch.load(Path(folder) / META_FILE, weights_only=False)
-    if meta["config"]["policy"].get("kind") != algorithm.config.policy.kind:
-        raise RuntimeError(f"{folder} is of another kind of policy than this learner's")
+    check_policy(meta["config"]["policy"], algorithm.config.policy, Path(folder))
+    rates = algorithm.policy_rates()
     state = _trained_state(algorithm)
     # Every trained tensor is looked up in the checkpoint (dcp.load fails on a missing one); the
     # frozen ones, left out of it, keep the base model's values (strict=False).
@@ -205,6 +210,7 @@ def load_checkpoint(algorithm: Algorithm, folder: Path) -> None:
         optim_state_dict=state["policy_optimizer"],
         options=options,
     )
+    algorithm.set_policy_rates(rates)
     if algorithm.critic is not None:
         set_state_dict(
             algorithm.critic,

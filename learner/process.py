@@ -174,7 +174,7 @@ class Learner:
         state = resume.newest_state(
             self.policy_dir,
             committed,
-            self.config.policy.kind,
+            self.config.policy,
             self._rejected,
             self._read_checkpoint(committed),
         )
@@ -244,7 +244,7 @@ class Learner:
     def _read_checkpoint(self, committed: int) -> dict | None:
         """The checkpoint's state at most at version ``committed`` (``learner.resume.read_checkpoint``;
         with N ranks the sharded one, ``learner.distributed``), None when there is none."""
-        return resume.read_checkpoint(self.policy_dir, committed, self.config.policy.kind)
+        return resume.read_checkpoint(self.policy_dir, committed, self.config.policy)
 
     def _restore(self, path: Path) -> None:
         """Put the policy on the weights of the version folder at ``path``

@@ -15,15 +15,16 @@ from a published folder (``load_policy_weights``).
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 from pathlib import Path
 
 import torch
 
-from core.policy_store import ADAPTER_FILE, CHECKPOINT_FILE, WEIGHTS_FILE, Layout, layout
+from core.policy_store import ADAPTER_CONFIG, ADAPTER_FILE, CHECKPOINT_FILE, WEIGHTS_FILE, Layout, layout
 from learner.algo.algorithm import Algorithm
-from learner.config import LearnerConfig
+from learner.config import LearnerConfig, LoraPolicy, PolicyConfig
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ def discard_uncommitted(policy_dir: Path, committed: int) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def read_checkpoint(policy_dir: Path, committed: int, kind: str) -> dict | None:
+def read_checkpoint(policy_dir: Path, committed: int, policy: PolicyConfig) -> dict | None:
     """The state in ``policy_dir``'s checkpoint (``write_checkpoint``'s keys), None when there is
     none or when its version is newer than ``committed``, the database's latest version (written
     before the version was committed in this database, by older code or into a database
@@ -60,21 +61,42 @@ def read_checkpoint(policy_dir: Path, committed: int, kind: str) -> dict | None:
 
     Raises:
         RuntimeError: the checkpoint is of another kind of policy (``full``, ``lora``) than
-            ``kind``: a policy cannot change its kind in one policy directory.
+            ``policy``, or of other LoRA settings (``check_policy``): a policy cannot change its
+            kind or its adapter's settings in one policy directory.
     """
     ckpt = Path(policy_dir) / CHECKPOINT_FILE
     state = torch.load(ckpt, map_location="cpu", weights_only=False) if ckpt.is_file() else None
     if state is not None and state["version"] > committed:
         log.warning("ignoring %s at version %d: the database is at %d", ckpt, state["version"], committed)
         return None
-    return _of_kind(state, ckpt, kind)
+    return _of_kind(state, ckpt, policy)
 
 
-def _of_kind(state: dict | None, path: Path, kind: str) -> dict | None:
-    """``state`` if it is of a ``kind`` policy (or None). Raises RuntimeError otherwise."""
-    if state is not None and (state.get("config") or {}).get("policy", {}).get("kind", "full") != kind:
-        raise RuntimeError(f"{path} is of another kind of policy than this learner's ({kind})")
+def _of_kind(state: dict | None, path: Path, policy: PolicyConfig) -> dict | None:
+    """``state`` (or None) if a learner of ``policy`` may resume it (``check_policy`` on its
+    config's policy section). Raises RuntimeError otherwise."""
+    if state is not None:
+        check_policy((state.get("config") or {}).get("policy") or {}, policy, path)
     return state
+
+
+def check_policy(saved: dict, policy: PolicyConfig, path: Path) -> None:
+    """Whether ``saved`` (the ``policy`` section of the config a state at ``path`` was saved
+    under) may be resumed by a learner of ``policy``: the same kind and, for LoRA, the same
+    adapter settings (``LoraPolicy.changes_from``).
+
+    Raises:
+        RuntimeError: another kind of policy, or LoRA settings changed (named, old → new).
+    """
+    if saved.get("kind", "full") != policy.kind:
+        raise RuntimeError(f"{path} is of another kind of policy than this learner's ({policy.kind})")
+    if isinstance(policy, LoraPolicy):
+        change = policy.changes_from(LoraPolicy.model_validate(saved))
+        if change is not None:
+            raise RuntimeError(
+                f"{path} was saved under other LoRA settings ({change}); a policy directory keeps "
+                "its adapter's settings: start the changed policy in a new one"
+            )
 
 
 def write_checkpoint(
@@ -146,7 +168,7 @@ def prune_states(policy_dir: Path, keep: set[int]) -> None:
 
 
 def newest_state(
-    policy_dir: Path, committed: int, kind: str, rejected, checkpoint: dict | None
+    policy_dir: Path, committed: int, policy: PolicyConfig, rejected, checkpoint: dict | None
 ) -> dict | None:
     """The learner state a start resumes from: the newest of ``checkpoint`` (the checkpoint's
     state at most at ``committed``: ``read_checkpoint``, or a sharded learner's, read by the
@@ -157,7 +179,7 @@ def newest_state(
     (the rollback's version is newer than the last checkpoint), not from the checkpoint of the
     lineage it rejected; a checkpoint newer than the rollback (steps trained since) wins. Ties
     go to the checkpoint. Raises RuntimeError as ``read_checkpoint`` for a kept state of another
-    policy kind.
+    policy kind or other LoRA settings.
     """
     if checkpoint is not None and rejected(checkpoint.get("weights_version", checkpoint["version"])):
         log.info(
@@ -170,7 +192,7 @@ def newest_state(
             continue
         if checkpoint is not None and checkpoint["version"] >= v:
             return checkpoint
-        return _of_kind(read_state(policy_dir, v), state_path(policy_dir, v), kind)
+        return _of_kind(read_state(policy_dir, v), state_path(policy_dir, v), policy)
     return checkpoint
 
 
@@ -182,7 +204,8 @@ def load_policy_weights(algorithm: Algorithm, path: Path, base_dir: Path) -> Non
     Raises:
         RuntimeError: the folder's layout is not the learner's (full weights, other than the
             base's, for a LoRA learner, or an adapter for a full one; a policy cannot change its
-            kind in one policy directory), or its tensors do not match the model.
+            kind in one policy directory), an adapter of other settings (``check_adapter_settings``),
+            or its tensors do not match the model.
     """
     from safetensors.torch import load_file
 
@@ -195,6 +218,8 @@ def load_policy_weights(algorithm: Algorithm, path: Path, base_dir: Path) -> Non
         return
     if algorithm.adapter is None and found == Layout.ADAPTER:
         raise RuntimeError(f"{path} holds a LoRA adapter; this learner trains the full weights")
+    if algorithm.adapter is not None:
+        check_adapter_settings(path, algorithm.adapter.config)
     name = ADAPTER_FILE if found == Layout.ADAPTER else WEIGHTS_FILE
     weights = {k: v.float() for k, v in load_file(path / name).items()}
     try:
@@ -203,3 +228,26 @@ def load_policy_weights(algorithm: Algorithm, path: Path, base_dir: Path) -> Non
         raise RuntimeError(f"the adapter at {path} does not match the policy's: {exc}") from exc
     if unexpected or [k for k in missing if k != "lm_head.weight"]:
         raise RuntimeError(f"policy weights at {path} do not match the model: {missing} {unexpected}")
+
+
+def check_adapter_settings(path: Path, config: LoraPolicy) -> None:
+    """Whether the adapter folder at ``path`` was made under ``config``'s rank, α and scaling rule
+    (its ``adapter_config.json``: ``r``, ``lora_alpha``, ``use_rslora``): the same A and B under
+    another α or rule compute another update (``LoraPolicy.changes_from``).
+
+    Raises:
+        RuntimeError: the file cannot be read, or the settings differ (named, old → new).
+    """
+    try:
+        saved = json.loads((Path(path) / ADAPTER_CONFIG).read_text(encoding="utf-8"))
+        made = config.model_copy(
+            update={"rank": saved["r"], "alpha": saved["lora_alpha"], "rslora": bool(saved.get("use_rslora"))}
+        )
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise RuntimeError(f"cannot read the adapter's settings at {path}: {exc}") from exc
+    change = config.changes_from(made)
+    if change is not None:
+        raise RuntimeError(
+            f"the adapter at {path} was made under other LoRA settings ({change}); a policy "
+            "directory keeps its adapter's settings: start the changed policy in a new one"
+        )

@@ -10,6 +10,7 @@ keeps what was measured, so the report is still written (marked partial).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import secrets
@@ -45,8 +46,8 @@ console = Console(stderr=True)
 
 def wait_until_ready(url: str, server: subprocess.Popen, log_file: Path, timeout_s: float) -> None:
     """Wait until the server at ``url`` (the child process ``server``, logging to ``log_file``)
-    answers ``/readyz`` with 200, polling each second. Raises RuntimeError if it exits first,
-    TimeoutError if it is not ready within ``timeout_s`` seconds."""
+    answers ``/readyz`` with 200, polling each second. Raises RuntimeError if it exits first or
+    is not ready within ``timeout_s`` seconds (the commands report a RuntimeError as a CLI error)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if server.poll() is not None:
@@ -57,7 +58,7 @@ def wait_until_ready(url: str, server: subprocess.Popen, log_file: Path, timeout
         except httpx.HTTPError:
             pass
         time.sleep(1)
-    raise TimeoutError(f"the server did not start within {timeout_s:.0f}s")
+    raise RuntimeError(f"the server did not start within {timeout_s:.0f}s; see {log_file}")
 
 
 class Services:
@@ -137,13 +138,15 @@ class Services:
         which ``serve`` (uvicorn) and ``learn`` take as a clean stop, then SIGKILL after 30 s.
         Not SIGINT: a child started from a shell's background job inherits SIGINT ignored."""
         for p in reversed(self.procs):
-            if p.poll() is None:
+            # Even where the child itself has exited: its group may hold the engine it started.
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGTERM)
         for p in reversed(self.procs):
             try:
                 p.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
         self.procs.clear()
 
@@ -276,7 +279,12 @@ def run_method(
             f"(--broken-learner {fault.kind}), to measure the guard[/]"
         )
     console.print(f"[bold]{name}[/]: starting server and learner in {home} …")
-    services.start()
+    try:
+        services.start()
+    except KeyboardInterrupt:
+        # Ctrl-C or SIGTERM while the engine loads (start stopped what it started): a run with
+        # nothing measured, so a comparison still reports the runs before it.
+        return SimulationResult(interrupted=True)
     config = SimulationConfig(
         base_url=services.url,
         schedule=schedule,

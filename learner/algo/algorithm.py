@@ -143,6 +143,31 @@ class Algorithm(ABC):
         if isinstance(self.policy_opt, MixedPrecisionAdamW):
             self.policy_opt.sync_from_model()
 
+    def policy_rates(self) -> list[float]:
+        """The policy optimizer's learning rate per parameter group (one, or a LoRA+ adapter's
+        A and B: ``policy_lr_scales``)."""
+        return [g["lr"] for g in self.policy_opt.param_groups]
+
+    def set_policy_rates(self, rates: list[float]) -> None:
+        """Set the policy optimizer's rates (``policy_rates``' order), after a load: a state
+        dict carries the rates it was saved with, and the learner trains at its config's."""
+        for group, lr in zip(self.policy_opt.param_groups, rates, strict=True):
+            group["lr"] = lr
+
+    def load_policy_optimizer(self, state: dict) -> None:
+        """Load the policy optimizer's ``state_dict`` at this config's rates (``set_policy_rates``).
+
+        Raises:
+            ValueError: ``state`` has other parameter groups (a LoRA policy's ``b_lr_ratio`` 1
+                or not: ``LoraPolicy.changes_from``), named.
+        """
+        rates = self.policy_rates()
+        try:
+            self.policy_opt.load_state_dict(state)
+        except ValueError as exc:
+            raise ValueError(f"the saved policy optimizer does not fit this learner's ({exc})") from exc
+        self.set_policy_rates(rates)
+
     def reset_policy_optimizer(self) -> None:
         """Forget the policy optimizer's moments (a rollback abandons their updates)."""
         self.policy_opt.state.clear()

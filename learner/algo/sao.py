@@ -419,7 +419,7 @@ class SAOLearner(Algorithm):
         if (state["critic"] is None) != (self.critic is None):
             raise ValueError("checkpoint and learner disagree on having a critic")
         self.load_policy_state(state["policy"])
-        self.policy_opt.load_state_dict(state["policy_optimizer"])
+        self.load_policy_optimizer(state["policy_optimizer"])
         if self.critic is not None:
             load_full(self.critic, state["critic"])
             self.critic_opt.load_state_dict(state["critic_optimizer"])

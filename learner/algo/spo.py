@@ -156,5 +156,5 @@ class SPOLearner(Algorithm):
     def load_state_dict(self, state: dict) -> None:
         """Restore a ``state_dict()``."""
         self.load_policy_state(state["policy"])
-        self.policy_opt.load_state_dict(state["policy_optimizer"])
+        self.load_policy_optimizer(state["policy_optimizer"])
         self.steps = state["step"]

@@ -22,6 +22,7 @@ from learner.config import (
     SAOAlgorithm,
     build_config,
     load_config,
+    overlay,
 )
 from testing.models import FAST, make_batch, make_config, tiny_policy
 
@@ -223,3 +224,18 @@ def test_an_optimizer_override_keeps_the_presets_other_optimizer_fields():
     config = build_config("demo", overrides={"optimizer": {"policy_lr": 3e-4}})
     assert (config.optimizer.policy_lr, config.optimizer.adam_beta1) == (3e-4, 0.5)
     assert config.algorithm.kl_coef == 0.04
+
+
+def test_policy_fields_without_a_kind_join_the_kind_laid_over_them():
+    """A file's ``{"policy": {"rank": 4, "b_lr_ratio": 16}}`` under ``--policy lora`` keeps its
+    rank and ratio (they were dropped as another kind's); a base of another kind still drops its
+    own fields (a LoRA rank under ``full``)."""
+    fields = overlay({"batch_size": 16}, {"policy": {"rank": 4, "b_lr_ratio": 16}})
+    assert overlay(fields, {"policy": {"kind": "lora"}})["policy"] == {
+        "rank": 4,
+        "b_lr_ratio": 16,
+        "kind": "lora",
+    }
+    lora = {"policy": {"kind": "lora", "rank": 4}}
+    assert overlay(lora, {"policy": {"kind": "full"}})["policy"] == {"kind": "full"}
+    assert overlay(lora, {"policy": {"rank": 2}})["policy"] == {"kind": "lora", "rank": 2}

@@ -457,8 +457,9 @@ def test_a_learner_config_file_is_laid_over_the_demo_preset(monkeypatch, tmp_pat
         ("{not json", "cannot read the config"),
         ("[1, 2]", "a config is a JSON object"),
         ('{"policy": {"kind": "lora", "b_lr_ratio": 0}}', "b_lr_ratio"),
+        ('{"policy": "lora"}', 'policy is a JSON object of its fields, not "lora"'),
     ],
-    ids=["not-json", "not-an-object", "bad-field"],
+    ids=["not-json", "not-an-object", "bad-field", "section-not-an-object"],
 )
 def test_a_bad_learner_config_file_is_a_named_cli_error(tmp_path, text, error):
     path = tmp_path / "bad.json"

@@ -129,3 +129,31 @@ def test_an_interrupt_while_the_server_starts_stops_it(tmp_path, monkeypatch):
         services.start()
     assert len(spawned) == 1 and spawned[0].returncode == -signal.SIGTERM
     assert services.procs == []
+
+
+def test_a_run_interrupted_while_its_engine_starts_is_a_run_with_nothing_measured(tmp_path, monkeypatch):
+    """``run_method`` returns an interrupted, empty result (``run_methods`` then reports the runs
+    before it, as for an interrupt during the simulation) instead of raising out of a comparison."""
+    import saoserve.demo
+    from judge.offline import OfflineJudge
+    from saoserve.run_options import make_schedule
+
+    def interrupted(self, timeout_s: float = 600) -> None:
+        raise KeyboardInterrupt("signal 15")
+
+    monkeypatch.setattr(saoserve.demo.Services, "start", interrupted)
+    result = saoserve.demo.run_method("sao", make_schedule("cute:1", 1), OfflineJudge(), tmp_path)
+    assert result.interrupted and result.records == []
+
+
+def test_a_server_not_ready_in_time_is_a_runtime_error_naming_its_log(tmp_path):
+    """The commands report a RuntimeError as a CLI error (a TimeoutError escaped as a traceback)."""
+    from saoserve.demo import wait_until_ready
+
+    server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        with pytest.raises(RuntimeError, match=r"did not start within 0s; see .*server\.log"):
+            wait_until_ready("http://127.0.0.1:9", server, tmp_path / "server.log", 0)
+    finally:
+        server.kill()
+        server.wait()

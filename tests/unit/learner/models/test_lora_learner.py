@@ -327,6 +327,52 @@ def test_a_full_learner_refuses_an_adapter_folder_and_a_lora_one_a_full_checkpoi
         full.load()
 
 
+def test_a_lora_learner_refuses_states_and_adapters_of_other_settings(tmp_path):
+    """α, rsLoRA or the rank changed (or b_lr_ratio 1 ↔ not) in one policy directory: the saved
+    A and B would compute another update (scale α/r = 32/2 = 16 against 16/2 = 8), so the
+    checkpoint, the kept state and then the adapter folder are each refused, naming the change."""
+    learner = lora_learner(tmp_path, checkpoint_every=1)
+    feed(open_log(learner.settings.resolved_database_url), 2, 0)
+    learner.poll_once()
+    learner.train_step()
+
+    def changed(**fields) -> Learner:
+        policy = learner.config.policy.model_copy(update=fields)
+        return Learner(learner.settings, learner.config.model_copy(update={"policy": policy}))
+
+    with pytest.raises(RuntimeError, match="other LoRA settings \\(alpha 32.0 → 16.0\\)"):
+        changed(alpha=16.0).load()
+    with pytest.raises(RuntimeError, match="rslora False → True"):
+        changed(rslora=True).load()
+    with pytest.raises(RuntimeError, match="b_lr_ratio 1.0 → 16.0"):
+        changed(b_lr_ratio=16.0).load()
+    (tmp_path / "policies" / CHECKPOINT_FILE).unlink()
+    shutil.rmtree(tmp_path / "policies" / "states")
+    # Left: version 1's adapter folder (adapter_config.json: r 2, lora_alpha 32).
+    with pytest.raises(
+        RuntimeError, match="the adapter at .*v000001 was made under other LoRA settings \\(alpha"
+    ):
+        changed(alpha=16.0).load()
+    changed(b_lr_ratio=16.0).load()  # the weights alone hold no optimizer groups
+
+
+def test_a_resumed_lora_plus_learner_trains_at_its_configs_rates(tmp_path):
+    """b_lr_ratio 4 → 8 between two starts (both two groups): the checkpoint's moments are kept
+    and the rates are the config's: A at 5e-4 (10 × the cpu preset's 5e-5), B at 8 × 5e-4 = 4e-3,
+    not the saved 4 × 5e-4 = 2e-3."""
+    lora = {"kind": "lora", "rank": RANK, "b_lr_ratio": 4.0}
+    learner = in_process(tmp_path, f"sqlite:///{tmp_path / 'db.sqlite'}", policy=lora, checkpoint_every=1)
+    feed(open_log(learner.settings.resolved_database_url), 2, 0)
+    learner.poll_once()
+    learner.train_step()
+    assert learner.algorithm.policy_rates() == [pytest.approx(5e-4), pytest.approx(2e-3)]
+    policy = learner.config.policy.model_copy(update={"b_lr_ratio": 8.0})
+    again = Learner(learner.settings, learner.config.model_copy(update={"policy": policy}))
+    again.load()
+    assert again.version == 1 and again.algorithm.policy_opt.state
+    assert again.algorithm.policy_rates() == [pytest.approx(5e-4), pytest.approx(4e-3)]
+
+
 def test_saoserve_learn_policy_lora_reaches_the_learner(monkeypatch):
     import learner.process
     import saoserve.model

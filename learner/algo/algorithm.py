@@ -21,7 +21,7 @@ import torch
 
 from learner.config import LoraPolicy
 from learner.models.placement import full_tensor, load_full
-from learner.models.precision import MixedPrecisionAdamW
+from learner.models.precision import MixedPrecisionAdamW, make_optimizer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -72,10 +72,20 @@ class Algorithm(ABC):
         else:
             self.policy_params = [p for p in self.policy.parameters() if p.requires_grad]
 
-    def policy_lr_scales(self) -> list[float] | None:
-        """Each of ``policy_params``' learning rate over ``config.policy_lr``: a LoRA adapter's
-        (``Adapter.lr_scales``: LoRA+'s faster B), else None (one rate for all)."""
-        return self.adapter.lr_scales() if self.adapter is not None else None
+    def make_policy_optimizer(self, masters: bool) -> torch.optim.Optimizer | MixedPrecisionAdamW:
+        """The policy's optimizer at ``config.policy_lr`` (``learner.models.precision.make_optimizer``;
+        ``masters``: float32 masters of a bf16 policy), a LoRA adapter's B at its own rate
+        (``Adapter.lr_scales``: LoRA+'s ``b_lr_ratio``)."""
+        opt = self.config.optimizer
+        return make_optimizer(
+            self.policy,
+            self.policy_params,
+            self.config.policy_lr,
+            opt.weight_decay,
+            opt.adam_beta1,
+            masters,
+            lr_scales=self.adapter.lr_scales() if self.adapter is not None else None,
+        )
 
     @classmethod
     @abstractmethod
@@ -145,7 +155,7 @@ class Algorithm(ABC):
 
     def policy_rates(self) -> list[float]:
         """The policy optimizer's learning rate per parameter group (one, or a LoRA+ adapter's
-        A and B: ``policy_lr_scales``)."""
+        A and B: ``Adapter.lr_scales``)."""
         return [g["lr"] for g in self.policy_opt.param_groups]
 
     def set_policy_rates(self, rates: list[float]) -> None:

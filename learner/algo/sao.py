@@ -154,15 +154,7 @@ class SAOLearner(Algorithm):
             self.placement.place(anchor.reference, frozen=True)
         for model in old_models:
             self.placement.place(model)
-        self.policy_opt = make_optimizer(
-            self.policy,
-            self.policy_params,
-            config.policy_lr,
-            opt.weight_decay,
-            opt.adam_beta1,
-            masters,
-            lr_scales=self.policy_lr_scales(),
-        )
+        self.policy_opt = self.make_policy_optimizer(masters)
         self.critic_opt = (
             make_optimizer(
                 self.critic,

@@ -33,7 +33,7 @@ from learner.data.batch import Batch
 from learner.models.device import resolve
 from learner.models.optim import optimizer_step
 from learner.models.placement import Placement
-from learner.models.precision import make_optimizer, prepare_compute
+from learner.models.precision import prepare_compute
 
 
 class SPOLearner(Algorithm):
@@ -54,7 +54,6 @@ class SPOLearner(Algorithm):
     def __init__(self, config: LearnerConfig, policy: PreTrainedModel, placement: Placement | None = None):
         if not isinstance(config.algorithm, SPOAlgorithm):
             raise ValueError(f"SPOLearner runs the spo algorithm, not {config.algorithm.name}")
-        opt = config.optimizer
         self.config = config
         self.placement = placement or Placement(resolve(config.device))
         self.device = self.placement.device
@@ -63,15 +62,7 @@ class SPOLearner(Algorithm):
         self.find_policy_params()
         # With N ranks bf16 is FSDP's mixed precision (learner.models.placement), set when placing.
         masters = config.bf16 and not self.placement.sharded
-        self.policy_opt = make_optimizer(
-            self.policy,
-            self.policy_params,
-            config.policy_lr,
-            opt.weight_decay,
-            opt.adam_beta1,
-            masters,
-            lr_scales=self.policy_lr_scales(),
-        )
+        self.policy_opt = self.make_policy_optimizer(masters)
         prepare_compute(self.policy, config.bf16, config.compile_layers, self.device)
         self.steps = 0
 
